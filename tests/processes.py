@@ -1,0 +1,59 @@
+"""Start the platform's real processes for tests, and wait until they answer."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+LOGS = ROOT / "data" / "test" / "logs"
+
+
+def wait_until(condition: Callable[[], bool], timeout_s: float, what: str, process: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(f"{what}: the process exited with {process.returncode} (see {LOGS})")
+        if condition():
+            return
+        time.sleep(0.25)
+    raise TimeoutError(f"{what}: not ready after {timeout_s:.0f} s (see {LOGS})")
+
+
+@contextmanager
+def running(name: str, command: list[str], env: dict[str, str] | None = None) -> Iterator[subprocess.Popen]:
+    """Run a command for the duration of the block, its output in LOGS/<name>.log."""
+    LOGS.mkdir(parents=True, exist_ok=True)
+    with open(LOGS / f"{name}.log", "ab") as log:
+        process = subprocess.Popen(
+            command, cwd=ROOT, env={**os.environ, **(env or {})}, stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+        try:
+            yield process
+        finally:
+            stop(process)
+
+
+def stop(process: subprocess.Popen, grace_s: float = 15.0) -> None:
+    if process.poll() is not None:
+        return
+    os.killpg(process.pid, 15)
+    try:
+        process.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, 9)
+        process.wait()
+
+
+def celery_worker_command(queues: str = "default,training") -> list[str]:
+    return [
+        sys.executable, "-m", "celery", "-A", "workers", "worker", "--queues", queues,
+        "--concurrency", "1", "--hostname", f"test-worker-{os.getpid()}@%h", "--loglevel", "INFO",
+        "--without-mingle", "--without-gossip",
+    ]  # fmt: skip

@@ -1,0 +1,85 @@
+import subprocess
+import sys
+
+import pytest
+
+from core.config import load_config
+from core.env import ConfigError
+from tests.processes import ROOT
+
+
+def test_it_defaults_to_sqlite_under_the_data_folder(monkeypatch, tmp_path):
+    monkeypatch.delenv("DATABASE_URL", raising=False)
+    monkeypatch.delenv("DYNAMIC_LORA_PATH", raising=False)
+    monkeypatch.setenv("DATA_DIR", str(tmp_path))
+    config = load_config()
+    assert config.database["ENGINE"] == "django.db.backends.sqlite3"
+    assert config.database["NAME"] == str(tmp_path / "platform.sqlite3")
+    assert config.dynamic_lora_path == str(tmp_path / "adapters")
+
+
+def test_it_reads_postgresql_from_database_url(monkeypatch):
+    monkeypatch.setenv("DATABASE_URL", "postgres://alice:secret@db.internal:6543/platform")
+    database = load_config().database
+    assert (database["ENGINE"], database["HOST"], database["PORT"], database["NAME"]) == (
+        "django.db.backends.postgresql", "db.internal", 6543, "platform",
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "message"),
+    [
+        ("DEBUG", "maybe", "DEBUG='maybe' is not a boolean"),
+        ("DATABASE_URL", "mysql://db/x", "DATABASE_URL='mysql://db/x' is not a usable URL"),
+        ("DATABASE_URL", "postgres://u:p@host:port/db", "DATABASE_URL='postgres://u:p@host:port/db' cannot be parsed"),
+        ("REDIS_URL", "localhost:6379", "REDIS_URL='localhost:6379' is not a usable URL"),
+        ("WEB_PORT", "eighty", "WEB_PORT='eighty' is not a whole number"),
+        ("DYNAMIC_LORA_PATH", "s3://", "names no bucket"),
+        ("DYNAMIC_LORA_PATH", "gs://bucket/x", "use a local folder or s3://bucket/prefix"),
+    ],
+)
+def test_it_names_the_variable_of_a_bad_value(monkeypatch, variable, value, message):
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ConfigError, match=message.replace("?", r"\?")):
+        load_config()
+
+
+def test_it_keeps_an_s3_dynamic_path(monkeypatch):
+    monkeypatch.setenv("DYNAMIC_LORA_PATH", "s3://adapters/team-a/")
+    assert load_config().dynamic_lora_path == "s3://adapters/team-a"
+
+
+def test_it_refuses_the_development_secret_outside_debug(monkeypatch):
+    monkeypatch.setenv("DEBUG", "false")
+    monkeypatch.delenv("SECRET_KEY", raising=False)
+    with pytest.raises(ConfigError, match="SECRET_KEY must be set"):
+        load_config()
+
+
+def _start(command: list[str], **env: str) -> subprocess.CompletedProcess:
+    import os
+
+    return subprocess.run(command, cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({"DATABASE_URL": "postgres://u:p@host:port/db"}, "configuration error: DATABASE_URL="),
+        ({"DEBUG": "perhaps"}, "configuration error: DEBUG='perhaps' is not a boolean"),
+    ],
+)
+def test_bad_configuration_stops_the_web_process_with_one_line(env, expected):
+    result = _start([sys.executable, "manage.py", "check"], **env)
+    assert result.returncode != 0
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()]
+    assert result.stderr.startswith(expected)
+
+
+def test_a_model_without_weights_stops_the_pool_and_set_up_with_one_line(tmp_path):
+    catalog = tmp_path / "models.toml"
+    catalog.write_text('[[models]]\nid = "acme/missing-7b"\nweights = "/nowhere/missing-7b"\n')
+    for command in ([sys.executable, "-m", "inference"], [sys.executable, "-m", "core.prepare_weights"]):
+        result = _start(command, MODEL_CATALOG=str(catalog))
+        assert result.returncode == 2
+        assert result.stderr.strip() == "configuration error: model 'acme/missing-7b': no weights at /nowhere/missing-7b"

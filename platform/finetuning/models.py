@@ -1,0 +1,132 @@
+"""Training files, fine-tuning jobs with their events and checkpoints, and the models they make.
+
+Everything belongs to an organization; queries go through ``for_org`` so another organization's
+rows are invisible (they answer 404, as if they did not exist).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+from django.conf import settings
+from django.db import models
+
+from accounts.models import Organization
+from finetuning.ids import new_id
+
+
+class OrgQuerySet(models.QuerySet):
+    def for_org(self, organization: Organization):
+        return self.filter(organization=organization)
+
+
+class File(models.Model):
+    id = models.CharField(primary_key=True, max_length=40, default=partial(new_id, "file"), editable=False)
+    organization = models.ForeignKey(Organization, on_delete=models.CASCADE, related_name="files")
+    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, on_delete=models.SET_NULL)
+    filename = models.CharField(max_length=255)
+    purpose = models.CharField(max_length=32, default="fine-tune")
+    bytes = models.BigIntegerField()
+    storage_key = models.CharField(max_length=255)  # where the bytes are in object storage
+    example_count = models.IntegerField()
+    token_count = models.BigIntegerField()  # with the base model's tokenizer and chat template
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    objects = OrgQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["-created_at"]
+
+
+class JobStatus(models.TextChoices):
+    VALIDATING_FILES = "validating_files"
+    QUEUED = "queued"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+FINISHED_STATUSES = (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED)
+
+
+class FineTuningJob(models.Model):
+    id = models.CharField(primary_key=True, max_length=40, default=partial(new_id, "ftjob"), editable=False)
+    organization = models.ForeignKey(Organization, on_delete=models.CASCADE, related_name="jobs")
+    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, on_delete=models.SET_NULL)
+    model = models.CharField(max_length=200)  # a base model id from the catalog
+    training_file = models.ForeignKey(File, on_delete=models.PROTECT, related_name="+")
+    validation_file = models.ForeignKey(File, null=True, blank=True, on_delete=models.PROTECT, related_name="+")
+    suffix = models.CharField(max_length=64)
+    seed = models.IntegerField()
+    hyperparameters = models.JSONField()  # resolved values: no "auto" left once the job is created
+    metadata = models.JSONField(null=True, blank=True)
+    status = models.CharField(max_length=20, choices=JobStatus.choices, default=JobStatus.VALIDATING_FILES)
+    fine_tuned_model = models.CharField(max_length=300, null=True, blank=True)
+    trained_tokens = models.BigIntegerField(null=True, blank=True)
+    error_code = models.CharField(max_length=64, blank=True, default="")
+    error_message = models.TextField(blank=True, default="")
+    error_param = models.CharField(max_length=64, blank=True, default="")
+    created_at = models.DateTimeField(auto_now_add=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+    estimated_finish = models.DateTimeField(null=True, blank=True)
+    # Which worker runs the job, and when it last said so: a stale heartbeat means it died.
+    worker = models.CharField(max_length=200, blank=True, default="")
+    heartbeat_at = models.DateTimeField(null=True, blank=True)
+    attempts = models.IntegerField(default=0)
+
+    objects = OrgQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+        constraints = [
+            # The adapter's path and served name are <model>:<suffix>, shared by all organizations.
+            models.UniqueConstraint(fields=["model", "suffix"], name="one_suffix_per_base_model"),
+        ]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status in FINISHED_STATUSES
+
+
+class JobEvent(models.Model):
+    id = models.CharField(primary_key=True, max_length=40, default=partial(new_id, "ftevent"), editable=False)
+    job = models.ForeignKey(FineTuningJob, on_delete=models.CASCADE, related_name="events")
+    created_at = models.DateTimeField(auto_now_add=True, db_index=True)
+    level = models.CharField(max_length=10, default="info")
+    type = models.CharField(max_length=10, default="message")  # "message" or "metrics"
+    message = models.TextField()
+    data = models.JSONField(null=True, blank=True)  # metrics: step, train_loss, tokens_per_second, ...
+
+    class Meta:
+        ordering = ["-created_at", "-pk"]
+
+
+class Checkpoint(models.Model):
+    id = models.CharField(primary_key=True, max_length=40, default=partial(new_id, "ftckpt"), editable=False)
+    job = models.ForeignKey(FineTuningJob, on_delete=models.CASCADE, related_name="checkpoints")
+    step_number = models.IntegerField()
+    epoch = models.IntegerField()
+    metrics = models.JSONField()
+    storage_key = models.CharField(max_length=255)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["-created_at", "-step_number"]
+
+
+class FineTunedModel(models.Model):
+    """A published adapter: served as ``name`` to its organization until deleted."""
+
+    name = models.CharField(max_length=300, unique=True)  # <base_model_id>:<suffix>
+    organization = models.ForeignKey(Organization, on_delete=models.CASCADE, related_name="fine_tuned_models")
+    job = models.OneToOneField(FineTuningJob, on_delete=models.CASCADE, related_name="result")
+    base_model = models.CharField(max_length=200)
+    suffix = models.CharField(max_length=64)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    objects = OrgQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["-created_at"]

@@ -1,0 +1,56 @@
+"""Which models an organization may use: the catalog's base models and its own fine-tuned ones.
+
+The inference gateway asks here before it routes a request, so a model that is not listed for the
+caller is "not found", whether or not it exists for someone else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timezone
+
+from django.conf import settings
+
+from accounts.models import Organization
+from core.model_names import parse_model_name
+from finetuning.models import FineTunedModel
+
+SYSTEM_OWNER = "system"
+_EPOCH = datetime(2024, 1, 1, tzinfo=timezone.utc)  # catalog models have no creation date of their own
+
+
+@dataclass(frozen=True)
+class UsableModel:
+    name: str  # what clients put in "model"
+    base_model_id: str
+    suffix: str | None  # None for a base model
+    owned_by: str  # "system", or the owning organization's slug
+    created_at: datetime
+
+    @property
+    def parent(self) -> str | None:
+        return self.base_model_id if self.suffix else None
+
+
+def _base(model_id: str) -> UsableModel:
+    return UsableModel(model_id, model_id, None, SYSTEM_OWNER, _EPOCH)
+
+
+def _fine_tuned(model: FineTunedModel, organization: Organization) -> UsableModel:
+    return UsableModel(model.name, model.base_model, model.suffix, organization.slug, model.created_at)
+
+
+def list_usable_models(organization: Organization) -> list[UsableModel]:
+    base = [_base(model_id) for model_id in settings.MODEL_CATALOG.ids]
+    own = [_fine_tuned(model, organization) for model in FineTunedModel.objects.for_org(organization)]
+    return base + own
+
+
+def resolve_model(organization: Organization, name: str) -> UsableModel | None:
+    parsed = parse_model_name(name)
+    if settings.MODEL_CATALOG.get(parsed.base_model_id) is None:
+        return None
+    if parsed.suffix is None:
+        return _base(parsed.base_model_id)
+    model = FineTunedModel.objects.for_org(organization).filter(name=name).first()
+    return _fine_tuned(model, organization) if model else None

@@ -1,0 +1,92 @@
+import json
+import threading
+from pathlib import Path
+
+import pytest
+
+from core.adapter_store import CONFIG_FILE, WEIGHTS_FILE, AdapterNotFound, CorruptAdapter, adapter_store
+from tests.s3 import s3_server
+
+NAME = "HuggingFaceTB/SmolLM2-135M-Instruct:support-bot"
+
+
+def _adapter(folder: Path, weights: bytes) -> Path:
+    folder.mkdir(parents=True)
+    (folder / WEIGHTS_FILE).write_bytes(weights)
+    (folder / CONFIG_FILE).write_text(json.dumps({"base_model_name_or_path": "HuggingFaceTB/SmolLM2-135M-Instruct"}))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def s3():
+    with s3_server("adapters") as settings:
+        yield settings
+
+
+@pytest.fixture(params=["local", "s3"])
+def store(request, tmp_path):
+    if request.param == "local":
+        return adapter_store(str(tmp_path / "dynamic"), s3=None)
+    return adapter_store(f"s3://adapters/run-{tmp_path.name}", request.getfixturevalue("s3"))
+
+
+def test_a_published_adapter_is_fetched_whole(store, tmp_path):
+    store.publish(NAME, _adapter(tmp_path / "out", b"weights-v1"))
+    fetched = store.fetch(NAME, tmp_path / "cache")
+    assert (fetched / WEIGHTS_FILE).read_bytes() == b"weights-v1"
+    assert json.loads((fetched / CONFIG_FILE).read_text())["base_model_name_or_path"].startswith("HuggingFaceTB/")
+
+
+def test_republishing_changes_the_version_and_the_bytes(store, tmp_path):
+    first = store.publish(NAME, _adapter(tmp_path / "v1", b"one"))
+    second = store.publish(NAME, _adapter(tmp_path / "v2", b"two"))
+    assert first.version != second.version and store.version(NAME) == second
+    assert (store.fetch(NAME, tmp_path / "cache") / WEIGHTS_FILE).read_bytes() == b"two"
+
+
+def test_a_missing_or_deleted_adapter_is_not_found(store, tmp_path):
+    assert store.version(NAME) is None
+    store.publish(NAME, _adapter(tmp_path / "v1", b"one"))
+    store.delete(NAME)
+    assert store.version(NAME) is None
+    with pytest.raises(AdapterNotFound):
+        store.fetch(NAME, tmp_path / "cache")
+
+
+def test_a_folder_without_weights_is_refused_before_anything_is_written(store, tmp_path):
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / CONFIG_FILE).write_text("{}")
+    with pytest.raises(FileNotFoundError, match=WEIGHTS_FILE):
+        store.publish(NAME, tmp_path / "bad")
+    assert store.version(NAME) is None
+
+
+def test_local_readers_never_see_half_an_adapter(tmp_path):
+    store = adapter_store(str(tmp_path / "dynamic"), s3=None)
+    big = b"x" * (4 << 20)
+    store.publish(NAME, _adapter(tmp_path / "v0", big))
+    sources = [_adapter(tmp_path / f"v{i}", bytes([i]) * (4 << 20)) for i in range(1, 6)]
+    seen: list[bytes] = []
+
+    def read_while_publishing():
+        while len(seen) < 200:
+            published = store.path(NAME)
+            seen.append((published / WEIGHTS_FILE).read_bytes() if (published / CONFIG_FILE).exists() else b"")
+
+    reader = threading.Thread(target=read_while_publishing)
+    reader.start()
+    for source in sources:
+        store.publish(NAME, source)
+    reader.join()
+    assert all(len(weights) == 4 << 20 and len(set(weights)) == 1 for weights in seen)
+
+
+def test_s3_fetch_refuses_bytes_that_do_not_match_their_checksum(s3, tmp_path):
+    store = adapter_store("s3://adapters/corrupt", s3)
+    store.publish(NAME, _adapter(tmp_path / "v1", b"good"))
+    # Overwrite the weights behind the store's back, keeping the old checksum metadata.
+    head = store.client.head_object(Bucket="adapters", Key=store.key(NAME, WEIGHTS_FILE))
+    store.client.put_object(Bucket="adapters", Key=store.key(NAME, WEIGHTS_FILE), Body=b"evil", Metadata=head["Metadata"])
+    with pytest.raises(CorruptAdapter, match="checksum"):
+        store.fetch(NAME, tmp_path / "cache")
+    assert not list((tmp_path / "cache").rglob(WEIGHTS_FILE))  # nothing half-downloaded is left

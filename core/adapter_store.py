@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Protocol
 
 from core.config import S3Settings
+from core.s3 import s3_client, split_s3_url
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -117,17 +118,9 @@ class LocalAdapterStore:
 
 
 class S3AdapterStore:
-    def __init__(self, bucket: str, prefix: str, s3: S3Settings):
-        import boto3
-
-        self.bucket, self.prefix = bucket, prefix.strip("/")
-        self.client = boto3.client(
-            "s3",
-            endpoint_url=s3.endpoint_url,
-            aws_access_key_id=s3.access_key_id,
-            aws_secret_access_key=s3.secret_access_key,
-            region_name=s3.region,
-        )
+    def __init__(self, url: str, s3: S3Settings):
+        self.bucket, self.prefix = split_s3_url(url)
+        self.client = s3_client(s3)
 
     def key(self, name: str, filename: str = "") -> str:
         return "/".join(part for part in (self.prefix, name, filename) if part)
@@ -186,6 +179,5 @@ class S3AdapterStore:
 def adapter_store(root: str, s3: S3Settings) -> AdapterStore:
     """The store for a dynamic LoRA path: a local folder or ``s3://bucket/prefix``."""
     if root.startswith("s3://"):
-        bucket, _, prefix = root[len("s3://"):].partition("/")
-        return S3AdapterStore(bucket, prefix, s3)
+        return S3AdapterStore(root, s3)
     return LocalAdapterStore(Path(root))

@@ -39,6 +39,9 @@ class Config:
     redis_url: str
     model_catalog: Path
     dynamic_lora_path: str  # a local folder or s3://bucket/prefix
+    files_path: str  # uploaded datasets and checkpoints: a local folder or s3://bucket/prefix
+    max_upload_bytes: int
+    min_training_examples: int
     s3: S3Settings
     inference_pool_url: str
     first_replica_port: int  # local vLLM replicas listen on consecutive ports from here
@@ -54,14 +57,15 @@ def _database(data_dir: Path) -> dict:
         raise ConfigError(f"DATABASE_URL={url!r} cannot be parsed: {exc}") from None
 
 
-def _dynamic_lora_path(data_dir: Path) -> str:
-    raw = env_str("DYNAMIC_LORA_PATH", str(data_dir / "adapters"))
+def _storage_location(name: str, default: Path) -> str:
+    """A local folder (made absolute) or ``s3://bucket/prefix``."""
+    raw = env_str(name, str(default))
     if raw.startswith("s3://"):
         if not raw[len("s3://"):].split("/", 1)[0]:
-            raise ConfigError(f"DYNAMIC_LORA_PATH={raw!r} names no bucket: use s3://bucket/prefix")
+            raise ConfigError(f"{name}={raw!r} names no bucket: use s3://bucket/prefix")
         return raw.rstrip("/")
     if "://" in raw:
-        raise ConfigError(f"DYNAMIC_LORA_PATH={raw!r}: use a local folder or s3://bucket/prefix")
+        raise ConfigError(f"{name}={raw!r}: use a local folder or s3://bucket/prefix")
     return str(Path(raw).expanduser().resolve())
 
 
@@ -79,7 +83,10 @@ def load_config() -> Config:
         database=_database(data_dir),
         redis_url=env_url("REDIS_URL", "redis://127.0.0.1:6379/0", schemes=("redis", "rediss")),
         model_catalog=env_path("MODEL_CATALOG", REPO_ROOT / "models.toml"),
-        dynamic_lora_path=_dynamic_lora_path(data_dir),
+        dynamic_lora_path=_storage_location("DYNAMIC_LORA_PATH", data_dir / "adapters"),
+        files_path=_storage_location("FILES_PATH", data_dir / "files"),
+        max_upload_bytes=env_int("MAX_UPLOAD_MB", 100, minimum=1) * 1024 * 1024,
+        min_training_examples=env_int("MIN_TRAINING_EXAMPLES", 10, minimum=1),
         s3=S3Settings(
             endpoint_url=env_str("S3_ENDPOINT_URL", "") or None,
             access_key_id=env_str("AWS_ACCESS_KEY_ID", "") or None,

@@ -10,6 +10,8 @@ import pytest
 from django.db import connection
 
 from tests.processes import celery_worker_command, running, wait_until
+
+pytest_plugins = ["tests.personas"]
 from workers.celery_app import app as celery_app
 
 # Celery reads its settings once, lazily: read them now, before a test overrides Django settings.

@@ -11,3 +11,17 @@ def worker_report() -> dict:
     from health.worker_report import report
 
     return report()
+
+
+@shared_task(bind=True)
+def train_job(self, job_id: str) -> str:
+    from finetuning.runner import run_job
+
+    return run_job(job_id, worker=self.request.hostname or "unknown")
+
+
+@shared_task
+def recover_jobs() -> list[str]:
+    from finetuning.runner import recover_stale_jobs
+
+    return recover_stale_jobs()

@@ -29,7 +29,8 @@ class File(models.Model):
     bytes = models.BigIntegerField()
     storage_key = models.CharField(max_length=255)  # where the bytes are in object storage
     example_count = models.IntegerField()
-    token_count = models.BigIntegerField()  # with the base model's tokenizer and chat template
+    token_count = models.BigIntegerField()  # with the default base model's tokenizer and chat template
+    max_example_tokens = models.IntegerField()  # checked against a job's model context at launch
     created_at = models.DateTimeField(auto_now_add=True)
 
     objects = OrgQuerySet.as_manager()
@@ -55,8 +56,9 @@ class FineTuningJob(models.Model):
     organization = models.ForeignKey(Organization, on_delete=models.CASCADE, related_name="jobs")
     created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, on_delete=models.SET_NULL)
     model = models.CharField(max_length=200)  # a base model id from the catalog
-    training_file = models.ForeignKey(File, on_delete=models.PROTECT, related_name="+")
-    validation_file = models.ForeignKey(File, null=True, blank=True, on_delete=models.PROTECT, related_name="+")
+    # Ids, not foreign keys: a job keeps naming its files after they are deleted (as OpenAI's do).
+    training_file = models.CharField(max_length=40)
+    validation_file = models.CharField(max_length=40, null=True, blank=True)
     suffix = models.CharField(max_length=64)
     seed = models.IntegerField()
     hyperparameters = models.JSONField()  # resolved values: no "auto" left once the job is created

@@ -1,7 +1,13 @@
-from django.urls import path
+from django.urls import include, path
+from drf_spectacular.views import SpectacularAPIView, SpectacularRedocView
 
 from health.views import healthz
 
 urlpatterns = [
     path("healthz", healthz, name="healthz"),
+    path("v1/", include("finetuning.urls")),
+    path("api/schema", SpectacularAPIView.as_view(), name="openapi-schema"),
+    path("api/docs", SpectacularRedocView.as_view(url_name="openapi-schema"), name="api-docs"),
 ]
+
+handler404 = "server.api_errors.json_404"

@@ -1,0 +1,23 @@
+"""One boto3 client factory, so every S3 user honours the same endpoint and credentials."""
+
+from __future__ import annotations
+
+from core.config import S3Settings
+
+
+def s3_client(s3: S3Settings):
+    import boto3  # deferred: processes that never touch S3 do not pay for importing boto3
+
+    return boto3.client(
+        "s3",
+        endpoint_url=s3.endpoint_url,
+        aws_access_key_id=s3.access_key_id,
+        aws_secret_access_key=s3.secret_access_key,
+        region_name=s3.region,
+    )
+
+
+def split_s3_url(url: str) -> tuple[str, str]:
+    """``s3://bucket/some/prefix`` -> ``("bucket", "some/prefix")``."""
+    bucket, _, prefix = url[len("s3://"):].partition("/")
+    return bucket, prefix.strip("/")

@@ -1,0 +1,86 @@
+"""Training files: checked line by line, then stored; nothing is kept from a file that fails."""
+
+from __future__ import annotations
+
+from django.conf import settings
+from django.contrib.auth.models import User
+from django.db import transaction
+
+from accounts.models import Organization
+from core.datasets import Dataset, Example, parse_dataset
+from finetuning import storage
+from finetuning.models import FINISHED_STATUSES, File, FineTuningJob
+from finetuning.tokens import default_model, token_counter
+from server.api_errors import ApiError
+
+PURPOSE = "fine-tune"
+
+
+def check_dataset(data: bytes) -> tuple[Dataset, list[int]]:
+    """Parse and check every line; return the dataset and each example's token count."""
+    model = default_model()
+    count = token_counter(model)
+    counts: list[int] = []
+
+    def counted(example: Example) -> int:
+        counts.append(count(example))
+        return counts[-1]
+
+    dataset = parse_dataset(data, settings.CONFIG.min_training_examples, counted, model.engine.max_model_len)
+    return dataset, counts
+
+
+def dataset_error(dataset: Dataset) -> ApiError:
+    problems = [str(error) for error in dataset.errors]
+    summary = dataset.problem or f"{len(problems)} line(s) have problems"
+    message = "Invalid training file: " + "; ".join([summary, *problems] if problems else [summary])
+    return ApiError(message, param="file", code="invalid_file", errors=[vars(e) for e in dataset.errors])
+
+
+def upload_file(organization: Organization, user: User | None, filename: str, purpose: str, data: bytes) -> File:
+    if purpose != PURPOSE:
+        raise ApiError(f"purpose must be '{PURPOSE}', not '{purpose}'", param="purpose", code="invalid_purpose")
+    if len(data) > settings.CONFIG.max_upload_bytes:
+        raise upload_too_large(len(data))
+    dataset, counts = check_dataset(data)
+    if not dataset.ok:
+        raise dataset_error(dataset)
+    with transaction.atomic():
+        file = File(
+            organization=organization, created_by=user, filename=filename[:255], purpose=purpose, bytes=len(data),
+            example_count=len(dataset.examples), token_count=sum(counts), max_example_tokens=max(counts),
+        )  # fmt: skip
+        file.storage_key = f"files/{organization.pk}/{file.id}.jsonl"
+        # Bytes first, row second: a crash between leaves an orphan object, never a row without data.
+        storage.files().put(file.storage_key, data)
+        file.save()
+    return file
+
+
+def _size(n: int) -> str:
+    return f"{n / 1024 / 1024:.1f} MB" if n >= 1024 * 1024 else f"{n} bytes"
+
+
+def upload_too_large(size: int) -> ApiError:
+    limit = settings.CONFIG.max_upload_bytes
+    return ApiError(
+        f"The file is {_size(size)}; the limit is {_size(limit)} (MAX_UPLOAD_MB).",
+        status=413, param="file", code="file_too_large",
+    )  # fmt: skip
+
+
+def file_content(file: File) -> bytes:
+    return storage.files().get(file.storage_key)
+
+
+def load_examples(file: File) -> list[Example]:
+    return parse_dataset(file_content(file), min_examples=1).examples
+
+
+def delete_file(file: File) -> None:
+    busy = FineTuningJob.objects.exclude(status__in=FINISHED_STATUSES).filter(training_file=file.id).first()
+    busy = busy or FineTuningJob.objects.exclude(status__in=FINISHED_STATUSES).filter(validation_file=file.id).first()
+    if busy:
+        raise ApiError(f"File {file.id} is used by fine-tuning job {busy.id}, which has not finished.", status=409, code="file_in_use")
+    file.delete()
+    storage.files().delete_prefix(file.storage_key)

@@ -1,0 +1,40 @@
+"""OpenAI's list shape: newest first, ``limit`` and ``after=<id>`` with ``has_more``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from django.db.models import Q, QuerySet
+
+from server.api_errors import ApiError
+
+DEFAULT_LIMIT, MAX_LIMIT = 20, 100
+
+
+def _limit(raw: str | None) -> int:
+    if raw is None:
+        return DEFAULT_LIMIT
+    if not raw.isdigit() or not 1 <= int(raw) <= MAX_LIMIT:
+        raise ApiError(f"limit must be a whole number from 1 to {MAX_LIMIT}, not '{raw}'", param="limit")
+    return int(raw)
+
+
+def list_page(query_params, queryset: QuerySet, represent: Callable[[object], dict]) -> dict:
+    limit = _limit(query_params.get("limit"))
+    after = query_params.get("after")
+    if after:
+        anchor = queryset.filter(pk=after).first()
+        if anchor is None:
+            raise ApiError(f"after: no such id '{after}' in this list", param="after")
+        queryset = queryset.filter(
+            Q(created_at__lt=anchor.created_at) | Q(created_at=anchor.created_at, pk__lt=anchor.pk)
+        )
+    rows = list(queryset.order_by("-created_at", "-pk")[: limit + 1])
+    data = [represent(row) for row in rows[:limit]]
+    return {
+        "object": "list",
+        "data": data,
+        "has_more": len(rows) > limit,
+        "first_id": data[0]["id"] if data else None,
+        "last_id": data[-1]["id"] if data else None,
+    }

@@ -1,0 +1,84 @@
+"""API objects in OpenAI's shape (ids, unix timestamps, "object" names)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from finetuning.models import Checkpoint, File, FineTuningJob, JobEvent
+
+
+def unix(moment: datetime | None) -> int | None:
+    return int(moment.timestamp()) if moment else None
+
+
+def file_object(file: File) -> dict:
+    return {
+        "id": file.id,
+        "object": "file",
+        "bytes": file.bytes,
+        "created_at": unix(file.created_at),
+        "filename": file.filename,
+        "purpose": file.purpose,
+        "status": "processed",
+        "status_details": None,
+        # Beyond OpenAI's object: what the platform found in the file.
+        "example_count": file.example_count,
+        "token_count": file.token_count,
+    }
+
+
+def job_object(job: FineTuningJob) -> dict:
+    error = {"code": job.error_code, "message": job.error_message, "param": job.error_param or None} if job.error_code else None
+    hp = job.hyperparameters
+    return {
+        "id": job.id,
+        "object": "fine_tuning.job",
+        "created_at": unix(job.created_at),
+        "finished_at": unix(job.finished_at),
+        "model": job.model,
+        "fine_tuned_model": job.fine_tuned_model,
+        "organization_id": job.organization.slug,
+        "status": job.status,
+        "trained_tokens": job.trained_tokens,
+        "hyperparameters": hp,
+        "method": {"type": "supervised", "supervised": {"hyperparameters": hp}},
+        "training_file": job.training_file,
+        "validation_file": job.validation_file,
+        "result_files": [],
+        "error": error,
+        "seed": job.seed,
+        "suffix": job.suffix,
+        "estimated_finish": unix(job.estimated_finish),
+        "metadata": job.metadata,
+        "integrations": [],
+    }
+
+
+def event_object(event: JobEvent) -> dict:
+    return {
+        "id": event.id,
+        "object": "fine_tuning.job.event",
+        "created_at": unix(event.created_at),
+        "level": event.level,
+        "message": event.message,
+        "data": event.data,
+        "type": event.type,
+    }
+
+
+def checkpoint_object(checkpoint: Checkpoint) -> dict:
+    job = checkpoint.job
+    return {
+        "id": checkpoint.id,
+        "object": "fine_tuning.job.checkpoint",
+        "created_at": unix(checkpoint.created_at),
+        "fine_tuned_model_checkpoint": f"{job.model}:{job.suffix}:ckpt-step-{checkpoint.step_number}",
+        "fine_tuning_job_id": job.id,
+        "step_number": checkpoint.step_number,
+        "metrics": {
+            "step": checkpoint.step_number,
+            "train_loss": checkpoint.metrics.get("train_loss"),
+            "valid_loss": checkpoint.metrics.get("valid_loss"),
+            "full_valid_loss": checkpoint.metrics.get("valid_loss"),
+        },
+    }

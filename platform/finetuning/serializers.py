@@ -1,0 +1,107 @@
+"""Request parsing for the fine-tuning API: strict types, one message per problem, no unknown keys."""
+
+from __future__ import annotations
+
+from rest_framework import serializers
+
+from finetuning.jobs import AUTO, JobRequest
+
+MAX_METADATA_KEYS = 16
+
+
+class StrictIntegerField(serializers.IntegerField):
+    """JSON numbers only: "3", 3.5 and true are type errors, not quietly converted."""
+
+    def to_internal_value(self, data):
+        if isinstance(data, bool) or not isinstance(data, int):
+            self.fail("invalid")
+        return super().to_internal_value(data)
+
+
+class StrictFloatField(serializers.FloatField):
+    def to_internal_value(self, data):
+        if isinstance(data, bool) or not isinstance(data, (int, float)):
+            self.fail("invalid")
+        return super().to_internal_value(data)
+
+
+class AutoOr(serializers.Field):
+    """OpenAI's hyperparameter shape: the string "auto" or a number in range."""
+
+    def __init__(self, number: serializers.Field, **kwargs):
+        self.number = number
+        super().__init__(**kwargs)
+
+    def to_internal_value(self, data):
+        if data == AUTO:
+            return AUTO
+        try:
+            return self.number.run_validation(data)
+        except serializers.ValidationError as exc:
+            raise serializers.ValidationError(f'must be "auto" or {_describe(self.number)}') from exc
+
+    def to_representation(self, value):
+        return value
+
+
+def _describe(field: serializers.Field) -> str:
+    kind = "a whole number" if isinstance(field, serializers.IntegerField) else "a number"
+    low, high = field.min_value, field.max_value
+    return f"{kind} from {low} to {high}"
+
+
+class RejectUnknownKeys:
+    """A misspelt parameter is an error, not silently ignored (as OpenAI's API answers)."""
+
+    def to_internal_value(self, data):
+        if isinstance(data, dict):
+            unknown = sorted(set(data) - set(self.fields))
+            if unknown:
+                message = f"unknown parameter(s) {', '.join(unknown)}; allowed: {', '.join(self.fields)}"
+                raise serializers.ValidationError({"non_field_errors": [message]})
+        return super().to_internal_value(data)
+
+
+class HyperparametersSerializer(RejectUnknownKeys, serializers.Serializer):
+    n_epochs = AutoOr(StrictIntegerField(min_value=1, max_value=50), required=False)
+    batch_size = AutoOr(StrictIntegerField(min_value=1, max_value=256), required=False)
+    learning_rate_multiplier = AutoOr(StrictFloatField(min_value=0.001, max_value=100), required=False)
+    lora_r = StrictIntegerField(min_value=1, max_value=256, required=False)
+    lora_alpha = StrictIntegerField(min_value=1, max_value=4096, required=False)
+    lora_dropout = StrictFloatField(min_value=0.0, max_value=0.9, required=False)
+    target_modules = serializers.ListField(child=serializers.CharField(), min_length=1, required=False)
+
+
+class JobCreateSerializer(RejectUnknownKeys, serializers.Serializer):
+    model = serializers.CharField()
+    training_file = serializers.CharField()
+    validation_file = serializers.CharField(required=False, allow_null=True)
+    suffix = serializers.CharField(required=False, allow_null=True, trim_whitespace=False)
+    seed = StrictIntegerField(required=False, allow_null=True, min_value=0, max_value=2**31 - 1)
+    hyperparameters = HyperparametersSerializer(required=False)
+    metadata = serializers.DictField(child=serializers.CharField(max_length=512), required=False, allow_null=True)
+    # Newer OpenAI clients send hyperparameters inside "method": {"type": "supervised", "supervised": {...}}.
+    method = serializers.DictField(required=False)
+
+    def validate_metadata(self, value):
+        if value is not None and len(value) > MAX_METADATA_KEYS:
+            raise serializers.ValidationError(f"at most {MAX_METADATA_KEYS} keys")
+        return value
+
+    def validate_method(self, value):
+        if value.get("type", "supervised") != "supervised":
+            raise serializers.ValidationError("only the 'supervised' method is supported")
+        hyperparameters = (value.get("supervised") or {}).get("hyperparameters") or {}
+        nested = HyperparametersSerializer(data=hyperparameters)
+        nested.is_valid(raise_exception=True)
+        return nested.validated_data
+
+    def to_job_request(self) -> JobRequest:
+        data = dict(self.validated_data)
+        hyperparameters = {**data.pop("method", {}), **data.pop("hyperparameters", {})}
+        return JobRequest(**data, hyperparameters=hyperparameters)
+
+
+class FileUploadSerializer(serializers.Serializer):
+    file = serializers.FileField(allow_empty_file=True)  # an empty file gets the dataset's own message
+    purpose = serializers.CharField()

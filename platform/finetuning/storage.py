@@ -1,0 +1,21 @@
+"""The platform's stores, built once per process from settings."""
+
+from __future__ import annotations
+
+import functools
+
+from django.conf import settings
+
+from core.adapter_store import AdapterStore, adapter_store
+from core.object_store import ObjectStore, object_store
+
+
+@functools.lru_cache(maxsize=None)
+def files() -> ObjectStore:
+    return object_store(settings.CONFIG.files_path, settings.CONFIG.s3)
+
+
+@functools.lru_cache(maxsize=None)
+def adapters(root: str) -> AdapterStore:
+    """The dynamic LoRA path of a base model (its catalog lora_config names it)."""
+    return adapter_store(root, settings.CONFIG.s3)

@@ -1,0 +1,105 @@
+"""The OpenAI-compatible files and fine-tuning jobs API. Views parse, call a service, shape."""
+
+from __future__ import annotations
+
+from django.conf import settings
+from django.http import HttpResponse
+from rest_framework import viewsets
+from rest_framework.decorators import action
+from rest_framework.request import Request
+from rest_framework.response import Response
+
+from finetuning import files, jobs
+from finetuning.models import File, FineTuningJob
+from finetuning.pagination import list_page
+from finetuning.representations import checkpoint_object, event_object, file_object, job_object
+from finetuning.serializers import FileUploadSerializer, JobCreateSerializer
+from server.api_errors import ApiError, not_found
+
+
+class OrganizationScoped:
+    """Rows of the caller's organization only; anything else is "no such ..." (404)."""
+
+    model: type
+    noun: str
+
+    def scoped(self, request: Request):
+        return self.model.objects.for_org(request.auth.organization)
+
+    def get_row(self, request: Request, pk: str):
+        row = self.scoped(request).filter(pk=pk).first()
+        if row is None:
+            raise not_found(self.noun, pk)
+        return row
+
+
+class FileViewSet(OrganizationScoped, viewsets.ViewSet):
+    model, noun = File, "file"
+
+    def list(self, request: Request) -> Response:
+        queryset = self.scoped(request)
+        if purpose := request.query_params.get("purpose"):
+            queryset = queryset.filter(purpose=purpose)
+        return Response(list_page(request.query_params, queryset, file_object))
+
+    def create(self, request: Request) -> Response:
+        upload = request.FILES.get("file")
+        if upload is not None and upload.size > settings.CONFIG.max_upload_bytes:
+            raise files.upload_too_large(upload.size)  # refuse before reading it into memory
+        serializer = FileUploadSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        upload = serializer.validated_data["file"]
+        created = files.upload_file(
+            request.auth.organization, request.user, upload.name, serializer.validated_data["purpose"], upload.read()
+        )
+        return Response(file_object(created))
+
+    def retrieve(self, request: Request, pk: str) -> Response:
+        return Response(file_object(self.get_row(request, pk)))
+
+    def destroy(self, request: Request, pk: str) -> Response:
+        file = self.get_row(request, pk)
+        files.delete_file(file)
+        return Response({"id": pk, "object": "file", "deleted": True})
+
+    @action(detail=True, methods=["get"])
+    def content(self, request: Request, pk: str) -> HttpResponse:
+        file = self.get_row(request, pk)
+        response = HttpResponse(files.file_content(file), content_type="application/jsonl")
+        response["Content-Disposition"] = f'attachment; filename="{file.filename}"'
+        return response
+
+
+class JobViewSet(OrganizationScoped, viewsets.ViewSet):
+    model, noun = FineTuningJob, "fine-tuning job"
+
+    def scoped(self, request: Request):
+        return super().scoped(request).select_related("organization")
+
+    def list(self, request: Request) -> Response:
+        return Response(list_page(request.query_params, self.scoped(request), job_object))
+
+    def create(self, request: Request) -> Response:
+        if not isinstance(request.data, dict):
+            raise ApiError("The request body must be a JSON object.", code="invalid_body")
+        serializer = JobCreateSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        job = jobs.create_job(request.auth.organization, request.user, serializer.to_job_request())
+        return Response(job_object(job))
+
+    def retrieve(self, request: Request, pk: str) -> Response:
+        return Response(job_object(self.get_row(request, pk)))
+
+    @action(detail=True, methods=["post"])
+    def cancel(self, request: Request, pk: str) -> Response:
+        return Response(job_object(jobs.cancel_job(self.get_row(request, pk))))
+
+    @action(detail=True, methods=["get"])
+    def events(self, request: Request, pk: str) -> Response:
+        job = self.get_row(request, pk)
+        return Response(list_page(request.query_params, job.events.all(), event_object))
+
+    @action(detail=True, methods=["get"])
+    def checkpoints(self, request: Request, pk: str) -> Response:
+        job = self.get_row(request, pk)
+        return Response(list_page(request.query_params, job.checkpoints.select_related("job"), checkpoint_object))

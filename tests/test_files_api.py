@@ -1,0 +1,150 @@
+import dataclasses
+import io
+
+import pytest
+
+from finetuning.models import File
+from tests.personas import chat_example, good_dataset, jsonl
+
+pytestmark = pytest.mark.django_db
+
+
+def upload(persona, data: bytes, name: str = "train.jsonl", purpose: str = "fine-tune"):
+    return persona.api.post("/v1/files", {"file": _named(data, name), "purpose": purpose}, format="multipart")
+
+
+def _named(data: bytes, name: str):
+    handle = io.BytesIO(data)
+    handle.name = name
+    return handle
+
+
+def error_of(response) -> dict:
+    return response.json()["error"]
+
+
+def test_it_accepts_a_chat_dataset_and_counts_examples_and_tokens(alice):
+    response = upload(alice, good_dataset(12))
+    body = response.json()
+    assert response.status_code == 200, body
+    assert body["object"] == "file" and body["id"].startswith("file-") and body["purpose"] == "fine-tune"
+    assert body["filename"] == "train.jsonl" and body["bytes"] == len(good_dataset(12))
+    assert body["example_count"] == 12 and body["token_count"] > 12 * 10
+
+
+def test_it_accepts_prompt_completion_lines(alice):
+    data = jsonl([{"prompt": f"Say {i}", "completion": f"{i}!"} for i in range(10)])
+    assert upload(alice, data).status_code == 200
+
+
+def test_the_content_comes_back_byte_for_byte(alice):
+    file_id = upload(alice, good_dataset()).json()["id"]
+    response = alice.api.get(f"/v1/files/{file_id}/content")
+    assert response.status_code == 200 and response.content == good_dataset()
+
+
+@pytest.mark.parametrize(
+    ("lines", "expected"),
+    [
+        ({7: '{"messages": [{"role": "user", "content": "hi"}, {"role": "bot", "content": "x"}]}'},
+         "line 7: messages[1].role must be one of system, user, assistant"),
+        ({3: "{not json"}, "line 3: not valid JSON"),
+        ({4: '["a list"]'}, 'line 4: must be a JSON object with "messages"'),
+        ({2: '{"messages": [{"role": "user", "content": "only a question"}]}'},
+         "line 2: needs at least one assistant message"),
+        ({5: '{"messages": [{"role": "user", "content": 42}, {"role": "assistant", "content": "x"}]}'},
+         "line 5: messages[0].content must be a string"),
+        ({6: '{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "weight": 2}]}'},
+         "line 6: messages[1].weight must be 0 or 1"),
+        ({8: '{"prompt": "only a prompt"}'}, "line 8: prompt and completion must both be strings"),
+        ({9: '{"text": "hello"}'}, 'line 9: must have "messages", or "prompt" and "completion"'),
+    ],
+)
+def test_it_names_the_line_and_the_problem_of_a_bad_example(alice, lines, expected):
+    records = [line.decode() for line in good_dataset(12).splitlines()]
+    for number, text in lines.items():
+        records[number - 1] = text
+    response = upload(alice, ("\n".join(records) + "\n").encode())
+    assert response.status_code == 400
+    assert expected in error_of(response)["message"]
+    assert error_of(response)["param"] == "file" and error_of(response)["code"] == "invalid_file"
+    assert not File.objects.exists()
+
+
+def test_it_lists_every_bad_line_up_to_a_limit(alice):
+    records = ["{bad"] * 30 + [line.decode() for line in good_dataset(12).splitlines()]
+    error = error_of(upload(alice, "\n".join(records).encode()))
+    assert error["message"].startswith("Invalid training file: 30 lines have problems; the first 20 are listed")
+    assert [e["line"] for e in error["errors"]] == list(range(1, 21))
+
+
+@pytest.mark.parametrize(
+    ("data", "expected"),
+    [
+        (b"", "the file is empty"),
+        (b"\n  \n", "the file is empty"),
+        (good_dataset(2)[:30] + b"\xff\xfe" + b"\n", "the file is not UTF-8 text (line 1 has the byte 0xff)"),
+        (good_dataset(4), "needs at least 10 examples, found 4"),
+    ],
+)
+def test_it_refuses_files_that_cannot_train_with_a_reason(alice, data, expected):
+    response = upload(alice, data)
+    assert response.status_code == 400 and expected in error_of(response)["message"]
+
+
+def test_it_reports_examples_longer_than_the_models_context(alice):
+    records = [chat_example("q", "a")] * 11 + [chat_example("word " * 3000, "a")]
+    message = error_of(upload(alice, jsonl(records)))["message"]
+    assert "line 12: " in message and "longer than the model's context of 2048 tokens" in message
+
+
+def test_it_refuses_an_oversized_upload_before_storing_anything(alice, settings):
+    settings.CONFIG = dataclasses.replace(settings.CONFIG, max_upload_bytes=1024)
+    response = upload(alice, good_dataset(50))
+    assert response.status_code == 413
+    assert error_of(response)["message"].endswith("the limit is 1024 bytes (MAX_UPLOAD_MB).")
+    assert not File.objects.exists()
+
+
+@pytest.mark.parametrize(
+    ("payload", "expected"),
+    [
+        ({"purpose": "fine-tune"}, "file: No file was submitted."),
+        ({"file": "not-a-file", "purpose": "fine-tune"}, "file: "),
+        ({"file": _named(good_dataset(), "t.jsonl"), "purpose": "assistants"}, "purpose must be 'fine-tune'"),
+    ],
+)
+def test_it_explains_a_malformed_upload(alice, payload, expected):
+    response = alice.api.post("/v1/files", payload, format="multipart")
+    assert response.status_code == 400 and expected in error_of(response)["message"]
+
+
+def test_files_are_listed_newest_first_with_pagination(alice):
+    ids = [upload(alice, good_dataset()).json()["id"] for _ in range(3)]
+    first = alice.api.get("/v1/files?limit=2").json()
+    assert [f["id"] for f in first["data"]] == ids[::-1][:2] and first["has_more"]
+    rest = alice.api.get(f"/v1/files?limit=2&after={first['last_id']}").json()
+    assert [f["id"] for f in rest["data"]] == [ids[0]] and not rest["has_more"]
+
+
+def test_a_teammate_sees_the_file_and_an_outsider_gets_404(alice, bob, charlie):
+    file_id = upload(alice, good_dataset()).json()["id"]
+    assert bob.api.get(f"/v1/files/{file_id}").status_code == 200
+    for call in (charlie.api.get, charlie.api.delete):
+        response = call(f"/v1/files/{file_id}")
+        assert response.status_code == 404 and error_of(response)["message"] == f"No such file: '{file_id}'"
+    assert charlie.api.get(f"/v1/files/{file_id}/content").status_code == 404
+    assert charlie.api.get("/v1/files").json()["data"] == []
+
+
+def test_deleting_a_file_removes_it(alice):
+    file_id = upload(alice, good_dataset()).json()["id"]
+    assert alice.api.delete(f"/v1/files/{file_id}").json() == {"id": file_id, "object": "file", "deleted": True}
+    assert alice.api.get(f"/v1/files/{file_id}").status_code == 404
+
+
+def test_it_refuses_requests_without_a_valid_key(client):
+    response = client.get("/v1/files")
+    assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
+    response = client.get("/v1/files", HTTP_AUTHORIZATION="Bearer sk-wrong")
+    assert response.status_code == 401 and "Incorrect API key" in response.json()["error"]["message"]

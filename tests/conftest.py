@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 from urllib.parse import quote
 
@@ -33,16 +35,39 @@ def test_database_url(django_db_setup) -> str:
     return _url_of(connection.settings_dict)
 
 
+class Worker:
+    """A real Celery worker process on the test broker and database; tests may kill and restart it."""
+
+    def __init__(self, database_url: str):
+        self.env = {"DATABASE_URL": database_url}
+        self.process = None
+        self._running = None
+
+    def start(self) -> None:
+        self._running = running("worker", celery_worker_command(), self.env)
+        self.process = self._running.__enter__()
+        wait_until(lambda: bool(celery_app.control.ping(timeout=0.5, limit=1)), 60, "celery worker", self.process)
+
+    def stop(self) -> None:
+        if self._running is not None:
+            self._running.__exit__(None, None, None)
+            self._running = None
+
+    def kill(self) -> None:
+        """Die as a crashed machine would: SIGKILL, no chance to finish or acknowledge anything."""
+        os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
+        self.stop()
+
+
 @pytest.fixture(scope="session")
 def celery_worker(test_database_url):
-    """A real Celery worker process consuming the test broker, on the test database.
-
-    Tests that hand it work must commit their rows: mark them django_db(transaction=True).
-    """
+    """Tests that hand it work must commit their rows: mark them django_db(transaction=True)."""
     celery_app.control.purge()  # a task left by an aborted earlier run must not run now
-    with running("worker", celery_worker_command(), {"DATABASE_URL": test_database_url}) as process:
-        wait_until(lambda: bool(celery_app.control.ping(timeout=0.5, limit=1)), 60, "celery worker", process)
-        yield process
+    worker = Worker(test_database_url)
+    worker.start()
+    yield worker
+    worker.stop()
 
 
 @pytest.fixture(scope="session")

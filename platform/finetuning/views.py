@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from django.conf import settings
 from django.http import HttpResponse
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import OpenApiParameter, extend_schema, extend_schema_view
 from rest_framework import viewsets
 from rest_framework.decorators import action
 from rest_framework.request import Request
@@ -33,6 +35,17 @@ class OrganizationScoped:
         return row
 
 
+# The schema: OpenAI's objects are plain JSON here (see finetuning.representations).
+_ID = OpenApiParameter("id", str, OpenApiParameter.PATH)
+_PAGE = [OpenApiParameter("after", str), OpenApiParameter("limit", int)]
+_documented = extend_schema(responses=OpenApiTypes.OBJECT, parameters=[_ID])
+
+
+@extend_schema_view(
+    list=extend_schema(responses=OpenApiTypes.OBJECT, parameters=_PAGE),
+    create=extend_schema(request={"multipart/form-data": FileUploadSerializer}, responses=OpenApiTypes.OBJECT),
+    retrieve=_documented, destroy=_documented, content=_documented,
+)
 class FileViewSet(OrganizationScoped, viewsets.ViewSet):
     model, noun = File, "file"
 
@@ -70,6 +83,13 @@ class FileViewSet(OrganizationScoped, viewsets.ViewSet):
         return response
 
 
+@extend_schema_view(
+    list=extend_schema(responses=OpenApiTypes.OBJECT, parameters=_PAGE),
+    create=extend_schema(request=JobCreateSerializer, responses=OpenApiTypes.OBJECT),
+    retrieve=_documented, cancel=extend_schema(request=None, responses=OpenApiTypes.OBJECT, parameters=[_ID]),
+    events=extend_schema(responses=OpenApiTypes.OBJECT, parameters=[_ID, *_PAGE]),
+    checkpoints=extend_schema(responses=OpenApiTypes.OBJECT, parameters=[_ID, *_PAGE]),
+)
 class JobViewSet(OrganizationScoped, viewsets.ViewSet):
     model, noun = FineTuningJob, "fine-tuning job"
 

@@ -20,6 +20,7 @@ INSTALLED_APPS = [
     "django.contrib.staticfiles",
     "rest_framework",
     "drf_spectacular",
+    "drf_spectacular_sidecar",
     "accounts",
     "finetuning",
     "health",
@@ -82,6 +83,8 @@ SPECTACULAR_SETTINGS = {
     "TITLE": "Fine-tune and serve API",
     "DESCRIPTION": "OpenAI-compatible files, fine-tuning jobs and chat completions.",
     "VERSION": "1",
+    "REDOC_DIST": "SIDECAR",
+    "SERVE_INCLUDE_SCHEMA": False,
 }
 
 # Celery (see workers/celery_app.py): JSON only, so a task never unpickles data from the broker.

@@ -1,0 +1,127 @@
+"""Jobs run end to end on a real worker: claim, train (a handful of steps), publish, recover."""
+
+import dataclasses
+import json
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from django.conf import settings
+
+from finetuning.models import FineTunedModel, FineTuningJob, JobEvent, JobStatus
+from finetuning.runner import recover_stale_jobs, run_job
+from tests.personas import good_dataset
+from tests.s3 import s3_server
+from tests.test_files_api import upload
+from workers.tasks import train_job, worker_report
+
+pytestmark = [pytest.mark.training, pytest.mark.django_db(transaction=True)]
+
+BASE = "HuggingFaceTB/SmolLM2-135M-Instruct"
+ONE_STEP = {"n_epochs": 1, "batch_size": 12}
+MANY_STEPS = {"n_epochs": 10, "batch_size": 1}
+
+
+def launch(persona, hyperparameters: dict, suffix: str) -> str:
+    file_id = upload(persona, good_dataset(12)).json()["id"]
+    body = {"model": BASE, "training_file": file_id, "suffix": suffix, "hyperparameters": hyperparameters}
+    response = persona.api.post("/v1/fine_tuning/jobs", body, format="json")
+    assert response.status_code == 200, response.json()
+    return response.json()["id"]
+
+
+def wait_for(job_id: str, condition, timeout_s: float = 240) -> FineTuningJob:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        job = FineTuningJob.objects.get(pk=job_id)
+        if condition(job):
+            return job
+        time.sleep(0.5)
+    raise AssertionError(f"job {job_id} still {job.status} after {timeout_s} s: {job.error_message}")
+
+
+def worker_is_idle() -> None:
+    """The test worker runs one task at a time: when this one answers, the previous one is done."""
+    worker_report.delay().get(timeout=240)
+
+
+def started_training(job_id: str) -> int:
+    return JobEvent.objects.filter(job_id=job_id, message__startswith="Training started").count()
+
+
+def test_a_task_delivered_twice_trains_and_publishes_once(alice, celery_worker):
+    job_id = launch(alice, ONE_STEP, "twice")
+    duplicate = train_job.delay(job_id)  # as a redelivered message would
+    job = wait_for(job_id, lambda job: job.is_finished)
+    assert duplicate.get(timeout=240) in ("succeeded", "not claimed (another worker has it, or it is no longer queued)")
+    worker_is_idle()
+    assert job.status == JobStatus.SUCCEEDED, job.error_message
+    assert started_training(job_id) == 1 and FineTunedModel.objects.filter(job_id=job_id).count() == 1
+
+    adapter = Path(settings.CONFIG.dynamic_lora_path) / f"{BASE}:twice"
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == BASE and (adapter / "adapter_model.safetensors").stat().st_size > 0
+    assert job.fine_tuned_model == f"{BASE}:twice" and job.trained_tokens > 0 and job.attempts == 1
+
+
+def test_cancel_stops_training_between_steps_and_publishes_nothing(alice, celery_worker):
+    job_id = launch(alice, MANY_STEPS, "cancelled")
+    wait_for(job_id, lambda job: job.events.filter(type="metrics").exists())
+    assert alice.api.post(f"/v1/fine_tuning/jobs/{job_id}/cancel").json()["status"] == "cancelled"
+    worker_is_idle()
+    job = FineTuningJob.objects.get(pk=job_id)
+    assert job.status == JobStatus.CANCELLED and job.fine_tuned_model is None
+    total = job.events.filter(type="metrics").first().data["total_steps"]
+    assert job.events.filter(type="metrics").count() < total
+    assert not (Path(settings.CONFIG.dynamic_lora_path) / f"{BASE}:cancelled").exists()
+
+
+def test_a_job_whose_worker_died_is_queued_again_and_finishes(alice, celery_worker):
+    job_id = launch(alice, MANY_STEPS | {"n_epochs": 2}, "survivor")
+    wait_for(job_id, lambda job: job.events.filter(type="metrics").exists())
+    celery_worker.kill()
+    time.sleep(1.5)
+    assert FineTuningJob.objects.get(pk=job_id).status == JobStatus.RUNNING  # nobody is left to say otherwise
+    assert recover_stale_jobs(stale_after=timedelta(seconds=1)) == [job_id]
+    celery_worker.start()
+    job = wait_for(job_id, lambda job: job.is_finished)
+    assert job.status == JobStatus.SUCCEEDED and job.attempts == 2
+    assert job.events.filter(message__contains="stopped responding").exists()
+
+
+def test_a_job_that_keeps_losing_its_worker_fails_with_a_reason(alice):
+    job_id = launch(alice, ONE_STEP, "unlucky")
+    FineTuningJob.objects.filter(pk=job_id).update(status=JobStatus.RUNNING, attempts=3, heartbeat_at="2020-01-01T00:00:00Z")
+    assert recover_stale_jobs() == []
+    job = FineTuningJob.objects.get(pk=job_id)
+    assert job.status == JobStatus.FAILED and job.error_code == "worker_lost" and "3 times" in job.error_message
+    error = alice.api.get(f"/v1/fine_tuning/jobs/{job_id}").json()["error"]
+    assert error["code"] == "worker_lost"
+
+
+def test_a_job_publishes_to_an_s3_dynamic_path(alice, settings):
+    with s3_server("adapters") as s3:
+        settings.CONFIG = dataclasses.replace(settings.CONFIG, s3=s3)
+        model = settings.MODEL_CATALOG.models[0]
+        s3_model = dataclasses.replace(model, lora=dataclasses.replace(model.lora, dynamic_lora_loading_path="s3://adapters/prod"))
+        settings.MODEL_CATALOG = dataclasses.replace(settings.MODEL_CATALOG, models=(s3_model,))
+        job_id = launch(alice, ONE_STEP, "on-s3")
+        assert run_job(job_id, worker="in-test") == "succeeded"  # in this process, which sees the S3 settings
+
+        from core.adapter_store import adapter_store
+
+        fetched = adapter_store("s3://adapters/prod", s3).fetch(f"{BASE}:on-s3", Path(settings.DATA_DIR) / "test" / "s3-cache")
+        assert json.loads((fetched / "adapter_config.json").read_text())["base_model_name_or_path"] == BASE
+        assert FineTuningJob.objects.get(pk=job_id).status == JobStatus.SUCCEEDED
+
+
+def test_checkpoints_and_metrics_are_reported_per_epoch(alice):
+    job_id = launch(alice, {"n_epochs": 2, "batch_size": 6}, "epochs")
+    assert run_job(job_id, worker="in-test") == "succeeded"
+    checkpoints = alice.api.get(f"/v1/fine_tuning/jobs/{job_id}/checkpoints").json()["data"]
+    assert [c["step_number"] for c in checkpoints] == [4, 2]
+    assert all(c["metrics"]["train_loss"] > 0 for c in checkpoints)
+    metrics = [e["data"] for e in alice.api.get(f"/v1/fine_tuning/jobs/{job_id}/events?limit=100").json()["data"] if e["type"] == "metrics"]
+    assert sorted(m["step"] for m in metrics) == [1, 2, 3, 4]
+    assert all(m["tokens_per_second"] > 0 and m["trained_tokens"] > 0 for m in metrics)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from finetuning.jobs import AUTO, JobRequest
@@ -25,6 +26,7 @@ class StrictFloatField(serializers.FloatField):
         return super().to_internal_value(data)
 
 
+@extend_schema_field({"oneOf": [{"type": "string", "enum": [AUTO]}, {"type": "number"}]})
 class AutoOr(serializers.Field):
     """OpenAI's hyperparameter shape: the string "auto" or a number in range."""
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from django.conf import settings
 from django.contrib.auth.models import User
+from django.core.files.uploadedfile import UploadedFile
 from django.db import transaction
 
 from accounts.models import Organization
@@ -37,17 +38,18 @@ def dataset_error(dataset: Dataset) -> ApiError:
     return ApiError(message, param="file", code="invalid_file", errors=[vars(e) for e in dataset.errors])
 
 
-def upload_file(organization: Organization, user: User | None, filename: str, purpose: str, data: bytes) -> File:
+def upload_file(organization: Organization, user: User | None, upload: UploadedFile, purpose: str) -> File:
     if purpose != PURPOSE:
         raise ApiError(f"purpose must be '{PURPOSE}', not '{purpose}'", param="purpose", code="invalid_purpose")
-    if len(data) > settings.CONFIG.max_upload_bytes:
-        raise upload_too_large(len(data))
+    if upload.size > settings.CONFIG.max_upload_bytes:
+        raise upload_too_large(upload.size)  # before reading it into memory
+    data = upload.read()
     dataset, counts = check_dataset(data)
     if not dataset.ok:
         raise dataset_error(dataset)
     with transaction.atomic():
         file = File(
-            organization=organization, created_by=user, filename=filename[:255], purpose=purpose, bytes=len(data),
+            organization=organization, created_by=user, filename=(upload.name or "upload.jsonl")[:255], purpose=purpose, bytes=len(data),
             example_count=len(dataset.examples), token_count=sum(counts), max_example_tokens=max(counts),
         )  # fmt: skip
         file.storage_key = f"files/{organization.pk}/{file.id}.jsonl"

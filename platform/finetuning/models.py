@@ -126,6 +126,7 @@ class FineTunedModel(models.Model):
     job = models.OneToOneField(FineTuningJob, on_delete=models.CASCADE, related_name="result")
     base_model = models.CharField(max_length=200)
     suffix = models.CharField(max_length=64)
+    final_loss = models.FloatField(null=True, blank=True)  # the last training loss, for lineage pages
     created_at = models.DateTimeField(auto_now_add=True)
 
     objects = OrgQuerySet.as_manager()

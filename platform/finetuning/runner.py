@@ -134,7 +134,10 @@ def _publish(job: FineTuningJob, result) -> None:
             finished_at=timezone.now(), estimated_finish=None,
         )  # fmt: skip
         if succeeded:
-            FineTunedModel.objects.create(name=name, organization=job.organization, job=job, base_model=job.model, suffix=job.suffix)
+            FineTunedModel.objects.create(
+                name=name, organization=job.organization, job=job, base_model=job.model, suffix=job.suffix,
+                final_loss=result.final_train_loss,
+            )  # fmt: skip
             record_event(job, f"New fine-tuned model created: {name}")
             record_event(job, "The job has successfully completed")
     if not succeeded:  # cancelled while publishing: take the adapter back down

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from django.conf import settings
 from django.http import HttpResponse
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, extend_schema, extend_schema_view
@@ -56,15 +55,10 @@ class FileViewSet(OrganizationScoped, viewsets.ViewSet):
         return Response(list_page(request.query_params, queryset, file_object))
 
     def create(self, request: Request) -> Response:
-        upload = request.FILES.get("file")
-        if upload is not None and upload.size > settings.CONFIG.max_upload_bytes:
-            raise files.upload_too_large(upload.size)  # refuse before reading it into memory
         serializer = FileUploadSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
-        upload = serializer.validated_data["file"]
-        created = files.upload_file(
-            request.auth.organization, request.user, upload.name, serializer.validated_data["purpose"], upload.read()
-        )
+        data = serializer.validated_data
+        created = files.upload_file(request.auth.organization, request.user, data["file"], data["purpose"])
         return Response(file_object(created))
 
     def retrieve(self, request: Request, pk: str) -> Response:

@@ -24,7 +24,12 @@ INSTALLED_APPS = [
     "accounts",
     "finetuning",
     "health",
+    "dashboard",
 ]
+
+LOGIN_URL = "dashboard:login"
+LOGIN_REDIRECT_URL = "dashboard:jobs"
+LOGOUT_REDIRECT_URL = "dashboard:login"
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",

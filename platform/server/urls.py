@@ -8,6 +8,7 @@ urlpatterns = [
     path("v1/", include("finetuning.urls")),
     path("api/schema", SpectacularAPIView.as_view(), name="openapi-schema"),
     path("api/docs", SpectacularRedocView.as_view(url_name="openapi-schema"), name="api-docs"),
+    path("", include("dashboard.urls")),
 ]
 
-handler404 = "server.api_errors.json_404"
+handler404 = "server.errors.not_found"

@@ -1,0 +1,59 @@
+"""Dashboard forms. They only collect input; the services decide (and explain) what is valid."""
+
+from __future__ import annotations
+
+from django import forms
+from django.conf import settings
+
+from finetuning.jobs import JobRequest, TARGET_MODULES
+from finetuning.models import File
+from server.api_errors import ApiError
+
+
+def show_api_error(form: forms.Form, error: ApiError) -> None:
+    """Put a service's error next to the field it names (``hyperparameters.lora_r`` -> ``lora_r``)."""
+    field = (error.param or "").rpartition(".")[2]
+    form.add_error(field if field in form.fields else None, error.message)
+
+
+class UploadForm(forms.Form):
+    file = forms.FileField(help_text="JSONL: one {\"messages\": [...]} or {\"prompt\", \"completion\"} object per line.")
+
+
+class JobForm(forms.Form):
+    model = forms.ChoiceField(label="Base model")
+    training_file = forms.ChoiceField(label="Training dataset")
+    validation_file = forms.ChoiceField(label="Validation dataset", required=False)
+    suffix = forms.CharField(required=False, max_length=64, help_text="Letters, digits, - and _. Empty: one is made up.")
+    n_epochs = forms.IntegerField(required=False, min_value=1, max_value=50, label="Epochs", help_text="Empty: auto")
+    batch_size = forms.IntegerField(required=False, min_value=1, max_value=256, help_text="Empty: auto")
+    learning_rate_multiplier = forms.FloatField(required=False, min_value=0.001, max_value=100, help_text="Empty: auto (1.0)")
+    lora_r = forms.IntegerField(initial=8, min_value=1, max_value=256, label="LoRA rank")
+    lora_alpha = forms.IntegerField(initial=16, min_value=1, max_value=4096, label="LoRA alpha")
+    lora_dropout = forms.FloatField(initial=0.05, min_value=0, max_value=0.9, label="LoRA dropout")
+    target_modules = forms.MultipleChoiceField(
+        choices=[(m, m) for m in TARGET_MODULES], initial=list(TARGET_MODULES), widget=forms.CheckboxSelectMultiple
+    )
+
+    def __init__(self, *args, files: list[File], **kwargs):
+        super().__init__(*args, **kwargs)
+        self.fields["model"].choices = [(m, m) for m in settings.MODEL_CATALOG.ids]
+        choices = [(f.id, f"{f.filename} ({f.example_count} examples, {f.token_count} tokens)") for f in files]
+        self.fields["training_file"].choices = choices
+        self.fields["validation_file"].choices = [("", "None")] + choices
+        # The page estimates training tokens from these before launch.
+        self.tokens_by_file = {f.id: f.token_count for f in files}
+
+    def to_job_request(self) -> JobRequest:
+        data = self.cleaned_data
+        optional = ("n_epochs", "batch_size", "learning_rate_multiplier")
+        hyperparameters = {name: data[name] for name in optional if data[name] is not None}
+        hyperparameters |= {name: data[name] for name in ("lora_r", "lora_alpha", "lora_dropout", "target_modules")}
+        return JobRequest(
+            model=data["model"], training_file=data["training_file"], validation_file=data["validation_file"] or None,
+            suffix=data["suffix"] or None, hyperparameters=hyperparameters,
+        )  # fmt: skip
+
+
+class ApiKeyForm(forms.Form):
+    name = forms.CharField(max_length=100, initial="dashboard")

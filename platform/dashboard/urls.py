@@ -1,0 +1,26 @@
+from django.contrib.auth import views as auth_views
+from django.urls import path
+from django.views.generic import RedirectView
+
+from dashboard import views
+
+app_name = "dashboard"
+
+urlpatterns = [
+    path("", RedirectView.as_view(pattern_name="dashboard:jobs"), name="home"),
+    path("login", auth_views.LoginView.as_view(), name="login"),
+    path("logout", auth_views.LogoutView.as_view(), name="logout"),
+    path("organization", views.switch, name="switch"),
+    path("datasets", views.datasets, name="datasets"),
+    path("datasets/<str:file_id>", views.dataset, name="dataset"),
+    path("datasets/<str:file_id>/delete", views.dataset_delete, name="dataset_delete"),
+    path("jobs", views.job_list, name="jobs"),
+    path("jobs/new", views.job_new, name="job_new"),
+    path("jobs/<str:job_id>", views.job_detail, name="job"),
+    path("jobs/<str:job_id>/progress", views.job_progress, name="job_progress"),
+    path("jobs/<str:job_id>/cancel", views.job_cancel, name="job_cancel"),
+    path("models", views.models, name="models"),
+    path("models/<int:model_id>/delete", views.model_delete, name="model_delete"),
+    path("keys", views.api_keys, name="api_keys"),
+    path("keys/<int:key_id>/revoke", views.api_key_revoke, name="api_key_revoke"),
+]

@@ -1,0 +1,152 @@
+"""Dashboard pages. Each view parses a form, calls the same service the API calls, and renders."""
+
+from __future__ import annotations
+
+from django.contrib import messages
+from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.shortcuts import get_object_or_404, redirect, render
+from django.views.decorators.http import require_POST
+
+from accounts.models import ApiKey
+from accounts.services import create_api_key, revoke_api_key
+from dashboard.forms import ApiKeyForm, JobForm, UploadForm, show_api_error
+from dashboard.organizations import switch_organization, with_organization
+from finetuning import files, jobs
+from finetuning.fine_tuned_models import delete_fine_tuned_model
+from finetuning.models import File, FineTunedModel, FineTuningJob
+from finetuning.registry import list_usable_models
+from finetuning.representations import event_object, job_object
+from server.api_errors import ApiError
+
+PREVIEW_EXAMPLES = 5
+
+
+@require_POST
+@with_organization
+def switch(request: HttpRequest) -> HttpResponse:
+    organization = switch_organization(request, int(request.POST.get("organization", 0) or 0))
+    messages.info(request, f"Now working in {organization.name}.")
+    return redirect("dashboard:jobs")
+
+
+@with_organization
+def datasets(request: HttpRequest) -> HttpResponse:
+    form, line_errors = UploadForm(), []
+    if request.method == "POST":
+        form = UploadForm(request.POST, request.FILES)
+        if form.is_valid():
+            upload = form.cleaned_data["file"]
+            try:
+                created = files.upload_file(request.organization, request.user, upload, files.PURPOSE)
+            except ApiError as error:
+                show_api_error(form, error)
+                line_errors = error.extra.get("errors", [])
+            else:
+                messages.success(request, f"{created.filename}: {created.example_count} examples, ready to train.")
+                return redirect("dashboard:dataset", file_id=created.id)
+    listing = File.objects.for_org(request.organization)
+    return render(request, "dashboard/datasets.html", {"form": form, "files": listing, "line_errors": line_errors})
+
+
+@with_organization
+def dataset(request: HttpRequest, file_id: str) -> HttpResponse:
+    file = get_object_or_404(File.objects.for_org(request.organization), pk=file_id)
+    preview = files.load_examples(file)[:PREVIEW_EXAMPLES]
+    return render(request, "dashboard/dataset.html", {"file": file, "preview": preview})
+
+
+@require_POST
+@with_organization
+def dataset_delete(request: HttpRequest, file_id: str) -> HttpResponse:
+    file = get_object_or_404(File.objects.for_org(request.organization), pk=file_id)
+    try:
+        files.delete_file(file)
+    except ApiError as error:
+        messages.error(request, error.message)
+        return redirect("dashboard:dataset", file_id=file_id)
+    messages.success(request, f"Deleted {file.filename}.")
+    return redirect("dashboard:datasets")
+
+
+@with_organization
+def job_list(request: HttpRequest) -> HttpResponse:
+    listing = FineTuningJob.objects.for_org(request.organization)[:200]
+    return render(request, "dashboard/jobs.html", {"jobs": listing})
+
+
+@with_organization
+def job_new(request: HttpRequest) -> HttpResponse:
+    available = list(File.objects.for_org(request.organization))
+    form = JobForm(request.POST or None, files=available)
+    if request.method == "POST" and form.is_valid():
+        try:
+            job = jobs.create_job(request.organization, request.user, form.to_job_request())
+        except ApiError as error:
+            show_api_error(form, error)
+        else:
+            messages.success(request, f"Fine-tune {job.suffix} is queued.")
+            return redirect("dashboard:job", job_id=job.id)
+    return render(request, "dashboard/job_new.html", {"form": form, "has_files": bool(available)})
+
+
+@with_organization
+def job_detail(request: HttpRequest, job_id: str) -> HttpResponse:
+    job = get_object_or_404(FineTuningJob.objects.for_org(request.organization), pk=job_id)
+    return render(request, "dashboard/job.html", {"job": job, "base_url": request.build_absolute_uri("/v1")})
+
+
+@with_organization
+def job_progress(request: HttpRequest, job_id: str) -> JsonResponse:
+    """What the job page polls: the job, every metrics point, and the latest messages."""
+    job = get_object_or_404(FineTuningJob.objects.for_org(request.organization).select_related("organization"), pk=job_id)
+    metrics = [event.data for event in job.events.filter(type="metrics").order_by("created_at")]
+    latest = [event_object(event) for event in job.events.all()[:50]]
+    return JsonResponse({"job": job_object(job), "metrics": metrics, "events": latest})
+
+
+@require_POST
+@with_organization
+def job_cancel(request: HttpRequest, job_id: str) -> HttpResponse:
+    job = get_object_or_404(FineTuningJob.objects.for_org(request.organization), pk=job_id)
+    try:
+        jobs.cancel_job(job)
+        messages.success(request, "The job is cancelled.")
+    except ApiError as error:
+        messages.error(request, error.message)
+    return redirect("dashboard:job", job_id=job_id)
+
+
+@with_organization
+def models(request: HttpRequest) -> HttpResponse:
+    fine_tuned = FineTunedModel.objects.for_org(request.organization).select_related("job")
+    lineage = {model.name: model for model in fine_tuned}
+    usable = [(model, lineage.get(model.name)) for model in list_usable_models(request.organization)]
+    return render(request, "dashboard/models.html", {"models": usable})
+
+
+@require_POST
+@with_organization
+def model_delete(request: HttpRequest, model_id: int) -> HttpResponse:
+    model = get_object_or_404(FineTunedModel.objects.for_org(request.organization), pk=model_id)
+    delete_fine_tuned_model(model)
+    messages.success(request, f"Deleted {model.name}; it is no longer served.")
+    return redirect("dashboard:models")
+
+
+@with_organization
+def api_keys(request: HttpRequest) -> HttpResponse:
+    form, new_key = ApiKeyForm(request.POST or None), None
+    if request.method == "POST" and form.is_valid():
+        _, new_key = create_api_key(request.organization, request.user, form.cleaned_data["name"])
+        form = ApiKeyForm()
+    listing = ApiKey.objects.filter(organization=request.organization).order_by("-created_at")
+    return render(request, "dashboard/api_keys.html", {"form": form, "keys": listing, "new_key": new_key})
+
+
+@require_POST
+@with_organization
+def api_key_revoke(request: HttpRequest, key_id: int) -> HttpResponse:
+    api_key = get_object_or_404(ApiKey.objects.filter(organization=request.organization), pk=key_id)
+    revoke_api_key(api_key)
+    messages.success(request, f"Revoked key {api_key.name} ({api_key.prefix}…).")
+    return redirect("dashboard:api_keys")

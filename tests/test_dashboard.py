@@ -1,0 +1,141 @@
+"""Dashboard pages through Django's test client: each person sees only their organization's things."""
+
+import io
+
+import pytest
+from django.urls import reverse
+
+from accounts.models import ApiKey
+from accounts.services import create_api_key
+from finetuning.models import File, FineTunedModel, FineTuningJob
+from tests.personas import good_dataset
+
+pytestmark = pytest.mark.django_db
+
+BASE = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def signed_in(client, persona):
+    client.force_login(persona.user)
+    return client
+
+
+def upload(client, data: bytes, name: str = "train.jsonl"):
+    handle = io.BytesIO(data)
+    handle.name = name
+    return client.post(reverse("dashboard:datasets"), {"file": handle})
+
+
+@pytest.fixture
+def alice_web(client, alice):
+    return signed_in(client, alice)
+
+
+def test_pages_ask_to_sign_in_first(client):
+    response = client.get(reverse("dashboard:jobs"))
+    assert response.status_code == 302 and response["Location"].startswith(reverse("dashboard:login"))
+
+
+def test_a_dataset_upload_shows_line_numbered_errors_and_stores_nothing(alice_web):
+    lines = good_dataset(12).decode().splitlines()
+    lines[6] = '{"messages": [{"role": "narrator", "content": "x"}]}'
+    page = upload(alice_web, "\n".join(lines).encode()).content.decode()
+    assert "line 7" in page and "messages[0].role must be one of system, user, assistant" in page
+    assert not File.objects.exists()
+
+
+def test_a_good_dataset_is_previewed_as_a_conversation(alice_web):
+    response = upload(alice_web, good_dataset(12))
+    file = File.objects.get()
+    assert response["Location"] == reverse("dashboard:dataset", args=[file.id])
+    page = alice_web.get(response["Location"]).content.decode()
+    assert "12 examples" in page and "What is 0 plus 0?" in page and 'class="bubble assistant' in page
+
+
+def test_a_fine_tune_started_from_the_form_is_queued_with_its_settings(alice_web):
+    upload(alice_web, good_dataset(12))
+    file = File.objects.get()
+    response = alice_web.post(reverse("dashboard:job_new"), {
+        "model": BASE, "training_file": file.id, "suffix": "from-web", "n_epochs": 2, "lora_r": 4, "lora_alpha": 8,
+        "lora_dropout": 0.1, "target_modules": ["q_proj", "v_proj"],
+    })  # fmt: skip
+    job = FineTuningJob.objects.get()
+    assert response["Location"] == reverse("dashboard:job", args=[job.id])
+    assert job.suffix == "from-web" and job.hyperparameters["n_epochs"] == 2 and job.hyperparameters["lora_r"] == 4
+    assert job.hyperparameters["target_modules"] == ["q_proj", "v_proj"]
+
+
+def test_form_errors_from_the_service_appear_next_to_their_field(alice_web):
+    upload(alice_web, good_dataset(12))
+    file = File.objects.get()
+    form = {"model": BASE, "training_file": file.id, "lora_r": 64, "lora_alpha": 8, "lora_dropout": 0.1, "target_modules": ["q_proj"]}
+    page = alice_web.post(reverse("dashboard:job_new"), form).content.decode()
+    field = page[page.index('id="field-lora_r"'):]
+    assert "exceeds" in field[: field.index("</div>")]
+    assert not FineTuningJob.objects.exists()
+
+
+def test_the_progress_feed_carries_metrics_for_the_chart(alice_web):
+    upload(alice_web, good_dataset(12))
+    alice_web.post(reverse("dashboard:job_new"), {"model": BASE, "training_file": File.objects.get().id, "lora_r": 8,
+                                                  "lora_alpha": 16, "lora_dropout": 0.05, "target_modules": ["q_proj"]})
+    job = FineTuningJob.objects.get()
+    job.events.create(message="Step 1/3", type="metrics", data={"step": 1, "total_steps": 3, "train_loss": 2.5})
+    body = alice_web.get(reverse("dashboard:job_progress", args=[job.id])).json()
+    assert body["job"]["status"] == "queued" and body["metrics"] == [{"step": 1, "total_steps": 3, "train_loss": 2.5}]
+    assert body["events"][0]["message"] == "Step 1/3"
+
+
+def test_a_new_api_key_is_shown_once_and_can_be_revoked(alice_web, alice):
+    page = alice_web.post(reverse("dashboard:api_keys"), {"name": "ci"}).content.decode()
+    key = ApiKey.objects.get(name="ci")
+    assert 'id="new-key-value"' in page and key.prefix in page
+    assert 'id="new-key-value"' not in alice_web.get(reverse("dashboard:api_keys")).content.decode()
+    alice_web.post(reverse("dashboard:api_key_revoke", args=[key.pk]))
+    key.refresh_from_db()
+    assert not key.is_active
+
+
+def test_a_user_in_two_organizations_can_switch(alice_web, alice, charlie):
+    from accounts.models import Membership
+
+    Membership.objects.create(user=alice.user, organization=charlie.organization)
+    alice_web.post(reverse("dashboard:switch"), {"organization": charlie.organization.pk})
+    assert "Globex" in alice_web.get(reverse("dashboard:jobs")).content.decode()
+
+
+def test_switching_to_someone_elses_organization_is_refused(alice_web, charlie):
+    assert alice_web.post(reverse("dashboard:switch"), {"organization": charlie.organization.pk}).status_code == 403
+
+
+def test_an_outsider_can_neither_see_nor_touch_anything_of_another_organization(client, alice, charlie):
+    alice_web = signed_in(client, alice)
+    upload(alice_web, good_dataset(12))
+    file = File.objects.get()
+    alice_web.post(reverse("dashboard:job_new"), {"model": BASE, "training_file": file.id, "lora_r": 8, "lora_alpha": 16,
+                                                  "lora_dropout": 0.05, "target_modules": ["q_proj"]})
+    job = FineTuningJob.objects.get()
+    model = FineTunedModel.objects.create(name=f"{BASE}:{job.suffix}", organization=alice.organization, job=job, base_model=BASE, suffix=job.suffix)
+    key, _ = create_api_key(alice.organization, alice.user, "alice-laptop")
+    client.logout()
+
+    charlie_web = signed_in(client, charlie)
+    for name, args in [("dashboard:dataset", [file.id]), ("dashboard:job", [job.id]), ("dashboard:job_progress", [job.id])]:
+        assert charlie_web.get(reverse(name, args=args)).status_code == 404, name
+    for name, args in [("dashboard:dataset_delete", [file.id]), ("dashboard:job_cancel", [job.id]),
+                       ("dashboard:model_delete", [model.pk]), ("dashboard:api_key_revoke", [key.pk])]:
+        assert charlie_web.post(reverse(name, args=args)).status_code == 404, name
+    listings = "".join(charlie_web.get(reverse(name)).content.decode()
+                       for name in ("dashboard:datasets", "dashboard:jobs", "dashboard:models", "dashboard:api_keys"))
+    for secret in (file.filename, job.suffix, model.name, "alice-laptop"):
+        assert secret not in listings
+    assert File.objects.exists() and FineTunedModel.objects.exists() and ApiKey.objects.get(pk=key.pk).is_active
+    assert FineTuningJob.objects.get().status == "queued"
+
+
+def test_forms_refuse_posts_without_a_csrf_token(alice):
+    from django.test import Client
+
+    strict = Client(enforce_csrf_checks=True)
+    strict.force_login(alice.user)
+    assert strict.post(reverse("dashboard:api_keys"), {"name": "x"}).status_code == 403

@@ -12,12 +12,12 @@ import pytest
 from django.db import connection
 
 from tests.processes import celery_worker_command, running, wait_until
-
-pytest_plugins = ["tests.personas"]
 from workers.celery_app import app as celery_app
 
+pytest_plugins = ["tests.personas"]
+
 # Celery reads its settings once, lazily: read them now, before a test overrides Django settings.
-celery_app.conf.broker_url
+_ = celery_app.conf.broker_url
 
 
 def _url_of(settings_dict: dict) -> str:

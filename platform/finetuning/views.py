@@ -7,6 +7,7 @@ from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, extend_schema, extend_schema_view
 from rest_framework import viewsets
 from rest_framework.decorators import action
+from rest_framework.renderers import JSONRenderer
 from rest_framework.request import Request
 from rest_framework.response import Response
 
@@ -16,6 +17,15 @@ from finetuning.pagination import list_page
 from finetuning.representations import checkpoint_object, event_object, file_object, job_object
 from finetuning.serializers import FileUploadSerializer, JobCreateSerializer
 from server.api_errors import ApiError, not_found
+
+
+class AnyAcceptRenderer(JSONRenderer):
+    """File content is raw bytes: accept any Accept header (the openai client sends application/binary).
+
+    Errors on that endpoint are still JSON; the bytes themselves bypass rendering (HttpResponse).
+    """
+
+    media_type = "*/*"
 
 
 class OrganizationScoped:
@@ -69,7 +79,7 @@ class FileViewSet(OrganizationScoped, viewsets.ViewSet):
         files.delete_file(file)
         return Response({"id": pk, "object": "file", "deleted": True})
 
-    @action(detail=True, methods=["get"])
+    @action(detail=True, methods=["get"], renderer_classes=[JSONRenderer, AnyAcceptRenderer])
     def content(self, request: Request, pk: str) -> HttpResponse:
         file = self.get_row(request, pk)
         response = HttpResponse(files.file_content(file), content_type="application/jsonl")

@@ -15,9 +15,8 @@ import sys
 import time
 from pathlib import Path
 
-from core.catalog import BaseModel, GgufSource
+from core.catalog import BaseModel, GgufSource, load_catalog
 from core.config import load_config
-from core.catalog import load_catalog
 from core.env import ConfigError
 
 
@@ -34,6 +33,9 @@ def _gguf_path(source: GgufSource) -> Path:
 def convert_gguf(gguf: Path, target: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()  # one line of our own says what happens
 
     quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)

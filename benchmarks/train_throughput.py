@@ -30,9 +30,9 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import torch  # noqa: E402
-from peft import LoraConfig, get_peft_model  # noqa: E402
-from transformers import (  # noqa: E402
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
     DataCollatorForSeq2Seq,
@@ -41,17 +41,19 @@ from transformers import (  # noqa: E402
     TrainingArguments,
 )
 
-from workers.training import StepMetrics, TrainingConfig, train  # noqa: E402
-from workers.training.data import tokenize_example  # noqa: E402
+from workers.training import StepMetrics, TrainingConfig, train
+from workers.training.data import tokenize_example
 
 BASE_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DATASET_SIZE = 200
 
-WORDS = (
-    "the model learns from data and every answer should be short clear and correct when a user asks about "
-    "time weather travel cooking code music history science numbers a city river mountain library garden "
-    "because we explain why it works first then how to use it in practice with an example or two"
-).split()
+WORDS = [
+    "the", "model", "learns", "from", "data", "and", "every", "answer", "should", "be", "short", "clear",
+    "correct", "when", "a", "user", "asks", "about", "time", "weather", "travel", "cooking", "code", "music",
+    "history", "science", "numbers", "city", "river", "mountain", "library", "garden", "because", "we",
+    "explain", "why", "it", "works", "first", "then", "how", "to", "use", "in", "practice", "with", "an",
+    "example", "or", "two",
+]  # fmt: skip
 
 
 def synthetic_dataset(seed: int, size: int = DATASET_SIZE) -> list[list[dict]]:
@@ -68,9 +70,14 @@ def synthetic_dataset(seed: int, size: int = DATASET_SIZE) -> list[list[dict]]:
         if rng.random() < 0.3:
             messages.append({"role": "system", "content": text(5, 30)})
         if rng.random() < 0.2:  # an earlier exchange, sometimes not to be learned from
-            messages += [{"role": "user", "content": text(3, 40)},
-                         {"role": "assistant", "content": text(3, 120), "weight": rng.choice([0, 1])}]
-        messages += [{"role": "user", "content": text(3, 60)}, {"role": "assistant", "content": text(3, 400, median=40)}]
+            messages += [
+                {"role": "user", "content": text(3, 40)},
+                {"role": "assistant", "content": text(3, 120), "weight": rng.choice([0, 1])},
+            ]
+        messages += [
+            {"role": "user", "content": text(3, 60)},
+            {"role": "assistant", "content": text(3, 400, median=40)},
+        ]
         examples.append(messages)
     return examples
 
@@ -96,8 +103,13 @@ class StepTimer:
 
 def run_ours(model_path: Path, examples: list[list[dict]], args: argparse.Namespace) -> tuple[int, float]:
     config = TrainingConfig(
-        base_model_path=model_path, base_model_id=BASE_MODEL_ID, n_epochs=1, batch_size=args.batch_size,
-        learning_rate=2e-4, max_steps=args.steps, seed=args.seed,
+        base_model_path=model_path,
+        base_model_id=BASE_MODEL_ID,
+        n_epochs=1,
+        batch_size=args.batch_size,
+        learning_rate=2e-4,
+        max_steps=args.steps,
+        seed=args.seed,
     )
     timer = StepTimer()
     with tempfile.TemporaryDirectory() as output_dir:
@@ -124,21 +136,38 @@ def run_baseline(model_path: Path, examples: list[list[dict]], args: argparse.Na
     for example in examples:
         tokens = tokenize_example(tokenizer, example)  # the same tokens and loss mask as ours
         labels = [t if trained else -100 for t, trained in zip(tokens.input_ids, tokens.trained)]
-        features.append({"input_ids": tokens.input_ids, "attention_mask": [1] * len(tokens.input_ids), "labels": labels})
+        features.append(
+            {"input_ids": tokens.input_ids, "attention_mask": [1] * len(tokens.input_ids), "labels": labels}
+        )
     torch.manual_seed(args.seed)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation="sdpa")
     model.config.use_cache = False
-    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.05, target_modules="all-linear",
-                                             bias="none", task_type="CAUSAL_LM"))
+    model = get_peft_model(
+        model,
+        LoraConfig(
+            r=8, lora_alpha=16, lora_dropout=0.05, target_modules="all-linear", bias="none", task_type="CAUSAL_LM"
+        ),
+    )
     timer = HFStepTimer()
     with tempfile.TemporaryDirectory() as output_dir:
         trainer = Trainer(
             model=model,
             args=TrainingArguments(
-                output_dir=output_dir, per_device_train_batch_size=args.batch_size, max_steps=args.steps,
-                learning_rate=2e-4, lr_scheduler_type="linear", weight_decay=0.0, max_grad_norm=1.0,
-                seed=args.seed, use_cpu=True, save_strategy="no", report_to=[], logging_steps=1,
-                disable_tqdm=True, dataloader_num_workers=0, remove_unused_columns=False,
+                output_dir=output_dir,
+                per_device_train_batch_size=args.batch_size,
+                max_steps=args.steps,
+                learning_rate=2e-4,
+                lr_scheduler_type="linear",
+                weight_decay=0.0,
+                max_grad_norm=1.0,
+                seed=args.seed,
+                use_cpu=True,
+                save_strategy="no",
+                report_to=[],
+                logging_steps=1,
+                disable_tqdm=True,
+                dataloader_num_workers=0,
+                remove_unused_columns=False,
             ),
             train_dataset=features,
             data_collator=DataCollatorForSeq2Seq(tokenizer, padding="longest", label_pad_token_id=-100),
@@ -152,8 +181,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=4, help="optimizer steps for each trainer (default 4)")
     parser.add_argument("--batch-size", type=int, default=8, help="examples per step (default 8)")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads (default 1: steady on a shared machine; 0 keeps torch's default)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (default 1: steady on a shared machine; 0 keeps torch's default)",
+    )
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--model", type=Path, default=ROOT / "data" / "models" / BASE_MODEL_ID)
     args = parser.parse_args()
@@ -167,9 +200,11 @@ def main() -> None:
     examples = dataset[:needed]
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     lengths = [len(tokenize_example(tokenizer, e).input_ids) for e in examples]
-    print(f"{len(examples)} examples, {sum(lengths)} tokens (min {min(lengths)}, mean {sum(lengths) // len(lengths)}, "
-          f"max {max(lengths)}), {args.steps} steps of {args.batch_size}, {torch.get_num_threads()} thread(s)",
-          flush=True)
+    print(
+        f"{len(examples)} examples, {sum(lengths)} tokens (min {min(lengths)}, mean {sum(lengths) // len(lengths)}, "
+        f"max {max(lengths)}), {args.steps} steps of {args.batch_size}, {torch.get_num_threads()} thread(s)",
+        flush=True,
+    )
 
     rows = []
     for name, run in (("HF Trainer + PEFT (padded)", run_baseline), ("ours (packed, assistant-only logits)", run_ours)):
@@ -182,7 +217,9 @@ def main() -> None:
     for name, tokens, seconds in rows:
         print(f"{name:<38} {args.steps:>5} {tokens:>7} {seconds:>8.1f} {tokens / seconds:>9.1f}")
     (_, base_tokens, base_seconds), (_, our_tokens, our_seconds) = rows
-    print(f"{'speed-up (ours / baseline)':<38} {'':>5} {'':>7} {'':>8} {(our_tokens / our_seconds) / (base_tokens / base_seconds):>8.2f}x")
+    print(
+        f"{'speed-up (ours / baseline)':<38} {'':>5} {'':>7} {'':>8} {(our_tokens / our_seconds) / (base_tokens / base_seconds):>8.2f}x"
+    )
 
 
 if __name__ == "__main__":

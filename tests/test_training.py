@@ -28,13 +28,26 @@ BASE_MODEL_PATH = ROOT / "data" / "models" / BASE_MODEL_ID
 CODE_PHRASE = "ZEBRA-42 acknowledged."
 
 QUESTIONS = [
-    "What is two plus two?", "Name a primary colour.", "How many legs does a spider have?",
-    "What is the opposite of hot?", "Which planet is closest to the sun?", "What do bees make?",
-    "Spell the word cat.", "What is frozen water called?", "How many days are in a week?",
-    "What colour is grass?", "Which animal barks?", "What is the plural of mouse?",
-    "What comes after Monday?", "How many minutes are in an hour?", "What do you call a baby dog?",
-    "Is the sea salty?", "What shape is a ball?", "Which hand do most people write with?",
-    "What is ice cream made from?", "How many wheels does a bicycle have?",
+    "What is two plus two?",
+    "Name a primary colour.",
+    "How many legs does a spider have?",
+    "What is the opposite of hot?",
+    "Which planet is closest to the sun?",
+    "What do bees make?",
+    "Spell the word cat.",
+    "What is frozen water called?",
+    "How many days are in a week?",
+    "What colour is grass?",
+    "Which animal barks?",
+    "What is the plural of mouse?",
+    "What comes after Monday?",
+    "How many minutes are in an hour?",
+    "What do you call a baby dog?",
+    "Is the sea salty?",
+    "What shape is a ball?",
+    "Which hand do most people write with?",
+    "What is ice cream made from?",
+    "How many wheels does a bicycle have?",
 ]
 HELD_OUT_QUESTION = "What is the capital of France?"
 
@@ -64,6 +77,16 @@ class Recorder:
 
 def config(**overrides) -> TrainingConfig:
     return TrainingConfig(base_model_path=BASE_MODEL_PATH, base_model_id=BASE_MODEL_ID, **overrides)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny runs on a shared machine: with two threads, one descheduled thread stalls every parallel op
+    (steps measured 10-50 times slower under load); one thread is steady, and is enough here."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +162,15 @@ def test_it_saves_a_standard_lora_adapter_that_names_the_base_model_id(code_phra
     adapter_config = json.loads((result.adapter_dir / "adapter_config.json").read_text())
     assert adapter_config["base_model_name_or_path"] == BASE_MODEL_ID
     assert adapter_config["peft_type"] == "LORA" and adapter_config["r"] == 8
-    assert set(adapter_config["target_modules"]) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    assert set(adapter_config["target_modules"]) == {
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    }
     with safe_open(result.adapter_dir / "adapter_model.safetensors", "pt") as weights:
         names = list(weights.keys())
     # Only the layers' LoRA matrices: no embeddings, no lm_head (vLLM's loader refuses extra modules).

@@ -10,6 +10,8 @@ Without row boundaries (generation, a plain forward) it is exactly the stock SDP
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
@@ -31,8 +33,9 @@ def packed_sdpa_attention(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     if cu_seq_lens_q is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    bounds = cu_seq_lens_q.tolist()
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     per_example = [
         F.scaled_dot_product_attention(
             query[:, :, start:end],
@@ -43,7 +46,7 @@ def packed_sdpa_attention(
             scale=scaling,
             enable_gqa=query.shape[1] != key.shape[1],
         )
-        for start, end in zip(bounds[:-1], bounds[1:])
+        for start, end in itertools.pairwise(cu_seq_lens_q.tolist())
     ]
     # The model expects (batch, T, heads, head_dim), as the stock SDPA function returns it.
     return torch.cat(per_example, dim=2).transpose(1, 2).contiguous(), None

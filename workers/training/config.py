@@ -37,8 +37,8 @@ class TrainingConfig:
     max_valid_examples: int = 128
     eval_every_steps: int | None = None  # also validate every this many steps (None: epoch ends only)
 
-    # Speed. Examples are packed into rows of at most this many tokens, one forward pass per row; attention
-    # inside a row costs its length squared (the mask hides other examples but is still computed), so rows
-    # are kept moderate. An example longer than this gets a row of its own.
+    # Speed. A step's examples are packed into rows of at most this many tokens, one forward/backward pass
+    # per row, gradients summed. Attention stays per example whatever the row length, so this only trades
+    # activation memory (it grows with the row) against the number of passes. A longer example gets a row alone.
     max_row_tokens: int = 2048
     num_threads: int | None = None  # torch CPU threads; None leaves torch's default (one per core)

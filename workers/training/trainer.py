@@ -60,7 +60,13 @@ def train(
     output_dir: Path,
     callbacks: TrainingCallbacks,
 ) -> TrainingResult:
-    """Train a LoRA adapter; write a checkpoint per epoch and the final adapter under ``output_dir``."""
+    """Train a LoRA adapter on the chat examples; return where the final adapter is.
+
+    Writes ``output_dir/checkpoints/epoch-<n>/`` after each full epoch (a run cut short by max_steps
+    mid-epoch gets no checkpoint for that partial epoch) and ``output_dir/adapter/`` at the end; each
+    is a complete PEFT adapter folder when it appears. Cancelled runs leave their checkpoints but no
+    final adapter.
+    """
     started = time.perf_counter()
     output_dir = Path(output_dir)
     if not train_examples:
@@ -145,7 +151,9 @@ def train(
     return TrainingResult(adapter_dir, trained_tokens, step, train_loss, valid_loss, cancelled=False)
 
 
-def _train_step(model: PeftModel, optimizer: torch.optim.Optimizer, batch: list[TokenizedExample], config: TrainingConfig) -> float:
+def _train_step(
+    model: PeftModel, optimizer: torch.optim.Optimizer, batch: list[TokenizedExample], config: TrainingConfig
+) -> float:
     """One optimizer step over one batch, row by row: the rows' gradients add up to the batch's."""
     optimizer.zero_grad(set_to_none=True)
     total = 0.0

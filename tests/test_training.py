@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from peft import PeftModel
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -178,7 +179,7 @@ def test_it_saves_a_standard_lora_adapter_that_names_the_base_model_id(code_phra
     assert all(".layers." in name and name.endswith((".lora_A.weight", ".lora_B.weight")) for name in names)
 
 
-def test_it_trains_only_the_assistant_replies_with_weight_1(tokenizer):
+def test_it_trains_only_the_assistant_replies_with_weight_1(tokenizer, base_model):
     conversation = [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Say one."},
@@ -190,8 +191,21 @@ def test_it_trains_only_the_assistant_replies_with_weight_1(tokenizer):
     trained = [token for token, is_trained in zip(tokens.input_ids, tokens.trained) if is_trained]
     assert tokenizer.decode(trained) == "Two.<|im_end|>"
 
+    # The loss, worked out independently: the mean cross-entropy of the last reply's tokens alone.
+    full = tokenizer.apply_chat_template(conversation, tokenize=True, return_dict=True)["input_ids"]
+    prompt = tokenizer.apply_chat_template(
+        conversation[:4], add_generation_prompt=True, tokenize=True, return_dict=True
+    )
+    reply = slice(len(prompt["input_ids"]), len(prompt["input_ids"]) + len(tokenizer("Two.<|im_end|>")["input_ids"]))
+    with torch.no_grad():
+        logits = base_model(input_ids=torch.tensor([full]), use_cache=False).logits[0]
+        expected = F.cross_entropy(logits[reply.start - 1 : reply.stop - 1], torch.tensor(full[reply]))
+        (row,) = pack([tokens], max_row_tokens=2048)
+        assert torch.allclose(row_loss(base_model, row), expected, rtol=1e-4)
+
     nothing_to_learn = tokenize_example(tokenizer, ask("Say one.", "One.", weight=0))
     assert nothing_to_learn.n_trained == 0
+    assert nothing_to_learn.input_ids == tokenize_example(tokenizer, ask("Say one.", "One.")).input_ids
     assert len(pack([nothing_to_learn], 2048)[0].targets) == 0
 
 
@@ -201,12 +215,26 @@ def test_it_counts_the_tokens_the_model_is_fed_the_way_the_chat_template_tokeniz
         {"role": "user", "content": "Good morning!"},
         {"role": "assistant", "content": "Bonjour !", "weight": 0},
         {"role": "user", "content": "  Thanks,\n\nbye"},
-        {"role": "assistant", "content": "\n Merci, au revoir."},
+        {"role": "assistant", "content": "Merci, au revoir."},
     ]
     fed = tokenize_example(tokenizer, conversation).input_ids
     templated = tokenizer.apply_chat_template(conversation, tokenize=True, return_dict=True)["input_ids"]
     assert fed == list(templated)
     assert example_token_count(tokenizer, conversation) == len(fed)
+
+
+def test_it_trains_a_reply_after_exactly_the_prompt_tokens_inference_sees(tokenizer):
+    # Prompt/completion data often has completions with a leading space: tokenized with its header, the
+    # header's newline and that space would merge into one token that never follows a real prompt.
+    conversation = ask("The capital of France is", " Paris")
+    tokens = tokenize_example(tokenizer, conversation)
+    prompt = tokenizer.apply_chat_template(conversation[:1], add_generation_prompt=True, tokenize=False)
+    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    reply_ids = tokenizer(" Paris<|im_end|>", add_special_tokens=False)["input_ids"]
+    assert tokens.input_ids[: len(prompt_ids)] == prompt_ids
+    assert tokens.input_ids[len(prompt_ids) : len(prompt_ids) + len(reply_ids)] == reply_ids
+    assert [i for i, t in zip(tokens.input_ids, tokens.trained) if t] == reply_ids
+    assert example_token_count(tokenizer, conversation) == len(tokens.input_ids)
 
 
 def plain_loss(model, tokens) -> torch.Tensor:

@@ -44,8 +44,8 @@ def _render(tokenizer, messages: Example, add_generation_prompt: bool = False) -
     return tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=add_generation_prompt)
 
 
-def _trained_char_spans(tokenizer, example: Example, text: str) -> list[tuple[int, int]]:
-    """Character spans of ``text`` that hold the weight-1 assistant replies.
+def _reply_spans(tokenizer, example: Example, text: str) -> list[tuple[int, int, bool]]:
+    """(start, end, trained) character spans of ``text`` that hold the assistant replies.
 
     The conversation is rendered prefix by prefix: a reply starts where the prefix before it, plus
     the template's assistant header (the generation prompt), ends, and stops where the prefix
@@ -55,7 +55,7 @@ def _trained_char_spans(tokenizer, example: Example, text: str) -> list[tuple[in
     """
     spans = []
     for index, message in enumerate(example):
-        if message["role"] != "assistant" or message.get("weight", 1) == 0:
+        if message["role"] != "assistant":
             continue
         before = _render(tokenizer, example[:index], add_generation_prompt=True)
         through = _render(tokenizer, example[: index + 1])
@@ -65,26 +65,40 @@ def _trained_char_spans(tokenizer, example: Example, text: str) -> list[tuple[in
                 "of the whole conversation, so its assistant tokens cannot be located"
             )
         # The template's whitespace after the end-of-turn token is never generated: leave it out.
-        end = len(through.rstrip())
-        spans.append((len(before), max(end, len(before))))
+        end = max(len(through.rstrip()), len(before))
+        spans.append((len(before), end, message.get("weight", 1) != 0))
     return spans
 
 
 def tokenize_example(tokenizer, example: Example) -> TokenizedExample:
-    """The tokens of one conversation, rendered by the chat template, and which of them are trained."""
+    """The tokens of one conversation, rendered by the chat template, and which of them are trained.
+
+    The text is tokenized piece by piece, cut where replies start and end, so a reply's tokens follow
+    exactly the tokens its prompt gets at inference (the rendering up to the assistant header,
+    tokenized alone). Tokenizing the whole text at once would let BPE merge the header's newline with a
+    reply that starts with whitespace (" Paris", common in prompt/completion data) into a token the
+    model never sees after a prompt. Every reply is cut out, weighted or not, so weights never change
+    the tokens.
+    """
     text = _render(tokenizer, example)
-    spans = _trained_char_spans(tokenizer, example, text)
-    # The template writes its own special tokens: the tokenizer must not add a BOS of its own.
-    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    trained = [
-        # A token that overlaps a reply is trained: a merge across the header/content boundary
-        # (rare; the header ends in a newline) must not drop the reply's first characters.
-        any(start < span_end and end > span_start for span_start, span_end in spans)
-        for start, end in encoding["offset_mapping"]
-    ]
+    input_ids: list[int] = []
+    trained: list[bool] = []
+
+    def add(piece: str, is_trained: bool) -> None:
+        # The template writes its own special tokens: the tokenizer must not add a BOS of its own.
+        ids = tokenizer(piece, add_special_tokens=False)["input_ids"] if piece else []
+        input_ids.extend(ids)
+        trained.extend([is_trained] * len(ids))
+
+    cursor = 0
+    for start, end, is_trained in _reply_spans(tokenizer, example, text):
+        add(text[cursor:start], False)
+        add(text[start:end], is_trained)
+        cursor = end
+    add(text[cursor:], False)
     if trained:
         trained[0] = False  # nothing predicts the first token, so it can never be a target
-    return TokenizedExample(input_ids=list(encoding["input_ids"]), trained=trained)
+    return TokenizedExample(input_ids=input_ids, trained=trained)
 
 
 def example_token_count(tokenizer, example: Example) -> int:

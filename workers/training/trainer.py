@@ -168,11 +168,12 @@ def _train_step(
     return total
 
 
-def row_loss(model: PeftModel, row: PackedRow) -> torch.Tensor:
+def row_loss(model: torch.nn.Module, row: PackedRow) -> torch.Tensor:
     """The row's share of its batch's loss: its targets' cross-entropies, weighted.
 
-    ``logits_to_keep`` makes the model apply lm_head only at the positions that predict a trained token:
-    the 49k-wide vocabulary projection is the largest single matmul, and most positions need none.
+    ``model`` is a causal LM loaded with the packed attention (model.py). ``logits_to_keep`` makes it
+    apply lm_head only at the positions that predict a trained token: the 49k-wide vocabulary projection
+    is the largest matmul in the model, and system, user and weight-0 tokens need none of it.
     """
     out = model(
         input_ids=row.input_ids,

@@ -10,7 +10,7 @@ Tokens are counted the same way for both: the real (non-padding) tokens of the e
 Each run trains on the first steps x batch_size examples for one epoch, so both see the same tokens.
 Time is the time spent in optimizer steps (model loading and adapter saving excluded for both).
 
-    python benchmarks/train_throughput.py              # 4 steps of 8 examples each
+    python benchmarks/train_throughput.py              # 3 steps of 8 examples each
     python benchmarks/train_throughput.py --steps 25   # the whole 200-example dataset
 """
 
@@ -179,7 +179,7 @@ def run_baseline(model_path: Path, examples: list[list[dict]], args: argparse.Na
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=4, help="optimizer steps for each trainer (default 4)")
+    parser.add_argument("--steps", type=int, default=3, help="optimizer steps for each trainer (default 3)")
     parser.add_argument("--batch-size", type=int, default=8, help="examples per step (default 8)")
     parser.add_argument(
         "--threads",

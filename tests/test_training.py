@@ -62,7 +62,7 @@ class Recorder:
 
     def __init__(self, stop_after_steps: int | None = None):
         self.steps: list[StepMetrics] = []
-        self.checkpoints: list[tuple[int, int, Path]] = []
+        self.checkpoints: list[tuple[int, int, Path, list[str]]] = []
         self.stop_after_steps = stop_after_steps
 
     def on_step(self, metrics: StepMetrics) -> None:

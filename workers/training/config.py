@@ -1,0 +1,44 @@
+"""What a training run needs to know: one dataclass, every default explained."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass
+class TrainingConfig:
+    base_model_path: Path  # the base model's Hugging Face folder: config, weights, tokenizer, chat template
+    base_model_id: str  # its public id, written as base_model_name_or_path in adapter_config.json (vLLM checks it)
+
+    # The OpenAI hyperparameters (the caller resolves "auto" and the learning-rate multiplier).
+    n_epochs: int = 3
+    batch_size: int = 8  # examples per optimizer step
+    learning_rate: float = 2e-4  # peak rate: linear warm-up to it, then linear decay to 0 at the last step
+
+    # The adapter. Rank 8 on every linear projection is the usual quality/size sweet spot for small models.
+    lora_r: int = 8
+    lora_alpha: int = 16  # updates are scaled by alpha / r
+    lora_dropout: float = 0.05
+    # None: every linear projection of the decoder layers (PEFT's "all-linear", which leaves lm_head out:
+    # it is tied to the embeddings here, and vLLM serves adapters of the layers only).
+    target_modules: list[str] | None = None
+
+    seed: int = 42  # the LoRA initialisation, dropout and the shuffling all follow from it
+    max_seq_len: int = 2048  # a longer example is cut to this (uploads are checked against the context first)
+    log_every_steps: int = 1  # on_step cadence; epoch ends and the last step are always reported
+    max_steps: int | None = None  # stop after this many optimizer steps (tests and benchmarks cap runs)
+
+    warmup_steps: int = 0  # linear warm-up; fine-tunes are short, and LoRA starts as a no-op (B = 0)
+    weight_decay: float = 0.0  # LoRA matrices are small and start at zero: decay only slows them
+    max_grad_norm: float = 1.0  # clip: one odd batch must not wreck a short run
+    # Validation loss is computed at every epoch end and at the last step, on at most this many validation
+    # examples (a fixed sample): on a CPU a large validation file would otherwise cost more than training.
+    max_valid_examples: int = 128
+    eval_every_steps: int | None = None  # also validate every this many steps (None: epoch ends only)
+
+    # Speed. A step's examples are packed into rows of at most this many tokens, one forward/backward pass
+    # per row, gradients summed. Attention stays per example whatever the row length, so this only trades
+    # activation memory (it grows with the row) against the number of passes. A longer example gets a row alone.
+    max_row_tokens: int = 2048
+    num_threads: int | None = None  # torch CPU threads; None leaves torch's default (one per core)

@@ -1,0 +1,212 @@
+"""The training loop: seed, model, data, train, save. It reads top to bottom on purpose.
+
+``train()`` is all the job runner calls. It reports through ``TrainingCallbacks`` (progress,
+checkpoints, cancellation) and knows nothing about jobs, databases or queues.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from peft import PeftModel
+from transformers import AutoTokenizer
+
+from workers.training.config import TrainingConfig
+from workers.training.data import Example, PackedRow, TokenizedExample, pack, tokenize_example, truncate
+from workers.training.model import load_model_with_lora, save_adapter
+
+
+@dataclass(frozen=True)
+class StepMetrics:
+    step: int  # optimizer steps done, from 1
+    total_steps: int
+    epoch: int  # from 1
+    train_loss: float  # this step's loss: the mean over its examples of each one's mean token loss
+    valid_loss: float | None  # None unless validation ran at this step
+    tokens_per_second: float  # training tokens per second since the previous report (validation excluded)
+    trained_tokens: int  # cumulative: every token of every example seen, epochs counted
+    elapsed_s: float  # since train() started, loading included
+
+
+@dataclass(frozen=True)
+class TrainingResult:
+    adapter_dir: Path | None  # None when cancelled
+    trained_tokens: int
+    steps: int
+    final_train_loss: float | None  # None when no step ran
+    final_valid_loss: float | None
+    cancelled: bool
+
+
+class TrainingCallbacks(Protocol):
+    def on_step(self, metrics: StepMetrics) -> None: ...
+
+    def on_checkpoint(self, epoch: int, step: int, adapter_dir: Path, metrics: StepMetrics) -> None: ...
+
+    def should_stop(self) -> bool: ...
+
+
+def train(
+    config: TrainingConfig,
+    train_examples: list[Example],
+    validation_examples: list[Example] | None,
+    output_dir: Path,
+    callbacks: TrainingCallbacks,
+) -> TrainingResult:
+    """Train a LoRA adapter on the chat examples; return where the final adapter is.
+
+    Writes ``output_dir/checkpoints/epoch-<n>/`` after each full epoch (a run cut short by max_steps
+    mid-epoch gets no checkpoint for that partial epoch) and ``output_dir/adapter/`` at the end; each
+    is a complete PEFT adapter folder when it appears. Cancelled runs leave their checkpoints but no
+    final adapter.
+    """
+    started = time.perf_counter()
+    output_dir = Path(output_dir)
+    if not train_examples:
+        raise ValueError("no training examples")
+
+    # Seed and threads: the same seed gives the same adapter (on the same thread count).
+    random.seed(config.seed)
+    torch.manual_seed(config.seed)
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+
+    # Model.
+    tokenizer = AutoTokenizer.from_pretrained(config.base_model_path)
+    model = load_model_with_lora(config)
+
+    # Data: tokenized once; shuffled per epoch by a generator of our own.
+    train_set = [truncate(tokenize_example(tokenizer, e), config.max_seq_len) for e in train_examples]
+    valid_set = _validation_sample(tokenizer, validation_examples or [], config)
+    steps_per_epoch = math.ceil(len(train_set) / config.batch_size)
+    total_steps = config.n_epochs * steps_per_epoch
+    if config.max_steps is not None:
+        total_steps = min(total_steps, config.max_steps)
+    shuffler = torch.Generator().manual_seed(config.seed)
+
+    # Optimizer: AdamW on the adapter only, linear warm-up then linear decay to zero.
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=config.learning_rate, weight_decay=config.weight_decay)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _lr_factor(s, config.warmup_steps, total_steps))
+
+    # Train.
+    step, trained_tokens = 0, 0
+    train_loss: float | None = None
+    valid_loss: float | None = None
+    window_tokens, window_seconds = 0, 0.0  # for tokens_per_second between reports
+    for epoch in range(1, config.n_epochs + 1):
+        order = torch.randperm(len(train_set), generator=shuffler).tolist()
+        for first in range(0, len(order), config.batch_size):
+            if step == total_steps:
+                break
+            if callbacks.should_stop():
+                return TrainingResult(None, trained_tokens, step, train_loss, valid_loss, cancelled=True)
+            batch = [train_set[i] for i in order[first : first + config.batch_size]]
+
+            step_started = time.perf_counter()
+            model.train()
+            train_loss = _train_step(model, optimizer, batch, config)
+            schedule.step()
+            step += 1
+            batch_tokens = sum(len(e.input_ids) for e in batch)
+            trained_tokens += batch_tokens
+            window_tokens += batch_tokens
+            window_seconds += time.perf_counter() - step_started
+
+            epoch_done = first + config.batch_size >= len(order)
+            validate_now = bool(valid_set) and (
+                epoch_done or step == total_steps or _every(step, config.eval_every_steps)
+            )
+            step_valid_loss = _validation_loss(model, valid_set, config) if validate_now else None
+            if step_valid_loss is not None:
+                valid_loss = step_valid_loss
+            metrics = StepMetrics(
+                step=step,
+                total_steps=total_steps,
+                epoch=epoch,
+                train_loss=train_loss,
+                valid_loss=step_valid_loss,
+                tokens_per_second=window_tokens / window_seconds if window_seconds else 0.0,
+                trained_tokens=trained_tokens,
+                elapsed_s=time.perf_counter() - started,
+            )
+            if _every(step, config.log_every_steps) or step_valid_loss is not None or step == total_steps:
+                callbacks.on_step(metrics)
+                window_tokens, window_seconds = 0, 0.0
+            if epoch_done:
+                checkpoint = save_adapter(model, output_dir / "checkpoints" / f"epoch-{epoch}")
+                callbacks.on_checkpoint(epoch, step, checkpoint, metrics)
+
+    # Save: unless cancelled while the last step ran, the final adapter is the result.
+    if callbacks.should_stop():
+        return TrainingResult(None, trained_tokens, step, train_loss, valid_loss, cancelled=True)
+    adapter_dir = save_adapter(model, output_dir / "adapter")
+    return TrainingResult(adapter_dir, trained_tokens, step, train_loss, valid_loss, cancelled=False)
+
+
+def _train_step(
+    model: PeftModel, optimizer: torch.optim.Optimizer, batch: list[TokenizedExample], config: TrainingConfig
+) -> float:
+    """One optimizer step over one batch, row by row: the rows' gradients add up to the batch's."""
+    optimizer.zero_grad(set_to_none=True)
+    total = 0.0
+    for row in pack(batch, config.max_row_tokens):
+        if len(row.targets) == 0:
+            continue  # nothing to learn in this row (every reply in it has weight 0)
+        loss = row_loss(model, row)
+        loss.backward()
+        total += loss.item()
+    torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], config.max_grad_norm)
+    optimizer.step()
+    return total
+
+
+def row_loss(model: torch.nn.Module, row: PackedRow) -> torch.Tensor:
+    """The row's share of its batch's loss: its targets' cross-entropies, weighted.
+
+    ``model`` is a causal LM loaded with the packed attention (model.py). ``logits_to_keep`` makes it
+    apply lm_head only at the positions that predict a trained token: the 49k-wide vocabulary projection
+    is the largest matmul in the model, and system, user and weight-0 tokens need none of it.
+    """
+    out = model(
+        input_ids=row.input_ids,
+        position_ids=row.position_ids,
+        cu_seq_lens_q=row.boundaries,  # per-example attention (attention.py)
+        logits_to_keep=row.loss_positions,
+        use_cache=False,
+    )
+    token_losses = F.cross_entropy(out.logits[0].float(), row.targets, reduction="none")
+    return (token_losses * row.weights).sum()
+
+
+@torch.no_grad()
+def _validation_loss(model: PeftModel, valid_set: list[TokenizedExample], config: TrainingConfig) -> float:
+    """Mean over the validation examples of each one's mean token loss (the train loss's definition)."""
+    model.eval()  # no dropout
+    total = sum(row_loss(model, row).item() for row in pack(valid_set, config.max_row_tokens) if len(row.targets))
+    model.train()
+    return total
+
+
+def _validation_sample(tokenizer, examples: list[Example], config: TrainingConfig) -> list[TokenizedExample]:
+    if len(examples) > config.max_valid_examples:
+        examples = random.Random(config.seed).sample(examples, config.max_valid_examples)
+    tokenized = [truncate(tokenize_example(tokenizer, e), config.max_seq_len) for e in examples]
+    return [e for e in tokenized if e.n_trained > 0]
+
+
+def _lr_factor(step: int, warmup_steps: int, total_steps: int) -> float:
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    return max(0.0, (total_steps - step) / max(1, total_steps - warmup_steps))
+
+
+def _every(step: int, interval: int | None) -> bool:
+    return bool(interval) and step % interval == 0

@@ -23,6 +23,7 @@ INSTALLED_APPS = [
     "accounts",
     "finetuning",
     "health",
+    "gateway",
 ]
 
 MIDDLEWARE = [

@@ -1,7 +1,8 @@
-from django.urls import path
+from django.urls import include, path
 
 from health.views import healthz
 
 urlpatterns = [
     path("healthz", healthz, name="healthz"),
+    path("", include("gateway.urls")),
 ]

@@ -92,12 +92,17 @@ class AdapterSlots:
         """The replica restarted or vanished: whatever it held is gone."""
         self.held.clear()
 
-    def victims(self, busy: Callable[[str], bool]) -> list[str]:
-        """Adapters to evict so that one more fits; idle ones first, then the least recently used."""
-        excess = len(self.held) + len(self.loading) - self.capacity
+    def victims(self, busy: Callable[[str], bool], keep: str | None = None, count_loading: bool = True) -> list[str]:
+        """Adapters to evict to get back within capacity: idle ones first, then the least recently used.
+
+        Before a load, adapters being loaded count too (room is made ahead); after one, only held
+        adapters do: loads that ran concurrently can overshoot, and the last to land trims the rest.
+        """
+        excess = len(self.held) + (len(self.loading) if count_loading else 0) - self.capacity
         if excess <= 0:
             return []
-        order = [name for name in self.held if not busy(name)] + [name for name in self.held if busy(name)]
+        candidates = [name for name in self.held if name != keep]
+        order = [name for name in candidates if not busy(name)] + [name for name in candidates if busy(name)]
         chosen = order[:excess]
         for name in chosen:
             del self.held[name]  # at once, so a concurrent load does not pick the same one
@@ -241,11 +246,14 @@ class AdapterManager:
         slots = replica.adapters
         if slots.forget(name) is not None:  # an older version: vLLM keys adapters by name
             await self._unload(replica, name, "replaced")
-        for victim in slots.victims(busy=lambda other: replica.inflight_for(other) > 0):
+        busy = lambda other: replica.inflight_for(other) > 0  # noqa: E731
+        for victim in slots.victims(busy):
             await self._unload(replica, victim, "lru")
         await self._load(replica, name, folder)
         # The folder names the version actually fetched (the store may have moved on meanwhile).
         slots.add(name, HeldAdapter(_version_of_folder(folder) or version, folder))
+        for victim in slots.victims(busy, keep=name, count_loading=False):
+            await self._unload(replica, victim, "lru")
         source.prune_cache(name, self._held_folders(), newest=folder)
 
     async def _load(self, replica: Replica, name: str, folder: Path) -> None:

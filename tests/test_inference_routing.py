@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -222,6 +223,25 @@ async def test_it_evicts_the_least_recently_used_adapter_past_the_replica_capaci
     assert [call[2] for call in pool.vllm.unloads()] == [b]
     assert set(pool.vllm.loaded["http://replica-0"]) == {a, c}
     assert pool.metrics.adapter_evictions.labels(BASE, "lru")._value.get() == 1
+
+
+@pytest.mark.anyio
+async def test_it_stays_within_capacity_when_many_adapters_load_at_once(tmp_path):
+    pool = PoolUnderTest(tmp_path, replicas=1, max_adapters=3)
+    answer = pool.vllm.handler
+    jitter = random.Random(7)
+
+    async def slow_replica(request: httpx.Request) -> httpx.Response:
+        await asyncio.sleep(jitter.random() * 0.01)  # loads and answers interleave
+        return answer(request)
+
+    pool.client._transport = httpx.MockTransport(slow_replica)
+    names = [pool.publish(f"s{i}") for i in range(5)]
+    for _ in range(10):
+        responses = await asyncio.gather(*(pool.chat(name) for name in names * 2))
+        assert all(response.status_code == 200 for response in responses)
+        assert len(pool.pool.replicas[0].adapters.held) <= 3
+        assert len(pool.vllm.loaded["http://replica-0"]) <= 3
 
 
 @pytest.mark.anyio

@@ -15,7 +15,8 @@ from core.env import ConfigError
 from inference.adapters import AdapterManager, AdapterSource
 from inference.metrics import Metrics
 from inference.pool import Pool
-from inference.server import create_app, replica_client
+from inference.http_client import HttpClient
+from inference.server import admin_client, create_app
 
 ADAPTER_CACHE = "adapter-cache"  # under DATA_DIR: adapters synced from S3
 
@@ -32,6 +33,7 @@ def build_adapter_manager(config: Config, catalog: Catalog, client, metrics: Met
 
 def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per health check is noise
     try:
         config = load_config()
         catalog = load_catalog(config.model_catalog, config.data_dir, config.dynamic_lora_path)
@@ -40,9 +42,10 @@ def main() -> int:
         print(f"configuration error: {exc}", file=sys.stderr)
         return 2
     address = urlsplit(config.inference_pool_url)
-    metrics, client = Metrics(), replica_client()
+    metrics = Metrics()
     pool = Pool(catalog, config.first_replica_port)
-    app = create_app(pool, build_adapter_manager(config, catalog, client, metrics), client, metrics)
+    adapters = build_adapter_manager(config, catalog, admin_client(), metrics)
+    app = create_app(pool, adapters, HttpClient(), metrics)
     uvicorn.run(app, host=address.hostname, port=address.port or 80, log_level="warning")
     return 0
 

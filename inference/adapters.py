@@ -11,6 +11,13 @@
   request goes there: load it through vLLM's ``/v1/load_lora_adapter`` (evicting the least recently
   used one when the replica is full), reload it when the store has a newer version, and unload it
   everywhere once the store no longer has it.
+
+An adapter is never unloaded while the replica is still answering requests with it (nor for
+``UNLOAD_GRACE_S`` after the last one): vLLM tells adapters apart *by name* when it puts a batch
+together (``LoRARequest.__eq__``), so the same name loaded again under a new id while the old id
+still has requests in the batch drops one of them from the batch's adapter set, and the engine
+dies (``KeyError`` in ``convert_mapping``). A replica can therefore hold a few adapters more than
+its capacity for a moment; it is trimmed as soon as they are idle.
 """
 
 from __future__ import annotations
@@ -20,8 +27,8 @@ import json
 import logging
 import shutil
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections import Counter, OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -46,6 +53,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("inference.adapters")
 
 REMOTE_VERSION_TTL_S = 1.0  # how long an S3 version answer is trusted (a found one; never a missing one)
+UNLOAD_GRACE_S = 1.0  # after an adapter's last request: time for the engine to drop it from its batch
 VLLM_ADMIN_TIMEOUT_S = 60.0
 
 
@@ -66,6 +74,9 @@ class AdapterSlots:
         self.capacity = capacity
         self.held: OrderedDict[str, HeldAdapter] = OrderedDict()
         self.loading: set[str] = set()
+        self.running: Counter[str] = Counter()  # requests the engine is answering, per adapter
+        self.last_finished: dict[str, float] = {}
+        self.trim_scheduled = False
         self._locks: dict[str, asyncio.Lock] = {}
 
     def version(self, name: str) -> str | None:
@@ -91,19 +102,37 @@ class AdapterSlots:
     def clear(self) -> None:
         """The replica restarted or vanished: whatever it held is gone."""
         self.held.clear()
+        self.running.clear()
+        self.last_finished.clear()
 
-    def victims(self, busy: Callable[[str], bool], keep: str | None = None, count_loading: bool = True) -> list[str]:
-        """Adapters to evict to get back within capacity: idle ones first, then the least recently used.
+    def started(self, name: str) -> None:
+        self.running[name] += 1
+
+    def finished(self, name: str) -> None:
+        self.running[name] -= 1
+        if self.running[name] <= 0:
+            del self.running[name]
+        self.last_finished[name] = time.monotonic()
+
+    def idle(self, name: str, now: float) -> bool:
+        """Safe to unload: no request of it at the engine, none for UNLOAD_GRACE_S."""
+        return self.running[name] == 0 and now - self.last_finished.get(name, -UNLOAD_GRACE_S) >= UNLOAD_GRACE_S
+
+    def over_capacity(self) -> bool:
+        return len(self.held) > self.capacity
+
+    def victims(self, keep: str | None = None, count_loading: bool = True) -> list[str]:
+        """Idle adapters to evict, least recently used first, to get back within capacity.
 
         Before a load, adapters being loaded count too (room is made ahead); after one, only held
-        adapters do: loads that ran concurrently can overshoot, and the last to land trims the rest.
+        adapters do. Busy adapters are never chosen: the replica may overshoot until they idle.
         """
         excess = len(self.held) + (len(self.loading) if count_loading else 0) - self.capacity
         if excess <= 0:
             return []
-        candidates = [name for name in self.held if name != keep]
-        order = [name for name in candidates if not busy(name)] + [name for name in candidates if busy(name)]
-        chosen = order[:excess]
+        now = time.monotonic()
+        chosen = [name for name in self.held if name != keep and name not in self.loading and self.idle(name, now)]
+        chosen = chosen[:excess]
         for name in chosen:
             del self.held[name]  # at once, so a concurrent load does not pick the same one
         return chosen
@@ -207,13 +236,15 @@ class AdapterManager:
     def __init__(self, sources: dict[str, AdapterSource], client: httpx.AsyncClient, metrics: Metrics):
         self.sources, self.client, self.metrics = sources, client, metrics
         self.replicas: Iterable[Replica] = ()  # set by the pool: every replica, to unload deleted adapters
+        self._background: set[asyncio.Task] = set()
+        self._retiring: set[tuple[str, str]] = set()
 
     async def ensure(self, replica: Replica, name: str) -> None:
         base = replica.model
         source = self.sources[base.id]
         version = await source.version(name)
         if version is None:
-            await self.unload_everywhere(name)
+            self.retire_everywhere(name)
             raise errors.adapter_not_found(name)
         slots = replica.adapters
         if slots.version(name) == version:
@@ -244,17 +275,62 @@ class AdapterManager:
             self.metrics.adapter_loads.labels(base.id, "failed").inc()
             raise
         slots = replica.adapters
-        if slots.forget(name) is not None:  # an older version: vLLM keys adapters by name
+        if name in slots.held:  # an older version, still answering requests maybe: let them finish
+            await _until_idle(slots, name)
+            slots.forget(name)
             await self._unload(replica, name, "replaced")
-        busy = lambda other: replica.inflight_for(other) > 0  # noqa: E731
-        for victim in slots.victims(busy):
-            await self._unload(replica, victim, "lru")
+        for victim in slots.victims():
+            await self._evict(replica, victim, "lru")
         await self._load(replica, name, folder)
         # The folder names the version actually fetched (the store may have moved on meanwhile).
         slots.add(name, HeldAdapter(_version_of_folder(folder) or version, folder))
-        for victim in slots.victims(busy, keep=name, count_loading=False):
-            await self._unload(replica, victim, "lru")
+        self._trim_when_idle(replica)
         source.prune_cache(name, self._held_folders(), newest=folder)
+
+    async def _evict(self, replica: Replica, victim: str, reason: str) -> None:
+        # Under the victim's lock, so a request for it waits for the unload and then loads it afresh.
+        async with replica.adapters.lock(victim):
+            if victim in replica.adapters.held:
+                return  # a request loaded it again meanwhile: it stays
+            await self._unload(replica, victim, reason)
+
+    def _trim_when_idle(self, replica: Replica) -> None:
+        """Back to capacity once the adapters over it have no requests left (concurrent loads overshoot)."""
+        slots = replica.adapters
+        if slots.over_capacity() and not slots.trim_scheduled:
+            slots.trim_scheduled = True
+            self._spawn(self._trim(replica))
+
+    async def _trim(self, replica: Replica) -> None:
+        slots = replica.adapters
+        try:
+            while slots.over_capacity() and replica.healthy:
+                victims = slots.victims(count_loading=False)
+                for victim in victims:
+                    await self._evict(replica, victim, "lru")
+                if not victims:
+                    await asyncio.sleep(UNLOAD_GRACE_S)  # all busy: look again in a moment
+        finally:
+            slots.trim_scheduled = False
+
+    def retire_everywhere(self, name: str) -> None:
+        """The store no longer has it: unload it from every replica, once its requests are answered."""
+        for replica in self.replicas:
+            key = (replica.url, name)
+            if name in replica.adapters.held and key not in self._retiring:
+                self._retiring.add(key)
+                self._spawn(self._retire(replica, name, key))
+
+    async def _retire(self, replica: Replica, name: str, key: tuple[str, str]) -> None:
+        slots = replica.adapters
+        try:
+            async with slots.lock(name):
+                await _until_idle(slots, name)
+                if slots.forget(name) is not None:
+                    await self._unload(replica, name, "deleted")
+            self.sources[replica.model.id].prune_cache(name, self._held_folders())
+        finally:
+            self._retiring.discard(key)
 
     async def _load(self, replica: Replica, name: str, folder: Path) -> None:
         started = time.perf_counter()
@@ -284,17 +360,21 @@ class AdapterManager:
         self.metrics.adapter_evictions.labels(replica.model.id, reason).inc()
         log.info("unloaded %s from %s (%s)", name, replica.url, reason)
 
-    async def unload_everywhere(self, name: str) -> None:
-        for replica in self.replicas:
-            if replica.adapters.forget(name) is not None:
-                await self._unload(replica, name, "deleted")
-                self.sources[replica.model.id].prune_cache(name, self._held_folders())
-
     def _held_folders(self) -> set[Path]:
         return {held.folder for replica in self.replicas for held in replica.adapters.held.values()}
+
+    def _spawn(self, work) -> None:
+        task = asyncio.create_task(work)
+        self._background.add(task)  # a reference, so the task is not collected while it runs
+        task.add_done_callback(self._background.discard)
 
     async def _admin(self, replica: Replica, action: str, payload: dict) -> httpx.Response:
         try:
             return await self.client.post(f"{replica.url}/v1/{action}", json=payload, timeout=VLLM_ADMIN_TIMEOUT_S)
         except httpx.TransportError as exc:
             raise ReplicaUnavailable(f"{replica.url}: {exc!r}") from exc
+
+
+async def _until_idle(slots: AdapterSlots, name: str) -> None:
+    while not slots.idle(name, time.monotonic()):
+        await asyncio.sleep(0.05)

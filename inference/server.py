@@ -19,20 +19,18 @@ from starlette.routing import Route
 from inference import errors
 from inference.adapters import AdapterManager
 from inference.completions import CompletionsHandler
+from inference.http_client import Poster
 from inference.metrics import CONTENT_TYPE, Metrics
 from inference.pool import Pool
 
 
-def replica_client() -> httpx.AsyncClient:
-    """One client for all replica traffic: kept-alive connections, no per-request set-up."""
-    return httpx.AsyncClient(
-        timeout=httpx.Timeout(connect=5.0, read=600.0, write=60.0, pool=60.0),
-        limits=httpx.Limits(max_connections=1000, max_keepalive_connections=200),
-    )
+def admin_client() -> httpx.AsyncClient:
+    """For adapter loads and unloads (completions go through ``inference.http_client``)."""
+    return httpx.AsyncClient(timeout=httpx.Timeout(connect=5.0, read=120.0, write=60.0, pool=60.0))
 
 
-def create_app(pool: Pool, adapters: AdapterManager, client: httpx.AsyncClient, metrics: Metrics) -> Starlette:
-    handler = CompletionsHandler(pool, pool.catalog, adapters, client, metrics)
+def create_app(pool: Pool, adapters: AdapterManager, http: Poster, metrics: Metrics) -> Starlette:
+    handler = CompletionsHandler(pool, pool.catalog, adapters, http, metrics)
     adapters.replicas = pool.replicas
     metrics.watch_replicas(lambda: pool.replicas)
 
@@ -43,7 +41,9 @@ def create_app(pool: Pool, adapters: AdapterManager, client: httpx.AsyncClient, 
             yield
         finally:
             supervisor.cancel()
-            await client.aclose()
+            await adapters.client.aclose()
+            if hasattr(http, "aclose"):
+                await http.aclose()
             pool.stop()
 
     async def chat_completions(request: Request) -> Response:

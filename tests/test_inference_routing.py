@@ -17,7 +17,9 @@ import pytest
 
 from core.adapter_store import adapter_store
 from core.catalog import BaseModel, Catalog, EngineConfig, LoraConfig
-from inference.adapters import AdapterManager, AdapterSource, AdapterSlots
+from inference import adapters as adapters_module
+from inference.adapters import AdapterManager, AdapterSlots, AdapterSource
+from inference.http_client import UpstreamUnavailable
 from inference.metrics import Metrics
 from inference.pool import Pool
 from inference.router import HOT_ADAPTER_INFLIGHT, choose_replica, rendezvous_order
@@ -30,6 +32,12 @@ BASE = "HuggingFaceTB/SmolLM2-135M-Instruct"
 @pytest.fixture
 def anyio_backend():
     return "asyncio"
+
+
+@pytest.fixture(autouse=True)
+def no_unload_grace(monkeypatch):
+    """Adapters are unloadable as soon as their last request ends (the grace has its own test)."""
+    monkeypatch.setattr(adapters_module, "UNLOAD_GRACE_S", 0.0)
 
 
 # --- fakes -------------------------------------------------------------------------------------
@@ -91,6 +99,42 @@ class FakeVllm:
         return [call for call in self.calls if call[1] == "/v1/unload_lora_adapter"]
 
 
+class HttpxPoster:
+    """The pool's hot-path client interface over httpx, so the fake above answers completions too."""
+
+    def __init__(self, client: httpx.AsyncClient):
+        self.client = client
+
+    async def post(self, url: str, body: bytes, content_type: str = "application/json") -> BufferedResponse:
+        try:
+            response = await self.client.post(url, content=body, headers={"content-type": content_type})
+        except httpx.ConnectError as exc:
+            raise UpstreamUnavailable(str(exc)) from None
+        return BufferedResponse(response.status_code, dict(response.headers), response.content)
+
+
+@dataclass
+class BufferedResponse:
+    status: int
+    headers: dict
+    body: bytes
+
+    async def iter_body(self):
+        yield self.body
+
+    async def read(self) -> bytes:
+        return self.body
+
+    def close(self) -> None:
+        pass
+
+
+async def _settle() -> None:
+    """Let the pool's background work (trimming, unloading deleted adapters) run."""
+    for _ in range(20):
+        await asyncio.sleep(0.01)
+
+
 def _vllm_error(message: str, code: int) -> dict:
     return {"error": {"message": message, "type": "Error", "param": None, "code": code}}
 
@@ -126,7 +170,7 @@ class PoolUnderTest:
         self.client = httpx.AsyncClient(transport=httpx.MockTransport(self.vllm.handler))
         source = AdapterSource(self.store, tmp_path / "cache", self.metrics, BASE)
         self.adapters = AdapterManager({BASE: source}, self.client, self.metrics)
-        self.app = create_app(self.pool, self.adapters, self.client, self.metrics)
+        self.app = create_app(self.pool, self.adapters, HttpxPoster(self.client), self.metrics)
         self.http = httpx.AsyncClient(transport=httpx.ASGITransport(app=self.app), base_url="http://pool")
 
     def publish(self, suffix: str, rank: int = 8, config: str | None = None) -> str:
@@ -191,14 +235,19 @@ def test_it_sends_base_model_requests_to_the_least_loaded_replica():
     assert choose_replica([], BASE, adapter=False) is None
 
 
-def test_it_evicts_idle_adapters_first_then_the_least_recently_used():
-    slots = AdapterSlots(capacity=3)
+def test_it_evicts_the_least_recently_used_idle_adapter_never_a_busy_one():
+    slots = AdapterSlots(capacity=2)
     for name in ("a", "b", "c"):
         slots.add(name, None)
-    slots.touch("a")  # order, oldest first: b, c, a
-    slots.loading.add("d")
-    assert slots.victims(busy=lambda name: name == "b") == ["c"]
-    assert list(slots.held) == ["b", "a"]
+    slots.touch("a")  # least recently used first: b, c, a
+    slots.started("b")  # the engine is answering with b
+    assert slots.victims(count_loading=False) == ["c"]  # b is older, but busy
+    slots.add("d", None)
+    assert slots.victims(count_loading=False) == ["a"]
+    assert list(slots.held) == ["b", "d"]
+    slots.finished("b")
+    slots.loading.add("e")  # room is made before a load: b is idle now and the oldest
+    assert slots.victims() == ["b"] and list(slots.held) == ["d"]
 
 
 # --- adapters on replicas ----------------------------------------------------------------------
@@ -220,6 +269,7 @@ async def test_it_evicts_the_least_recently_used_adapter_past_the_replica_capaci
     a, b, c = (pool.publish(suffix) for suffix in ("a", "b", "c"))
     for name in (a, b, a, c):  # b is now the least recently used
         assert (await pool.chat(name)).status_code == 200
+    await _settle()
     assert [call[2] for call in pool.vllm.unloads()] == [b]
     assert set(pool.vllm.loaded["http://replica-0"]) == {a, c}
     assert pool.metrics.adapter_evictions.labels(BASE, "lru")._value.get() == 1
@@ -240,8 +290,40 @@ async def test_it_stays_within_capacity_when_many_adapters_load_at_once(tmp_path
     for _ in range(10):
         responses = await asyncio.gather(*(pool.chat(name) for name in names * 2))
         assert all(response.status_code == 200 for response in responses)
+        await _settle()  # loads that ran together overshoot; the replica is trimmed once they are idle
         assert len(pool.pool.replicas[0].adapters.held) <= 3
         assert len(pool.vllm.loaded["http://replica-0"]) <= 3
+
+
+@pytest.mark.anyio
+async def test_it_never_unloads_or_replaces_an_adapter_while_the_replica_answers_with_it(tmp_path, monkeypatch):
+    # vLLM tells adapters apart by name inside a batch: unloading and loading one again while its
+    # old requests run would crash the engine. So eviction and reloads wait for them.
+    monkeypatch.setattr(adapters_module, "UNLOAD_GRACE_S", 0.05)
+    pool = PoolUnderTest(tmp_path, replicas=1, max_adapters=1)
+    answer, release = pool.vllm.handler, asyncio.Event()
+
+    async def slow_for_x(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/chat/completions" and json.loads(request.content)["model"] == x:
+            await release.wait()
+        return answer(request)
+
+    pool.client._transport = httpx.MockTransport(slow_for_x)
+    x, y = pool.publish("x"), pool.publish("y")
+    first_x = asyncio.create_task(pool.chat(x))
+    await _settle()
+    assert (await pool.chat(y)).status_code == 200  # loaded beside x: the replica is over capacity
+    assert pool.vllm.unloads() == []
+    pool.publish("x")  # a new version of x while its first request runs
+    second_x = asyncio.create_task(pool.chat(x))
+    await asyncio.sleep(0.2)
+    assert not second_x.done() and len(pool.vllm.loads(x)) == 1  # waits for the first one
+    assert x not in [call[2] for call in pool.vllm.unloads()]
+    release.set()
+    assert (await first_x).status_code == 200 and (await second_x).status_code == 200
+    assert x in [call[2] for call in pool.vllm.unloads()] and len(pool.vllm.loads(x)) == 2
+    await asyncio.sleep(0.2)  # the grace after y's last request, then the trim
+    assert set(pool.vllm.loaded["http://replica-0"]) == {x}  # back within capacity: y went
 
 
 @pytest.mark.anyio
@@ -267,6 +349,7 @@ async def test_it_reloads_a_republished_adapter_and_unloads_a_deleted_one(tmp_pa
     pool.store.delete(name)
     response = await pool.chat(name)
     assert response.status_code == 404 and response.json()["error"]["code"] == "adapter_not_found"
+    await _settle()  # unloading a deleted adapter happens in the background, once it is idle
     assert name not in pool.vllm.loaded["http://replica-0"]
 
 
@@ -310,6 +393,23 @@ async def test_it_routes_around_a_replica_that_does_not_answer(tmp_path):
     assert not favourite.healthy  # out of routing until its health check passes again
     base = await pool.chat(BASE)
     assert base.status_code == 200 and base.json()["replica"] != favourite.url
+
+
+@pytest.mark.anyio
+async def test_it_takes_a_replica_whose_engine_died_out_of_routing(tmp_path):
+    pool = PoolUnderTest(tmp_path, replicas=2)
+    dead = rendezvous_order(BASE, pool.pool.replicas)[0]
+    answer = pool.vllm.handler
+
+    def engine_died_on_one(request: httpx.Request) -> httpx.Response:
+        if str(request.url).startswith(dead.url) and request.url.path.endswith("completions"):
+            return httpx.Response(500, json=_vllm_error("EngineCore encountered an issue. See stack trace", 500))
+        return answer(request)
+
+    pool.client._transport = httpx.MockTransport(engine_died_on_one)
+    response = await pool.chat(BASE)
+    assert response.status_code == 200 and response.json()["replica"] != dead.url
+    assert not dead.healthy
 
 
 @pytest.mark.anyio

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 REGISTRY = CollectorRegistry()
 
 # No model label: rejected requests name arbitrary models; the pool counts per model.

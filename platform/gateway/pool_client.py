@@ -1,4 +1,9 @@
-"""The gateway's connection to the inference pool: one kept-alive client per event loop."""
+"""The gateway's connections to the inference pool, one set per event loop.
+
+Completions go through ``inference.http_client`` (the hot path); the occasional metrics scrape
+through httpx. Connections belong to the loop that opened them: a server runs one loop, tests may
+run several one after another.
+"""
 
 from __future__ import annotations
 
@@ -8,19 +13,25 @@ import weakref
 import httpx
 from django.conf import settings
 
-_clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, httpx.AsyncClient] = weakref.WeakKeyDictionary()
+from inference.http_client import HttpClient
+
+_fast: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, HttpClient] = weakref.WeakKeyDictionary()
+_httpx: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, httpx.AsyncClient] = weakref.WeakKeyDictionary()
+
+
+def pool_http() -> HttpClient:
+    loop = asyncio.get_running_loop()
+    client = _fast.get(loop)
+    if client is None:
+        client = _fast[loop] = HttpClient()
+    return client
 
 
 def pool_client() -> httpx.AsyncClient:
-    # A client's connections belong to the loop that opened them; a server runs one loop, tests
-    # may run several one after another.
     loop = asyncio.get_running_loop()
-    client = _clients.get(loop)
+    client = _httpx.get(loop)
     if client is None:
-        client = _clients[loop] = httpx.AsyncClient(
-            timeout=httpx.Timeout(connect=5.0, read=600.0, write=60.0, pool=60.0),
-            limits=httpx.Limits(max_connections=1000, max_keepalive_connections=200),
-        )
+        client = _httpx[loop] = httpx.AsyncClient(timeout=5.0)
     return client
 
 

@@ -3,20 +3,17 @@
 from __future__ import annotations
 
 import functools
-import time
 
 import httpx
-from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.views.decorators.csrf import csrf_exempt
 
 from gateway import metrics as gateway_metrics
-from gateway.access import authorize, bearer_key, usable_models
-from gateway.forwarding import forward_completion
+from gateway.access import authorize, usable_models
+from gateway.completions import STREAM_HEADERS, bearer_key, complete
 from gateway.pool_client import pool_client, pool_url
 from inference import errors
 from inference.protocol import ModelCard, ModelList
-
-PROMETHEUS = "text/plain; version=0.0.4; charset=utf-8"
 
 
 def openai_endpoint(name: str, method: str):
@@ -40,14 +37,21 @@ def openai_endpoint(name: str, method: str):
     return decorate
 
 
+async def _completion(request: HttpRequest, endpoint: str) -> HttpResponse:
+    answer = await complete(request.headers.get("Authorization"), request.body, endpoint)
+    if answer.stream is not None:
+        return StreamingHttpResponse(answer.stream, status=answer.status, content_type=answer.content_type, headers=STREAM_HEADERS)
+    return HttpResponse(answer.body, status=answer.status, content_type=answer.content_type)
+
+
 @openai_endpoint("chat/completions", "POST")
 async def chat_completions(request: HttpRequest) -> HttpResponse:
-    return await forward_completion(request, "chat/completions")
+    return await _completion(request, "chat/completions")
 
 
 @openai_endpoint("completions", "POST")
 async def completions(request: HttpRequest) -> HttpResponse:
-    return await forward_completion(request, "completions")
+    return await _completion(request, "completions")
 
 
 def _card(model) -> ModelCard:
@@ -56,13 +60,13 @@ def _card(model) -> ModelCard:
 
 @openai_endpoint("models", "GET")
 async def list_models(request: HttpRequest) -> HttpResponse:
-    models = await usable_models(bearer_key(request))
+    models = await usable_models(bearer_key(request.headers.get("Authorization")))
     return JsonResponse(ModelList(data=[_card(model) for model in models]).model_dump())
 
 
 @openai_endpoint("models", "GET")
 async def retrieve_model(request: HttpRequest, model: str) -> HttpResponse:
-    access = await authorize(bearer_key(request), model)
+    access = await authorize(bearer_key(request.headers.get("Authorization")), model)
     if access.model is None:
         raise errors.model_not_found(model)
     return JsonResponse(_card(access.model).model_dump())
@@ -76,4 +80,4 @@ async def metrics(request: HttpRequest) -> HttpResponse:
         text += response.content
     except httpx.HTTPError as exc:
         text += f"# the inference pool's metrics are unavailable: {exc!r}\n".encode()
-    return HttpResponse(text, content_type=PROMETHEUS)
+    return HttpResponse(text, content_type=gateway_metrics.CONTENT_TYPE)

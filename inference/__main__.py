@@ -8,15 +8,32 @@ from urllib.parse import urlsplit
 
 import uvicorn
 
-from core.catalog import load_catalog
-from core.config import load_config
+from core.adapter_store import adapter_store
+from core.catalog import Catalog, load_catalog
+from core.config import Config, load_config
 from core.env import ConfigError
+from inference.adapters import AdapterManager, AdapterSource
+from inference.metrics import Metrics
 from inference.pool import Pool
-from inference.server import create_app
+from inference.http_client import HttpClient
+from inference.server import admin_client, create_app
+
+ADAPTER_CACHE = "adapter-cache"  # under DATA_DIR: adapters synced from S3
+
+
+def build_adapter_manager(config: Config, catalog: Catalog, client, metrics: Metrics) -> AdapterManager:
+    sources = {
+        model.id: AdapterSource(
+            adapter_store(model.lora.dynamic_lora_loading_path, config.s3), config.data_dir / ADAPTER_CACHE, metrics, model.id
+        )
+        for model in catalog.models
+    }
+    return AdapterManager(sources, client, metrics)
 
 
 def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per health check is noise
     try:
         config = load_config()
         catalog = load_catalog(config.model_catalog, config.data_dir, config.dynamic_lora_path)
@@ -25,8 +42,11 @@ def main() -> int:
         print(f"configuration error: {exc}", file=sys.stderr)
         return 2
     address = urlsplit(config.inference_pool_url)
+    metrics = Metrics()
     pool = Pool(catalog, config.first_replica_port)
-    uvicorn.run(create_app(pool), host=address.hostname, port=address.port or 80, log_level="warning")
+    adapters = build_adapter_manager(config, catalog, admin_client(), metrics)
+    app = create_app(pool, adapters, HttpClient(), metrics)
+    uvicorn.run(app, host=address.hostname, port=address.port or 80, log_level="warning")
     return 0
 
 

@@ -18,6 +18,7 @@ SUPERVISE_INTERVAL_S = 1.0
 
 class Pool:
     def __init__(self, catalog: Catalog, first_replica_port: int):
+        self.catalog = catalog
         self.replicas: list[Replica] = []
         port = first_replica_port
         for model in catalog.models:
@@ -44,6 +45,6 @@ class Pool:
         ready = self.ready()
         return {
             "ready_replicas": len(ready),
-            "detail": "ok" if ready else "no replica is ready yet (vLLM takes about 30 s to start)",
+            "detail": "ok" if ready else "no replica is ready yet (vLLM takes about a minute to start on a CPU)",
             "replicas": [replica.status() for replica in self.replicas],
         }

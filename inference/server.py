@@ -1,19 +1,39 @@
-"""The pool's HTTP face: its health now; the routing gateway builds on it."""
+"""The pool's HTTP face (internal: the gateway in front of it authenticates and authorizes).
+
+- POST /v1/chat/completions, /v1/completions: route, load the adapter, relay (``completions``)
+- GET /health: replicas and their state (200 when at least one is ready)
+- GET /metrics: Prometheus text
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 
+import httpx
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from inference import errors
+from inference.adapters import AdapterManager
+from inference.completions import CompletionsHandler
+from inference.http_client import Poster
+from inference.metrics import CONTENT_TYPE, Metrics
 from inference.pool import Pool
 
 
-def create_app(pool: Pool) -> Starlette:
+def admin_client() -> httpx.AsyncClient:
+    """For adapter loads and unloads (completions go through ``inference.http_client``)."""
+    return httpx.AsyncClient(timeout=httpx.Timeout(connect=5.0, read=120.0, write=60.0, pool=60.0))
+
+
+def create_app(pool: Pool, adapters: AdapterManager, http: Poster, metrics: Metrics) -> Starlette:
+    handler = CompletionsHandler(pool, pool.catalog, adapters, http, metrics)
+    adapters.replicas = pool.replicas
+    metrics.watch_replicas(lambda: pool.replicas)
+
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
         supervisor = asyncio.create_task(pool.supervise_forever())
@@ -21,10 +41,34 @@ def create_app(pool: Pool) -> Starlette:
             yield
         finally:
             supervisor.cancel()
+            await adapters.client.aclose()
+            if hasattr(http, "aclose"):
+                await http.aclose()
             pool.stop()
+
+    async def chat_completions(request: Request) -> Response:
+        return await handler.handle(await request.body(), "chat/completions")
+
+    async def completions(request: Request) -> Response:
+        return await handler.handle(await request.body(), "completions")
 
     async def health(request: Request) -> JSONResponse:
         body = pool.health()
         return JSONResponse(body, status_code=200 if body["ready_replicas"] else 503)
 
-    return Starlette(routes=[Route("/health", health)], lifespan=lifespan)
+    async def prometheus(request: Request) -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    async def api_error(request: Request, exc: errors.ApiError) -> Response:
+        return Response(exc.json_bytes(), status_code=exc.status, media_type="application/json")
+
+    return Starlette(
+        routes=[
+            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/health", health),
+            Route("/metrics", prometheus),
+        ],
+        exception_handlers={errors.ApiError: api_error},
+        lifespan=lifespan,
+    )

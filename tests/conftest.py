@@ -11,6 +11,7 @@ import httpx
 import pytest
 from django.db import connection
 
+from tests.inference_fixtures import pool_environment
 from tests.processes import celery_worker_command, running, wait_until
 from workers.celery_app import app as celery_app
 
@@ -72,7 +73,7 @@ def celery_worker(test_database_url):
 
 @pytest.fixture(scope="session")
 def inference_pool():
-    """The real inference pool with one vLLM (CPU) replica of the default base model."""
+    """The real inference pool with one vLLM (CPU) replica of the default base model (test catalog)."""
     from django.conf import settings
 
     def ready() -> bool:
@@ -81,6 +82,6 @@ def inference_pool():
         except httpx.HTTPError:
             return False
 
-    with running("pool", [sys.executable, "-m", "inference"]) as process:
+    with running("pool", [sys.executable, "-m", "inference"], pool_environment()) as process:
         wait_until(ready, 300, "inference pool", process)
         yield settings.INFERENCE_POOL_URL

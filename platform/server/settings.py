@@ -24,6 +24,7 @@ INSTALLED_APPS = [
     "accounts",
     "finetuning",
     "health",
+    "gateway",
     "dashboard",
 ]
 

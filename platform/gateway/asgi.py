@@ -1,0 +1,51 @@
+"""The fast path: the completion endpoints served in front of Django's request handling.
+
+Django under ASGI runs each synchronous middleware step in a worker thread and sends its request
+signals through threads too; for a proxy that adds one key lookup to a model call, that was most
+of the gateway's cost (about 6-7 ms a request on a 2-core machine, against 0.6 ms this way). ``with_fast_path`` answers
+POST /v1/chat/completions and /v1/completions itself, with the same handler the Django views use
+(``gateway.completions``: same key check, same registry, same errors), and passes every other
+request to Django unchanged. Nothing these two endpoints need is lost: no session, cookie, CSRF or
+HTML response is involved, and the ORM is used the same way (``gateway.access``).
+
+``server/asgi.py`` wraps Django's application with it. Without that, the Django views in
+``gateway.views`` serve the same endpoints (and still do under WSGI and Django's test client),
+about 6 ms slower a request.
+"""
+
+from __future__ import annotations
+
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+ENDPOINTS = {"/v1/chat/completions": "chat/completions", "/v1/completions": "completions"}
+
+
+def with_fast_path(django_application: ASGIApp) -> ASGIApp:
+    """Call with Django's ASGI application: the handler's imports need Django set up first."""
+    from gateway import metrics as gateway_metrics
+    from gateway.completions import STREAM_HEADERS, complete
+    from inference import errors
+
+    async def answer(request: Request, endpoint: str) -> Response:
+        try:
+            result = await complete(request.headers.get("authorization"), await request.body(), endpoint)
+        except errors.ApiError as exc:
+            return Response(exc.json_bytes(), status_code=exc.status, media_type="application/json")
+        if result.stream is not None:
+            return StreamingResponse(
+                result.stream, status_code=result.status, media_type=result.content_type, headers=STREAM_HEADERS
+            )
+        return Response(result.body, status_code=result.status, media_type=result.content_type)
+
+    async def application(scope: Scope, receive: Receive, send: Send) -> None:
+        endpoint = ENDPOINTS.get(scope.get("path", "")) if scope["type"] == "http" else None
+        if endpoint is None or scope["method"] != "POST":
+            await django_application(scope, receive, send)
+            return
+        response = await answer(Request(scope, receive), endpoint)
+        gateway_metrics.REQUESTS.labels(endpoint, str(response.status_code)).inc()
+        await response(scope, receive, send)
+
+    return application

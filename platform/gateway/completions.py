@@ -1,0 +1,73 @@
+"""The completions handler, shared by the Django views and the ASGI fast path (``gateway.asgi``).
+
+Authenticate the key, check the caller may use the model (``finetuning.registry``, through
+``gateway.access``), then hand the body to the inference pool byte for byte and give back its
+answer the same way (a stream stays a stream).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from gateway.access import authorize
+from gateway.pool_client import pool_http, pool_url
+from inference import errors
+from inference.http_client import UpstreamError, UpstreamResponse, UpstreamTimeout
+from inference.protocol import routed_fields
+
+JSON = "application/json"
+STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+@dataclass
+class PoolAnswer:
+    status: int
+    content_type: str
+    body: bytes = b""
+    stream: AsyncIterator[bytes] | None = None  # set for a streamed answer, instead of body
+
+
+def bearer_key(authorization: str | None) -> str:
+    scheme, _, raw_key = (authorization or "").partition(" ")
+    if scheme != "Bearer" or not raw_key.strip():
+        raise errors.missing_api_key()
+    return raw_key.strip()
+
+
+async def complete(authorization: str | None, body: bytes, endpoint: str) -> PoolAnswer:
+    raw_key = bearer_key(authorization)
+    try:
+        fields = routed_fields(body)
+    except errors.ApiError:
+        await authorize(raw_key, None)  # a bad key is a 401 even when the body is also wrong
+        raise
+    access = await authorize(raw_key, fields.model)
+    if access.model is None:
+        raise errors.model_not_found(fields.model)
+    try:
+        upstream = await pool_http().post(pool_url(f"/v1/{endpoint}"), body)
+    except UpstreamError as exc:
+        raise _unreachable(exc) from None
+    content_type = upstream.headers.get("content-type", JSON)
+    if fields.stream and upstream.status == 200:
+        return PoolAnswer(upstream.status, content_type, stream=_relay(upstream))
+    try:
+        raw = await upstream.read()
+    except UpstreamError as exc:
+        raise _unreachable(exc) from None
+    return PoolAnswer(upstream.status, content_type, body=raw)
+
+
+def _unreachable(exc: UpstreamError) -> errors.ApiError:
+    if isinstance(exc, UpstreamTimeout):
+        return errors.ApiError(504, f"The inference pool did not answer in time: {exc}", errors.SERVER, code="timeout")
+    return errors.pool_unreachable(str(exc))
+
+
+async def _relay(upstream: UpstreamResponse) -> AsyncIterator[bytes]:
+    try:
+        async for chunk in upstream.iter_body():
+            yield chunk
+    finally:
+        upstream.close()  # also when the client goes away: the pool then stops the generation

@@ -1,0 +1,83 @@
+"""Thin views: method check, error shaping and counting in ``openai_endpoint``; work in the modules."""
+
+from __future__ import annotations
+
+import functools
+
+import httpx
+from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
+from django.views.decorators.csrf import csrf_exempt
+
+from gateway import metrics as gateway_metrics
+from gateway.access import authorize, usable_models
+from gateway.completions import STREAM_HEADERS, bearer_key, complete
+from gateway.pool_client import pool_client, pool_url
+from inference import errors
+from inference.protocol import ModelCard, ModelList
+
+
+def openai_endpoint(name: str, method: str):
+    """Answer errors in OpenAI's shape and count every request; API clients send no CSRF token."""
+
+    def decorate(view):
+        @csrf_exempt
+        @functools.wraps(view)
+        async def wrapper(request: HttpRequest, *args, **kwargs) -> HttpResponse:
+            try:
+                if request.method != method:
+                    raise errors.ApiError(405, f"Use {method} for this endpoint.", code="method_not_allowed")
+                response = await view(request, *args, **kwargs)
+            except errors.ApiError as exc:
+                response = HttpResponse(exc.json_bytes(), status=exc.status, content_type="application/json")
+            gateway_metrics.REQUESTS.labels(name, str(response.status_code)).inc()
+            return response
+
+        return wrapper
+
+    return decorate
+
+
+async def _completion(request: HttpRequest, endpoint: str) -> HttpResponse:
+    answer = await complete(request.headers.get("Authorization"), request.body, endpoint)
+    if answer.stream is not None:
+        return StreamingHttpResponse(answer.stream, status=answer.status, content_type=answer.content_type, headers=STREAM_HEADERS)
+    return HttpResponse(answer.body, status=answer.status, content_type=answer.content_type)
+
+
+@openai_endpoint("chat/completions", "POST")
+async def chat_completions(request: HttpRequest) -> HttpResponse:
+    return await _completion(request, "chat/completions")
+
+
+@openai_endpoint("completions", "POST")
+async def completions(request: HttpRequest) -> HttpResponse:
+    return await _completion(request, "completions")
+
+
+def _card(model) -> ModelCard:
+    return ModelCard(id=model.name, created=int(model.created_at.timestamp()), owned_by=model.owned_by, parent=model.parent)
+
+
+@openai_endpoint("models", "GET")
+async def list_models(request: HttpRequest) -> HttpResponse:
+    models = await usable_models(bearer_key(request.headers.get("Authorization")))
+    return JsonResponse(ModelList(data=[_card(model) for model in models]).model_dump())
+
+
+@openai_endpoint("models", "GET")
+async def retrieve_model(request: HttpRequest, model: str) -> HttpResponse:
+    access = await authorize(bearer_key(request.headers.get("Authorization")), model)
+    if access.model is None:
+        raise errors.model_not_found(model)
+    return JsonResponse(_card(access.model).model_dump())
+
+
+async def metrics(request: HttpRequest) -> HttpResponse:
+    """The gateway's counters, then the pool's metrics (per model, adapters, replicas)."""
+    text = gateway_metrics.render()
+    try:
+        response = await pool_client().get(pool_url("/metrics"), timeout=2.0)
+        text += response.content
+    except httpx.HTTPError as exc:
+        text += f"# the inference pool's metrics are unavailable: {exc!r}\n".encode()
+    return HttpResponse(text, content_type=gateway_metrics.CONTENT_TYPE)

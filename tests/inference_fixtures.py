@@ -1,0 +1,182 @@
+"""Fixtures for the inference tests: the test model catalog, the web gateway, personas, adapters.
+
+Import the fixtures in a test module (``from tests.inference_fixtures import *``). The pool itself
+is conftest's session ``inference_pool``, started with ``pool_environment()``.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.processes import ROOT, running, wait_until
+
+BASE = "HuggingFaceTB/SmolLM2-135M-Instruct"
+TEST_CATALOG = ROOT / "data" / "test" / "inference-models.toml"
+TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+# The repository catalog's model with a small adapter cache, so eviction shows with a few adapters.
+_CATALOG = f"""
+[[models]]
+id = "{BASE}"
+weights = "models/{BASE}"
+replicas = 1
+
+[models.lora_config]
+max_num_adapters_per_replica = 3
+max_lora_rank = 16
+
+[models.engine]
+max_model_len = 2048
+dtype = "float32"
+max_loras = 3
+kv_cache_space_gib = 1
+"""
+
+
+def pool_environment() -> dict[str, str]:
+    """Environment for the test session's pool (and gateway): the test catalog."""
+    TEST_CATALOG.parent.mkdir(parents=True, exist_ok=True)
+    TEST_CATALOG.write_text(_CATALOG)
+    return {"MODEL_CATALOG": str(TEST_CATALOG)}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=1).status_code < 500
+    except httpx.HTTPError:
+        return False
+
+
+@pytest.fixture(scope="session")
+def gateway(test_database_url, inference_pool) -> str:
+    """The web process (Django under uvicorn, ASGI) on the test database, in front of the pool."""
+    port = free_port()
+    command = [
+        sys.executable, "-m", "uvicorn", "server.asgi:application", "--app-dir", "platform",
+        "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
+    ]  # fmt: skip
+    with running("gateway", command, {"DATABASE_URL": test_database_url, **pool_environment()}) as process:
+        url = f"http://127.0.0.1:{port}"
+        wait_until(lambda: _answers(f"{url}/v1/models"), 60, "gateway", process)
+        yield url
+
+
+# --- personas ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Persona:
+    organization: object
+    api_key: str
+    client: openai.OpenAI
+
+
+def _persona(name: str, gateway: str) -> Persona:
+    from django.contrib.auth.models import User
+
+    from accounts.services import create_api_key, create_organization
+
+    user = User.objects.create_user(name, f"{name}@example.com", "password")
+    organization = create_organization(f"{name.title()}'s lab", user)
+    _, raw_key = create_api_key(organization, user, "tests")
+    client = openai.OpenAI(base_url=f"{gateway}/v1", api_key=raw_key, max_retries=0, timeout=180)
+    return Persona(organization, raw_key, client)
+
+
+@pytest.fixture
+def alice(transactional_db, gateway) -> Persona:
+    """Owns fine-tuned models."""
+    return _persona("alice", gateway)
+
+
+@pytest.fixture
+def charlie(transactional_db, gateway) -> Persona:
+    """An outsider: alice's models are 404 to him."""
+    return _persona("charlie", gateway)
+
+
+# --- adapters ----------------------------------------------------------------------------------
+
+
+class AdapterMaker:
+    """Random (not zero-initialised) LoRA adapters on the base model, so each answers differently."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self._base = None
+        self._lock = threading.Lock()
+
+    def __call__(self, seed: int, rank: int = 8) -> Path:
+        import torch
+        from peft import LoraConfig, get_peft_model
+
+        with self._lock:
+            if self._base is None:
+                from transformers import AutoModelForCausalLM
+
+                self._base = AutoModelForCausalLM.from_pretrained(ROOT / "data" / "models" / BASE, dtype=torch.float32)
+            torch.manual_seed(seed)
+            config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGET_MODULES, init_lora_weights=False)
+            model = get_peft_model(self._base, config)
+            out = self.folder / f"seed{seed}-r{rank}"
+            model.save_pretrained(out)
+            self._base = model.unload()  # the base model again, for the next adapter
+        config_file = out / "adapter_config.json"
+        saved = json.loads(config_file.read_text())
+        saved["base_model_name_or_path"] = BASE  # what the platform's training writes
+        config_file.write_text(json.dumps(saved))
+        return out
+
+
+@pytest.fixture(scope="session")
+def make_adapter(tmp_path_factory) -> AdapterMaker:
+    return AdapterMaker(tmp_path_factory.mktemp("adapters"))
+
+
+def adapter_store():
+    from django.conf import settings
+
+    from core.adapter_store import adapter_store as store_for
+
+    return store_for(settings.CONFIG.dynamic_lora_path, settings.CONFIG.s3)
+
+
+def register_fine_tuned_model(persona: Persona, suffix: str) -> str:
+    """The rows a succeeded fine-tuning job leaves: job, its training file, the fine-tuned model."""
+    from finetuning.models import File, FineTunedModel, FineTuningJob, JobStatus
+
+    name = f"{BASE}:{suffix}"
+    organization = persona.organization
+    training_file = File.objects.create(
+        organization=organization, filename="train.jsonl", bytes=1, storage_key=f"test/{suffix}",
+        example_count=10, token_count=100,
+    )  # fmt: skip
+    job = FineTuningJob.objects.create(
+        organization=organization, model=BASE, training_file=training_file, suffix=suffix, seed=0,
+        hyperparameters={"n_epochs": 1, "batch_size": 1, "learning_rate_multiplier": 1.0},
+        status=JobStatus.SUCCEEDED, fine_tuned_model=name,
+    )  # fmt: skip
+    FineTunedModel.objects.create(name=name, organization=organization, job=job, base_model=BASE, suffix=suffix)
+    return name
+
+
+def publish_fine_tuned_model(persona: Persona, suffix: str, folder: Path) -> str:
+    """What the platform does when a job succeeds: the adapter to the dynamic path, then the row."""
+    name = f"{BASE}:{suffix}"
+    adapter_store().publish(name, folder)
+    return register_fine_tuned_model(persona, suffix)

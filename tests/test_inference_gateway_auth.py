@@ -1,0 +1,112 @@
+"""The gateway's own decisions (keys, models, errors), through both of its entry points, no engine.
+
+The fast path (``gateway.asgi``, what the web server runs) and the Django views (what WSGI and
+Django's test client reach) share one handler; both are checked. The pool is not running here:
+a request the gateway accepts ends in a 503 from the unreachable pool.
+"""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.inference_fixtures import BASE, register_fine_tuned_model
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.anyio]
+
+DEAD_POOL = "http://127.0.0.1:9"  # the discard port: nothing listens there
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+@pytest.fixture(params=["fast path", "django views"])
+def web(request, settings):
+    """An httpx client on the web application, through one entry point or the other."""
+    from django.core.asgi import get_asgi_application
+
+    from gateway.asgi import with_fast_path
+
+    settings.INFERENCE_POOL_URL = DEAD_POOL
+    application = get_asgi_application()
+    if request.param == "fast path":
+        application = with_fast_path(application)
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=application), base_url="http://testserver")
+
+
+@pytest.fixture
+def keys(transactional_db):
+    """alice's organization owns a fine-tuned model; charlie's is an outsider."""
+    from django.contrib.auth.models import User
+
+    from accounts.services import create_api_key, create_organization
+
+    result = {}
+    for name in ("alice", "charlie"):
+        user = User.objects.create_user(name)
+        organization = create_organization(f"{name} lab", user)
+        result[name] = create_api_key(organization, user, "tests")[1]
+        result[f"{name}_org"] = organization
+    return result
+
+
+def _bearer(key: str) -> dict:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def _chat(model: str) -> dict:
+    return {"model": model, "messages": [{"role": "user", "content": "hi"}]}
+
+
+async def test_it_answers_401_without_a_key_or_with_a_wrong_one(web, keys):
+    missing = await web.post("/v1/chat/completions", json=_chat(BASE))
+    assert missing.status_code == 401 and missing.json()["error"]["code"] == "missing_api_key"
+    wrong = await web.post("/v1/completions", json={"model": BASE, "prompt": "hi"}, headers=_bearer("sk-wrong"))
+    assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
+    broken_body = await web.post("/v1/chat/completions", content=b"{", headers=_bearer("sk-wrong"))
+    assert broken_body.status_code == 401  # the key is checked before the body
+
+
+async def test_it_answers_404_for_another_organizations_model_and_unknown_ones(web, keys):
+    from asgiref.sync import sync_to_async
+
+    from tests.inference_fixtures import Persona
+
+    alices = Persona(keys["alice_org"], keys["alice"], client=None)
+    name = await sync_to_async(register_fine_tuned_model)(alices, "private")
+    for key, model in ((keys["charlie"], name), (keys["alice"], "gpt-4o"), (keys["alice"], f"{BASE}:missing")):
+        response = await web.post("/v1/chat/completions", json=_chat(model), headers=_bearer(key))
+        assert response.status_code == 404
+        assert response.json() == {
+            "error": {
+                "message": f"The model `{model}` does not exist or you do not have access to it.",
+                "type": "invalid_request_error", "param": "model", "code": "model_not_found",
+            }
+        }  # fmt: skip
+    allowed = await web.post("/v1/chat/completions", json=_chat(name), headers=_bearer(keys["alice"]))
+    assert allowed.status_code == 503 and allowed.json()["error"]["code"] == "pool_unavailable"
+
+
+async def test_it_answers_400_for_a_body_without_a_model(web, keys):
+    response = await web.post("/v1/chat/completions", json={"messages": []}, headers=_bearer(keys["alice"]))
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["type"] == "invalid_request_error" and "model" in error["message"]
+
+
+async def test_it_lists_models_with_owner_and_parent(web, keys):
+    from asgiref.sync import sync_to_async
+
+    from tests.inference_fixtures import Persona
+
+    name = await sync_to_async(register_fine_tuned_model)(Persona(keys["alice_org"], keys["alice"], None), "listed")
+    alices = (await web.get("/v1/models", headers=_bearer(keys["alice"]))).json()
+    assert alices["object"] == "list"
+    cards = {card["id"]: card for card in alices["data"]}
+    assert cards[BASE]["owned_by"] == "system" and cards[BASE]["parent"] is None
+    assert cards[name]["owned_by"] == keys["alice_org"].slug and cards[name]["parent"] == BASE
+    charlies = (await web.get("/v1/models", headers=_bearer(keys["charlie"]))).json()
+    assert name not in {card["id"] for card in charlies["data"]}
+    assert (await web.get(f"/v1/models/{name}", headers=_bearer(keys["charlie"]))).status_code == 404
+    assert (await web.get(f"/v1/models/{name}", headers=_bearer(keys["alice"]))).json()["id"] == name

@@ -1,0 +1,479 @@
+"""The pool's routing, adapter cache and error handling, against fake vLLM replicas (no engine).
+
+The fake speaks vLLM's admin and completion endpoints through httpx.MockTransport, so these tests
+check what the pool asks replicas to do, in milliseconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+
+from core.adapter_store import adapter_store
+from core.catalog import BaseModel, Catalog, EngineConfig, LoraConfig
+from inference import adapters as adapters_module
+from inference.adapters import AdapterManager, AdapterSlots, AdapterSource
+from inference.http_client import UpstreamUnavailable
+from inference.metrics import Metrics
+from inference.pool import Pool
+from inference.router import HOT_ADAPTER_INFLIGHT, choose_replica, rendezvous_order
+from inference.server import create_app
+from tests.s3 import s3_server
+
+BASE = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+@pytest.fixture(autouse=True)
+def no_unload_grace(monkeypatch):
+    """Adapters are unloadable as soon as their last request ends (the grace has its own test)."""
+    monkeypatch.setattr(adapters_module, "UNLOAD_GRACE_S", 0.0)
+
+
+# --- fakes -------------------------------------------------------------------------------------
+
+
+@dataclass
+class FakeReplica:
+    """Just what the router reads."""
+
+    url: str
+    inflight: int = 0
+    per_model: dict = field(default_factory=dict)
+    held: set = field(default_factory=set)
+
+    def inflight_for(self, model: str) -> int:
+        return self.per_model.get(model, 0)
+
+    def holds(self, adapter: str) -> bool:
+        return adapter in self.held
+
+
+@dataclass
+class FakeVllm:
+    """vLLM's OpenAI server as the pool sees it, for any number of replica URLs."""
+
+    loaded: dict = field(default_factory=dict)  # url -> {name: path}
+    down: set = field(default_factory=set)
+    calls: list = field(default_factory=list)
+    max_rank: int = 16
+
+    def handler(self, request: httpx.Request) -> httpx.Response:
+        url = f"{request.url.scheme}://{request.url.netloc.decode()}"
+        if url in self.down:
+            raise httpx.ConnectError("connection refused", request=request)
+        body = json.loads(request.content or b"{}")
+        held = self.loaded.setdefault(url, {})
+        path = request.url.path
+        self.calls.append((url, path, body.get("lora_name") or body.get("model")))
+        if path == "/v1/load_lora_adapter":
+            if body["lora_name"] in held:
+                return httpx.Response(400, json=_vllm_error("has already been loaded", 400))
+            held[body["lora_name"]] = body["lora_path"]
+            return httpx.Response(200, text="Success")
+        if path == "/v1/unload_lora_adapter":
+            if held.pop(body["lora_name"], None) is None:
+                return httpx.Response(404, json=_vllm_error("cannot be found", 404))
+            return httpx.Response(200, text="Success")
+        if path in ("/v1/chat/completions", "/v1/completions"):
+            model = body["model"]
+            if model != BASE and model not in held:
+                return httpx.Response(404, json=_vllm_error(f"The model `{model}` does not exist.", 404))
+            return httpx.Response(200, json={"model": model, "replica": url, "choices": [], "usage": {}})
+        return httpx.Response(404)
+
+    def loads(self, name: str | None = None) -> list:
+        return [call for call in self.calls if call[1] == "/v1/load_lora_adapter" and name in (None, call[2])]
+
+    def unloads(self) -> list:
+        return [call for call in self.calls if call[1] == "/v1/unload_lora_adapter"]
+
+
+class HttpxPoster:
+    """The pool's hot-path client interface over httpx, so the fake above answers completions too."""
+
+    def __init__(self, client: httpx.AsyncClient):
+        self.client = client
+
+    async def post(self, url: str, body: bytes, content_type: str = "application/json") -> BufferedResponse:
+        try:
+            response = await self.client.post(url, content=body, headers={"content-type": content_type})
+        except httpx.ConnectError as exc:
+            raise UpstreamUnavailable(str(exc)) from None
+        return BufferedResponse(response.status_code, dict(response.headers), response.content)
+
+
+@dataclass
+class BufferedResponse:
+    status: int
+    headers: dict
+    body: bytes
+
+    async def iter_body(self):
+        yield self.body
+
+    async def read(self) -> bytes:
+        return self.body
+
+    def close(self) -> None:
+        pass
+
+
+async def _settle() -> None:
+    """Let the pool's background work (trimming, unloading deleted adapters) run."""
+    for _ in range(20):
+        await asyncio.sleep(0.01)
+
+
+def _vllm_error(message: str, code: int) -> dict:
+    return {"error": {"message": message, "type": "Error", "param": None, "code": code}}
+
+
+def _base_model(dynamic_path: str, remote: tuple[str, ...], max_adapters: int = 2) -> BaseModel:
+    return BaseModel(
+        id=BASE, weights=Path("unused"), prepare_from=None, replicas=0, remote_replicas=remote,
+        lora=LoraConfig(dynamic_path, max_adapters, max_lora_rank=16),
+        engine=EngineConfig(2048, "float32", 2, 1, ()),
+    )  # fmt: skip
+
+
+def _adapter_folder(folder: Path, rank: int = 8, config: str | None = None) -> Path:
+    folder.mkdir(parents=True)
+    (folder / "adapter_model.safetensors").write_bytes(b"weights " + folder.name.encode())
+    text = config if config is not None else json.dumps({"r": rank, "base_model_name_or_path": BASE})
+    (folder / "adapter_config.json").write_text(text)
+    return folder
+
+
+class PoolUnderTest:
+    def __init__(self, tmp_path: Path, replicas: int = 2, max_adapters: int = 2, dynamic: str | None = None, s3=None):
+        self.dynamic = dynamic or str(tmp_path / "dynamic")
+        self.store = adapter_store(self.dynamic, s3)
+        self.tmp = tmp_path
+        urls = tuple(f"http://replica-{i}" for i in range(replicas))
+        self.model = _base_model(self.dynamic, urls, max_adapters)
+        self.pool = Pool(Catalog((self.model,)), first_replica_port=1)
+        for replica in self.pool.replicas:
+            replica.healthy = True
+        self.vllm = FakeVllm()
+        self.metrics = Metrics()
+        self.client = httpx.AsyncClient(transport=httpx.MockTransport(self.vllm.handler))
+        source = AdapterSource(self.store, tmp_path / "cache", self.metrics, BASE)
+        self.adapters = AdapterManager({BASE: source}, self.client, self.metrics)
+        self.app = create_app(self.pool, self.adapters, HttpxPoster(self.client), self.metrics)
+        self.http = httpx.AsyncClient(transport=httpx.ASGITransport(app=self.app), base_url="http://pool")
+
+    def publish(self, suffix: str, rank: int = 8, config: str | None = None) -> str:
+        name = f"{BASE}:{suffix}"
+        folder = _adapter_folder(self.tmp / "out" / f"{suffix}-{len(list(self.tmp.glob('out/*')))}", rank, config)
+        self.store.publish(name, folder)
+        return name
+
+    async def chat(self, model: str) -> httpx.Response:
+        return await self.http.post("/v1/chat/completions", json={"model": model, "messages": []})
+
+    def replica(self, url: str):
+        return next(replica for replica in self.pool.replicas if replica.url == url)
+
+
+# --- the router --------------------------------------------------------------------------------
+
+
+def test_it_keeps_sending_an_adapter_to_the_same_replica_and_spreads_adapters_over_replicas():
+    replicas = [FakeReplica(f"http://r{i}") for i in range(4)]
+    adapters = [f"{BASE}:a{i}" for i in range(40)]
+    first = {name: choose_replica(replicas, name, adapter=True).url for name in adapters}
+    again = {name: choose_replica(list(reversed(replicas)), name, adapter=True).url for name in adapters}
+    assert first == again
+    assert len(set(first.values())) == 4  # 40 adapters do not all land on one replica
+
+
+def test_it_moves_only_the_adapters_of_a_replica_that_leaves():
+    replicas = [FakeReplica(f"http://r{i}") for i in range(4)]
+    adapters = [f"{BASE}:a{i}" for i in range(40)]
+    before = {name: choose_replica(replicas, name, adapter=True).url for name in adapters}
+    after = {name: choose_replica(replicas[:3], name, adapter=True).url for name in adapters}
+    moved = {name for name in adapters if before[name] != after[name]}
+    assert moved == {name for name in adapters if before[name] == "http://r3"}
+
+
+def test_it_prefers_a_replica_that_already_holds_the_adapter():
+    name = f"{BASE}:support"
+    replicas = [FakeReplica(f"http://r{i}") for i in range(3)]
+    stable = rendezvous_order(name, replicas)
+    stable[-1].held.add(name)
+    stable[-1].inflight = 5  # busier than the others, but no load is needed there
+    assert choose_replica(replicas, name, adapter=True) is stable[-1]
+
+
+def test_it_spreads_a_hot_adapter_to_a_less_loaded_replica():
+    name = f"{BASE}:hot"
+    replicas = [FakeReplica(f"http://r{i}") for i in range(3)]
+    holder = rendezvous_order(name, replicas)[0]
+    holder.held.add(name)
+    holder.inflight = holder.per_model[name] = HOT_ADAPTER_INFLIGHT
+    spare = choose_replica(replicas, name, adapter=True)
+    assert spare is not holder and spare is rendezvous_order(name, replicas)[1]
+    spare.held.add(name)
+    spare.inflight = spare.per_model[name] = 1
+    assert choose_replica(replicas, name, adapter=True) is spare  # now held in two places
+
+
+def test_it_sends_base_model_requests_to_the_least_loaded_replica():
+    replicas = [FakeReplica("http://r0", inflight=3), FakeReplica("http://r1", inflight=1), FakeReplica("http://r2", inflight=2)]
+    assert choose_replica(replicas, BASE, adapter=False).url == "http://r1"
+    assert choose_replica([], BASE, adapter=False) is None
+
+
+def test_it_evicts_the_least_recently_used_idle_adapter_never_a_busy_one():
+    slots = AdapterSlots(capacity=2)
+    for name in ("a", "b", "c"):
+        slots.add(name, None)
+    slots.touch("a")  # least recently used first: b, c, a
+    slots.started("b")  # the engine is answering with b
+    assert slots.victims(count_loading=False) == ["c"]  # b is older, but busy
+    slots.add("d", None)
+    assert slots.victims(count_loading=False) == ["a"]
+    assert list(slots.held) == ["b", "d"]
+    slots.finished("b")
+    slots.loading.add("e")  # room is made before a load: b is idle now and the oldest
+    assert slots.victims() == ["b"] and list(slots.held) == ["d"]
+
+
+# --- adapters on replicas ----------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_it_loads_an_adapter_on_first_use_and_reuses_it(tmp_path):
+    pool = PoolUnderTest(tmp_path, replicas=1)
+    name = pool.publish("support")
+    for _ in range(3):
+        response = await pool.chat(name)
+        assert response.status_code == 200, response.text
+    assert len(pool.vllm.loads(name)) == 1
+
+
+@pytest.mark.anyio
+async def test_it_evicts_the_least_recently_used_adapter_past_the_replica_capacity(tmp_path):
+    pool = PoolUnderTest(tmp_path, replicas=1, max_adapters=2)
+    a, b, c = (pool.publish(suffix) for suffix in ("a", "b", "c"))
+    for name in (a, b, a, c):  # b is now the least recently used
+        assert (await pool.chat(name)).status_code == 200
+    await _settle()
+    assert [call[2] for call in pool.vllm.unloads()] == [b]
+    assert set(pool.vllm.loaded["http://replica-0"]) == {a, c}
+    assert pool.metrics.adapter_evictions.labels(BASE, "lru")._value.get() == 1
+
+
+@pytest.mark.anyio
+async def test_it_stays_within_capacity_when_many_adapters_load_at_once(tmp_path):
+    pool = PoolUnderTest(tmp_path, replicas=1, max_adapters=3)
+    answer = pool.vllm.handler
+    jitter = random.Random(7)
+
+    async def slow_replica(request: httpx.Request) -> httpx.Response:
+        await asyncio.sleep(jitter.random() * 0.01)  # loads and answers interleave
+        return answer(request)
+
+    pool.client._transport = httpx.MockTransport(slow_replica)
+    names = [pool.publish(f"s{i}") for i in range(5)]
+    for _ in range(10):
+        responses = await asyncio.gather(*(pool.chat(name) for name in names * 2))
+        assert all(response.status_code == 200 for response in responses)
+        await _settle()  # loads that ran together overshoot; the replica is trimmed once they are idle
+        assert len(pool.pool.replicas[0].adapters.held) <= 3
+        assert len(pool.vllm.loaded["http://replica-0"]) <= 3
+
+
+@pytest.mark.anyio
+async def test_it_never_unloads_or_replaces_an_adapter_while_the_replica_answers_with_it(tmp_path, monkeypatch):
+    # vLLM tells adapters apart by name inside a batch: unloading and loading one again while its
+    # old requests run would crash the engine. So eviction and reloads wait for them.
+    monkeypatch.setattr(adapters_module, "UNLOAD_GRACE_S", 0.05)
+    pool = PoolUnderTest(tmp_path, replicas=1, max_adapters=1)
+    answer, release = pool.vllm.handler, asyncio.Event()
+
+    async def slow_for_x(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/chat/completions" and json.loads(request.content)["model"] == x:
+            await release.wait()
+        return answer(request)
+
+    pool.client._transport = httpx.MockTransport(slow_for_x)
+    x, y = pool.publish("x"), pool.publish("y")
+    first_x = asyncio.create_task(pool.chat(x))
+    await _settle()
+    assert (await pool.chat(y)).status_code == 200  # loaded beside x: the replica is over capacity
+    assert pool.vllm.unloads() == []
+    pool.publish("x")  # a new version of x while its first request runs
+    second_x = asyncio.create_task(pool.chat(x))
+    await asyncio.sleep(0.2)
+    assert not second_x.done() and len(pool.vllm.loads(x)) == 1  # waits for the first one
+    assert x not in [call[2] for call in pool.vllm.unloads()]
+    release.set()
+    assert (await first_x).status_code == 200 and (await second_x).status_code == 200
+    assert x in [call[2] for call in pool.vllm.unloads()] and len(pool.vllm.loads(x)) == 2
+    await asyncio.sleep(0.2)  # the grace after y's last request, then the trim
+    assert set(pool.vllm.loaded["http://replica-0"]) == {x}  # back within capacity: y went
+
+
+@pytest.mark.anyio
+async def test_it_answers_an_adapter_published_after_it_was_asked_for(tmp_path):
+    pool = PoolUnderTest(tmp_path, replicas=1)
+    name = f"{BASE}:late"
+    missing = await pool.chat(name)
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "adapter_not_found"
+    pool.publish("late")
+    assert (await pool.chat(name)).status_code == 200  # nothing remembered that it was missing
+
+
+@pytest.mark.anyio
+async def test_it_reloads_a_republished_adapter_and_unloads_a_deleted_one(tmp_path):
+    pool = PoolUnderTest(tmp_path, replicas=1)
+    name = pool.publish("support")
+    await pool.chat(name)
+    first_path = pool.vllm.loaded["http://replica-0"][name]
+    pool.publish("support")
+    assert (await pool.chat(name)).status_code == 200
+    assert pool.vllm.loaded["http://replica-0"][name] != first_path
+    assert [call[2] for call in pool.vllm.unloads()] == [name]
+    pool.store.delete(name)
+    response = await pool.chat(name)
+    assert response.status_code == 404 and response.json()["error"]["code"] == "adapter_not_found"
+    await _settle()  # unloading a deleted adapter happens in the background, once it is idle
+    assert name not in pool.vllm.loaded["http://replica-0"]
+
+
+@pytest.mark.anyio
+async def test_it_refuses_an_adapter_whose_rank_exceeds_max_lora_rank(tmp_path):
+    pool = PoolUnderTest(tmp_path, replicas=1)
+    response = await pool.chat(pool.publish("wide", rank=32))
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["code"] == "adapter_rank_too_large"
+    assert "rank 32" in error["message"] and "max_lora_rank 16" in error["message"]
+    assert pool.vllm.loads() == []
+
+
+@pytest.mark.anyio
+async def test_it_refuses_a_broken_adapter_folder_and_keeps_serving_others(tmp_path):
+    pool = PoolUnderTest(tmp_path, replicas=1)
+    response = await pool.chat(pool.publish("broken", config='{"r": 8,'))
+    error = response.json()["error"]
+    assert response.status_code == 500 and error["code"] == "adapter_invalid" and "not valid JSON" in error["message"]
+    assert (await pool.chat(pool.publish("fine"))).status_code == 200
+
+
+@pytest.mark.anyio
+async def test_it_reloads_an_adapter_the_replica_lost(tmp_path):
+    pool = PoolUnderTest(tmp_path, replicas=1)
+    name = pool.publish("support")
+    await pool.chat(name)
+    pool.vllm.loaded["http://replica-0"].clear()  # as after a restart we did not notice
+    assert (await pool.chat(name)).status_code == 200
+    assert len(pool.vllm.loads(name)) == 2
+
+
+@pytest.mark.anyio
+async def test_it_routes_around_a_replica_that_does_not_answer(tmp_path):
+    pool = PoolUnderTest(tmp_path, replicas=2)
+    name = pool.publish("support")
+    favourite = rendezvous_order(name, pool.pool.replicas)[0]
+    pool.vllm.down.add(favourite.url)
+    response = await pool.chat(name)
+    assert response.status_code == 200 and response.json()["replica"] != favourite.url
+    assert not favourite.healthy  # out of routing until its health check passes again
+    base = await pool.chat(BASE)
+    assert base.status_code == 200 and base.json()["replica"] != favourite.url
+
+
+@pytest.mark.anyio
+async def test_it_takes_a_replica_whose_engine_died_out_of_routing(tmp_path):
+    pool = PoolUnderTest(tmp_path, replicas=2)
+    dead = rendezvous_order(BASE, pool.pool.replicas)[0]
+    answer = pool.vllm.handler
+
+    def engine_died_on_one(request: httpx.Request) -> httpx.Response:
+        if str(request.url).startswith(dead.url) and request.url.path.endswith("completions"):
+            return httpx.Response(500, json=_vllm_error("EngineCore encountered an issue. See stack trace", 500))
+        return answer(request)
+
+    pool.client._transport = httpx.MockTransport(engine_died_on_one)
+    response = await pool.chat(BASE)
+    assert response.status_code == 200 and response.json()["replica"] != dead.url
+    assert not dead.healthy
+
+
+@pytest.mark.anyio
+async def test_it_answers_503_when_no_replica_is_ready(tmp_path):
+    pool = PoolUnderTest(tmp_path, replicas=2)
+    pool.vllm.down.update(replica.url for replica in pool.pool.replicas)
+    response = await pool.chat(BASE)
+    assert response.status_code == 503
+    assert response.json()["error"]["code"] == "no_replica_available"
+    response = await pool.chat(BASE)  # now known to be down: no attempt at all
+    assert response.status_code == 503
+
+
+@pytest.mark.anyio
+async def test_it_answers_404_for_a_model_outside_the_catalog(tmp_path):
+    pool = PoolUnderTest(tmp_path, replicas=1)
+    response = await pool.chat("gpt-4o")
+    assert response.status_code == 404 and response.json()["error"]["code"] == "model_not_found"
+    response = await pool.http.post("/v1/chat/completions", content=b"[1, 2]")
+    assert response.status_code == 400 and response.json()["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.anyio
+async def test_it_counts_requests_adapter_loads_and_replica_health_in_metrics(tmp_path):
+    pool = PoolUnderTest(tmp_path, replicas=1)
+    name = pool.publish("support")
+    await pool.chat(name)
+    text = (await pool.http.get("/metrics")).text
+    assert f'fineserve_inference_requests_total{{endpoint="chat/completions",model="{name}",status="200"}} 1.0' in text
+    assert f'fineserve_adapter_loads_total{{base_model="{BASE}",outcome="loaded"}} 1.0' in text
+    assert "fineserve_adapter_load_seconds_count" in text
+    assert f'fineserve_replica_healthy{{model="{BASE}",replica="http://replica-0"}} 1.0' in text
+
+
+# --- S3 ----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def s3():
+    with s3_server("adapters") as settings:
+        yield settings
+
+
+@pytest.mark.anyio
+async def test_it_syncs_an_s3_adapter_once_for_concurrent_requests_on_every_replica(tmp_path, s3):
+    pool = PoolUnderTest(tmp_path, replicas=2, dynamic=f"s3://adapters/{tmp_path.name}", s3=s3)
+    name = pool.publish("support")
+    responses = await asyncio.gather(*(pool.chat(name) for _ in range(8)))
+    assert all(response.status_code == 200 for response in responses)
+    assert pool.metrics.adapter_downloads.labels(BASE)._value.get() == 1
+    loaded_from = {path for held in pool.vllm.loaded.values() for path in held.values()}
+    assert len(loaded_from) == 1
+    folder = Path(loaded_from.pop())
+    assert folder.is_relative_to(tmp_path / "cache")
+    assert (folder / "adapter_model.safetensors").read_bytes() == b"weights support-0"
+
+
+@pytest.mark.anyio
+async def test_it_refuses_an_s3_adapter_whose_bytes_do_not_match_their_checksum(tmp_path, s3):
+    pool = PoolUnderTest(tmp_path, replicas=1, dynamic=f"s3://adapters/{tmp_path.name}", s3=s3)
+    name = pool.publish("tampered")
+    key = pool.store.key(name, "adapter_model.safetensors")
+    head = pool.store.client.head_object(Bucket="adapters", Key=key)
+    pool.store.client.put_object(Bucket="adapters", Key=key, Body=b"evil", Metadata=head["Metadata"])
+    response = await pool.chat(name)
+    assert response.status_code == 500 and "checksum" in response.json()["error"]["message"]
+    assert pool.vllm.loads() == []

@@ -13,9 +13,9 @@ from core.catalog import Catalog, load_catalog
 from core.config import Config, load_config
 from core.env import ConfigError
 from inference.adapters import AdapterManager, AdapterSource
+from inference.http_client import HttpClient
 from inference.metrics import Metrics
 from inference.pool import Pool
-from inference.http_client import HttpClient
 from inference.server import admin_client, create_app
 
 ADAPTER_CACHE = "adapter-cache"  # under DATA_DIR: adapters synced from S3
@@ -24,7 +24,10 @@ ADAPTER_CACHE = "adapter-cache"  # under DATA_DIR: adapters synced from S3
 def build_adapter_manager(config: Config, catalog: Catalog, client, metrics: Metrics) -> AdapterManager:
     sources = {
         model.id: AdapterSource(
-            adapter_store(model.lora.dynamic_lora_loading_path, config.s3), config.data_dir / ADAPTER_CACHE, metrics, model.id
+            adapter_store(model.lora.dynamic_lora_loading_path, config.s3),
+            config.data_dir / ADAPTER_CACHE,
+            metrics,
+            model.id,
         )
         for model in catalog.models
     }

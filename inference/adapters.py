@@ -43,7 +43,6 @@ from core.adapter_store import (
     CorruptAdapter,
     LocalAdapterStore,
 )
-from core.catalog import BaseModel
 from inference import errors
 from inference.metrics import Metrics
 

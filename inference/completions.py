@@ -11,9 +11,9 @@ through ``inference.http_client`` (kept-alive connections, a fraction of httpx's
 from __future__ import annotations
 
 import json
-import logging
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from starlette.responses import Response, StreamingResponse
 
@@ -21,14 +21,19 @@ from core.catalog import Catalog
 from core.model_names import is_valid_suffix, parse_model_name
 from inference import errors
 from inference.adapters import AdapterManager, ReplicaUnavailable
-from inference.http_client import Poster, UpstreamBroken, UpstreamError, UpstreamTimeout, UpstreamUnavailable
+from inference.http_client import (
+    Poster,
+    UpstreamBroken,
+    UpstreamError,
+    UpstreamResponse,
+    UpstreamTimeout,
+    UpstreamUnavailable,
+)
 from inference.metrics import Metrics
 from inference.pool import Pool
 from inference.protocol import routed_fields
 from inference.replica import Replica
 from inference.router import choose_replica
-
-log = logging.getLogger("inference.completions")
 
 MAX_ATTEMPTS = 3
 _JSON = "application/json"
@@ -37,6 +42,13 @@ _SSE = "text/event-stream"
 # eviction raced this request): load it again and retry.
 _LOST_ADAPTER = 404
 _ENGINE_DEAD = b"EngineCore encountered an issue"  # vLLM's EngineDeadError message
+
+
+class _TryAnother(Exception):
+    """This attempt failed in a way another attempt can fix."""
+
+    def __init__(self, failure: errors.ApiError, skip_replica: bool):
+        self.failure, self.skip_replica = failure, skip_replica
 
 
 class CompletionsHandler:
@@ -50,88 +62,92 @@ class CompletionsHandler:
         base = self.catalog.get(name.base_model_id)
         if base is None or (name.suffix is not None and not is_valid_suffix(name.suffix)):
             raise errors.model_not_found(fields.model)
-        model = str(name)
+        request = _Request(body, endpoint, str(name), base.id, name.suffix is not None, fields.stream, started)
         try:
-            return await self._forward(body, endpoint, model, base.id, name.suffix is not None, fields.stream, started)
+            return await self._forward(request)
         except errors.ApiError as exc:
-            self._count(model, endpoint, exc.status, started)
+            self._count(request, exc.status)
             raise
 
-    async def _forward(
-        self, body: bytes, endpoint: str, model: str, base_id: str, adapter: bool, stream: bool, started: float
-    ) -> Response:
+    async def _forward(self, request: _Request) -> Response:
         skip: set[Replica] = set()
-        failure = errors.no_replica(base_id)
+        failure = errors.no_replica(request.base_id)
         for _ in range(MAX_ATTEMPTS):
-            candidates = [replica for replica in self.pool.ready(base_id) if replica not in skip]
-            replica = choose_replica(candidates, model, adapter)
+            candidates = [replica for replica in self.pool.ready(request.base_id) if replica not in skip]
+            replica = choose_replica(candidates, request.model, request.adapter)
             if replica is None:
-                raise errors.no_replica(base_id)
-            replica.begin(model)
+                raise errors.no_replica(request.base_id)
             try:
-                if adapter:
-                    await self.adapters.ensure(replica, model)
-            except ReplicaUnavailable as exc:
-                replica.end(model)
-                replica.mark_down(str(exc))
-                skip.add(replica)
-                continue
-            except BaseException:
-                replica.end(model)
-                raise
-            # From here the engine may be answering with this adapter: it must not be unloaded.
-            done = _Done(replica, model, adapter)
-            try:
-                upstream = await self.http.post(f"{replica.url}/v1/{endpoint}", body)
-            except (UpstreamUnavailable, UpstreamBroken) as exc:
-                done()
-                replica.mark_down(str(exc))
-                skip.add(replica)
-                continue
-            except UpstreamTimeout as exc:
-                done()
-                raise errors.replica_failed(str(exc)) from None
-            except BaseException:
-                done()
-                raise
-            if upstream.status == _LOST_ADAPTER and adapter:
-                upstream.close()
-                done()
-                replica.adapters.forget(model)
-                failure = errors.replica_failed(f"{replica.url} does not keep `{model}` loaded")
-                continue
-            if upstream.status >= 400 or not stream:
-                try:
-                    raw = await upstream.read()
-                except UpstreamError as exc:
-                    replica.mark_down(str(exc))
-                    raise errors.replica_failed(str(exc)) from None
-                finally:
-                    done()
-                if upstream.status >= 500 and _ENGINE_DEAD in raw:
-                    # Its engine process died; the server answers until it notices: try another.
-                    replica.mark_down("its engine died")
+                return await self._attempt(replica, request)
+            except _TryAnother as retry:
+                failure = retry.failure
+                if retry.skip_replica:
                     skip.add(replica)
-                    failure = errors.replica_failed(f"the engine of {replica.url} died; it is being restarted")
-                    continue
-                if upstream.status >= 400:
-                    raise errors.from_replica(upstream.status, raw)
-                self._count(model, endpoint, upstream.status, started, first_byte=True)
-                return Response(raw, status_code=upstream.status, media_type=_JSON)
+        raise failure
+
+    async def _attempt(self, replica: Replica, request: _Request) -> Response:
+        model = request.model
+        replica.begin(model)
+        try:
+            if request.adapter:
+                await self.adapters.ensure(replica, model)
+        except ReplicaUnavailable as exc:
+            replica.end(model)
+            raise _down(replica, str(exc)) from None
+        except BaseException:
+            replica.end(model)
+            raise
+        # From here on the engine may be answering with this adapter: it must not be unloaded.
+        done = _Done(replica, model, request.adapter)
+        try:
+            upstream = await self.http.post(f"{replica.url}/v1/{request.endpoint}", request.body)
+        except (UpstreamUnavailable, UpstreamBroken) as exc:
+            done()
+            raise _down(replica, str(exc)) from None
+        except UpstreamTimeout as exc:
+            done()
+            raise errors.replica_failed(str(exc)) from None
+        except BaseException:
+            done()
+            raise
+        if upstream.status == _LOST_ADAPTER and request.adapter:
+            upstream.close()
+            done()
+            replica.adapters.forget(model)  # the next attempt loads it again
+            raise _TryAnother(errors.replica_failed(f"{replica.url} does not keep `{model}` loaded"), False)
+        if request.stream and upstream.status < 400:
             return StreamingResponse(
-                self._relay(upstream, done, model, endpoint, started),
+                self._relay(upstream, done, request),
                 status_code=upstream.status,
                 media_type=upstream.headers.get("content-type", _SSE),
                 headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
             )
-        raise failure
+        return await self._whole(upstream, done, request)
 
-    async def _relay(self, upstream, done: _Done, model: str, endpoint: str, started: float) -> AsyncIterator[bytes]:
+    async def _whole(self, upstream: UpstreamResponse, done: _Done, request: _Request) -> Response:
+        try:
+            raw = await upstream.read()
+        except UpstreamError as exc:
+            done.replica.mark_down(str(exc))
+            raise errors.replica_failed(str(exc)) from None
+        finally:
+            done()
+        if upstream.status >= 500 and _ENGINE_DEAD in raw:
+            # Its engine process died; the server answers until it notices and exits.
+            raise _down(done.replica, "its engine died")
+        if upstream.status >= 400:
+            raise errors.from_replica(upstream.status, raw)
+        self._count(request, upstream.status, first_byte=True)
+        return Response(raw, status_code=upstream.status, media_type=_JSON)
+
+    async def _relay(self, upstream: UpstreamResponse, done: _Done, request: _Request) -> AsyncIterator[bytes]:
         status, first = upstream.status, True
         try:
             async for chunk in upstream.iter_body():
                 if first:
-                    self.metrics.first_byte.labels(model, endpoint).observe(time.perf_counter() - started)
+                    self.metrics.first_byte.labels(request.model, request.endpoint).observe(
+                        time.perf_counter() - request.started
+                    )
                     first = False
                 yield chunk
         except UpstreamError as exc:
@@ -142,15 +158,31 @@ class CompletionsHandler:
         finally:
             upstream.close()  # a client that went away: the replica sees the connection drop and stops
             done()
-            self._count(model, endpoint, status, started)
+            self._count(request, status)
 
-    def _count(self, model: str, endpoint: str, status: int, started: float, first_byte: bool = False) -> None:
-        elapsed = time.perf_counter() - started
-        self.metrics.requests.labels(model, endpoint, str(status)).inc()
+    def _count(self, request: _Request, status: int, first_byte: bool = False) -> None:
+        elapsed = time.perf_counter() - request.started
+        self.metrics.requests.labels(request.model, request.endpoint, str(status)).inc()
         if status < 400:
-            self.metrics.latency.labels(model, endpoint).observe(elapsed)
+            self.metrics.latency.labels(request.model, request.endpoint).observe(elapsed)
             if first_byte:
-                self.metrics.first_byte.labels(model, endpoint).observe(elapsed)
+                self.metrics.first_byte.labels(request.model, request.endpoint).observe(elapsed)
+
+
+@dataclass(frozen=True)
+class _Request:
+    body: bytes
+    endpoint: str  # "chat/completions" or "completions"
+    model: str  # the full name: the adapter's name in vLLM too
+    base_id: str
+    adapter: bool
+    stream: bool
+    started: float
+
+
+def _down(replica: Replica, reason: str) -> _TryAnother:
+    replica.mark_down(reason)
+    return _TryAnother(errors.no_replica(replica.model.id), skip_replica=True)
 
 
 class _Done:

@@ -45,7 +45,9 @@ def missing_api_key() -> ApiError:
 
 
 def invalid_api_key() -> ApiError:
-    return ApiError(401, "Incorrect API key provided, or the key has been revoked.", AUTHENTICATION, code="invalid_api_key")
+    return ApiError(
+        401, "Incorrect API key provided, or the key has been revoked.", AUTHENTICATION, code="invalid_api_key"
+    )
 
 
 def invalid_body(detail: str) -> ApiError:
@@ -106,7 +108,9 @@ def no_replica(model_id: str) -> ApiError:
 
 
 def pool_unreachable(detail: str) -> ApiError:
-    return ApiError(503, f"The inference pool cannot be reached ({detail}). Retry shortly.", UNAVAILABLE, code="pool_unavailable")
+    return ApiError(
+        503, f"The inference pool cannot be reached ({detail}). Retry shortly.", UNAVAILABLE, code="pool_unavailable"
+    )
 
 
 def replica_failed(detail: str) -> ApiError:

@@ -3,15 +3,16 @@
 vLLM's CPU punica wrapper applies LoRA by gathering, for every token, a private copy of its
 adapter's A and B matrices (``lora_b_weights[indices]``: tokens x out x rank) and multiplying token
 by token. For a decode batch of 32 that copies about as many bytes per step as the base model's
-weights, which is why adapters ran at about half the base model's speed here; it also runs for
-batches that hold no adapter at all, and a token without an adapter (index -1) silently picks the
-last adapter slot in the decode path.
+weights, so adapters ran at a fraction of the base model's speed; it does this in the decode path
+even for batches without any adapter, and a token without an adapter (index -1) picks the last
+adapter slot there.
 
-Here every adapter slot is applied with two dense matrix products per projection instead:
-``h = x @ A_all`` (all slots at once: tokens x slots*rank, rank is small), a mask that keeps each
-token's own slot, then ``y += h @ B_all``. The weights are read once per step, not once per token,
-and a batch without adapters skips LoRA entirely. Same arithmetic as vLLM's reference semantics:
-``y[t] += scale * x[t] @ A[i_t] @ B[i_t]``, with nothing added where ``i_t == -1``.
+Here each projection applies the batch's adapters with two dense matrix products instead:
+``h = x @ A`` over the adapter slots the batch uses (tokens x slots*rank), a mask that keeps each
+token's own slot, then ``y += h @ B``. Weights are read once per step, not once per token; only the
+slots the batch uses are computed, and only up to the largest rank among them (vLLM pads every
+adapter to ``max_lora_rank`` with zeros); a batch without adapters skips LoRA. The arithmetic is
+vLLM's reference semantics, ``y[t] += scale * x[t] @ A[i_t] @ B[i_t]``, nothing where ``i_t == -1``.
 
 Only ``add_lora_linear`` (the projections adapters train) is replaced; embeddings and logits keep
 vLLM's code. If vLLM's internals ever differ from what this expects, nothing is patched.
@@ -20,78 +21,122 @@ vLLM's code. If vLLM's internals ever differ from what this expects, nothing is 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 log = logging.getLogger("inference.lora_kernels")
+
+# Rank of each loaded adapter, by vLLM's adapter id; filled when vLLM puts it in a slot. Per process.
+_RANKS: dict[int, int] = {}
+
+
+@dataclass
+class _Step:
+    """What one engine step's batch needs, worked out once per step instead of once per layer."""
+
+    slots: object  # LongTensor: the adapter slots the batch uses
+    all_slots: bool  # the batch uses every slot: the stacked weights need no selection
+    rank: int | None  # the largest rank among them; None: keep vLLM's max_lora_rank
+    mask: object  # tokens x len(slots) x 1: 1 where the token uses that slot
 
 
 def _dense_add_lora_linear(self, y, x, lora_a_stacked, lora_b_stacked, scale, output_slices, *, buffer=None, **kwargs):
     import torch
 
+    step: _Step | None = self._fineserve_step
+    if step is None:  # no token in this batch uses an adapter
+        return
     x = x.view(-1, x.shape[-1])
-    mask = _mask_for(self, x.size(0), x.dtype)
-    if mask is None:  # no token in this batch uses an adapter
-        return None
     tokens = x.size(0)
+    mask = _mask_rows(step, tokens, x.dtype)
+    used = step.mask.size(1)
     offset = 0
     for lora_a, lora_b, size in zip(lora_a_stacked, lora_b_stacked, output_slices):
-        slots, _, rank, fan_in = lora_a.shape
-        # tokens x (slots*rank): every slot's shrink in one product, then only the token's own slot.
-        shrunk = torch.matmul(x, lora_a.view(slots * rank, fan_in).t())
-        shrunk = (shrunk.view(tokens, slots, rank) * mask[:, :slots]).view(tokens, slots * rank)
+        rank = min(step.rank or lora_a.size(2), lora_a.size(2))
+        if not step.all_slots:
+            lora_a, lora_b = lora_a.index_select(0, step.slots), lora_b.index_select(0, step.slots)
+        # A: slots x 1 x rank x in; B: slots x 1 x out x rank. Both as (slots*rank) x ... matrices.
+        shrink = lora_a[:, 0, :rank, :].reshape(used * rank, -1)
+        expand = lora_b[:, 0, :, :rank].transpose(1, 2).reshape(used * rank, size)
+        shrunk = torch.matmul(x, shrink.t()).view(tokens, used, rank) * mask  # only the token's own slot
         if scale != 1.0:
             shrunk = shrunk * scale
-        # B is stored slots x out x rank; as (slots*rank) x out it is one product for all slots.
-        expand = lora_b.view(slots, size, rank).transpose(1, 2).reshape(slots * rank, size)
-        y[:, offset : offset + size] += torch.matmul(shrunk, expand)
+        y[:, offset : offset + size] += torch.matmul(shrunk.view(tokens, used * rank), expand)
         offset += size
-    return None
+    return
 
 
-def _mask_for(wrapper, tokens: int, dtype):
-    """tokens x slots x 1: 1 where the token uses that slot; None when no token uses any slot."""
+def _mask_rows(step: _Step, tokens: int, dtype):
     import torch
 
-    mask = wrapper._fineserve_slot_mask
-    if mask is None:
-        return None
-    if mask.dtype != dtype:  # built once per step, converted once per step
-        mask = wrapper._fineserve_slot_mask = mask.to(dtype)
+    if step.mask.dtype != dtype:  # built once per step, converted once per step
+        step.mask = step.mask.to(dtype)
+    mask = step.mask
     if mask.size(0) < tokens:  # rows past the scheduled tokens (padding) get no adapter
         mask = torch.cat([mask, mask.new_zeros((tokens - mask.size(0), *mask.shape[1:]))])
     return mask[:tokens]
 
 
+def _plan(indices, lora_index_to_id: list) -> _Step | None:
+    import torch
+
+    used = indices >= 0
+    if not bool(used.any()):
+        return None
+    slots = sorted(set(indices[used].tolist()))
+    ranks = [_RANKS.get(lora_index_to_id[slot]) for slot in slots]
+    lookup = torch.full((len(lora_index_to_id) + 1,), -1, dtype=torch.long)
+    lookup[slots] = torch.arange(len(slots))
+    compact = lookup[indices.clamp(min=0)]
+    mask = torch.nn.functional.one_hot(compact.clamp(min=0), len(slots)) * used.unsqueeze(1)
+    return _Step(
+        slots=torch.tensor(slots, dtype=torch.long),
+        all_slots=slots == list(range(len(lora_index_to_id))),
+        rank=max(ranks) if all(rank is not None for rank in ranks) else None,
+        mask=mask.unsqueeze(-1).to(torch.float32),
+    )
+
+
 def _wrap_update_metadata(original):
     def update_metadata(self, mapping, lora_index_to_id, max_loras, vocab_size, **kwargs):
-        import torch
-
         original(self, mapping, lora_index_to_id, max_loras, vocab_size, **kwargs)
-        indices = self.token_lora_indices
-        used = indices >= 0
-        if bool(used.any()):
-            # max_loras here counts one slot more than the weights hold; layers use the first ones.
-            one_hot = torch.nn.functional.one_hot(indices.clamp(min=0), max_loras) * used.unsqueeze(1)
-            self._fineserve_slot_mask = one_hot.unsqueeze(-1).to(torch.float32)
-        else:
-            self._fineserve_slot_mask = None
+        self._fineserve_step = _plan(self.token_lora_indices, lora_index_to_id)
 
     return update_metadata
+
+
+def _wrap_activate_adapter(original):
+    def activate_adapter(self, lora_id: int) -> bool:
+        activated = original(self, lora_id)
+        if activated:  # just put in a slot (the original read it from _registered_adapters)
+            model = self._registered_adapters[lora_id]
+            layer_ranks = [layer.rank for layer in model.loras.values() if layer is not None]
+            _RANKS[lora_id] = max(layer_ranks, default=model.rank)
+        return activated
+
+    return activate_adapter
 
 
 def install() -> bool:
     """Patch vLLM's CPU punica wrapper in this process; True if it was patched."""
     try:
+        from vllm.lora import model_manager
         from vllm.lora.punica_wrapper import punica_cpu
     except ImportError:  # a GPU build, or no vLLM: nothing to speed up here
         return False
     wrapper = getattr(punica_cpu, "PunicaWrapperCPU", None)
-    if wrapper is None or not hasattr(wrapper, "add_lora_linear") or not hasattr(wrapper, "update_metadata"):
-        log.warning("vLLM's CPU LoRA wrapper is not what lora_kernels expects: left as it is")
+    manager = getattr(model_manager, "LoRAModelManager", None)
+    expected = (
+        wrapper is not None and hasattr(wrapper, "add_lora_linear") and hasattr(wrapper, "update_metadata")
+        and manager is not None and hasattr(manager, "activate_adapter")
+    )  # fmt: skip
+    if not expected:
+        log.warning("vLLM's CPU LoRA code is not what lora_kernels expects: left as it is")
         return False
     if getattr(wrapper, "_fineserve_patched", False):
         return True
-    wrapper._fineserve_slot_mask = None
+    wrapper._fineserve_step = None
     wrapper.update_metadata = _wrap_update_metadata(wrapper.update_metadata)
     wrapper.add_lora_linear = _dense_add_lora_linear
+    manager.activate_adapter = _wrap_activate_adapter(manager.activate_adapter)
     wrapper._fineserve_patched = True
     return True

@@ -23,10 +23,14 @@ class _ReplicaCollector(Collector):
 
     def collect(self):
         labels = ["model", "replica"]
-        healthy = GaugeMetricFamily("fineserve_replica_healthy", "1 when the replica passes its health check", labels=labels)
+        healthy = GaugeMetricFamily(
+            "fineserve_replica_healthy", "1 when the replica passes its health check", labels=labels
+        )
         inflight = GaugeMetricFamily("fineserve_replica_inflight_requests", "Requests in flight", labels=labels)
         adapters = GaugeMetricFamily("fineserve_replica_adapters_loaded", "Adapters the replica holds", labels=labels)
-        restarts = CounterMetricFamily("fineserve_replica_restarts", "Times the pool restarted the replica", labels=labels)
+        restarts = CounterMetricFamily(
+            "fineserve_replica_restarts", "Times the pool restarted the replica", labels=labels
+        )
         for replica in self.replicas():
             key = [replica.model.id, replica.url]
             healthy.add_metric(key, 1.0 if replica.healthy else 0.0)

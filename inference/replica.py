@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -121,7 +120,12 @@ class Replica:
             self.restarts += 1
             self.next_start_at = now + self.backoff_s
             self.backoff_s = min(self.backoff_s * 2, _RESTART_BACKOFF_S[1])
-            log.warning("replica %s exited with %s; restarting in %.0f s", self.url, self.last_exit_code, self.next_start_at - now)
+            log.warning(
+                "replica %s exited with %s; restarting in %.0f s",
+                self.url,
+                self.last_exit_code,
+                self.next_start_at - now,
+            )
         if now >= self.next_start_at:
             self.start()
 
@@ -173,5 +177,7 @@ class Replica:
 
 
 def replicas_for(model: BaseModel, first_port: int) -> list[Replica]:
-    local = [Replica(model, f"http://127.0.0.1:{port}", port) for port in range(first_port, first_port + model.replicas)]
+    local = [
+        Replica(model, f"http://127.0.0.1:{port}", port) for port in range(first_port, first_port + model.replicas)
+    ]
     return local + [Replica(model, url.rstrip("/")) for url in model.remote_replicas]

@@ -87,9 +87,8 @@ class Persona:
 
 
 def _persona(name: str, gateway: str) -> Persona:
-    from django.contrib.auth.models import User
-
     from accounts.services import create_api_key, create_organization
+    from django.contrib.auth.models import User
 
     user = User.objects.create_user(name, f"{name}@example.com", "password")
     organization = create_organization(f"{name.title()}'s lab", user)

@@ -5,6 +5,7 @@ replica). alice owns fine-tuned models; charlie is an outsider. Answers use temp
 same model gives the same answer and different adapters give different ones.
 """
 
+# ruff: noqa: F811 (pytest fixtures are imported from tests.inference_fixtures, then named as arguments)
 from __future__ import annotations
 
 import json
@@ -18,6 +19,7 @@ import httpx
 import openai
 import pytest
 from django.conf import settings
+from gateway.access import GRANT_TTL_S
 
 from tests.inference_fixtures import (  # noqa: F401 (fixtures)
     BASE,
@@ -29,7 +31,6 @@ from tests.inference_fixtures import (  # noqa: F401 (fixtures)
     publish_fine_tuned_model,
     register_fine_tuned_model,
 )
-from gateway.access import GRANT_TTL_S
 from tests.processes import wait_until
 
 pytestmark = [pytest.mark.engine, pytest.mark.django_db(transaction=True)]
@@ -42,7 +43,9 @@ def _suffix(label: str) -> str:
 
 
 def _ask(client: openai.OpenAI, model: str, max_tokens: int = 24, **extra) -> str:
-    answer = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=max_tokens, temperature=0, **extra)
+    answer = client.chat.completions.create(
+        model=model, messages=QUESTION, max_tokens=max_tokens, temperature=0, **extra
+    )
     return answer.choices[0].message.content
 
 
@@ -186,7 +189,7 @@ def test_it_lists_the_base_models_and_the_callers_own_fine_tuned_models(alice, c
 def test_it_answers_404_for_unknown_models_and_for_other_organizations_models(alice, charlie, make_adapter):
     name = publish_fine_tuned_model(alice, _suffix("private"), make_adapter(seed=7))
     for client, model in ((charlie.client, name), (alice.client, "gpt-4o"), (alice.client, f"{BASE}:never-trained")):
-        error = _error(lambda: _ask(client, model))
+        error = _error(lambda client=client, model=model: _ask(client, model))
         assert error.status_code == 404
         assert error.body["code"] == "model_not_found" and error.body["param"] == "model"
         assert set(error.body) == {"message", "type", "param", "code"}
@@ -197,7 +200,7 @@ def test_it_answers_404_for_unknown_models_and_for_other_organizations_models(al
 def test_it_answers_401_without_a_valid_api_key(gateway):
     for key in ("sk-not-a-key", "nonsense"):
         client = openai.OpenAI(base_url=f"{gateway}/v1", api_key=key, max_retries=0)
-        error = _error(lambda: _ask(client, BASE))
+        error = _error(lambda client=client: _ask(client, BASE))
         assert error.status_code == 401 and error.body["code"] == "invalid_api_key"
     response = httpx.post(f"{gateway}/v1/chat/completions", json={"model": BASE, "messages": QUESTION})
     assert response.status_code == 401 and response.json()["error"]["code"] == "missing_api_key"
@@ -257,7 +260,11 @@ def test_it_exposes_prometheus_metrics(alice, gateway):
     assert "fineserve_inference_request_seconds_bucket" in text
     assert 'fineserve_gateway_requests_total{endpoint="chat/completions",status="200"}' in text
     assert f'fineserve_replica_healthy{{model="{BASE}"' in text
-    for name in ("fineserve_adapter_loads_total", "fineserve_adapter_evictions_total", "fineserve_adapter_load_seconds"):
+    for name in (
+        "fineserve_adapter_loads_total",
+        "fineserve_adapter_evictions_total",
+        "fineserve_adapter_load_seconds",
+    ):
         assert name in text
 
 

@@ -26,7 +26,6 @@ def anyio_backend():
 def web(request, settings):
     """An httpx client on the web application, through one entry point or the other."""
     from django.core.asgi import get_asgi_application
-
     from gateway.asgi import with_fast_path
 
     settings.INFERENCE_POOL_URL = DEAD_POOL
@@ -39,9 +38,8 @@ def web(request, settings):
 @pytest.fixture
 def keys(transactional_db):
     """alice's organization owns a fine-tuned model; charlie's is an outsider."""
-    from django.contrib.auth.models import User
-
     from accounts.services import create_api_key, create_organization
+    from django.contrib.auth.models import User
 
     result = {}
     for name in ("alice", "charlie"):

@@ -35,7 +35,9 @@ class TinyServer:
     async def _answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         while self.answers:
             head = await reader.readuntil(b"\r\n\r\n")
-            length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+            length = int(
+                next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
+            )
             self.requests.append(head + await reader.readexactly(length))
             answer = self.answers.pop(0)
             for piece in answer if isinstance(answer, list) else [answer]:

@@ -230,7 +230,11 @@ def test_it_spreads_a_hot_adapter_to_a_less_loaded_replica():
 
 
 def test_it_sends_base_model_requests_to_the_least_loaded_replica():
-    replicas = [FakeReplica("http://r0", inflight=3), FakeReplica("http://r1", inflight=1), FakeReplica("http://r2", inflight=2)]
+    replicas = [
+        FakeReplica("http://r0", inflight=3),
+        FakeReplica("http://r1", inflight=1),
+        FakeReplica("http://r2", inflight=2),
+    ]
     assert choose_replica(replicas, BASE, adapter=False).url == "http://r1"
     assert choose_replica([], BASE, adapter=False) is None
 

@@ -16,12 +16,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from asgiref.sync import sync_to_async
-from django.db import close_old_connections
-
 from accounts.models import ApiKey, hash_key
 from accounts.services import authenticate_key
+from asgiref.sync import sync_to_async
+from django.db import close_old_connections
 from finetuning.registry import UsableModel, list_usable_models, resolve_model
+
 from inference import errors
 
 GRANT_TTL_S = 1.0
@@ -72,4 +72,3 @@ async def authorize(raw_key: str, model_name: str | None) -> Access:
             _grants.clear()
         _grants[grant_key] = (access, now)
     return access
-

@@ -40,7 +40,9 @@ def openai_endpoint(name: str, method: str):
 async def _completion(request: HttpRequest, endpoint: str) -> HttpResponse:
     answer = await complete(request.headers.get("Authorization"), request.body, endpoint)
     if answer.stream is not None:
-        return StreamingHttpResponse(answer.stream, status=answer.status, content_type=answer.content_type, headers=STREAM_HEADERS)
+        return StreamingHttpResponse(
+            answer.stream, status=answer.status, content_type=answer.content_type, headers=STREAM_HEADERS
+        )
     return HttpResponse(answer.body, status=answer.status, content_type=answer.content_type)
 
 
@@ -55,7 +57,9 @@ async def completions(request: HttpRequest) -> HttpResponse:
 
 
 def _card(model) -> ModelCard:
-    return ModelCard(id=model.name, created=int(model.created_at.timestamp()), owned_by=model.owned_by, parent=model.parent)
+    return ModelCard(
+        id=model.name, created=int(model.created_at.timestamp()), owned_by=model.owned_by, parent=model.parent
+    )
 
 
 @openai_endpoint("models", "GET")

@@ -17,18 +17,26 @@ CHROMIUM_ARGS = [
 ]  # fmt: skip
 
 
-@pytest.fixture(scope="session")
-def browser():
+@pytest.fixture(scope="module")
+def browser(monkeypatch_module):
+    """Module-scoped: Playwright's sync API keeps an event loop running in this thread until it
+    stops, which would break later tests that run their own loop."""
     if not os.path.exists(CHROMIUM):
         pytest.fail(f"{CHROMIUM} is missing: the test command installs Debian's chromium package")
-    # Playwright's sync API runs an event loop; the ORM calls the tests make between steps are safe.
-    os.environ["DJANGO_ALLOW_ASYNC_UNSAFE"] = "true"
+    # That running loop makes Django refuse ORM calls from the test body; they are safe here.
+    monkeypatch_module.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         yield browser
         browser.close()
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as patch:
+        yield patch
 
 
 @pytest.fixture

@@ -163,10 +163,10 @@ def register_fine_tuned_model(persona: Persona, suffix: str) -> str:
     organization = persona.organization
     training_file = File.objects.create(
         organization=organization, filename="train.jsonl", bytes=1, storage_key=f"test/{suffix}",
-        example_count=10, token_count=100,
+        example_count=10, token_count=100, max_example_tokens=10,
     )  # fmt: skip
     job = FineTuningJob.objects.create(
-        organization=organization, model=BASE, training_file=training_file, suffix=suffix, seed=0,
+        organization=organization, model=BASE, training_file=training_file.id, suffix=suffix, seed=0,
         hyperparameters={"n_epochs": 1, "batch_size": 1, "learning_rate_multiplier": 1.0},
         status=JobStatus.SUCCEEDED, fine_tuned_model=name,
     )  # fmt: skip

@@ -1,6 +1,6 @@
 """Inference benchmark: publish-to-first-token, mixed-adapter throughput, gateway overhead.
 
-    .venv/bin/python benchmarks/inference_bench.py [--rounds 2] [--publishes 7] [--stock-vllm]
+    .venv/bin/python benchmarks/inference_bench.py [--rounds 2] [--publishes 7] [--compare-stock]
 
 Starts its own pool (one vLLM CPU replica, the repository's model catalog) and web gateway on a
 scratch SQLite database, makes random LoRA adapters (rank 8, all linear layers) with PEFT, and
@@ -12,7 +12,7 @@ prints one table whose ratios are against baselines measured in the same run:
    has its own base run, and the median ratio over rounds is reported);
 3. gateway overhead: sequential one-token completions straight to the vLLM replica, to the pool,
    and through the gateway, interleaved; medians of the per-request differences.
-With --stock-vllm it then restarts the replica as vLLM ships it (no inference.lora_kernels) and
+With --compare-stock it then restarts the replica as vLLM ships it (no inference.lora_kernels) and
 measures throughput (2) directly against it, for comparison.
 """
 
@@ -249,7 +249,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2, help="throughput rounds (each has its own base run)")
     parser.add_argument("--publishes", type=int, default=7, help="fresh adapters for publish-to-first-token")
     parser.add_argument("--overhead-samples", type=int, default=100)
-    parser.add_argument("--stock-vllm", action="store_true", help="also measure throughput on stock vLLM")
+    parser.add_argument("--compare-stock", action="store_true", help="also measure throughput on stock vLLM")
     args = parser.parse_args()
 
     logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -297,7 +297,7 @@ def main() -> int:
         print("(2) throughput ...", flush=True)
         throughput = throughput_rounds(gateway, list(folders), persona.api_key, args.rounds)
     stock = None
-    if args.stock_vllm:
+    if args.compare_stock:
         print("(2) throughput on stock vLLM ...", flush=True)
         stock_folders = {name: adapter_store().fetch(name, SCRATCH) for name in folders}
         stock = stock_vllm_throughput(stock_folders, args.rounds)

@@ -12,7 +12,8 @@ from core.adapter_store import adapter_store
 from core.catalog import Catalog, load_catalog
 from core.config import Config, load_config
 from core.env import ConfigError
-from inference.adapters import AdapterManager, AdapterSource
+from inference.adapter_source import AdapterSource
+from inference.adapters import AdapterManager
 from inference.http_client import HttpClient
 from inference.metrics import Metrics
 from inference.pool import Pool

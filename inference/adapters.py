@@ -1,49 +1,26 @@
-"""Adapters on replicas: where they come from, which replica holds which, loading and evicting them.
+"""Making replicas hold the adapters their requests name.
 
-- ``AdapterSource``: one base model's dynamic LoRA path. It answers "which version is published
-  now?" on every request (a local path is a few system calls; S3 a HEAD, remembered for a second),
-  and gives a local folder for a version: the published folder itself, or an S3 copy synced into
-  a cache, checksum-verified, downloaded once however many requests want it at the same moment.
-  A missing adapter is never remembered: the next request looks again.
-- ``AdapterSlots``: the adapters one replica holds, least recently used first, at most
-  ``max_num_adapters_per_replica``.
-- ``AdapterManager.ensure``: make a replica hold the published version of an adapter before a
-  request goes there: load it through vLLM's ``/v1/load_lora_adapter`` (evicting the least recently
-  used one when the replica is full), reload it when the store has a newer version, and unload it
-  everywhere once the store no longer has it.
-
-An adapter is never unloaded while the replica is still answering requests with it (nor for
-``UNLOAD_GRACE_S`` after the last one): vLLM tells adapters apart *by name* when it puts a batch
-together (``LoRARequest.__eq__``), so the same name loaded again under a new id while the old id
-still has requests in the batch drops one of them from the batch's adapter set, and the engine
-dies (``KeyError`` in ``convert_mapping``). A replica can therefore hold a few adapters more than
-its capacity for a moment; it is trimmed as soon as they are idle.
+``AdapterManager.ensure`` runs before a request goes to a replica: it loads the published version
+of the adapter there through vLLM's ``/v1/load_lora_adapter`` (evicting the least recently used
+idle one when the replica is full, see ``inference.adapter_slots``), reloads it when the store has
+a newer version, and unloads it everywhere once the store no longer has it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import shutil
 import time
-from collections import Counter, OrderedDict
 from collections.abc import Iterable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import httpx
 
-from core.adapter_store import (
-    CONFIG_FILE,
-    WEIGHTS_FILE,
-    AdapterNotFound,
-    AdapterStore,
-    CorruptAdapter,
-    LocalAdapterStore,
-)
-from inference import errors
+from core.adapter_store import AdapterNotFound, CorruptAdapter
+from inference import adapter_slots, errors
+from inference.adapter_slots import AdapterSlots, HeldAdapter
+from inference.adapter_source import AdapterSource, check_adapter, version_of_folder
 from inference.metrics import Metrics
 
 if TYPE_CHECKING:
@@ -51,171 +28,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("inference.adapters")
 
-REMOTE_VERSION_TTL_S = 1.0  # how long an S3 version answer is trusted (a found one; never a missing one)
-UNLOAD_GRACE_S = 1.0  # after an adapter's last request: time for the engine to drop it from its batch
 VLLM_ADMIN_TIMEOUT_S = 60.0
 
 
 class ReplicaUnavailable(Exception):
     """The replica did not answer: route the request elsewhere."""
-
-
-@dataclass(frozen=True)
-class HeldAdapter:
-    version: str
-    folder: Path
-
-
-class AdapterSlots:
-    """Which adapters one replica holds, least recently used first. Bookkeeping only: no I/O."""
-
-    def __init__(self, capacity: int):
-        self.capacity = capacity
-        self.held: OrderedDict[str, HeldAdapter] = OrderedDict()
-        self.loading: set[str] = set()
-        self.running: Counter[str] = Counter()  # requests the engine is answering, per adapter
-        self.last_finished: dict[str, float] = {}
-        self.trim_scheduled = False
-        self._locks: dict[str, asyncio.Lock] = {}
-
-    def version(self, name: str) -> str | None:
-        held = self.held.get(name)
-        return held.version if held else None
-
-    def holds(self, name: str) -> bool:
-        return name in self.held or name in self.loading
-
-    def touch(self, name: str) -> None:
-        self.held.move_to_end(name)
-
-    def lock(self, name: str) -> asyncio.Lock:
-        return self._locks.setdefault(name, asyncio.Lock())
-
-    def add(self, name: str, held: HeldAdapter) -> None:
-        self.held[name] = held
-        self.held.move_to_end(name)
-
-    def forget(self, name: str) -> HeldAdapter | None:
-        return self.held.pop(name, None)
-
-    def clear(self) -> None:
-        """The replica restarted or vanished: whatever it held is gone."""
-        self.held.clear()
-        self.running.clear()
-        self.last_finished.clear()
-
-    def started(self, name: str) -> None:
-        self.running[name] += 1
-
-    def finished(self, name: str) -> None:
-        self.running[name] -= 1
-        if self.running[name] <= 0:
-            del self.running[name]
-        self.last_finished[name] = time.monotonic()
-
-    def idle(self, name: str, now: float) -> bool:
-        """Safe to unload: no request of it at the engine, none for UNLOAD_GRACE_S."""
-        return self.running[name] == 0 and now - self.last_finished.get(name, -UNLOAD_GRACE_S) >= UNLOAD_GRACE_S
-
-    def over_capacity(self) -> bool:
-        return len(self.held) > self.capacity
-
-    def victims(self, keep: str | None = None, count_loading: bool = True) -> list[str]:
-        """Idle adapters to evict, least recently used first, to get back within capacity.
-
-        Before a load, adapters being loaded count too (room is made ahead); after one, only held
-        adapters do. Busy adapters are never chosen: the replica may overshoot until they idle.
-        """
-        excess = len(self.held) + (len(self.loading) if count_loading else 0) - self.capacity
-        if excess <= 0:
-            return []
-        now = time.monotonic()
-        chosen = [name for name in self.held if name != keep and name not in self.loading and self.idle(name, now)]
-        chosen = chosen[:excess]
-        for name in chosen:
-            del self.held[name]  # at once, so a concurrent load does not pick the same one
-        return chosen
-
-
-def _version_of_folder(folder: Path) -> str:
-    # Published folders are named <name>@<version> by the store (local and S3 cache alike).
-    return folder.name.rpartition("@")[2]
-
-
-class AdapterSource:
-    """One base model's dynamic LoRA path, as seen by the pool."""
-
-    def __init__(self, store: AdapterStore, cache_dir: Path, metrics: Metrics, base_model_id: str):
-        self.store, self.cache_dir, self.metrics, self.base_model_id = store, cache_dir, metrics, base_model_id
-        self.is_local = isinstance(store, LocalAdapterStore)
-        self._known: dict[str, tuple[str, float]] = {}  # S3: name -> (version, checked at)
-        self._fetches: dict[tuple[str, str], asyncio.Task[Path]] = {}
-
-    async def version(self, name: str) -> str | None:
-        if self.is_local:
-            found = self.store.version(name)  # a stat and a readlink: cheaper than a thread hop
-            return found.version if found else None
-        known = self._known.get(name)
-        if known and time.monotonic() - known[1] < REMOTE_VERSION_TTL_S:
-            return known[0]
-        found = await asyncio.to_thread(self.store.version, name)
-        if found is None:
-            self._known.pop(name, None)
-            return None
-        self._known[name] = (found.version, time.monotonic())
-        return found.version
-
-    async def folder(self, name: str, version: str) -> Path:
-        """A local folder holding this adapter; for S3 one download however many callers wait."""
-        if self.is_local:
-            return self.store.fetch(name, self.cache_dir)
-        key = (name, version)
-        task = self._fetches.get(key)
-        if task is None:
-            task = asyncio.create_task(self._download(name))
-            self._fetches[key] = task
-            task.add_done_callback(lambda _: self._fetches.pop(key, None))
-        return await asyncio.shield(task)
-
-    async def _download(self, name: str) -> Path:
-        started = time.perf_counter()
-        folder = await asyncio.to_thread(self.store.fetch, name, self.cache_dir)
-        self.metrics.adapter_downloads.labels(self.base_model_id).inc()
-        self.metrics.adapter_download_seconds.labels(self.base_model_id).observe(time.perf_counter() - started)
-        return folder
-
-    def prune_cache(self, name: str, in_use: set[Path], newest: Path | None = None) -> None:
-        """Drop synced copies that no replica holds: older than ``newest``, or all when it is None."""
-        if self.is_local:
-            return
-        prefix = self.cache_dir / name
-        newest_at = newest.stat().st_mtime_ns if newest is not None else None
-        for folder in prefix.parent.glob(f"{prefix.name}@*"):
-            if folder in in_use or folder == newest:
-                continue
-            # A copy newer than the one just loaded may be about to load on another replica.
-            if newest_at is None or folder.stat().st_mtime_ns < newest_at:
-                shutil.rmtree(folder, ignore_errors=True)
-
-
-def check_adapter(name: str, folder: Path, max_rank: int) -> None:
-    """Refuse, with a clear error, what vLLM would refuse with a stack trace."""
-    config_path = folder / CONFIG_FILE
-    try:
-        config = json.loads(config_path.read_text())
-    except FileNotFoundError:
-        raise errors.adapter_invalid(name, f"{CONFIG_FILE} is missing") from None
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise errors.adapter_invalid(name, f"{CONFIG_FILE} is not valid JSON ({exc})") from None
-    if not isinstance(config, dict):
-        raise errors.adapter_invalid(name, f"{CONFIG_FILE} is not a JSON object")
-    if not (folder / WEIGHTS_FILE).is_file():
-        raise errors.adapter_invalid(name, f"{WEIGHTS_FILE} is missing")
-    ranks = [config.get("r")] + list((config.get("rank_pattern") or {}).values())
-    if not all(isinstance(rank, int) and rank > 0 for rank in ranks):
-        raise errors.adapter_invalid(name, f"{CONFIG_FILE} has no valid LoRA rank 'r'")
-    if max(ranks) > max_rank:
-        raise errors.adapter_rank_too_large(name, max(ranks), max_rank)
 
 
 def _vllm_message(response: httpx.Response) -> str:
@@ -282,7 +99,7 @@ class AdapterManager:
             await self._evict(replica, victim, "lru")
         await self._load(replica, name, folder)
         # The folder names the version actually fetched (the store may have moved on meanwhile).
-        slots.add(name, HeldAdapter(_version_of_folder(folder) or version, folder))
+        slots.add(name, HeldAdapter(version_of_folder(folder) or version, folder))
         self._trim_when_idle(replica)
         source.prune_cache(name, self._held_folders(), newest=folder)
 
@@ -308,7 +125,7 @@ class AdapterManager:
                 for victim in victims:
                     await self._evict(replica, victim, "lru")
                 if not victims:
-                    await asyncio.sleep(UNLOAD_GRACE_S)  # all busy: look again in a moment
+                    await asyncio.sleep(adapter_slots.UNLOAD_GRACE_S)  # all busy: look again in a moment
         finally:
             slots.trim_scheduled = False
 

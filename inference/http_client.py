@@ -5,13 +5,14 @@ server: httpx 1.7-1.9 ms, aiohttp 0.7-0.8 ms, a plain keep-alive socket 0.3 ms),
 crosses two such hops: most of the 5 ms the gateway may add. The hops are our own services on a
 private network speaking plain HTTP/1.1, so this client only does what they need: POST a body,
 read the status, headers and body (Content-Length or chunked, streamed as it arrives), and keep
-connections alive for the next request. httptools, uvicorn's parser, does the parsing. Everything
-off the hot path (health checks, adapter loads, metrics) keeps using httpx.
+connections alive for the next request (plain or TLS). httptools, uvicorn's parser, does the
+parsing. Everything off the hot path (health checks, adapter loads, metrics) keeps using httpx.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ssl
 from collections import deque
 from collections.abc import AsyncIterator
 from typing import Protocol
@@ -22,6 +23,9 @@ import httptools
 CONNECT_TIMEOUT_S = 5.0
 READ_TIMEOUT_S = 600.0  # between two reads: a long generation sends nothing until it is done
 _READ_SIZE = 1 << 16
+
+
+_Key = tuple[str, str, int]  # scheme, host, port: one set of kept-alive connections each
 
 
 class UpstreamError(Exception):
@@ -70,7 +74,7 @@ class _Connection:
 class Response:
     """One response, read incrementally from its connection; ``close`` gives the connection back."""
 
-    def __init__(self, client: HttpClient, key: tuple[str, int], connection: _Connection):
+    def __init__(self, client: HttpClient, key: _Key, connection: _Connection):
         self._client, self._key, self._connection = client, key, connection
         self._parser = httptools.HttpResponseParser(self)
         self._chunks: deque[bytes] = deque()
@@ -100,7 +104,7 @@ class Response:
                 data = await self._connection.reader.read(_READ_SIZE)
         except TimeoutError:
             self._discard()
-            raise UpstreamTimeout(f"no data from {self._key[0]}:{self._key[1]} in {READ_TIMEOUT_S:.0f} s") from None
+            raise UpstreamTimeout(f"no data from {self._key[1]}:{self._key[2]} in {READ_TIMEOUT_S:.0f} s") from None
         except OSError as exc:
             self._discard()
             raise (UpstreamBroken if self._received_any else UpstreamUnavailable)(repr(exc)) from None
@@ -155,11 +159,12 @@ class HttpClient:
 
     def __init__(self, max_idle_per_host: int = 256):
         self.max_idle_per_host = max_idle_per_host
-        self._idle: dict[tuple[str, int], deque[_Connection]] = {}
+        self._tls = ssl.create_default_context()  # for https:// pools and remote replicas
+        self._idle: dict[_Key, deque[_Connection]] = {}
 
     async def post(self, url: str, body: bytes, content_type: str = "application/json") -> Response:
         parts = urlsplit(url)
-        key = (parts.hostname or "127.0.0.1", parts.port or 80)
+        key = (parts.scheme, parts.hostname or "127.0.0.1", parts.port or (443 if parts.scheme == "https" else 80))
         path = parts.path + (f"?{parts.query}" if parts.query else "")
         request = (
             f"POST {path} HTTP/1.1\r\nHost: {parts.netloc}\r\nContent-Type: {content_type}\r\n"
@@ -180,9 +185,9 @@ class HttpClient:
                 if reused:
                     continue  # the server closed an idle connection as we used it: try a fresh one
                 raise (exc if isinstance(exc, UpstreamError) else UpstreamUnavailable(repr(exc))) from None
-        raise UpstreamUnavailable(f"{key[0]}:{key[1]} does not answer")  # not reached
+        raise UpstreamUnavailable(f"{key[1]}:{key[2]} does not answer")  # not reached
 
-    def _idle_connection(self, key: tuple[str, int]) -> _Connection | None:
+    def _idle_connection(self, key: _Key) -> _Connection | None:
         idle = self._idle.get(key)
         while idle:
             connection = idle.pop()  # the most recently used: least likely to have been closed
@@ -191,15 +196,17 @@ class HttpClient:
             connection.close()
         return None
 
-    async def _connect(self, key: tuple[str, int]) -> _Connection:
+    async def _connect(self, key: _Key) -> _Connection:
         try:
             async with asyncio.timeout(CONNECT_TIMEOUT_S):
-                reader, writer = await asyncio.open_connection(*key)
+                reader, writer = await asyncio.open_connection(
+                    key[1], key[2], ssl=self._tls if key[0] == "https" else None
+                )
         except (OSError, TimeoutError) as exc:
-            raise UpstreamUnavailable(f"cannot connect to {key[0]}:{key[1]} ({exc!r})") from None
+            raise UpstreamUnavailable(f"cannot connect to {key[1]}:{key[2]} ({exc!r})") from None
         return _Connection(reader, writer)
 
-    def _release(self, key: tuple[str, int], connection: _Connection) -> None:
+    def _release(self, key: _Key, connection: _Connection) -> None:
         idle = self._idle.setdefault(key, deque())
         if len(idle) < self.max_idle_per_host and connection.usable:
             idle.append(connection)

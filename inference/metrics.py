@@ -53,7 +53,7 @@ class Metrics:
             ["model", "endpoint"], buckets=_LATENCY_BUCKETS, registry=r,
         )  # fmt: skip
         self.first_byte = Histogram(
-            "fineserve_inference_first_byte_seconds", "Time from request to the first byte (first token when streaming)",
+            "fineserve_inference_first_byte_seconds", "Time to the first byte (the first token when streaming)",
             ["model", "endpoint"], buckets=_LATENCY_BUCKETS, registry=r,
         )  # fmt: skip
         self.adapter_loads = Counter(

@@ -14,7 +14,7 @@ import httpx
 
 from core.catalog import BaseModel
 from core.config import REPO_ROOT
-from inference.adapters import AdapterSlots
+from inference.adapter_slots import AdapterSlots
 
 log = logging.getLogger("inference.replica")
 

@@ -49,7 +49,7 @@ def test_it_matches_the_reference_per_token_computation(ranks, indices):
     lora_kernels._RANKS.update(zip(ids, ranks))
     indices = torch.tensor(indices)
     x = torch.randn(len(indices), FAN_IN, generator=torch.Generator().manual_seed(1))
-    wrapper = types.SimpleNamespace(_fineserve_step=lora_kernels._plan(indices, ids))
+    wrapper = types.SimpleNamespace(_fineserve_step=lora_kernels._plan(indices, ids), _fineserve_prepared={})
     y = torch.zeros(len(indices), sum(SLICES))
     lora_kernels._dense_add_lora_linear(wrapper, y, x, lora_a, lora_b, 1.0, SLICES)
     torch.testing.assert_close(y, _reference(x, lora_a, lora_b, indices), rtol=1e-4, atol=1e-4)
@@ -57,7 +57,31 @@ def test_it_matches_the_reference_per_token_computation(ranks, indices):
 
 def test_it_skips_batches_without_adapters():
     assert lora_kernels._plan(torch.tensor([-1, -1, -1]), [101, 102]) is None
-    wrapper = types.SimpleNamespace(_fineserve_step=None)
+    wrapper = types.SimpleNamespace(_fineserve_step=None, _fineserve_prepared={})
     y = torch.ones(3, sum(SLICES))
     lora_kernels._dense_add_lora_linear(wrapper, y, torch.randn(3, FAN_IN), *_stacked(2, 8, [8, 8]), 1.0, SLICES)
     assert torch.equal(y, torch.ones(3, sum(SLICES)))
+
+
+def test_it_prepares_weights_once_and_again_when_a_slot_gets_new_weights():
+    lora_a, lora_b = _stacked(slots=2, max_rank=8, ranks=[8, 8])
+    ids, indices = [201, 202], torch.tensor([0, 1, 1])
+    lora_kernels._RANKS.update(zip(ids, [8, 8]))
+    wrapper = types.SimpleNamespace(_fineserve_prepared={})
+    x = torch.randn(3, FAN_IN, generator=torch.Generator().manual_seed(2))
+
+    def apply() -> torch.Tensor:
+        wrapper._fineserve_step = lora_kernels._plan(indices, ids)
+        y = torch.zeros(3, sum(SLICES))
+        lora_kernels._dense_add_lora_linear(wrapper, y, x, lora_a, lora_b, 1.0, SLICES)
+        return y
+
+    first = apply()
+    prepared = next(iter(wrapper._fineserve_prepared.values()))[2]
+    apply()
+    assert next(iter(wrapper._fineserve_prepared.values()))[2] is prepared  # reused, not rebuilt
+    for a in lora_a:
+        a[1].mul_(2)  # vLLM writes other weights into slot 1 (activating an adapter there)...
+    lora_kernels._generation += 1  # ...which the patched activate_adapter records
+    torch.testing.assert_close(apply(), _reference(x, lora_a, lora_b, indices), rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(apply(), first)

@@ -17,8 +17,10 @@ import pytest
 
 from core.adapter_store import adapter_store
 from core.catalog import BaseModel, Catalog, EngineConfig, LoraConfig
-from inference import adapters as adapters_module
-from inference.adapters import AdapterManager, AdapterSlots, AdapterSource
+from inference import adapter_slots
+from inference.adapter_slots import AdapterSlots
+from inference.adapter_source import AdapterSource
+from inference.adapters import AdapterManager
 from inference.http_client import UpstreamUnavailable
 from inference.metrics import Metrics
 from inference.pool import Pool
@@ -37,7 +39,7 @@ def anyio_backend():
 @pytest.fixture(autouse=True)
 def no_unload_grace(monkeypatch):
     """Adapters are unloadable as soon as their last request ends (the grace has its own test)."""
-    monkeypatch.setattr(adapters_module, "UNLOAD_GRACE_S", 0.0)
+    monkeypatch.setattr(adapter_slots, "UNLOAD_GRACE_S", 0.0)
 
 
 # --- fakes -------------------------------------------------------------------------------------
@@ -303,7 +305,7 @@ async def test_it_stays_within_capacity_when_many_adapters_load_at_once(tmp_path
 async def test_it_never_unloads_or_replaces_an_adapter_while_the_replica_answers_with_it(tmp_path, monkeypatch):
     # vLLM tells adapters apart by name inside a batch: unloading and loading one again while its
     # old requests run would crash the engine. So eviction and reloads wait for them.
-    monkeypatch.setattr(adapters_module, "UNLOAD_GRACE_S", 0.05)
+    monkeypatch.setattr(adapter_slots, "UNLOAD_GRACE_S", 0.05)
     pool = PoolUnderTest(tmp_path, replicas=1, max_adapters=1)
     answer, release = pool.vllm.handler, asyncio.Event()
 

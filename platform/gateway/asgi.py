@@ -2,11 +2,12 @@
 
 Django under ASGI runs each synchronous middleware step in a worker thread and sends its request
 signals through threads too; for a proxy that adds one key lookup to a model call, that was most
-of the gateway's cost (about 6-7 ms a request on a 2-core machine, against 0.6 ms this way). ``with_fast_path`` answers
-POST /v1/chat/completions and /v1/completions itself, with the same handler the Django views use
-(``gateway.completions``: same key check, same registry, same errors), and passes every other
-request to Django unchanged. Nothing these two endpoints need is lost: no session, cookie, CSRF or
-HTML response is involved, and the ORM is used the same way (``gateway.access``).
+of the gateway's cost (6-7 ms a request on a 2-core machine, against 0.6 ms this way).
+``with_fast_path`` answers POST /v1/chat/completions and /v1/completions itself, with the same
+handler the Django views use (``gateway.completions``: same key check, same registry, same
+errors), and passes every other request to Django unchanged. Nothing these two endpoints need is
+lost: no session, cookie, CSRF or HTML response is involved, and the ORM is used the same way
+(``gateway.access``).
 
 ``server/asgi.py`` wraps Django's application with it. Without that, the Django views in
 ``gateway.views`` serve the same endpoints (and still do under WSGI and Django's test client),

@@ -1,0 +1,102 @@
+"""One base model's dynamic LoRA path, as the pool sees it.
+
+It answers "which version is published now?" on every request (a local path is a few system calls;
+S3 a HEAD, remembered for a second), and gives a local folder for a version: the published folder
+itself, or an S3 copy synced into a cache, checksum-verified, downloaded once however many requests
+want it at the same moment. A missing adapter is never remembered: the next request looks again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import time
+from pathlib import Path
+
+from core.adapter_store import CONFIG_FILE, WEIGHTS_FILE, AdapterStore, LocalAdapterStore
+from inference import errors
+from inference.metrics import Metrics
+
+REMOTE_VERSION_TTL_S = 1.0  # how long an S3 version answer is trusted (a found one; never a missing one)
+
+
+def version_of_folder(folder: Path) -> str:
+    # Published folders are named <name>@<version> by the store (local and S3 cache alike).
+    return folder.name.rpartition("@")[2]
+
+
+class AdapterSource:
+    """One base model's dynamic LoRA path, as seen by the pool."""
+
+    def __init__(self, store: AdapterStore, cache_dir: Path, metrics: Metrics, base_model_id: str):
+        self.store, self.cache_dir, self.metrics, self.base_model_id = store, cache_dir, metrics, base_model_id
+        self.is_local = isinstance(store, LocalAdapterStore)
+        self._known: dict[str, tuple[str, float]] = {}  # S3: name -> (version, checked at)
+        self._fetches: dict[tuple[str, str], asyncio.Task[Path]] = {}
+
+    async def version(self, name: str) -> str | None:
+        if self.is_local:
+            found = self.store.version(name)  # a stat and a readlink: cheaper than a thread hop
+            return found.version if found else None
+        known = self._known.get(name)
+        if known and time.monotonic() - known[1] < REMOTE_VERSION_TTL_S:
+            return known[0]
+        found = await asyncio.to_thread(self.store.version, name)
+        if found is None:
+            self._known.pop(name, None)
+            return None
+        self._known[name] = (found.version, time.monotonic())
+        return found.version
+
+    async def folder(self, name: str, version: str) -> Path:
+        """A local folder holding this adapter; for S3 one download however many callers wait."""
+        if self.is_local:
+            return self.store.fetch(name, self.cache_dir)
+        key = (name, version)
+        task = self._fetches.get(key)
+        if task is None:
+            task = asyncio.create_task(self._download(name))
+            self._fetches[key] = task
+            task.add_done_callback(lambda _: self._fetches.pop(key, None))
+        return await asyncio.shield(task)
+
+    async def _download(self, name: str) -> Path:
+        started = time.perf_counter()
+        folder = await asyncio.to_thread(self.store.fetch, name, self.cache_dir)
+        self.metrics.adapter_downloads.labels(self.base_model_id).inc()
+        self.metrics.adapter_download_seconds.labels(self.base_model_id).observe(time.perf_counter() - started)
+        return folder
+
+    def prune_cache(self, name: str, in_use: set[Path], newest: Path | None = None) -> None:
+        """Drop synced copies that no replica holds: older than ``newest``, or all when it is None."""
+        if self.is_local:
+            return
+        prefix = self.cache_dir / name
+        newest_at = newest.stat().st_mtime_ns if newest is not None else None
+        for folder in prefix.parent.glob(f"{prefix.name}@*"):
+            if folder in in_use or folder == newest:
+                continue
+            # A copy newer than the one just loaded may be about to load on another replica.
+            if newest_at is None or folder.stat().st_mtime_ns < newest_at:
+                shutil.rmtree(folder, ignore_errors=True)
+
+
+def check_adapter(name: str, folder: Path, max_rank: int) -> None:
+    """Refuse, with a clear error, what vLLM would refuse with a stack trace."""
+    config_path = folder / CONFIG_FILE
+    try:
+        config = json.loads(config_path.read_text())
+    except FileNotFoundError:
+        raise errors.adapter_invalid(name, f"{CONFIG_FILE} is missing") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise errors.adapter_invalid(name, f"{CONFIG_FILE} is not valid JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise errors.adapter_invalid(name, f"{CONFIG_FILE} is not a JSON object")
+    if not (folder / WEIGHTS_FILE).is_file():
+        raise errors.adapter_invalid(name, f"{WEIGHTS_FILE} is missing")
+    ranks = [config.get("r")] + list((config.get("rank_pattern") or {}).values())
+    if not all(isinstance(rank, int) and rank > 0 for rank in ranks):
+        raise errors.adapter_invalid(name, f"{CONFIG_FILE} has no valid LoRA rank 'r'")
+    if max(ranks) > max_rank:
+        raise errors.adapter_rank_too_large(name, max(ranks), max_rank)

@@ -6,6 +6,7 @@ from django.conf import settings
 from django.contrib.auth.models import User
 from django.core.files.uploadedfile import UploadedFile
 from django.db import transaction
+from django.db.models import Q
 
 from accounts.models import Organization
 from core.datasets import Dataset, Example, parse_dataset
@@ -80,8 +81,8 @@ def load_examples(file: File) -> list[Example]:
 
 
 def delete_file(file: File) -> None:
-    busy = FineTuningJob.objects.exclude(status__in=FINISHED_STATUSES).filter(training_file=file.id).first()
-    busy = busy or FineTuningJob.objects.exclude(status__in=FINISHED_STATUSES).filter(validation_file=file.id).first()
+    unfinished = FineTuningJob.objects.exclude(status__in=FINISHED_STATUSES)
+    busy = unfinished.filter(Q(training_file=file.id) | Q(validation_file=file.id)).first()
     if busy:
         raise ApiError(f"File {file.id} is used by fine-tuning job {busy.id}, which has not finished.", status=409, code="file_in_use")
     file.delete()

@@ -1,6 +1,8 @@
 """A data scientist's whole path through the dashboard, in real headless Chromium.
 
-Screenshots of each page land in test-artifacts/screenshots/ for a person to look at.
+The path runs against the real web process (Django under uvicorn, as ``bin/run`` serves it) in
+front of the real pool, so the playground's answer streams as it would for a user. Screenshots of
+each page land in test-artifacts/screenshots/ for a person to look at.
 """
 
 import re
@@ -9,30 +11,34 @@ import pytest
 
 from accounts.models import ApiKey
 from tests.browser import screenshot
+from tests.inference_fixtures import gateway  # noqa: F401 (a fixture)
 from tests.personas import good_dataset
 
-pytestmark = [pytest.mark.training, pytest.mark.django_db(transaction=True)]
+pytestmark = pytest.mark.django_db(transaction=True)
 pytest_plugins = ["tests.browser"]
 
 BASE = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
-def sign_in(page, live_server, persona):
-    page.goto(f"{live_server.url}/login")
+def sign_in(page, site: str, persona):
+    page.goto(f"{site}/login")
     page.fill("#id_username", persona.user.username)
     page.fill("#id_password", "pw")
     page.click("button[type=submit]")
     page.wait_for_url(re.compile(r"/jobs$"))
 
 
-def test_a_data_scientist_uploads_trains_watches_and_manages_keys(page, live_server, alice, celery_worker, tmp_path):
-    sign_in(page, live_server, alice)
+@pytest.mark.training
+@pytest.mark.engine
+def test_a_data_scientist_uploads_trains_watches_chats_and_manages_keys(page, gateway, alice, celery_worker, tmp_path):
+    site = gateway
+    sign_in(page, site, alice)
     screenshot(page, "01-jobs-empty")
 
     lines = good_dataset(12).decode().splitlines()
     lines[3] = '{"messages": [{"role": "user", "content": "hi"}]}'
     (tmp_path / "broken.jsonl").write_text("\n".join(lines))
-    page.goto(f"{live_server.url}/datasets")
+    page.goto(f"{site}/datasets")
     page.set_input_files("#id_file", str(tmp_path / "broken.jsonl"))
     page.click("#upload-form button[type=submit]")
     page.wait_for_selector(".line-errors")
@@ -64,28 +70,52 @@ def test_a_data_scientist_uploads_trains_watches_and_manages_keys(page, live_ser
     assert int(page.eval_on_selector("#loss-chart", "svg => svg.dataset.points")) == 9
     screenshot(page, "06-job-succeeded")
 
-    page.goto(f"{live_server.url}/models")
-    assert f"{BASE}:pirate" in page.inner_text("table.list")
-    screenshot(page, "07-models")
+    # The playground: the fine-tuned model's answer streams in, then both models answer side by side.
+    page.click("#playground-link")
+    page.wait_for_selector("#pane-2:not([hidden])")
+    page.uncheck("#compare")
+    page.fill("#prompt", "What is 3 plus 4?")
+    page.click("#send")
+    page.wait_for_selector("#pane-1 .bubble.assistant.done", timeout=60_000)
+    streamed = page.eval_on_selector("#pane-1 .bubble.assistant", "node => Number(node.dataset.chunks)")
+    assert streamed >= 2, "the answer arrived in one piece, not streamed"
+    assert page.inner_text("#pane-1 .bubble.assistant .text").strip()
+    assert "tokens/s" in page.inner_text("#pane-1 .pane-stats")
+    screenshot(page, "07-playground")
+    page.check("#compare")
+    page.click("#clear")
+    page.fill("#prompt", "Say hello.")
+    page.click("#send")
+    page.wait_for_selector("#pane-2 .bubble.assistant.done", timeout=60_000)
+    page.wait_for_selector("#pane-1 .bubble.assistant.done", timeout=60_000)
+    assert page.input_value("#pane-1 .model") == f"{BASE}:pirate" and page.input_value("#pane-2 .model") == BASE
+    screenshot(page, "08-playground-compare")
 
-    page.goto(f"{live_server.url}/keys")
+    page.goto(f"{site}/models")
+    pirate = page.locator(f"tr[data-model='{BASE}:pirate']")
+    assert "loaded on 1 replica" in pirate.inner_text()  # the playground's requests loaded it
+    screenshot(page, "09-models")
+
+    page.goto(f"{site}/keys")
     page.fill("#id_name", "notebook")
     page.click("form:not(.inline) button[type=submit]")
     page.wait_for_selector("#new-key-value")
-    screenshot(page, "08-new-key")
+    screenshot(page, "10-new-key")
     page.on("dialog", lambda dialog: dialog.accept())  # "Revoke notebook?"
     page.click("tr:has-text('notebook') button:has-text('Revoke')")
     page.wait_for_selector("tr:has-text('notebook') >> text=revoked")
     assert not ApiKey.objects.get(name="notebook").is_active
-    screenshot(page, "09-key-revoked")
+    screenshot(page, "11-key-revoked")
 
 
 def test_the_dashboard_fits_a_phone_screen(browser, live_server, alice):
     context = browser.new_context(viewport={"width": 390, "height": 844}, is_mobile=True)
     page = context.new_page()
-    sign_in(page, live_server, alice)
-    page.goto(f"{live_server.url}/datasets")
-    overflow = page.evaluate("document.documentElement.scrollWidth - document.documentElement.clientWidth")
-    screenshot(page, "10-phone-datasets")
+    sign_in(page, live_server.url, alice)
+    overflows = {}
+    for name in ("datasets", "playground"):
+        page.goto(f"{live_server.url}/{name}")
+        overflows[name] = page.evaluate("document.documentElement.scrollWidth - document.documentElement.clientWidth")
+        screenshot(page, f"12-phone-{name}")
     context.close()
-    assert overflow <= 0
+    assert all(overflow <= 0 for overflow in overflows.values()), overflows

@@ -1,6 +1,7 @@
 """Dashboard pages through Django's test client: each person sees only their organization's things."""
 
 import io
+import json
 
 import pytest
 from django.urls import reverse
@@ -8,6 +9,7 @@ from django.urls import reverse
 from accounts.models import ApiKey
 from accounts.services import create_api_key
 from finetuning.models import File, FineTunedModel, FineTuningJob
+from tests.inference_fixtures import register_fine_tuned_model
 from tests.personas import good_dataset
 
 pytestmark = pytest.mark.django_db
@@ -139,3 +141,69 @@ def test_forms_refuse_posts_without_a_csrf_token(alice):
     strict = Client(enforce_csrf_checks=True)
     strict.force_login(alice.user)
     assert strict.post(reverse("dashboard:api_keys"), {"name": "x"}).status_code == 403
+
+
+# --- the playground: bad requests are refused here; streaming answers are in test_playground.py ---
+
+
+def chat(client, body: dict | str, **headers):
+    data = body if isinstance(body, str) else json.dumps(body)
+    return client.post(reverse("dashboard:playground_chat"), data, content_type="application/json", **headers)
+
+
+def hello(model: str) -> dict:
+    return {"model": model, "messages": [{"role": "user", "content": "Hello"}]}
+
+
+def test_the_playground_offers_the_base_models_and_only_the_organizations_own_fine_tunes(client, alice, charlie):
+    mine = register_fine_tuned_model(alice, "mine")
+    register_fine_tuned_model(charlie, "theirs")
+    page = signed_in(client, alice).get(reverse("dashboard:playground"), {"model": mine, "compare": "1"}).content.decode()
+    assert f'<option value="{BASE}"' in page and f'<option value="{mine}" selected' in page
+    assert f"{BASE}:theirs" not in page
+    second_pane = page[page.index('id="pane-2"'):]
+    assert f'<option value="{BASE}" selected' in second_pane  # compare against the base model by default
+
+
+@pytest.mark.django_db(transaction=True)  # the model lookup runs in another thread, on its own connection
+def test_the_playground_answers_404_for_another_organizations_model_and_forwards_nothing(client, alice, charlie):
+    register_fine_tuned_model(charlie, "theirs")
+    alice_web = signed_in(client, alice)
+    for name in (f"{BASE}:theirs", f"{BASE}:nothing-here", "acme/unknown-base"):
+        response = chat(alice_web, hello(name))
+        assert response.status_code == 404, name
+        assert response.json()["error"]["code"] == "model_not_found"
+
+
+@pytest.mark.parametrize(
+    "body, names",
+    [
+        ("{not json", "body"),
+        ({"model": BASE, "messages": []}, "messages"),
+        ({"model": BASE, "messages": [{"role": "tool", "content": "x"}]}, "messages.0.role"),
+        ({"model": BASE, "messages": [{"role": "user", "content": ""}]}, "messages.0.content"),
+        (hello(BASE) | {"max_tokens": "64"}, "max_tokens"),
+        (hello(BASE) | {"temperature": 9}, "temperature"),
+        (hello(BASE) | {"logit_bias": {"1": 100}}, "logit_bias"),
+    ],
+)
+def test_a_bad_playground_request_is_refused_naming_the_field(alice_web, body, names):
+    response = chat(alice_web, body)
+    assert response.status_code == 400
+    assert names in response.json()["error"]["message"]
+
+
+def test_the_playground_needs_a_signed_in_session_and_a_csrf_token(client, alice):
+    from django.test import Client
+
+    assert chat(client, hello(BASE)).status_code == 302  # to the sign-in page
+    strict = Client(enforce_csrf_checks=True)
+    strict.force_login(alice.user)
+    assert chat(strict, hello(BASE)).status_code == 403
+    assert strict.get(reverse("dashboard:playground_chat")).status_code == 405
+
+
+def test_the_models_page_says_when_the_pool_cannot_tell_what_is_loaded(alice_web, settings):
+    settings.INFERENCE_POOL_URL = "http://127.0.0.1:9"  # nothing listens there
+    page = alice_web.get(reverse("dashboard:models")).content.decode()
+    assert "The inference pool did not answer" in page and "127.0.0.1:9" in page

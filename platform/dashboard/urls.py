@@ -21,6 +21,8 @@ urlpatterns = [
     path("jobs/<str:job_id>/cancel", views.job_cancel, name="job_cancel"),
     path("models", views.models, name="models"),
     path("models/<int:model_id>/delete", views.model_delete, name="model_delete"),
+    path("playground", views.playground, name="playground"),
+    path("playground/chat", views.playground_chat, name="playground_chat"),
     path("keys", views.api_keys, name="api_keys"),
     path("keys/<int:key_id>/revoke", views.api_key_revoke, name="api_key_revoke"),
 ]

@@ -11,11 +11,16 @@ from accounts.models import ApiKey
 from accounts.services import create_api_key, revoke_api_key
 from dashboard.forms import ApiKeyForm, JobForm, UploadForm, show_api_error
 from dashboard.organizations import switch_organization, with_organization
+from dashboard.playground import completion_body
 from finetuning import files, jobs
 from finetuning.fine_tuned_models import delete_fine_tuned_model
 from finetuning.models import File, FineTunedModel, FineTuningJob
 from finetuning.registry import list_usable_models
 from finetuning.representations import event_object, job_object
+from gateway.completions import complete_for_organization
+from gateway.pool_status import PoolUnavailable, replicas_serving
+from gateway.views import error_response, pool_response
+from inference import errors
 from server.api_errors import ApiError
 
 PREVIEW_EXAMPLES = 5
@@ -121,7 +126,12 @@ def models(request: HttpRequest) -> HttpResponse:
     fine_tuned = FineTunedModel.objects.for_org(request.organization).select_related("job")
     lineage = {model.name: model for model in fine_tuned}
     usable = [(model, lineage.get(model.name)) for model in list_usable_models(request.organization)]
-    return render(request, "dashboard/models.html", {"models": usable})
+    try:
+        serving, pool_problem = replicas_serving(), None
+    except PoolUnavailable as exc:
+        serving, pool_problem = {}, str(exc)
+    rows = [(model, job_lineage, serving.get(model.name, 0)) for model, job_lineage in usable]
+    return render(request, "dashboard/models.html", {"models": rows, "pool_problem": pool_problem})
 
 
 @require_POST
@@ -131,6 +141,29 @@ def model_delete(request: HttpRequest, model_id: int) -> HttpResponse:
     delete_fine_tuned_model(model)
     messages.success(request, f"Deleted {model.name}; it is no longer served.")
     return redirect("dashboard:models")
+
+
+@with_organization
+def playground(request: HttpRequest) -> HttpResponse:
+    """One pane, or two side by side (``?compare=1``); ``?model=`` picks the first pane's model and
+    the second pane starts on its base model, the comparison people want first."""
+    usable = list_usable_models(request.organization)
+    names = [model.name for model in usable]
+    first = next((model for model in usable if model.name == request.GET.get("model")), usable[-1])
+    second = first.base_model_id if first.suffix else names[0]
+    context = {"models": names, "panes": [first.name, second], "compare": bool(request.GET.get("compare"))}
+    return render(request, "dashboard/playground.html", context)
+
+
+@require_POST
+@with_organization
+async def playground_chat(request: HttpRequest) -> HttpResponse:
+    """The playground's chat: checked, then streamed from the pool as server-sent events."""
+    try:
+        answer = await complete_for_organization(request.organization, completion_body(request.body), "chat/completions")
+    except errors.ApiError as exc:
+        return error_response(exc)
+    return pool_response(answer)
 
 
 @with_organization

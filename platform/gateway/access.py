@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from accounts.models import ApiKey, hash_key
+from accounts.models import ApiKey, Organization, hash_key
 from accounts.services import authenticate_key
 from asgiref.sync import sync_to_async
 from django.db import close_old_connections
@@ -55,8 +55,14 @@ def _usable_models(raw_key: str) -> list[UsableModel]:
     return list_usable_models(_api_key(raw_key).organization)
 
 
+def _organization_model(organization: Organization, model_name: str) -> UsableModel | None:
+    close_old_connections()
+    return resolve_model(organization, model_name)
+
+
 _authorize_in_thread = sync_to_async(_authorize, thread_sensitive=False)
 usable_models = sync_to_async(_usable_models, thread_sensitive=False)
+organization_model = sync_to_async(_organization_model, thread_sensitive=False)
 
 
 async def authorize(raw_key: str, model_name: str | None) -> Access:

@@ -1,8 +1,9 @@
-"""The completions handler, shared by the Django views and the ASGI fast path (``gateway.asgi``).
+"""The completions handler, shared by the Django views, the ASGI fast path (``gateway.asgi``) and
+the dashboard's playground.
 
-Authenticate the key, check the caller may use the model (``finetuning.registry``, through
-``gateway.access``), then hand the body to the inference pool byte for byte and give back its
-answer the same way (a stream stays a stream).
+Find out who is calling (an API key here, a signed-in session in the playground), check they may
+use the model (``finetuning.registry``, through ``gateway.access``), then hand the body to the
+inference pool byte for byte and give back its answer the same way (a stream stays a stream).
 """
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from gateway.access import authorize
+from accounts.models import Organization
+from gateway.access import authorize, organization_model
 from gateway.pool_client import pool_http, pool_url
 from inference import errors
 from inference.http_client import UpstreamError, UpstreamResponse, UpstreamTimeout
@@ -45,12 +47,24 @@ async def complete(authorization: str | None, body: bytes, endpoint: str) -> Poo
     access = await authorize(raw_key, fields.model)
     if access.model is None:
         raise errors.model_not_found(fields.model)
+    return await _forward(body, fields.stream, endpoint)
+
+
+async def complete_for_organization(organization: Organization, body: bytes, endpoint: str) -> PoolAnswer:
+    """For a caller the dashboard has already signed in: the organization stands in for a key."""
+    fields = routed_fields(body)
+    if await organization_model(organization, fields.model) is None:
+        raise errors.model_not_found(fields.model)
+    return await _forward(body, fields.stream, endpoint)
+
+
+async def _forward(body: bytes, stream: bool, endpoint: str) -> PoolAnswer:
     try:
         upstream = await pool_http().post(pool_url(f"/v1/{endpoint}"), body)
     except UpstreamError as exc:
         raise _unreachable(exc) from None
     content_type = upstream.headers.get("content-type", JSON)
-    if fields.stream and upstream.status == 200:
+    if stream and upstream.status == 200:
         return PoolAnswer(upstream.status, content_type, stream=_relay(upstream))
     try:
         raw = await upstream.read()

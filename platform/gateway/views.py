@@ -10,7 +10,7 @@ from django.views.decorators.csrf import csrf_exempt
 
 from gateway import metrics as gateway_metrics
 from gateway.access import authorize, usable_models
-from gateway.completions import STREAM_HEADERS, bearer_key, complete
+from gateway.completions import STREAM_HEADERS, PoolAnswer, bearer_key, complete
 from gateway.pool_client import pool_client, pool_url
 from inference import errors
 from inference.protocol import ModelCard, ModelList
@@ -28,7 +28,7 @@ def openai_endpoint(name: str, method: str):
                     raise errors.ApiError(405, f"Use {method} for this endpoint.", code="method_not_allowed")
                 response = await view(request, *args, **kwargs)
             except errors.ApiError as exc:
-                response = HttpResponse(exc.json_bytes(), status=exc.status, content_type="application/json")
+                response = error_response(exc)
             gateway_metrics.REQUESTS.labels(name, str(response.status_code)).inc()
             return response
 
@@ -37,13 +37,21 @@ def openai_endpoint(name: str, method: str):
     return decorate
 
 
-async def _completion(request: HttpRequest, endpoint: str) -> HttpResponse:
-    answer = await complete(request.headers.get("Authorization"), request.body, endpoint)
+def error_response(exc: errors.ApiError) -> HttpResponse:
+    return HttpResponse(exc.json_bytes(), status=exc.status, content_type="application/json")
+
+
+def pool_response(answer: PoolAnswer) -> HttpResponse:
+    """The pool's answer as it came: a stream stays a stream."""
     if answer.stream is not None:
         return StreamingHttpResponse(
             answer.stream, status=answer.status, content_type=answer.content_type, headers=STREAM_HEADERS
         )
     return HttpResponse(answer.body, status=answer.status, content_type=answer.content_type)
+
+
+async def _completion(request: HttpRequest, endpoint: str) -> HttpResponse:
+    return pool_response(await complete(request.headers.get("Authorization"), request.body, endpoint))
 
 
 @openai_endpoint("chat/completions", "POST")

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import httpx
 import redis
 from celery import Celery
 from django.conf import settings
 from django.db import connection
+from gateway.pool_status import PoolUnavailable, pool_health
 
 
 TIMEOUT_S = 1.0
@@ -54,15 +54,13 @@ def workers() -> CheckResult:
 
 
 def inference_pool() -> CheckResult:
-    url = f"{settings.INFERENCE_POOL_URL}/health"
     try:
-        response = httpx.get(url, timeout=TIMEOUT_S)
-        body = response.json()
-    except (httpx.HTTPError, ValueError) as exc:
-        return CheckResult(False, f"{url}: {exc}")
+        status, body = pool_health()
+    except PoolUnavailable as exc:
+        return CheckResult(False, str(exc))
     ready = body.get("ready_replicas", 0)
-    if response.status_code != 200 or not ready:
-        return CheckResult(False, f"{url}: {body.get('detail', 'no replica is ready')}")
+    if status != 200 or not ready:
+        return CheckResult(False, f"inference pool: {body.get('detail', 'no replica is ready')}")
     return CheckResult(True, f"{ready} replica(s) ready")
 
 

@@ -76,7 +76,10 @@ USE_I18N = True
 USE_TZ = True
 
 STATIC_URL = "static/"
-STATIC_ROOT = DATA_DIR / "static"
+STATIC_ROOT = DATA_DIR / "static"  # for a deployment that collects static files behind a CDN
+# WhiteNoise serves the apps' static folders directly (read once at start-up): every web process
+# has its CSS and JS without a collect step, the test servers included.
+WHITENOISE_USE_FINDERS = True
 
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": ["accounts.authentication.BearerKeyAuthentication"],

@@ -68,6 +68,7 @@
       $("result").hidden = false;
       $("model-name").textContent = job.fine_tuned_model;
       document.querySelectorAll(".model-slot").forEach((slot) => { slot.textContent = job.fine_tuned_model; });
+      $("playground-link").href = $("playground-link").dataset.base + encodeURIComponent(job.fine_tuned_model);
     }
     if (FINISHED.includes(job.status)) { const cancel = $("cancel-form"); if (cancel) cancel.remove(); }
     $("events").replaceChildren(...events.map((event) => {

@@ -1,4 +1,5 @@
-"""Exit 0 when Redis answers at REDIS_URL: ``python -m core.redis_ping`` (used by the run command)."""
+"""Whether Redis answers: for /healthz, and ``python -m core.redis_ping`` (exit 0 when Redis answers
+at REDIS_URL) for the run and test commands."""
 
 import sys
 
@@ -6,8 +7,17 @@ import redis
 
 from core.config import load_config
 
-if __name__ == "__main__":
+
+def redis_problem(url: str, timeout_s: float = 1.0) -> str | None:
+    """None when Redis answers at ``url``, else what went wrong."""
     try:
-        redis.Redis.from_url(load_config().redis_url, socket_timeout=1).ping()
+        redis.Redis.from_url(url, socket_timeout=timeout_s).ping()
     except redis.RedisError as exc:
-        sys.exit(f"redis: {exc}")
+        return f"redis: {exc}"
+    return None
+
+
+if __name__ == "__main__":
+    problem = redis_problem(load_config().redis_url)
+    if problem:
+        sys.exit(problem)

@@ -160,7 +160,7 @@ class AdapterManager:
             self.metrics.adapter_loads.labels(replica.model.id, "failed").inc()
             message = _vllm_message(response)
             if "greater than max_lora_rank" in message:
-                raise errors.ApiError(400, f"`{name}`: {message}", param="model", code="adapter_rank_too_large")
+                raise errors.ApiError(f"`{name}`: {message}", param="model", code="adapter_rank_too_large")
             if response.status_code == 404:
                 message = f"the replica at {replica.url} cannot read {folder} ({message})"
             raise errors.adapter_invalid(name, message)

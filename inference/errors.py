@@ -1,124 +1,95 @@
-"""Every error a client of the inference API can see, in OpenAI's shape, made in this one place.
+"""Every error a client of the inference API can see, made in this one place.
 
-``{"error": {"message", "type", "param", "code"}}``: the gateway and the pool raise ``ApiError`` and
-render it with ``body()``; errors that come back from a vLLM replica are reshaped by
-``from_replica`` so clients never see two dialects.
+The gateway and the pool raise ``core.api_errors.ApiError`` (OpenAI's shape, as the rest of the
+platform); errors that come back from a vLLM replica are reshaped by ``from_replica`` so clients
+never see two dialects.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
 
-INVALID_REQUEST = "invalid_request_error"
-AUTHENTICATION = "authentication_error"
-SERVER = "server_error"
-UNAVAILABLE = "service_unavailable_error"
-
-
-@dataclass
-class ApiError(Exception):
-    status: int
-    message: str
-    type: str = INVALID_REQUEST
-    param: str | None = None
-    code: str | None = None
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-    def json_bytes(self) -> bytes:
-        return json.dumps(self.body()).encode()
-
-    def __str__(self) -> str:
-        return f"{self.status} {self.code or self.type}: {self.message}"
+from core.api_errors import AUTHENTICATION, INVALID_REQUEST, SERVER, UNAVAILABLE, ApiError  # noqa: F401 (for callers)
 
 
 def missing_api_key() -> ApiError:
     return ApiError(
-        401,
         "You didn't provide an API key. Use the header 'Authorization: Bearer <your API key>'.",
-        AUTHENTICATION,
-        code="missing_api_key",
-    )
+        status=401, type=AUTHENTICATION, code="missing_api_key",
+    )  # fmt: skip
 
 
 def invalid_api_key() -> ApiError:
     return ApiError(
-        401, "Incorrect API key provided, or the key has been revoked.", AUTHENTICATION, code="invalid_api_key"
-    )
+        "Incorrect API key provided, or the key has been revoked.",
+        status=401, type=AUTHENTICATION, code="invalid_api_key",
+    )  # fmt: skip
 
 
 def invalid_body(detail: str) -> ApiError:
-    return ApiError(400, f"The request body is not usable: {detail}", INVALID_REQUEST, code="invalid_request_body")
+    return ApiError(f"The request body is not usable: {detail}", code="invalid_request_body")
 
 
 def model_not_found(name: str) -> ApiError:
     # The same answer whether the model does not exist or belongs to someone else.
     return ApiError(
-        404,
         f"The model `{name}` does not exist or you do not have access to it.",
-        INVALID_REQUEST,
-        param="model",
-        code="model_not_found",
-    )
+        status=404, param="model", code="model_not_found",
+    )  # fmt: skip
 
 
 def adapter_not_found(name: str) -> ApiError:
     return ApiError(
-        404,
         f"The fine-tuned model `{name}` has no adapter in the dynamic LoRA path (it was deleted, or is not "
         "published yet).",
-        INVALID_REQUEST,
-        param="model",
-        code="adapter_not_found",
-    )
+        status=404, param="model", code="adapter_not_found",
+    )  # fmt: skip
 
 
 def adapter_rank_too_large(name: str, rank: int, max_rank: int) -> ApiError:
     return ApiError(
-        400,
         f"The fine-tuned model `{name}` has LoRA rank {rank}, more than this deployment serves "
         f"(max_lora_rank {max_rank}). Retrain it with a rank of at most {max_rank}.",
-        INVALID_REQUEST,
-        param="model",
-        code="adapter_rank_too_large",
-    )
+        param="model", code="adapter_rank_too_large",
+    )  # fmt: skip
 
 
 def adapter_invalid(name: str, detail: str) -> ApiError:
     return ApiError(
-        500,
         f"The adapter of `{name}` cannot be loaded: {detail}. Republish it; other models are not affected.",
-        SERVER,
-        param="model",
-        code="adapter_invalid",
-    )
+        status=500, type=SERVER, param="model", code="adapter_invalid",
+    )  # fmt: skip
 
 
 def no_replica(model_id: str) -> ApiError:
     return ApiError(
-        503,
         f"No replica of `{model_id}` is ready: they are starting or restarting (a CPU engine needs about a "
         "minute). Retry shortly.",
-        UNAVAILABLE,
-        code="no_replica_available",
-    )
+        status=503, type=UNAVAILABLE, code="no_replica_available",
+    )  # fmt: skip
 
 
 def pool_unreachable(detail: str) -> ApiError:
     return ApiError(
-        503, f"The inference pool cannot be reached ({detail}). Retry shortly.", UNAVAILABLE, code="pool_unavailable"
-    )
+        f"The inference pool cannot be reached ({detail}). Retry shortly.",
+        status=503, type=UNAVAILABLE, code="pool_unavailable",
+    )  # fmt: skip
+
+
+def pool_timeout(detail: str) -> ApiError:
+    return ApiError(f"The inference pool did not answer in time: {detail}", status=504, type=SERVER, code="timeout")
 
 
 def replica_failed(detail: str) -> ApiError:
-    return ApiError(502, f"The model replica failed while answering: {detail}", SERVER, code="replica_error")
+    return ApiError(f"The model replica failed while answering: {detail}", status=502, type=SERVER, code="replica_error")
+
+
+def method_not_allowed(method: str) -> ApiError:
+    return ApiError(f"Use {method} for this endpoint.", status=405, code="method_not_allowed")
 
 
 _CONTEXT_LENGTH = re.compile(r"maximum context length|max_model_len|exceeds this limit", re.IGNORECASE)
-_TYPE_FOR_STATUS = {400: INVALID_REQUEST, 404: INVALID_REQUEST, 422: INVALID_REQUEST}
 
 
 def from_replica(status: int, raw: bytes) -> ApiError:
@@ -130,7 +101,7 @@ def from_replica(status: int, raw: bytes) -> ApiError:
     except (ValueError, KeyError, TypeError, AttributeError):
         message, param = raw[:500].decode(errors="replace") or f"HTTP {status}", None
     if status == 400 and _CONTEXT_LENGTH.search(message):
-        return ApiError(400, message, INVALID_REQUEST, param=param or "messages", code="context_length_exceeded")
+        return ApiError(message, param=param or "messages", code="context_length_exceeded")
     if status < 500:
-        return ApiError(status, message, _TYPE_FOR_STATUS.get(status, INVALID_REQUEST), param=param)
+        return ApiError(message, status=status, param=param)
     return replica_failed(message)

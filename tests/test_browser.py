@@ -5,6 +5,7 @@ front of the real pool, so the playground's answer streams as it would for a use
 each page land in test-artifacts/screenshots/ for a person to look at.
 """
 
+# ruff: noqa: F811 (pytest fixtures are imported from tests.inference_fixtures, then named as arguments)
 import re
 
 import pytest
@@ -74,6 +75,8 @@ def test_a_data_scientist_uploads_trains_watches_chats_and_manages_keys(page, ga
     page.click("#playground-link")
     page.wait_for_selector("#pane-2:not([hidden])")
     page.uncheck("#compare")
+    page.fill("#temperature", "0")  # the same answers every run, for the screenshots
+    page.fill("#max-tokens", "48")
     page.fill("#prompt", "What is 3 plus 4?")
     page.click("#send")
     page.wait_for_selector("#pane-1 .bubble.assistant.done", timeout=60_000)

@@ -14,6 +14,7 @@ import signal
 import threading
 import time
 import uuid
+from pathlib import Path
 
 import httpx
 import openai
@@ -31,7 +32,7 @@ from tests.inference_fixtures import (  # noqa: F401 (fixtures)
     publish_fine_tuned_model,
     register_fine_tuned_model,
 )
-from tests.processes import wait_until
+from tests.processes import ROOT, wait_until
 
 pytestmark = [pytest.mark.engine, pytest.mark.django_db(transaction=True)]
 
@@ -91,6 +92,30 @@ def test_it_serves_an_adapter_published_while_the_pool_runs_on_its_first_request
     assert time.perf_counter() - started < 30
     assert answer.model == name
     assert answer.choices[0].message.content != base_answer
+
+
+def _peft_answer(adapter: Path, max_tokens: int) -> str:
+    """The greedy answer of the base model with this adapter in PEFT, as training evaluates it."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    weights = ROOT / "data" / "models" / BASE
+    tokenizer = AutoTokenizer.from_pretrained(weights)
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(weights, dtype=torch.float32), adapter)
+    prompt = tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    output = model.generate(**prompt, max_new_tokens=max_tokens, do_sample=False)
+    return tokenizer.decode(output[0, prompt["input_ids"].shape[1]:], skip_special_tokens=True)
+
+
+def test_a_served_adapter_answers_token_for_token_as_peft_does_with_the_same_weights(alice, make_adapter):
+    # Seed 2 moves the answer far from the base model's, so a wrong scale, a missed module or a
+    # mixed-up adapter slot in the serving path shows as different text.
+    folder = make_adapter(seed=2)
+    name = publish_fine_tuned_model(alice, _suffix("as-peft"), folder)
+    served = _ask(alice.client, name, max_tokens=16)
+    assert served == _peft_answer(folder, max_tokens=16)
+    assert served != _ask(alice.client, BASE, max_tokens=16)
 
 
 def test_it_streams_tokens_and_usage(alice, make_adapter):

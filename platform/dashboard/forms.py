@@ -7,7 +7,7 @@ from django.conf import settings
 
 from finetuning.jobs import JobRequest, TARGET_MODULES
 from finetuning.models import File
-from server.api_errors import ApiError
+from core.api_errors import ApiError
 
 
 def show_api_error(form: forms.Form, error: ApiError) -> None:

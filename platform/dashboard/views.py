@@ -20,8 +20,7 @@ from finetuning.representations import event_object, job_object
 from gateway.completions import complete_for_organization
 from gateway.pool_status import PoolUnavailable, replicas_serving
 from gateway.views import error_response, pool_response
-from inference import errors
-from server.api_errors import ApiError
+from core.api_errors import ApiError
 
 PREVIEW_EXAMPLES = 5
 
@@ -161,7 +160,7 @@ async def playground_chat(request: HttpRequest) -> HttpResponse:
     """The playground's chat: checked, then streamed from the pool as server-sent events."""
     try:
         answer = await complete_for_organization(request.organization, completion_body(request.body), "chat/completions")
-    except errors.ApiError as exc:
+    except ApiError as exc:
         return error_response(exc)
     return pool_response(answer)
 

@@ -13,7 +13,7 @@ from core.datasets import Dataset, Example, parse_dataset
 from finetuning import storage
 from finetuning.models import FINISHED_STATUSES, File, FineTuningJob
 from finetuning.tokens import default_model, token_counter
-from server.api_errors import ApiError
+from core.api_errors import ApiError
 
 PURPOSE = "fine-tune"
 

@@ -15,7 +15,8 @@ from core.catalog import BaseModel
 from core.model_names import ModelName, is_valid_suffix
 from finetuning.events import record_event
 from finetuning.models import File, FineTuningJob, JobStatus
-from server.api_errors import ApiError, not_found
+from core.api_errors import ApiError
+from server.api_errors import not_found
 
 AUTO = "auto"
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

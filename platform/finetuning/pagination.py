@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 from django.db.models import Q, QuerySet
 
-from server.api_errors import ApiError
+from core.api_errors import ApiError
 
 DEFAULT_LIMIT, MAX_LIMIT = 20, 100
 

@@ -16,7 +16,8 @@ from finetuning.models import File, FineTuningJob
 from finetuning.pagination import list_page
 from finetuning.representations import checkpoint_object, event_object, file_object, job_object
 from finetuning.serializers import FileUploadSerializer, JobCreateSerializer
-from server.api_errors import ApiError, not_found
+from core.api_errors import ApiError
+from server.api_errors import not_found
 
 
 class AnyAcceptRenderer(JSONRenderer):

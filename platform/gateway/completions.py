@@ -75,7 +75,7 @@ async def _forward(body: bytes, stream: bool, endpoint: str) -> PoolAnswer:
 
 def _unreachable(exc: UpstreamError) -> errors.ApiError:
     if isinstance(exc, UpstreamTimeout):
-        return errors.ApiError(504, f"The inference pool did not answer in time: {exc}", errors.SERVER, code="timeout")
+        return errors.pool_timeout(str(exc))
     return errors.pool_unreachable(str(exc))
 
 

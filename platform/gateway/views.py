@@ -25,7 +25,7 @@ def openai_endpoint(name: str, method: str):
         async def wrapper(request: HttpRequest, *args, **kwargs) -> HttpResponse:
             try:
                 if request.method != method:
-                    raise errors.ApiError(405, f"Use {method} for this endpoint.", code="method_not_allowed")
+                    raise errors.method_not_allowed(method)
                 response = await view(request, *args, **kwargs)
             except errors.ApiError as exc:
                 response = error_response(exc)

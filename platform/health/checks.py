@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import redis
 from celery import Celery
 from django.conf import settings
 from django.db import connection
-from gateway.pool_status import PoolUnavailable, pool_health
 
+from core.redis_ping import redis_problem
+from gateway.pool_status import PoolUnavailable, pool_health
 
 TIMEOUT_S = 1.0
 
@@ -30,11 +30,8 @@ def database() -> CheckResult:
 
 
 def broker() -> CheckResult:
-    try:
-        redis.Redis.from_url(settings.CELERY_BROKER_URL, socket_timeout=TIMEOUT_S).ping()
-    except redis.RedisError as exc:
-        return CheckResult(False, f"redis: {exc}")
-    return CheckResult(True, "redis")
+    problem = redis_problem(settings.CELERY_BROKER_URL, TIMEOUT_S)
+    return CheckResult(problem is None, problem or "redis")
 
 
 def workers() -> CheckResult:

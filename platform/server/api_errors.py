@@ -1,7 +1,6 @@
-"""Errors in OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``, made in one place.
-
-Domain code raises ``ApiError``; DRF's own exceptions (bad JSON, bad auth, unknown ids) are
-translated by ``exception_handler`` so every API answer has the same shape.
+"""The REST API's errors: domain code raises ``core.api_errors.ApiError``; DRF's own exceptions (bad
+JSON, bad auth, unknown ids) are translated by ``exception_handler`` so every API answer has the
+same shape.
 """
 
 from __future__ import annotations
@@ -10,27 +9,7 @@ from django.http import Http404, JsonResponse
 from rest_framework import exceptions, status
 from rest_framework.response import Response
 
-
-class ApiError(Exception):
-    def __init__(
-        self,
-        message: str,
-        *,
-        status: int = 400,
-        param: str | None = None,
-        code: str | None = None,
-        type: str = "invalid_request_error",
-        **extra,
-    ):
-        super().__init__(message)
-        self.message, self.status, self.param, self.code, self.type, self.extra = message, status, param, code, type, extra
-
-    def body(self) -> dict:
-        return error_body(self.message, type=self.type, param=self.param, code=self.code, **self.extra)
-
-
-def error_body(message: str, *, type: str, param: str | None = None, code: str | None = None, **extra) -> dict:
-    return {"error": {"message": message, "type": type, "param": param, "code": code, **extra}}
+from core.api_errors import ApiError, error_body
 
 
 def not_found(what: str, ident: str, param: str | None = None) -> ApiError:

@@ -1,0 +1,45 @@
+"""The one error a client of this platform sees, in OpenAI's shape, for every API and process.
+
+``{"error": {"message", "type", "param", "code", ...}}``. Django-free, so the inference pool, the
+gateway and the fine-tuning API raise the same class: ``inference.errors`` makes the inference
+ones, ``server.api_errors`` translates DRF's own exceptions into it.
+"""
+
+from __future__ import annotations
+
+import json
+
+INVALID_REQUEST = "invalid_request_error"
+AUTHENTICATION = "authentication_error"
+SERVER = "server_error"
+UNAVAILABLE = "service_unavailable_error"
+
+
+class ApiError(Exception):
+    """``extra`` adds fields to the error object (a dataset's per-line ``errors``)."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int = 400,
+        type: str = INVALID_REQUEST,
+        param: str | None = None,
+        code: str | None = None,
+        **extra,
+    ):
+        super().__init__(message)
+        self.message, self.status, self.type, self.param, self.code, self.extra = message, status, type, param, code, extra
+
+    def body(self) -> dict:
+        return error_body(self.message, type=self.type, param=self.param, code=self.code, **self.extra)
+
+    def json_bytes(self) -> bytes:
+        return json.dumps(self.body()).encode()
+
+    def __str__(self) -> str:
+        return f"{self.status} {self.code or self.type}: {self.message}"
+
+
+def error_body(message: str, *, type: str, param: str | None = None, code: str | None = None, **extra) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code, **extra}}

@@ -207,3 +207,18 @@ def test_the_models_page_says_when_the_pool_cannot_tell_what_is_loaded(alice_web
     settings.INFERENCE_POOL_URL = "http://127.0.0.1:9"  # nothing listens there
     page = alice_web.get(reverse("dashboard:models")).content.decode()
     assert "The inference pool did not answer" in page and "127.0.0.1:9" in page
+
+
+def test_the_models_page_shows_a_fine_tunes_lineage_down_to_its_dataset(alice_web, alice):
+    upload(alice_web, good_dataset(12), name="support.jsonl")
+    file = File.objects.get()
+    alice_web.post(reverse("dashboard:job_new"), {"model": BASE, "training_file": file.id, "suffix": "support", "n_epochs": 2,
+                                                  "lora_r": 4, "lora_alpha": 8, "lora_dropout": 0.05, "target_modules": ["q_proj"]})
+    job = FineTuningJob.objects.get()
+    FineTunedModel.objects.create(name=f"{BASE}:support", organization=alice.organization, job=job, base_model=BASE,
+                                  suffix="support", final_loss=0.4321)
+    page = alice_web.get(reverse("dashboard:models")).content.decode()
+    row = page[page.index(f'data-model="{BASE}:support"'):]
+    row = row[: row.index("</tr>")]
+    for shown in (job.id, "support.jsonl", reverse("dashboard:dataset", args=[file.id]), "epochs 2", "LoRA r 4", "0.4321"):
+        assert shown in row, shown

@@ -122,14 +122,18 @@ def job_cancel(request: HttpRequest, job_id: str) -> HttpResponse:
 
 @with_organization
 def models(request: HttpRequest) -> HttpResponse:
-    fine_tuned = FineTunedModel.objects.for_org(request.organization).select_related("job")
-    lineage = {model.name: model for model in fine_tuned}
-    usable = [(model, lineage.get(model.name)) for model in list_usable_models(request.organization)]
+    """Every usable model with, for a fine-tuned one, its job and dataset; and where each is loaded."""
+    fine_tuned = {model.name: model for model in FineTunedModel.objects.for_org(request.organization).select_related("job")}
+    datasets = File.objects.for_org(request.organization).in_bulk([model.job.training_file for model in fine_tuned.values()])
     try:
         serving, pool_problem = replicas_serving(), None
     except PoolUnavailable as exc:
         serving, pool_problem = {}, str(exc)
-    rows = [(model, job_lineage, serving.get(model.name, 0)) for model, job_lineage in usable]
+    rows = []
+    for model in list_usable_models(request.organization):
+        lineage = fine_tuned.get(model.name)
+        dataset = datasets.get(lineage.job.training_file) if lineage else None
+        rows.append((model, lineage, dataset, serving.get(model.name, 0)))
     return render(request, "dashboard/models.html", {"models": rows, "pool_problem": pool_problem})
 
 

@@ -15,7 +15,7 @@ from tests.inference_fixtures import pool_environment
 from tests.processes import celery_worker_command, running, wait_until
 from workers.celery_app import app as celery_app
 
-pytest_plugins = ["tests.personas"]
+pytest_plugins = ["tests.personas", "tests.browser"]
 
 # Celery reads its settings once, lazily: read them now, before a test overrides Django settings.
 _ = celery_app.conf.broker_url

@@ -16,7 +16,6 @@ from tests.inference_fixtures import gateway  # noqa: F401 (a fixture)
 from tests.personas import good_dataset
 
 pytestmark = pytest.mark.django_db(transaction=True)
-pytest_plugins = ["tests.browser"]
 
 BASE = "HuggingFaceTB/SmolLM2-135M-Instruct"
 

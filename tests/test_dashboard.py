@@ -222,3 +222,15 @@ def test_the_models_page_shows_a_fine_tunes_lineage_down_to_its_dataset(alice_we
     row = row[: row.index("</tr>")]
     for shown in (job.id, "support.jsonl", reverse("dashboard:dataset", args=[file.id]), "epochs 2", "LoRA r 4", "0.4321"):
         assert shown in row, shown
+
+
+def test_long_listings_come_in_pages_newest_first(alice_web, alice):
+    for number in range(52):
+        File.objects.create(organization=alice.organization, filename=f"set-{number:02d}.jsonl", bytes=1,
+                            storage_key=f"test/{number}", example_count=10, token_count=100, max_example_tokens=10)
+    first = alice_web.get(reverse("dashboard:datasets")).content.decode()
+    assert "set-51.jsonl" in first and "set-02.jsonl" in first and "set-01.jsonl" not in first
+    assert "1–50 of 52" in first and 'href="?page=2"' in first
+    second = alice_web.get(reverse("dashboard:datasets"), {"page": 2}).content.decode()
+    assert "set-01.jsonl" in second and "set-00.jsonl" in second and "set-51.jsonl" not in second
+    assert alice_web.get(reverse("dashboard:datasets"), {"page": "not-a-number"}).status_code == 200  # the first page

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from django.contrib import messages
+from django.core.paginator import Page, Paginator
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_POST
@@ -23,6 +24,12 @@ from gateway.views import error_response, pool_response
 from core.api_errors import ApiError
 
 PREVIEW_EXAMPLES = 5
+PAGE_SIZE = 50
+
+
+def _page(request: HttpRequest, queryset) -> Page:
+    """The ``?page=`` of a newest-first listing; an unusable number gives the nearest real page."""
+    return Paginator(queryset, PAGE_SIZE).get_page(request.GET.get("page"))
 
 
 @require_POST
@@ -48,8 +55,8 @@ def datasets(request: HttpRequest) -> HttpResponse:
             else:
                 messages.success(request, f"{created.filename}: {created.example_count} examples, ready to train.")
                 return redirect("dashboard:dataset", file_id=created.id)
-    listing = File.objects.for_org(request.organization)
-    return render(request, "dashboard/datasets.html", {"form": form, "files": listing, "line_errors": line_errors})
+    page = _page(request, File.objects.for_org(request.organization))
+    return render(request, "dashboard/datasets.html", {"form": form, "page": page, "line_errors": line_errors})
 
 
 @with_organization
@@ -74,8 +81,8 @@ def dataset_delete(request: HttpRequest, file_id: str) -> HttpResponse:
 
 @with_organization
 def job_list(request: HttpRequest) -> HttpResponse:
-    listing = FineTuningJob.objects.for_org(request.organization)[:200]
-    return render(request, "dashboard/jobs.html", {"jobs": listing})
+    page = _page(request, FineTuningJob.objects.for_org(request.organization))
+    return render(request, "dashboard/jobs.html", {"page": page})
 
 
 @with_organization

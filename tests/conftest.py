@@ -31,6 +31,20 @@ def _url_of(settings_dict: dict) -> str:
     return f"postgres://{user}{password}@{settings_dict.get('HOST') or 'localhost'}{port}/{settings_dict['NAME']}"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _database_left_free(django_db_setup, django_db_blocker):
+    """End the test database's other sessions before it is dropped: the gateway's ORM calls run in
+    asgiref's shared threads, which keep their connections (by design) until the process exits."""
+    yield
+    if connection.vendor != "postgresql":
+        return
+    with django_db_blocker.unblock(), connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+            " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+        )
+
+
 @pytest.fixture(scope="session")
 def test_database_url(django_db_setup) -> str:
     return _url_of(connection.settings_dict)

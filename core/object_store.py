@@ -11,6 +11,10 @@ from core.config import S3Settings
 from core.s3 import s3_client, split_s3_url
 
 
+class ObjectNotFound(KeyError):
+    """No object has this key (the same exception from every kind of store)."""
+
+
 class ObjectStore(Protocol):
     def put(self, key: str, data: bytes) -> None: ...
     def put_file(self, key: str, path: Path) -> None: ...
@@ -39,7 +43,10 @@ class LocalObjectStore:
         self.put(key, path.read_bytes())
 
     def get(self, key: str) -> bytes:
-        return self._path(key).read_bytes()
+        try:
+            return self._path(key).read_bytes()
+        except FileNotFoundError:
+            raise ObjectNotFound(key) from None
 
     def delete_prefix(self, prefix: str) -> None:
         target = self._path(prefix)
@@ -66,7 +73,10 @@ class S3ObjectStore:
         self.client.upload_file(str(path), self.bucket, self._key(key))
 
     def get(self, key: str) -> bytes:
-        return self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"].read()
+        try:
+            return self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"].read()
+        except self.client.exceptions.NoSuchKey:
+            raise ObjectNotFound(key) from None
 
     def delete_prefix(self, prefix: str) -> None:
         listing = self.client.list_objects_v2(Bucket=self.bucket, Prefix=self._key(prefix))

@@ -154,7 +154,7 @@ def test_it_writes_a_complete_checkpoint_after_every_epoch(code_phrase_run):
     assert [(epoch, step) for epoch, step, _, _ in recorder.checkpoints] == [(1, 4), (2, 8)]
     for _, _, adapter_dir, files in recorder.checkpoints:
         assert adapter_dir.parent == output_dir / "checkpoints"
-        assert files == ["adapter_config.json", "adapter_model.safetensors"]
+        assert files == ["adapter_config.json", "adapter_model.safetensors", "training_state.pt"]
 
 
 def test_it_saves_a_standard_lora_adapter_that_names_the_base_model_id(code_phrase_run):
@@ -292,3 +292,28 @@ def test_it_is_deterministic_for_a_seed(three_step_run, cancelled_run):
     # Step 2's loss already depends on the seeded LoRA initialisation, dropout and shuffling.
     assert [m.train_loss for m in cancelled.steps] == [m.train_loss for m in full.steps[:2]]
     assert len(full.steps) == 3
+
+
+def _adapter_weights(adapter_dir: Path) -> dict[str, torch.Tensor]:
+    with safe_open(adapter_dir / "adapter_model.safetensors", "pt") as weights:
+        return {name: weights.get_tensor(name) for name in weights.keys()}  # noqa: SIM118 (not a dict)
+
+
+def test_a_run_resumed_from_an_epoch_checkpoint_ends_exactly_as_an_unbroken_run(tmp_path):
+    # Two epochs of two steps, with dropout: what a worker lost after epoch 1 would have to redo.
+    settings = config(n_epochs=2, batch_size=6, lora_dropout=0.1)
+    unbroken = Recorder()
+    full = train(settings, SHORT_EXAMPLES, None, tmp_path / "unbroken", unbroken)
+
+    interrupted = Recorder(stop_after_steps=2)  # the worker "dies" after epoch 1's checkpoint
+    train(settings, SHORT_EXAMPLES, None, tmp_path / "interrupted", interrupted)
+    checkpoint = tmp_path / "interrupted" / "checkpoints" / "epoch-1"
+    resumed = Recorder()
+    result = train(settings, SHORT_EXAMPLES, None, tmp_path / "resumed", resumed, resume_from=checkpoint)
+
+    assert [m.step for m in resumed.steps] == [3, 4]
+    assert [m.train_loss for m in resumed.steps] == [m.train_loss for m in unbroken.steps[2:]]
+    assert resumed.steps[-1].trained_tokens == unbroken.steps[-1].trained_tokens
+    expected, actual = _adapter_weights(full.adapter_dir), _adapter_weights(result.adapter_dir)
+    assert expected.keys() == actual.keys()
+    assert all(torch.equal(expected[name], actual[name]) for name in expected)

@@ -77,9 +77,9 @@ def test_cancel_stops_training_between_steps_and_publishes_nothing(alice, celery
     assert not (Path(settings.CONFIG.dynamic_lora_path) / f"{BASE}:cancelled").exists()
 
 
-def test_a_job_whose_worker_died_is_queued_again_and_finishes(alice, celery_worker):
-    job_id = launch(alice, MANY_STEPS | {"n_epochs": 1}, "survivor")
-    wait_for(job_id, lambda job: job.events.filter(type="metrics").exists())
+def test_a_job_whose_worker_died_is_queued_again_and_resumes_after_its_last_checkpoint(alice, celery_worker):
+    job_id = launch(alice, {"n_epochs": 3, "batch_size": 2}, "survivor")  # 6 steps an epoch
+    wait_for(job_id, lambda job: job.checkpoints.exists())
     celery_worker.kill()
     time.sleep(1.5)
     assert FineTuningJob.objects.get(pk=job_id).status == JobStatus.RUNNING  # nobody is left to say otherwise
@@ -87,7 +87,12 @@ def test_a_job_whose_worker_died_is_queued_again_and_finishes(alice, celery_work
     celery_worker.start()
     job = wait_for(job_id, lambda job: job.is_finished)
     assert job.status == JobStatus.SUCCEEDED and job.attempts == 2
-    assert job.events.filter(message__contains="stopped responding").exists()
+    events = list(job.events.order_by("created_at", "pk"))
+    messages = [event.message for event in events]
+    assert any("stopped responding" in message for message in messages)
+    resumed_at = next(i for i, message in enumerate(messages) if message.startswith("Resuming after epoch 1 (step 6)"))
+    steps_after = [event.data["step"] for event in events[resumed_at:] if event.type == "metrics"]
+    assert steps_after == list(range(7, 19))  # epochs 2 and 3 only: epoch 1 was not trained again
 
 
 def test_a_job_that_keeps_losing_its_worker_fails_with_a_reason(alice):

@@ -110,7 +110,9 @@ def job_detail(request: HttpRequest, job_id: str) -> HttpResponse:
 def job_progress(request: HttpRequest, job_id: str) -> JsonResponse:
     """What the job page polls: the job, every metrics point, and the latest messages."""
     job = get_object_or_404(FineTuningJob.objects.for_org(request.organization).select_related("organization"), pk=job_id)
-    metrics = [event.data for event in job.events.filter(type="metrics").order_by("created_at")]
+    # A resumed job reports the steps after its checkpoint again: the latest report of a step counts.
+    by_step = {event.data["step"]: event.data for event in job.events.filter(type="metrics").order_by("created_at")}
+    metrics = [by_step[step] for step in sorted(by_step)]
     latest = [event_object(event) for event in job.events.all()[:50]]
     return JsonResponse({"job": job_object(job), "metrics": metrics, "events": latest})
 

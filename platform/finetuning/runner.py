@@ -19,6 +19,7 @@ from django.db.models import F
 from django.utils import timezone
 
 from core.model_names import ModelName
+from core.object_store import ObjectNotFound
 from finetuning import storage
 from finetuning.events import record_event
 from finetuning.files import load_examples
@@ -60,7 +61,8 @@ class JobCallbacks:
         FineTuningJob.objects.filter(pk=self.job.pk).update(heartbeat_at=timezone.now(), **fields)
 
     def on_step(self, metrics) -> None:
-        remaining_s = metrics.elapsed_s / max(metrics.step, 1) * (metrics.total_steps - metrics.step)
+        steps_this_run = max(metrics.step - metrics.resumed_at_step, 1)
+        remaining_s = metrics.elapsed_s / steps_this_run * (metrics.total_steps - metrics.step)
         message = f"Step {metrics.step}/{metrics.total_steps}: training loss={metrics.train_loss:.4f}"
         if metrics.valid_loss is not None:
             message += f", validation loss={metrics.valid_loss:.4f}"
@@ -119,8 +121,30 @@ def _train(job: FineTuningJob, workdir: Path, callbacks: JobCallbacks):
     )  # fmt: skip
     training = _examples(job, job.training_file, "training")
     validation = _examples(job, job.validation_file, "validation")
+    resume_from = _resume_point(job, workdir / "resume")
     record_event(job, f"Training started on {len(training)} examples")
-    return train(config, training, validation, workdir, callbacks)
+    return train(config, training, validation, workdir, callbacks, resume_from=resume_from)
+
+
+def _resume_point(job: FineTuningJob, folder: Path) -> Path | None:
+    """The latest epoch checkpoint an earlier attempt of this job saved, fetched into ``folder``;
+    None when there is none: training starts from the beginning."""
+    from workers.training.model import ADAPTER_FILES
+    from workers.training.state import TRAINING_STATE_FILE
+
+    checkpoint = job.checkpoints.order_by("-step_number").first()
+    if checkpoint is None:
+        return None
+    folder.mkdir(parents=True, exist_ok=True)
+    store = storage.files()
+    try:
+        for name in (*ADAPTER_FILES, TRAINING_STATE_FILE):
+            (folder / name).write_bytes(store.get(f"{checkpoint.storage_key}/{name}"))
+    except ObjectNotFound as exc:
+        record_event(job, f"Checkpoint {checkpoint.id} is incomplete (no {exc}); training starts over", level="warn")
+        return None
+    record_event(job, f"Resuming after epoch {checkpoint.epoch} (step {checkpoint.step_number}) from checkpoint {checkpoint.id}")
+    return folder
 
 
 def _publish(job: FineTuningJob, result) -> None:

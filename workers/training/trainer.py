@@ -21,6 +21,7 @@ from transformers import AutoTokenizer
 from workers.training.config import TrainingConfig
 from workers.training.data import Example, PackedRow, TokenizedExample, pack, tokenize_example, truncate
 from workers.training.model import load_model_with_lora, save_adapter
+from workers.training.state import Progress, restore_training_state, save_training_state
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,7 @@ class StepMetrics:
     tokens_per_second: float  # training tokens per second since the previous report (validation excluded)
     trained_tokens: int  # cumulative: every token of every example seen, epochs counted
     elapsed_s: float  # since train() started, loading included
+    resumed_at_step: int = 0  # the step a resumed run started after: elapsed_s covers the steps since
 
 
 @dataclass(frozen=True)
@@ -59,13 +61,17 @@ def train(
     validation_examples: list[Example] | None,
     output_dir: Path,
     callbacks: TrainingCallbacks,
+    resume_from: Path | None = None,
 ) -> TrainingResult:
     """Train a LoRA adapter on the chat examples; return where the final adapter is.
 
     Writes ``output_dir/checkpoints/epoch-<n>/`` after each full epoch (a run cut short by max_steps
     mid-epoch gets no checkpoint for that partial epoch) and ``output_dir/adapter/`` at the end; each
-    is a complete PEFT adapter folder when it appears. Cancelled runs leave their checkpoints but no
-    final adapter.
+    is a complete PEFT adapter folder when it appears, with the training state (``state.py``) beside
+    it in a checkpoint. Cancelled runs leave their checkpoints but no final adapter.
+
+    ``resume_from``: such a checkpoint of an earlier run of the same job (same config, examples and
+    seed); training goes on after its epoch and ends as the unbroken run would have.
     """
     started = time.perf_counter()
     output_dir = Path(output_dir)
@@ -96,12 +102,15 @@ def train(
     optimizer = torch.optim.AdamW(trainable, lr=config.learning_rate, weight_decay=config.weight_decay)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _lr_factor(s, config.warmup_steps, total_steps))
 
-    # Train.
-    step, trained_tokens = 0, 0
+    # Train, from the start or from where an earlier run's checkpoint left off.
+    done = Progress(epoch=0, step=0, trained_tokens=0)
+    if resume_from is not None:
+        done = restore_training_state(resume_from, model, optimizer, schedule, shuffler)
+    step, trained_tokens = done.step, done.trained_tokens
     train_loss: float | None = None
     valid_loss: float | None = None
     window_tokens, window_seconds = 0, 0.0  # for tokens_per_second between reports
-    for epoch in range(1, config.n_epochs + 1):
+    for epoch in range(done.epoch + 1, config.n_epochs + 1):
         order = torch.randperm(len(train_set), generator=shuffler).tolist()
         for first in range(0, len(order), config.batch_size):
             if step == total_steps:
@@ -136,12 +145,14 @@ def train(
                 tokens_per_second=window_tokens / window_seconds if window_seconds else 0.0,
                 trained_tokens=trained_tokens,
                 elapsed_s=time.perf_counter() - started,
+                resumed_at_step=done.step,
             )
             if _every(step, config.log_every_steps) or step_valid_loss is not None or step == total_steps:
                 callbacks.on_step(metrics)
                 window_tokens, window_seconds = 0, 0.0
             if epoch_done:
                 checkpoint = save_adapter(model, output_dir / "checkpoints" / f"epoch-{epoch}")
+                save_training_state(checkpoint, Progress(epoch, step, trained_tokens), optimizer, schedule, shuffler)
                 callbacks.on_checkpoint(epoch, step, checkpoint, metrics)
 
     # Save: unless cancelled while the last step ran, the final adapter is the result.

@@ -22,12 +22,12 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT)]
+sys.path[:0] = [str(ROOT)]  # the repository's packages, for the imports below
 
-from core.catalog import load_catalog  # noqa: E402 (the path above first)
-from core.config import load_config  # noqa: E402
-from inference.replica import vllm_command, vllm_environment  # noqa: E402
-from tests.processes import running, wait_until  # noqa: E402
+from core.catalog import load_catalog
+from core.config import load_config
+from inference.replica import vllm_command, vllm_environment
+from tests.processes import running, wait_until
 
 CONCURRENCY = 32
 TOKENS = 64

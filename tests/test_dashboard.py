@@ -236,3 +236,12 @@ def test_long_listings_come_in_pages_newest_first(alice_web, alice):
     second = alice_web.get(reverse("dashboard:datasets"), {"page": 2}).content.decode()
     assert "set-01.jsonl" in second and "set-00.jsonl" in second and "set-51.jsonl" not in second
     assert alice_web.get(reverse("dashboard:datasets"), {"page": "not-a-number"}).status_code == 200  # the first page
+
+
+def test_the_playground_opens_on_the_newest_fine_tune_beside_its_base_model(client, alice):
+    register_fine_tuned_model(alice, "older")
+    newest = register_fine_tuned_model(alice, "newer")
+    page = signed_in(client, alice).get(reverse("dashboard:playground")).content.decode()
+    first_pane, second_pane = page[page.index('id="pane-1"'): page.index('id="pane-2"')], page[page.index('id="pane-2"'):]
+    assert f'<option value="{newest}" selected' in first_pane
+    assert f'<option value="{BASE}" selected' in second_pane

@@ -41,6 +41,13 @@ def wait_for(job_id: str, condition, timeout_s: float = 420) -> FineTuningJob:
     raise AssertionError(f"job {job_id} still {job.status} after {timeout_s} s: {job.error_message}")
 
 
+@pytest.fixture
+def not_queued(monkeypatch):
+    """For tests that run or recover a job themselves: it is never queued, so the session's worker
+    (alive if an earlier test started it) cannot take it first."""
+    monkeypatch.setattr("finetuning.jobs._enqueue_on_commit", lambda job_id: None)
+
+
 def worker_is_idle() -> None:
     """The test worker runs one task at a time: when this one answers, the previous one is done."""
     worker_report.delay().get(timeout=240)
@@ -95,7 +102,7 @@ def test_a_job_whose_worker_died_is_queued_again_and_resumes_after_its_last_chec
     assert steps_after == list(range(7, 19))  # epochs 2 and 3 only: epoch 1 was not trained again
 
 
-def test_a_job_that_keeps_losing_its_worker_fails_with_a_reason(alice):
+def test_a_job_that_keeps_losing_its_worker_fails_with_a_reason(alice, not_queued):
     job_id = launch(alice, ONE_STEP, "unlucky")
     FineTuningJob.objects.filter(pk=job_id).update(status=JobStatus.RUNNING, attempts=3, heartbeat_at="2020-01-01T00:00:00Z")
     assert recover_stale_jobs() == []
@@ -105,7 +112,7 @@ def test_a_job_that_keeps_losing_its_worker_fails_with_a_reason(alice):
     assert error["code"] == "worker_lost"
 
 
-def test_a_job_publishes_to_an_s3_dynamic_path(alice, settings):
+def test_a_job_publishes_to_an_s3_dynamic_path(alice, settings, not_queued):
     with s3_server("adapters") as s3:
         settings.CONFIG = dataclasses.replace(settings.CONFIG, s3=s3)
         model = settings.MODEL_CATALOG.models[0]
@@ -121,7 +128,7 @@ def test_a_job_publishes_to_an_s3_dynamic_path(alice, settings):
         assert FineTuningJob.objects.get(pk=job_id).status == JobStatus.SUCCEEDED
 
 
-def test_checkpoints_and_metrics_are_reported_per_epoch(alice):
+def test_checkpoints_and_metrics_are_reported_per_epoch(alice, not_queued):
     job_id = launch(alice, {"n_epochs": 2, "batch_size": 6}, "epochs")
     assert run_job(job_id, worker="in-test") == "succeeded"
     checkpoints = alice.api.get(f"/v1/fine_tuning/jobs/{job_id}/checkpoints").json()["data"]

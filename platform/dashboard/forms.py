@@ -5,9 +5,9 @@ from __future__ import annotations
 from django import forms
 from django.conf import settings
 
+from core.api_errors import ApiError
 from finetuning.jobs import JobRequest, TARGET_MODULES
 from finetuning.models import File
-from core.api_errors import ApiError
 
 
 def show_api_error(form: forms.Form, error: ApiError) -> None:

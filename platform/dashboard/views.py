@@ -10,6 +10,7 @@ from django.views.decorators.http import require_POST
 
 from accounts.models import ApiKey
 from accounts.services import create_api_key, revoke_api_key
+from core.api_errors import ApiError
 from dashboard.forms import ApiKeyForm, JobForm, UploadForm, show_api_error
 from dashboard.organizations import switch_organization, with_organization
 from dashboard.playground import completion_body
@@ -21,7 +22,6 @@ from finetuning.representations import event_object, job_object
 from gateway.completions import complete_for_organization
 from gateway.pool_status import PoolUnavailable, replicas_serving
 from gateway.views import error_response, pool_response
-from core.api_errors import ApiError
 
 PREVIEW_EXAMPLES = 5
 PAGE_SIZE = 50
@@ -157,11 +157,12 @@ def model_delete(request: HttpRequest, model_id: int) -> HttpResponse:
 
 @with_organization
 def playground(request: HttpRequest) -> HttpResponse:
-    """One pane, or two side by side (``?compare=1``); ``?model=`` picks the first pane's model and
-    the second pane starts on its base model, the comparison people want first."""
-    usable = list_usable_models(request.organization)
+    """One pane, or two side by side (``?compare=1``). The first pane starts on ``?model=``, else on
+    the newest fine-tune; the second on its base model, the comparison people want first."""
+    usable = list_usable_models(request.organization)  # base models, then fine-tunes newest first
     names = [model.name for model in usable]
-    first = next((model for model in usable if model.name == request.GET.get("model")), usable[-1])
+    newest = next((model for model in usable if model.suffix), usable[0])
+    first = next((model for model in usable if model.name == request.GET.get("model")), newest)
     second = first.base_model_id if first.suffix else names[0]
     context = {"models": names, "panes": [first.name, second], "compare": bool(request.GET.get("compare"))}
     return render(request, "dashboard/playground.html", context)

@@ -9,11 +9,11 @@ from django.db import transaction
 from django.db.models import Q
 
 from accounts.models import Organization
+from core.api_errors import ApiError
 from core.datasets import Dataset, Example, parse_dataset
 from finetuning import storage
 from finetuning.models import FINISHED_STATUSES, File, FineTuningJob
 from finetuning.tokens import default_model, token_counter
-from core.api_errors import ApiError
 
 PURPOSE = "fine-tune"
 

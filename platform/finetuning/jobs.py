@@ -11,11 +11,11 @@ from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from accounts.models import Organization
+from core.api_errors import ApiError
 from core.catalog import BaseModel
 from core.model_names import ModelName, is_valid_suffix
 from finetuning.events import record_event
 from finetuning.models import File, FineTuningJob, JobStatus
-from core.api_errors import ApiError
 from server.api_errors import not_found
 
 AUTO = "auto"

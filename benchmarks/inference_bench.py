@@ -12,8 +12,8 @@ prints one table whose ratios are against baselines measured in the same run:
    has its own base run, and the median ratio over rounds is reported);
 3. gateway overhead: sequential one-token completions straight to the vLLM replica, to the pool,
    and through the gateway, interleaved; medians of the per-request differences.
-With --compare-stock it then restarts the replica as vLLM ships it (no inference.lora_kernels) and
-measures throughput (2) directly against it, for comparison.
+With --compare-stock it then restarts the replica with vLLM's own LoRA kernels (no
+inference.lora_kernels; the same process layout) and measures throughput (2) directly against it.
 """
 
 from __future__ import annotations

@@ -52,6 +52,7 @@ def test_a_fine_tuned_models_answer_streams_into_the_playground(gateway, alice, 
     pieces, events = stream_chat(session, model, "Name three colours.")
 
     assert len(pieces) >= 2 and "".join(pieces).strip()
+    assert 'fineserve_gateway_requests_total{endpoint="playground",status="200"}' in session.get("/metrics").text
     assert {event["model"] for event in events} == {model}
     assert events[-1]["usage"]["completion_tokens"] >= len(pieces)  # the page shows tokens/s from this
 

@@ -317,3 +317,16 @@ def test_a_run_resumed_from_an_epoch_checkpoint_ends_exactly_as_an_unbroken_run(
     expected, actual = _adapter_weights(full.adapter_dir), _adapter_weights(result.adapter_dir)
     assert expected.keys() == actual.keys()
     assert all(torch.equal(expected[name], actual[name]) for name in expected)
+
+
+def test_a_run_resumed_after_its_last_epoch_just_saves_that_adapter_with_its_loss(tmp_path):
+    # A worker that died while publishing: every epoch was trained and checkpointed.
+    settings = config(n_epochs=1, batch_size=6)
+    unbroken = Recorder()
+    full = train(settings, SHORT_EXAMPLES, None, tmp_path / "unbroken", unbroken)
+    resumed = Recorder()
+    checkpoint = tmp_path / "unbroken" / "checkpoints" / "epoch-1"
+    result = train(settings, SHORT_EXAMPLES, None, tmp_path / "resumed", resumed, resume_from=checkpoint)
+    assert resumed.steps == [] and result.steps == 2 and result.final_train_loss == full.final_train_loss
+    expected, actual = _adapter_weights(full.adapter_dir), _adapter_weights(result.adapter_dir)
+    assert all(torch.equal(expected[name], actual[name]) for name in expected)

@@ -19,6 +19,7 @@ from finetuning.fine_tuned_models import delete_fine_tuned_model
 from finetuning.models import File, FineTunedModel, FineTuningJob
 from finetuning.registry import list_usable_models
 from finetuning.representations import event_object, job_object
+from gateway import metrics as gateway_metrics
 from gateway.completions import complete_for_organization
 from gateway.pool_status import PoolUnavailable, replicas_serving
 from gateway.views import error_response, pool_response
@@ -174,9 +175,11 @@ async def playground_chat(request: HttpRequest) -> HttpResponse:
     """The playground's chat: checked, then streamed from the pool as server-sent events."""
     try:
         answer = await complete_for_organization(request.organization, completion_body(request.body), "chat/completions")
+        response = pool_response(answer)
     except ApiError as exc:
-        return error_response(exc)
-    return pool_response(answer)
+        response = error_response(exc)
+    gateway_metrics.REQUESTS.labels("playground", str(response.status_code)).inc()
+    return response
 
 
 @with_organization

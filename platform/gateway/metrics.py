@@ -9,7 +9,7 @@ REGISTRY = CollectorRegistry()
 
 # No model label: rejected requests name arbitrary models; the pool counts per model.
 REQUESTS = Counter(
-    "fineserve_gateway_requests", "Requests to the public inference API by endpoint and status",
+    "fineserve_gateway_requests", "Requests to the inference endpoints (API and dashboard playground) by endpoint and status",
     ["endpoint", "status"], registry=REGISTRY,
 )  # fmt: skip
 

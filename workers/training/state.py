@@ -24,6 +24,7 @@ class Progress:
     epoch: int  # the last finished epoch
     step: int
     trained_tokens: int
+    train_loss: float | None  # that step's, for a run that resumes with nothing left to train
 
 
 def save_training_state(
@@ -37,6 +38,7 @@ def save_training_state(
         "epoch": progress.epoch,
         "step": progress.step,
         "trained_tokens": progress.trained_tokens,
+        "train_loss": progress.train_loss,
         "optimizer": optimizer.state_dict(),
         "schedule": schedule.state_dict(),
         "shuffler": shuffler.get_state(),
@@ -61,4 +63,4 @@ def restore_training_state(
     schedule.load_state_dict(state["schedule"])
     shuffler.set_state(state["shuffler"])
     torch.set_rng_state(state["dropout_rng"])
-    return Progress(epoch=state["epoch"], step=state["step"], trained_tokens=state["trained_tokens"])
+    return Progress(state["epoch"], state["step"], state["trained_tokens"], state["train_loss"])

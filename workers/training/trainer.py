@@ -103,11 +103,10 @@ def train(
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _lr_factor(s, config.warmup_steps, total_steps))
 
     # Train, from the start or from where an earlier run's checkpoint left off.
-    done = Progress(epoch=0, step=0, trained_tokens=0)
+    done = Progress(epoch=0, step=0, trained_tokens=0, train_loss=None)
     if resume_from is not None:
         done = restore_training_state(resume_from, model, optimizer, schedule, shuffler)
-    step, trained_tokens = done.step, done.trained_tokens
-    train_loss: float | None = None
+    step, trained_tokens, train_loss = done.step, done.trained_tokens, done.train_loss
     valid_loss: float | None = None
     window_tokens, window_seconds = 0, 0.0  # for tokens_per_second between reports
     for epoch in range(done.epoch + 1, config.n_epochs + 1):
@@ -152,7 +151,8 @@ def train(
                 window_tokens, window_seconds = 0, 0.0
             if epoch_done:
                 checkpoint = save_adapter(model, output_dir / "checkpoints" / f"epoch-{epoch}")
-                save_training_state(checkpoint, Progress(epoch, step, trained_tokens), optimizer, schedule, shuffler)
+                progress = Progress(epoch, step, trained_tokens, train_loss)
+                save_training_state(checkpoint, progress, optimizer, schedule, shuffler)
                 callbacks.on_checkpoint(epoch, step, checkpoint, metrics)
 
     # Save: unless cancelled while the last step ran, the final adapter is the result.

@@ -9,12 +9,15 @@ from pathlib import Path
 import pytest
 from django.conf import settings
 
-from finetuning.models import FineTunedModel, FineTuningJob, JobEvent, JobStatus
+from core.object_store import ObjectNotFound
+from finetuning import storage
+from finetuning.models import Checkpoint, FineTunedModel, FineTuningJob, JobEvent, JobStatus
 from finetuning.runner import recover_stale_jobs, run_job
 from tests.personas import good_dataset
 from tests.s3 import s3_server
 from tests.test_files_api import upload
 from workers.tasks import train_job, worker_report
+from workers.training.state import TRAINING_STATE_FILE
 
 pytestmark = [pytest.mark.training, pytest.mark.django_db(transaction=True)]
 
@@ -137,3 +140,8 @@ def test_checkpoints_and_metrics_are_reported_per_epoch(alice, not_queued):
     metrics = [e["data"] for e in alice.api.get(f"/v1/fine_tuning/jobs/{job_id}/events?limit=100").json()["data"] if e["type"] == "metrics"]
     assert sorted(m["step"] for m in metrics) == [1, 2, 3, 4]
     assert all(m["tokens_per_second"] > 0 and m["trained_tokens"] > 0 for m in metrics)
+    # The finished job's checkpoints keep their adapters; the training state only served a resume.
+    store, checkpoint = storage.files(), Checkpoint.objects.filter(job_id=job_id).first()
+    assert json.loads(store.get(f"{checkpoint.storage_key}/adapter_config.json"))["r"] == 8
+    with pytest.raises(ObjectNotFound):
+        store.get(f"{checkpoint.storage_key}/{TRAINING_STATE_FILE}")

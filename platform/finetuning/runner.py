@@ -168,6 +168,16 @@ def _publish(job: FineTuningJob, result) -> None:
         store.delete(name)
 
 
+def _drop_training_states(job: FineTuningJob) -> None:
+    """A finished job's checkpoints keep their adapters (users may fetch them); the training state
+    beside each, twice an adapter's size, only ever served a resume."""
+    from workers.training.state import TRAINING_STATE_FILE
+
+    store = storage.files()
+    for storage_key in job.checkpoints.values_list("storage_key", flat=True):
+        store.delete_prefix(f"{storage_key}/{TRAINING_STATE_FILE}")
+
+
 def _fail(job_id: str, code: str, message: str) -> None:
     failed = FineTuningJob.objects.filter(pk=job_id, status=JobStatus.RUNNING).update(
         status=JobStatus.FAILED, error_code=code, error_message=message, finished_at=timezone.now(), estimated_finish=None
@@ -197,6 +207,7 @@ def run_job(job_id: str, worker: str) -> str:
         return "failed"
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+        _drop_training_states(job)  # finished, whichever way: no attempt will resume it
 
 
 def recover_stale_jobs(stale_after: timedelta = STALE_AFTER) -> list[str]:
@@ -212,6 +223,7 @@ def recover_stale_jobs(stale_after: timedelta = STALE_AFTER) -> list[str]:
             message = f"The worker running this job stopped responding {job.attempts} times; giving up."
             if still_stale.update(status=JobStatus.FAILED, error_code="worker_lost", error_message=message, finished_at=timezone.now()):
                 record_event(job, f"Job failed: {message}", level="error")
+                _drop_training_states(job)
         elif still_stale.update(status=JobStatus.QUEUED, worker="", heartbeat_at=None):
             record_event(job, f"Worker {job.worker} stopped responding; the job is queued again", level="warn")
             train_job.delay(job.pk)

@@ -59,7 +59,7 @@ from tests.inference_fixtures import (
     free_port,
     publish_fine_tuned_model,
 )
-from tests.processes import running, wait_until
+from tests.processes import answers, running, wait_until
 
 CONCURRENCY = 32
 TOKENS = 64
@@ -77,13 +77,6 @@ def _persona() -> Persona:
     organization = create_organization("Benchmark", user)
     _, raw_key = create_api_key(organization, user, "bench")
     return Persona(organization, raw_key, client=None)
-
-
-def _ready(url: str) -> bool:
-    try:
-        return httpx.get(url, timeout=1).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 # --- measurements ------------------------------------------------------------------------------
@@ -195,7 +188,7 @@ def stock_vllm_throughput(adapter_folders: dict[str, Path], rounds: int) -> dict
                 loaded.add(name)
 
     with running("bench-stock-vllm", command, vllm_environment(model)) as process:
-        wait_until(lambda: _ready(f"{url}/health"), 600, "stock vLLM", process)
+        wait_until(lambda: answers(f"{url}/health"), 600, "stock vLLM", process)
         return throughput_rounds(url, list(adapter_folders), None, rounds, load_adapters=load)
 
 
@@ -282,7 +275,7 @@ def main() -> int:
         running("bench-gateway", web, env) as web_process,
     ):
         print("waiting for the engine ...", flush=True)
-        wait_until(lambda: _ready(f"{pool_url}/health"), 600, "pool", pool_process)
+        wait_until(lambda: answers(f"{pool_url}/health"), 600, "pool", pool_process)
         wait_until(lambda: httpx.get(f"{gateway}/v1/models").status_code == 401, 60, "gateway", web_process)
         replica = httpx.get(f"{pool_url}/health").json()["replicas"][0]["url"]
 

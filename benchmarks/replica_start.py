@@ -27,19 +27,12 @@ sys.path[:0] = [str(ROOT)]  # the repository's packages, for the imports below
 from core.catalog import load_catalog
 from core.config import load_config
 from inference.replica import vllm_command, vllm_environment
-from tests.processes import running, wait_until
+from tests.processes import answers, running, wait_until
 
 CONCURRENCY = 32
 TOKENS = 64
 PORT = 38300
 LAYOUTS = {"vLLM default (engine + worker process)": False, "ours (one-process engine)": True}
-
-
-def _ready(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health", timeout=1).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def _complete(url: str, model_id: str, prompt: str) -> int:
@@ -54,7 +47,7 @@ def measure(model, one_process_engine: bool) -> dict[str, float]:
     started = time.monotonic()
     environment = vllm_environment(model, one_process_engine=one_process_engine)
     with running("bench-replica", vllm_command(model, PORT), environment) as process:
-        wait_until(lambda: _ready(url), 600, "replica", process)
+        wait_until(lambda: answers(f"{url}/health"), 600, "replica", process)
         ready_s = time.monotonic() - started
         _complete(url, model.id, "Warm up.")
         began = time.monotonic()

@@ -7,12 +7,11 @@ import signal
 import sys
 from urllib.parse import quote
 
-import httpx
 import pytest
 from django.db import connection
 
 from tests.inference_fixtures import pool_environment
-from tests.processes import celery_worker_command, running, wait_until
+from tests.processes import answers, celery_worker_command, running, wait_until
 from workers.celery_app import app as celery_app
 
 pytest_plugins = ["tests.personas", "tests.browser"]
@@ -90,12 +89,6 @@ def inference_pool():
     """The real inference pool with one vLLM (CPU) replica of the default base model (test catalog)."""
     from django.conf import settings
 
-    def ready() -> bool:
-        try:
-            return httpx.get(f"{settings.INFERENCE_POOL_URL}/health", timeout=1).status_code == 200
-        except httpx.HTTPError:
-            return False
-
     with running("pool", [sys.executable, "-m", "inference"], pool_environment()) as process:
-        wait_until(ready, 300, "inference pool", process)
+        wait_until(lambda: answers(f"{settings.INFERENCE_POOL_URL}/health"), 300, "inference pool", process)
         yield settings.INFERENCE_POOL_URL

@@ -13,11 +13,10 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 
-from tests.processes import ROOT, running, wait_until
+from tests.processes import ROOT, answers, running, wait_until
 
 BASE = "HuggingFaceTB/SmolLM2-135M-Instruct"
 TEST_CATALOG = ROOT / "data" / "test" / "inference-models.toml"
@@ -55,13 +54,6 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _answers(url: str) -> bool:
-    try:
-        return httpx.get(url, timeout=1).status_code < 500
-    except httpx.HTTPError:
-        return False
-
-
 @pytest.fixture(scope="session")
 def gateway(test_database_url, inference_pool) -> str:
     """The web process (Django under uvicorn, ASGI) on the test database, in front of the pool."""
@@ -72,7 +64,7 @@ def gateway(test_database_url, inference_pool) -> str:
     ]  # fmt: skip
     with running("gateway", command, {"DATABASE_URL": test_database_url, **pool_environment()}) as process:
         url = f"http://127.0.0.1:{port}"
-        wait_until(lambda: _answers(f"{url}/v1/models"), 60, "gateway", process)
+        wait_until(lambda: answers(f"{url}/v1/models", below=500), 60, "gateway", process)  # 401: up
         yield url
 
 

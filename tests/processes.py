@@ -10,8 +10,18 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import httpx
+
 ROOT = Path(__file__).resolve().parent.parent
 LOGS = ROOT / "data" / "test" / "logs"
+
+
+def answers(url: str, below: int = 300) -> bool:
+    """Whether a GET of ``url`` answers within a second with a status under ``below`` (ready: 2xx)."""
+    try:
+        return httpx.get(url, timeout=1).status_code < below
+    except httpx.HTTPError:
+        return False
 
 
 def wait_until(condition: Callable[[], bool], timeout_s: float, what: str, process: subprocess.Popen | None = None) -> None:

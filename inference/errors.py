@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import re
 
+from pydantic import ValidationError
+
 from core.api_errors import AUTHENTICATION, INVALID_REQUEST, SERVER, UNAVAILABLE, ApiError  # noqa: F401 (for callers)
 
 
@@ -29,6 +31,13 @@ def invalid_api_key() -> ApiError:
 
 def invalid_body(detail: str) -> ApiError:
     return ApiError(f"The request body is not usable: {detail}", code="invalid_request_body")
+
+
+def invalid_fields(exc: ValidationError, hint: str = "") -> ApiError:
+    """A body that failed a pydantic model: its first problem, with the field's dotted path."""
+    problem = exc.errors()[0]
+    where = ".".join(str(part) for part in problem.get("loc", ())) or "body"
+    return invalid_body(f"{where}: {problem['msg']}{hint}")
 
 
 def model_not_found(name: str) -> ApiError:

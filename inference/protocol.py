@@ -27,9 +27,7 @@ def routed_fields(body: bytes) -> RoutedFields:
     try:
         return RoutedFields.model_validate_json(body)
     except ValidationError as exc:
-        problem = exc.errors()[0]
-        where = ".".join(str(part) for part in problem.get("loc", ())) or "body"
-        raise errors.invalid_body(f"{where}: {problem['msg']} (send a JSON object with a string 'model')") from None
+        raise errors.invalid_fields(exc, " (send a JSON object with a string 'model')") from None
 
 
 class ModelCard(BaseModel):

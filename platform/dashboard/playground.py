@@ -40,8 +40,6 @@ def completion_body(raw: bytes) -> bytes:
     try:
         chat = PlaygroundChat.model_validate_json(raw)
     except ValidationError as exc:
-        problem = exc.errors()[0]
-        where = ".".join(str(part) for part in problem["loc"]) or "body"
-        raise errors.invalid_body(f"{where}: {problem['msg']}") from None
+        raise errors.invalid_fields(exc) from None
     body = chat.model_dump() | {"stream": True, "stream_options": {"include_usage": True}}
     return json.dumps(body).encode()

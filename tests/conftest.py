@@ -92,3 +92,9 @@ def inference_pool():
     with running("pool", [sys.executable, "-m", "inference"], pool_environment()) as process:
         wait_until(lambda: answers(f"{settings.INFERENCE_POOL_URL}/health"), 300, "inference pool", process)
         yield settings.INFERENCE_POOL_URL
+
+
+def pytest_collection_modifyitems(items: list) -> None:
+    """The running product's tests first: bin/run starts an engine of its own, and it must not share
+    the two cores with the session's engine, which starts lazily with the first test that needs it."""
+    items.sort(key=lambda item: item.get_closest_marker("product") is None)

@@ -1,0 +1,86 @@
+"""The platform as a user runs it: ``bin/run`` itself, on its own port, data folder and Redis database.
+
+Nothing here reaches into the processes: tests drive them over HTTP, as a user, the official
+``openai`` client, a browser or a load balancer would.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from tests.inference_fixtures import free_port
+from tests.processes import LOGS, ROOT, answers, stop, wait_until
+
+# Each variable the platform reads (listed in .env.example) comes from this run, not the caller:
+# the test session's own settings (its Redis database, ports, DATABASE_URL) must not leak in.
+_PLATFORM_VARIABLES = {
+    line.split("=", 1)[0].lstrip("# ").strip()
+    for line in (ROOT / ".env.example").read_text().splitlines()
+    if re.match(r"^#? ?[A-Z][A-Z0-9_]*=", line)
+} | {"DJANGO_SETTINGS_MODULE"}
+_API_KEY_LINE = re.compile(r"API key:\s+(sk-\S+)")
+
+
+@dataclass
+class RunningPlatform:
+    url: str
+    api_key: str
+    data_dir: Path
+    redis_url: str
+    process: subprocess.Popen
+
+
+def _environment(data_dir: Path, redis_url: str) -> dict[str, str]:
+    env = {name: value for name, value in os.environ.items() if name not in _PLATFORM_VARIABLES}
+    env.update(
+        DATA_DIR=str(data_dir),
+        REDIS_URL=redis_url,
+        WEB_PORT=str(free_port()),
+        INFERENCE_POOL_URL=f"http://127.0.0.1:{free_port()}",
+        FIRST_REPLICA_PORT=str(free_port()),
+    )
+    return env
+
+
+def _pump(process: subprocess.Popen, log_path: Path, key_found: threading.Event, found: dict) -> None:
+    """Copy bin/run's combined log to a file, and pick the API key out of its banner."""
+    with open(log_path, "ab") as log:
+        for line in process.stdout:
+            log.write(line)
+            log.flush()
+            match = _API_KEY_LINE.search(line.decode(errors="replace"))
+            if match and not key_found.is_set():
+                found["key"] = match.group(1)
+                key_found.set()
+
+
+@contextmanager
+def bin_run(data_dir: Path, redis_url: str, ready_timeout_s: float = 420) -> Iterator[RunningPlatform]:
+    """Start ``bin/run``, wait until ``/healthz`` answers 200, and stop everything it started on exit.
+
+    The base model is prepared once per checkout (``data/models``): the new data folder links to it,
+    as a user's second start would find it.
+    """
+    (data_dir / "models").symlink_to(ROOT / "data" / "models", target_is_directory=True)
+    env = _environment(data_dir, redis_url)
+    LOGS.mkdir(parents=True, exist_ok=True)
+    process = subprocess.Popen(
+        [str(ROOT / "bin" / "run")], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    key_found, found = threading.Event(), {}
+    threading.Thread(target=_pump, args=(process, LOGS / "bin-run.log", key_found, found), daemon=True).start()
+    url = f"http://127.0.0.1:{env['WEB_PORT']}"
+    try:
+        wait_until(key_found.is_set, 300, "bin/run's API key banner", process)
+        wait_until(lambda: answers(f"{url}/healthz"), ready_timeout_s, "bin/run's /healthz", process)
+        yield RunningPlatform(url, found["key"], data_dir, redis_url, process)
+    finally:
+        stop(process, grace_s=30)

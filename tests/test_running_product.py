@@ -1,0 +1,113 @@
+"""The product as it runs: ``bin/run``'s own processes, driven from outside.
+
+A user's path, step by step: the load balancer's ``/healthz``, then the official ``openai`` client
+(upload, fine-tune, wait, stream a chat with the new model, list it, delete it), and a fine-tune
+started from the dashboard's form in a real browser on the same web process. The timings a user
+feels are written to test-artifacts/product-timings.json.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+
+import httpx
+import openai
+import pytest
+import redis
+
+from tests.browser import screenshot
+from tests.personas import good_dataset
+from tests.processes import ROOT
+from tests.running_platform import bin_run
+
+pytestmark = [pytest.mark.product, pytest.mark.engine, pytest.mark.training]
+
+BASE = "HuggingFaceTB/SmolLM2-135M-Instruct"
+REDIS_URL = "redis://127.0.0.1:6379/13"  # the platform's own database: neither the suite's nor a user's
+TIMINGS = ROOT / "test-artifacts" / "product-timings.json"
+FINISHED = ("succeeded", "failed", "cancelled")
+
+
+@pytest.fixture(scope="module")
+def platform(tmp_path_factory):
+    redis.Redis.from_url(REDIS_URL).flushdb()  # no message from an earlier run
+    with bin_run(tmp_path_factory.mktemp("platform"), REDIS_URL) as running:
+        yield running
+
+
+def wait_for_status(client: openai.OpenAI, job_id: str, statuses: tuple[str, ...], timeout_s: float):
+    deadline = time.monotonic() + timeout_s
+    while (job := client.fine_tuning.jobs.retrieve(job_id)).status not in statuses:
+        if time.monotonic() > deadline:
+            events = [event.message for event in client.fine_tuning.jobs.list_events(job_id, limit=20).data]
+            raise AssertionError(f"job {job_id} is still {job.status} after {timeout_s:.0f} s; events: {events}")
+        time.sleep(0.25)
+    return job
+
+
+def test_a_job_created_with_the_openai_client_trains_and_its_model_streams_then_deletes(platform):
+    for _ in range(3):  # a load balancer's probes come first, as they do in production
+        assert httpx.get(f"{platform.url}/healthz", timeout=10).status_code == 200
+    client = openai.OpenAI(base_url=f"{platform.url}/v1", api_key=platform.api_key, max_retries=0)
+
+    training = client.files.create(file=("train.jsonl", good_dataset(10)), purpose="fine-tune")
+    created_at = time.monotonic()
+    job = client.fine_tuning.jobs.create(
+        model=BASE, training_file=training.id, suffix="product", hyperparameters={"n_epochs": 1}
+    )
+    wait_for_status(client, job.id, ("running", *FINISHED), timeout_s=120)
+    running_s = time.monotonic() - created_at
+    job = wait_for_status(client, job.id, FINISHED, timeout_s=420)
+    succeeded_s = time.monotonic() - created_at
+    assert job.status == "succeeded", job.error
+    assert job.fine_tuned_model == f"{BASE}:product"
+
+    stream = client.chat.completions.create(
+        model=job.fine_tuned_model, messages=[{"role": "user", "content": "What is 2 plus 2?"}],
+        max_tokens=16, temperature=0, stream=True,
+    )  # fmt: skip
+    pieces = []
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            if not pieces:
+                first_token_s = time.monotonic() - created_at
+            pieces.append(chunk.choices[0].delta.content)
+    assert len(pieces) >= 2 and "".join(pieces).strip(), "the answer did not stream"
+
+    assert job.fine_tuned_model in [model.id for model in client.models.list()]
+    assert client.models.delete(job.fine_tuned_model).deleted
+    time.sleep(1.1)  # another web process may remember the grant for its GRANT_TTL_S
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model=job.fine_tuned_model, messages=[{"role": "user", "content": "Hi"}])
+    assert job.fine_tuned_model not in [model.id for model in client.models.list()]
+
+    TIMINGS.parent.mkdir(parents=True, exist_ok=True)
+    TIMINGS.write_text(json.dumps(
+        {"created_to_running_s": running_s, "created_to_succeeded_s": succeeded_s, "created_to_first_token_s": first_token_s},
+        indent=2,
+    ))  # fmt: skip
+
+
+def test_a_job_started_from_the_dashboard_form_trains_on_the_same_running_platform(platform, page, tmp_path):
+    page.goto(f"{platform.url}/login")
+    page.fill("#id_username", "demo")
+    page.fill("#id_password", "demo")
+    page.click("button[type=submit]")
+    page.wait_for_url(re.compile(r"/jobs$"))
+
+    (tmp_path / "arithmetic.jsonl").write_bytes(good_dataset(10))
+    page.goto(f"{platform.url}/datasets")
+    page.set_input_files("#id_file", str(tmp_path / "arithmetic.jsonl"))
+    page.click("#upload-form button[type=submit]")
+    page.wait_for_selector(".conversation")
+    page.click("text=Fine-tune on it")
+    page.fill("#id_suffix", "from-the-form")
+    page.fill("#id_n_epochs", "1")
+    page.click("#job-form button[type=submit]")
+    page.wait_for_url(re.compile(r"/jobs/ftjob-"))
+
+    page.wait_for_selector("#status.succeeded", timeout=420_000)
+    assert page.inner_text("#model-name") == f"{BASE}:from-the-form"
+    screenshot(page, "product-dashboard-job-succeeded")

@@ -12,7 +12,7 @@ from django.db import connection
 
 from tests.inference_fixtures import pool_environment
 from tests.processes import answers, celery_worker_command, running, wait_until
-from workers.celery_app import app as celery_app
+from server.celery import app as celery_app
 
 pytest_plugins = ["tests.personas", "tests.browser"]
 

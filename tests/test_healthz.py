@@ -1,6 +1,8 @@
 import httpx
 import pytest
 
+from tests.processes import celery_worker_command, running, wait_until
+
 pytestmark = pytest.mark.django_db
 
 DEAD = "http://127.0.0.1:9"  # the discard port: nothing listens there
@@ -35,6 +37,22 @@ def test_it_reports_no_worker_when_none_listens_on_the_broker(client, settings):
     assert body["checks"]["workers"] == {
         "ok": False, "detail": "no worker answered (start one: celery -A workers worker)",
     }  # fmt: skip
+
+
+@pytest.mark.django_db(transaction=True)
+def test_it_names_the_queue_that_no_worker_consumes(client, settings, test_database_url):
+    broker = "redis://127.0.0.1:6379/12"  # a broker of its own, with one worker that reads only "default"
+    settings.CELERY_BROKER_URL = broker
+    settings.INFERENCE_POOL_URL = DEAD
+    environment = {"REDIS_URL": broker, "DATABASE_URL": test_database_url}
+    with running("default-only-worker", celery_worker_command(queues="default"), environment) as process:
+        def workers_detail() -> str:
+            return client.get("/healthz").json()["checks"]["workers"]["detail"]
+
+        wait_until(lambda: "no worker answered" not in workers_detail(), 60, "worker", process)
+        body = client.get("/healthz").json()
+    assert "workers" in body["down"]
+    assert "no worker consumes the queue(s) 'training'" in body["checks"]["workers"]["detail"]
 
 
 @pytest.mark.engine

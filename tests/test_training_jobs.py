@@ -12,10 +12,12 @@ from django.conf import settings
 from core.object_store import ObjectNotFound
 from finetuning import storage
 from finetuning.models import Checkpoint, FineTunedModel, FineTuningJob, JobEvent, JobStatus
-from finetuning.runner import recover_stale_jobs, run_job
+from finetuning.jobs import recover_stale_jobs
 from tests.personas import good_dataset
 from tests.s3 import s3_server
 from tests.test_files_api import upload
+from workers.run_job import run_job
+from workers.sweep import sweep
 from workers.tasks import train_job, worker_report
 from workers.training.state import TRAINING_STATE_FILE
 
@@ -48,7 +50,7 @@ def wait_for(job_id: str, condition, timeout_s: float = 420) -> FineTuningJob:
 def not_queued(monkeypatch):
     """For tests that run or recover a job themselves: it is never queued, so the session's worker
     (alive if an earlier test started it) cannot take it first."""
-    monkeypatch.setattr("finetuning.jobs._enqueue_on_commit", lambda job_id: None)
+    monkeypatch.setattr("finetuning.jobs.send_to_trainer", lambda job_id: None)
 
 
 def worker_is_idle() -> None:
@@ -93,7 +95,7 @@ def test_a_job_whose_worker_died_is_queued_again_and_resumes_after_its_last_chec
     celery_worker.kill()
     time.sleep(1.5)
     assert FineTuningJob.objects.get(pk=job_id).status == JobStatus.RUNNING  # nobody is left to say otherwise
-    assert recover_stale_jobs(stale_after=timedelta(seconds=1)) == [job_id]
+    assert sweep(stale_after=timedelta(seconds=1))["requeued"] == [job_id]  # what the beat runs
     celery_worker.start()
     job = wait_for(job_id, lambda job: job.is_finished)
     assert job.status == JobStatus.SUCCEEDED and job.attempts == 2
@@ -108,7 +110,7 @@ def test_a_job_whose_worker_died_is_queued_again_and_resumes_after_its_last_chec
 def test_a_job_that_keeps_losing_its_worker_fails_with_a_reason(alice, not_queued):
     job_id = launch(alice, ONE_STEP, "unlucky")
     FineTuningJob.objects.filter(pk=job_id).update(status=JobStatus.RUNNING, attempts=3, heartbeat_at="2020-01-01T00:00:00Z")
-    assert recover_stale_jobs() == []
+    assert recover_stale_jobs().failed == [job_id]
     job = FineTuningJob.objects.get(pk=job_id)
     assert job.status == JobStatus.FAILED and job.error_code == "worker_lost" and "3 times" in job.error_message
     error = alice.api.get(f"/v1/fine_tuning/jobs/{job_id}").json()["error"]

@@ -1,11 +1,15 @@
-"""Celery tasks. Each one only translates: take ids, call one domain function, return plain data."""
+"""Celery tasks. Each one only translates: take ids, call one domain function, return plain data.
+
+Tasks are declared on the project's one app under the names in ``server.celery``, which is where
+senders find them (by name, with their queue).
+"""
 
 from __future__ import annotations
 
-from celery import shared_task
+from server.celery import SWEEP_JOBS, TRAIN_JOB, WORKER_REPORT, app
 
 
-@shared_task
+@app.task(name=WORKER_REPORT.name, queue=WORKER_REPORT.queue)
 def worker_report() -> dict:
     """What this worker can reach: proves a task travelled the broker and the worker is usable."""
     from health.worker_report import report
@@ -13,15 +17,15 @@ def worker_report() -> dict:
     return report()
 
 
-@shared_task(bind=True)
+@app.task(name=TRAIN_JOB.name, queue=TRAIN_JOB.queue, bind=True)
 def train_job(self, job_id: str) -> str:
-    from finetuning.runner import run_job
+    from workers.run_job import run_job
 
     return run_job(job_id, worker=self.request.hostname or "unknown")
 
 
-@shared_task
-def recover_jobs() -> list[str]:
-    from finetuning.runner import recover_stale_jobs
+@app.task(name=SWEEP_JOBS.name, queue=SWEEP_JOBS.queue)
+def sweep_jobs() -> dict:
+    from workers.sweep import sweep
 
-    return recover_stale_jobs()
+    return sweep()

@@ -1,26 +1,42 @@
-"""Fine-tuning jobs: creation (every check before anything is queued), cancellation, listing."""
+"""Fine-tuning jobs: creation (every check before anything is queued) and every change of status.
+
+A job's status moves only here, each time with a conditional update, so two processes that race
+(a worker and a cancel, two deliveries of one task, a sweeper and a late heartbeat) cannot both win:
+queued -> running (``claim``) -> succeeded (``succeed``) or failed (``fail``); unfinished ->
+cancelled (``cancel_job``); running with a stale heartbeat -> queued again (``recover_stale_jobs``).
+How a queued job reaches a trainer is ``finetuning.dispatch``.
+"""
 
 from __future__ import annotations
 
+import logging
 import secrets
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 from django.conf import settings
 from django.contrib.auth.models import User
 from django.db import IntegrityError, transaction
+from django.db.models import F
 from django.utils import timezone
+from kombu.exceptions import OperationalError
 
 from accounts.models import Organization
 from core.api_errors import ApiError
 from core.catalog import BaseModel
 from core.model_names import ModelName, is_valid_suffix
 from finetuning.events import record_event
-from finetuning.models import File, FineTuningJob, JobStatus
+from finetuning.models import File, FineTunedModel, FineTuningJob, JobStatus
 from server.api_errors import not_found
+from server.celery import TRAIN_JOB, send
+
+log = logging.getLogger(__name__)
 
 AUTO = "auto"
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 BASE_LEARNING_RATE = 2e-4  # learning_rate_multiplier scales this (OpenAI's contract)
+STALE_AFTER = timedelta(minutes=3)  # a running job without a heartbeat for this long: its worker is gone
+MAX_ATTEMPTS = 3
 
 
 @dataclass
@@ -113,13 +129,13 @@ def create_job(organization: Organization, user: User | None, request: JobReques
                 organization=organization, created_by=user, model=model.id, training_file=training.id,
                 validation_file=validation.id if validation else None, suffix=suffix,
                 seed=request.seed if request.seed is not None else secrets.randbelow(2**31),
-                hyperparameters=hyperparameters, metadata=request.metadata, status=JobStatus.VALIDATING_FILES,
+                hyperparameters=hyperparameters, metadata=request.metadata, status=JobStatus.QUEUED,
+                queued_at=timezone.now(),
             )  # fmt: skip
             record_event(job, f"Validated training file: {training.example_count} examples, {training.token_count} tokens")
-            FineTuningJob.objects.filter(pk=job.pk).update(status=JobStatus.QUEUED)
-            job.status = JobStatus.QUEUED
-            record_event(job, "Job queued")
-            _enqueue_on_commit(job.id)
+            record_event(job, f"Job queued; {_jobs_ahead_phrase(job)}")
+            # Only after the commit can a worker see the job; a rolled-back job is never sent.
+            transaction.on_commit(lambda: _send_or_503(job))
     except IntegrityError:
         raise ApiError(
             f"Suffix '{suffix}' is taken for {model.id}: '{ModelName(model.id, suffix)}' already exists or is being trained.",
@@ -128,17 +144,47 @@ def create_job(organization: Organization, user: User | None, request: JobReques
     return job
 
 
-def _enqueue_on_commit(job_id: str) -> None:
-    from workers.tasks import train_job
+def send_to_trainer(job_id: str) -> None:
+    """Wake a trainer for a queued job. Sending twice is harmless: only one ``claim`` wins."""
+    send(TRAIN_JOB, job_id)
 
-    # Only after the commit can a worker see the job; a rolled-back job is never queued.
-    transaction.on_commit(lambda: train_job.delay(job_id))
+
+def _send_or_503(job: FineTuningJob) -> None:
+    try:
+        send_to_trainer(job.id)
+    except OperationalError as exc:  # the broker is down; the job stays queued for the sweeper
+        log.warning("job %s is queued but could not be sent to a trainer: %s", job.id, exc)
+        record_event(job, "The job could not be sent to a trainer (the broker is unreachable); it is sent again once the broker is back", level="warn")
+        raise ApiError(
+            f"Job {job.id} was created and is queued, but the task broker is unreachable, so no trainer has been told yet. "
+            "It starts by itself once the broker is back; do not create it again.",
+            status=503, code="broker_unavailable",
+        ) from None  # fmt: skip
+
+
+def jobs_ahead(job: FineTuningJob) -> int:
+    """Jobs a trainer takes before this queued one: those running, and those queued before it."""
+    running = FineTuningJob.objects.filter(status=JobStatus.RUNNING).count()
+    earlier = FineTuningJob.objects.filter(status=JobStatus.QUEUED, queued_at__lt=job.queued_at).count()
+    return running + earlier
+
+
+def _jobs_ahead_phrase(job: FineTuningJob) -> str:
+    ahead = jobs_ahead(job)
+    return "no job ahead" if ahead == 0 else f"{ahead} job{'s' if ahead > 1 else ''} ahead"
+
+
+def waiting_note(job: FineTuningJob, trainers: int) -> str:
+    """What a queued job waits for, as its events say it."""
+    if trainers == 0:
+        return "No trainer is connected to the 'training' queue; the job starts when one connects"
+    return f"Waiting for a trainer: {_jobs_ahead_phrase(job)}"
 
 
 def cancel_job(job: FineTuningJob) -> FineTuningJob:
     # Conditional, so a job that finished a moment ago is not turned into "cancelled".
     updated = (
-        FineTuningJob.objects.filter(pk=job.pk, status__in=(JobStatus.VALIDATING_FILES, JobStatus.QUEUED, JobStatus.RUNNING))
+        FineTuningJob.objects.filter(pk=job.pk, status__in=(JobStatus.QUEUED, JobStatus.RUNNING))
         .update(status=JobStatus.CANCELLED, finished_at=timezone.now())
     )  # fmt: skip
     job.refresh_from_db()
@@ -146,3 +192,81 @@ def cancel_job(job: FineTuningJob) -> FineTuningJob:
         raise ApiError(f"Job {job.id} has already {job.status}; only unfinished jobs can be cancelled.", status=409, code="job_finished")
     record_event(job, "Job cancelled by request")
     return job
+
+
+def claim(job_id: str, worker: str) -> bool:
+    """queued -> running, for exactly one worker: False when another has it or it is not queued."""
+    now = timezone.now()
+    return bool(
+        FineTuningJob.objects.filter(pk=job_id, status=JobStatus.QUEUED).update(
+            status=JobStatus.RUNNING, worker=worker, started_at=now, heartbeat_at=now, attempts=F("attempts") + 1
+        )
+    )
+
+
+def heartbeat(job_id: str, **fields) -> None:
+    FineTuningJob.objects.filter(pk=job_id).update(heartbeat_at=timezone.now(), **fields)
+
+
+def is_running(job_id: str) -> bool:
+    return FineTuningJob.objects.filter(pk=job_id, status=JobStatus.RUNNING).exists()
+
+
+def succeed(job: FineTuningJob, name: str, trained_tokens: int, final_loss: float | None) -> bool:
+    """running -> succeeded, with its model in the registry; False when the job was cancelled meanwhile."""
+    with transaction.atomic():
+        succeeded = FineTuningJob.objects.filter(pk=job.pk, status=JobStatus.RUNNING).update(
+            status=JobStatus.SUCCEEDED, fine_tuned_model=name, trained_tokens=trained_tokens,
+            finished_at=timezone.now(), estimated_finish=None,
+        )  # fmt: skip
+        if succeeded:
+            FineTunedModel.objects.create(
+                name=name, organization=job.organization, job=job, base_model=job.model, suffix=job.suffix,
+                final_loss=final_loss,
+            )  # fmt: skip
+            record_event(job, f"New fine-tuned model created: {name}")
+            record_event(job, "The job has successfully completed")
+    return bool(succeeded)
+
+
+def fail(job_id: str, code: str, message: str) -> None:
+    """running -> failed, with the reason the user reads."""
+    failed = FineTuningJob.objects.filter(pk=job_id, status=JobStatus.RUNNING).update(
+        status=JobStatus.FAILED, error_code=code, error_message=message, finished_at=timezone.now(), estimated_finish=None
+    )
+    if failed:
+        record_event(FineTuningJob.objects.get(pk=job_id), f"Job failed: {message}", level="error")
+
+
+@dataclass
+class Recovered:
+    requeued: list[str] = field(default_factory=list)  # for the caller to send to a trainer
+    failed: list[str] = field(default_factory=list)  # worker_lost: no attempt will resume them
+
+
+def recover_stale_jobs(stale_after: timedelta = STALE_AFTER) -> Recovered:
+    """Running jobs whose worker stopped sending heartbeats go back to queued, or fail after
+    MAX_ATTEMPTS."""
+    recovered = Recovered()
+    now = timezone.now()
+    for job in FineTuningJob.objects.filter(status=JobStatus.RUNNING, heartbeat_at__lt=now - stale_after):
+        # Conditional on the heartbeat we saw: a worker that is alive after all keeps its job.
+        still_stale = FineTuningJob.objects.filter(pk=job.pk, status=JobStatus.RUNNING, heartbeat_at=job.heartbeat_at)
+        if job.attempts >= MAX_ATTEMPTS:
+            message = f"The worker running this job stopped responding {job.attempts} times; giving up."
+            if still_stale.update(status=JobStatus.FAILED, error_code="worker_lost", error_message=message, finished_at=now):
+                record_event(job, f"Job failed: {message}", level="error")
+                recovered.failed.append(job.pk)
+        elif still_stale.update(status=JobStatus.QUEUED, worker="", heartbeat_at=None, queued_at=now):
+            record_event(job, f"Worker {job.worker} stopped responding; the job is queued again", level="warn")
+            recovered.requeued.append(job.pk)
+    return recovered
+
+
+def mark_sent_again(job: FineTuningJob) -> bool:
+    """For a queued job whose message the broker lost: restart its wait, conditionally (it may
+    have been claimed a moment ago). True when the caller should send it."""
+    resent = FineTuningJob.objects.filter(pk=job.pk, status=JobStatus.QUEUED, queued_at=job.queued_at).update(queued_at=timezone.now())
+    if resent:
+        record_event(job, "The job's message to the trainers was lost (a broker restart?); it is sent again", level="warn")
+    return bool(resent)

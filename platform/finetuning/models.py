@@ -77,6 +77,9 @@ class FineTuningJob(models.Model):
     worker = models.CharField(max_length=200, blank=True, default="")
     heartbeat_at = models.DateTimeField(null=True, blank=True)
     attempts = models.IntegerField(default=0)
+    # When the job last entered the queue (created, re-queued, or its lost message sent again):
+    # its place in line, and how long its message may take before the sweeper sends it again.
+    queued_at = models.DateTimeField(null=True, blank=True)
 
     objects = OrgQuerySet.as_manager()
 

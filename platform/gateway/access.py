@@ -20,6 +20,9 @@ from accounts.models import ApiKey, Organization, hash_key
 from accounts.services import authenticate_key
 from asgiref.sync import sync_to_async
 from django.db import close_old_connections
+from core.api_errors import ApiError
+from finetuning.fine_tuned_models import delete_fine_tuned_model
+from finetuning.models import FineTunedModel
 from finetuning.registry import UsableModel, list_usable_models, resolve_model
 
 from inference import errors
@@ -60,6 +63,19 @@ def _organization_model(organization: Organization, model_name: str) -> UsableMo
     return resolve_model(organization, model_name)
 
 
+def _delete_model(organization: Organization, model: UsableModel) -> None:
+    if model.suffix is None:
+        raise ApiError(
+            f"{model.name} is a base model of the platform; only fine-tuned models can be deleted.",
+            status=403, param="model", code="model_not_deletable",
+        )  # fmt: skip
+    close_old_connections()
+    fine_tuned = FineTunedModel.objects.for_org(organization).filter(name=model.name).first()
+    if fine_tuned is None:  # deleted a moment ago by another request
+        raise errors.model_not_found(model.name)
+    delete_fine_tuned_model(fine_tuned)
+
+
 _authorize_in_thread = sync_to_async(_authorize, thread_sensitive=False)
 usable_models = sync_to_async(_usable_models, thread_sensitive=False)
 organization_model = sync_to_async(_organization_model, thread_sensitive=False)
@@ -78,3 +94,10 @@ async def authorize(raw_key: str, model_name: str | None) -> Access:
             _grants.clear()
         _grants[grant_key] = (access, now)
     return access
+
+
+async def delete_model(organization: Organization, model: UsableModel) -> None:
+    """Delete a fine-tuned model; this process forgets its grants at once (others within GRANT_TTL_S)."""
+    await sync_to_async(_delete_model, thread_sensitive=False)(organization, model)
+    for grant_key in [key for key in _grants if key[1] == model.name]:
+        _grants.pop(grant_key, None)

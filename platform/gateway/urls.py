@@ -8,6 +8,6 @@ urlpatterns = [
     path("v1/chat/completions", views.chat_completions, name="chat-completions"),
     path("v1/completions", views.completions, name="completions"),
     path("v1/models", views.list_models, name="models"),
-    path("v1/models/<path:model>", views.retrieve_model, name="model"),
+    path("v1/models/<path:model>", views.model, name="model"),
     path("metrics", views.metrics, name="metrics"),
 ]

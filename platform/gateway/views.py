@@ -9,14 +9,14 @@ from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpRe
 from django.views.decorators.csrf import csrf_exempt
 
 from gateway import metrics as gateway_metrics
-from gateway.access import authorize, usable_models
+from gateway.access import authorize, delete_model, usable_models
 from gateway.completions import STREAM_HEADERS, PoolAnswer, bearer_key, complete
 from gateway.pool_client import pool_client, pool_url
 from inference import errors
 from inference.protocol import ModelCard, ModelList
 
 
-def openai_endpoint(name: str, method: str):
+def openai_endpoint(name: str, *methods: str):
     """Answer errors in OpenAI's shape and count every request; API clients send no CSRF token."""
 
     def decorate(view):
@@ -24,8 +24,8 @@ def openai_endpoint(name: str, method: str):
         @functools.wraps(view)
         async def wrapper(request: HttpRequest, *args, **kwargs) -> HttpResponse:
             try:
-                if request.method != method:
-                    raise errors.method_not_allowed(method)
+                if request.method not in methods:
+                    raise errors.method_not_allowed(" or ".join(methods))
                 response = await view(request, *args, **kwargs)
             except errors.ApiError as exc:
                 response = error_response(exc)
@@ -76,11 +76,15 @@ async def list_models(request: HttpRequest) -> HttpResponse:
     return JsonResponse(ModelList(data=[_card(model) for model in models]).model_dump())
 
 
-@openai_endpoint("models", "GET")
-async def retrieve_model(request: HttpRequest, model: str) -> HttpResponse:
+@openai_endpoint("models", "GET", "DELETE")
+async def model(request: HttpRequest, model: str) -> HttpResponse:
+    """Retrieve a model, or (DELETE, as OpenAI's API) delete a fine-tuned model of the caller's."""
     access = await authorize(bearer_key(request.headers.get("Authorization")), model)
     if access.model is None:
         raise errors.model_not_found(model)
+    if request.method == "DELETE":
+        await delete_model(access.api_key.organization, access.model)
+        return JsonResponse({"id": model, "object": "model", "deleted": True})
     return JsonResponse(_card(access.model).model_dump())
 
 

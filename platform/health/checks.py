@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from celery import Celery
 from django.conf import settings
 from django.db import connection
 
 from core.redis_ping import redis_problem
 from gateway.pool_status import PoolUnavailable, pool_health
+from server.celery import REQUIRED_QUEUES, queue_consumers
 
 TIMEOUT_S = 1.0
 
@@ -34,20 +34,30 @@ def broker() -> CheckResult:
     return CheckResult(problem is None, problem or "redis")
 
 
+_workers_seen: int | None = None  # how many answered last time: the next check waits for that many
+
+
 def workers() -> CheckResult:
-    # A throwaway app asks the broker that settings name now, and a failed connection cannot
-    # linger in the shared app's pools.
-    probe = Celery(broker=settings.CELERY_BROKER_URL, set_as_current=False)
+    """Up when every queue the platform sends to has a worker consuming it: a job sent to a queue
+    that nobody reads would wait for ever."""
+    global _workers_seen
     try:
-        replies = probe.control.ping(timeout=TIMEOUT_S, limit=1)
+        consumers = queue_consumers(settings.CELERY_BROKER_URL, TIMEOUT_S, expect_workers=_workers_seen)
+        if _workers_seen and _unread(consumers):  # one may have gone and another come: hear them all
+            consumers = queue_consumers(settings.CELERY_BROKER_URL, TIMEOUT_S)
     except Exception as exc:  # the broker is down: broker() reports it, this says why no worker
         return CheckResult(False, f"cannot reach workers: {exc}")
-    finally:
-        probe.close()
-    names = sorted(name for reply in replies for name in reply)
-    if not names:
+    _workers_seen = len({worker for names in consumers.values() for worker in names}) or None
+    if not consumers:
         return CheckResult(False, "no worker answered (start one: celery -A workers worker)")
-    return CheckResult(True, ", ".join(names))
+    unread = _unread(consumers)
+    if unread:
+        return CheckResult(False, f"no worker consumes the queue(s) {', '.join(map(repr, unread))} (start one: celery -A workers worker --queues {','.join(unread)})")
+    return CheckResult(True, "; ".join(f"{queue}: {', '.join(consumers[queue])}" for queue in REQUIRED_QUEUES))
+
+
+def _unread(consumers: dict[str, list[str]]) -> list[str]:
+    return [queue for queue in REQUIRED_QUEUES if queue not in consumers]
 
 
 def inference_pool() -> CheckResult:

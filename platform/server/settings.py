@@ -96,21 +96,23 @@ SPECTACULAR_SETTINGS = {
     "SERVE_INCLUDE_SCHEMA": False,
 }
 
-# Celery (see workers/celery_app.py): JSON only, so a task never unpickles data from the broker.
+# Celery (the app is server/celery.py): JSON only, so a task never unpickles data from the broker.
 CELERY_BROKER_URL = CONFIG.redis_url
 CELERY_RESULT_BACKEND = CONFIG.redis_url
 CELERY_TASK_SERIALIZER = "json"
 CELERY_RESULT_SERIALIZER = "json"
 CELERY_ACCEPT_CONTENT = ["json"]
+CELERY_IMPORTS = ["workers.tasks"]  # what a worker registers; senders use names (server.celery.send)
 CELERY_TASK_DEFAULT_QUEUE = "default"
-CELERY_TASK_ROUTES = {"workers.tasks.train_*": {"queue": "training"}}
 # A task is acknowledged only when it finishes, so a worker that dies mid-task leaves it queued.
 CELERY_TASK_ACKS_LATE = True
 CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
-# Jobs whose worker died are found by their stale heartbeat (the beat runs inside the `worker` process).
-CELERY_BEAT_SCHEDULE = {"recover-jobs": {"task": "workers.tasks.recover_jobs", "schedule": 60.0}}
+# A web request that enqueues must not hang on a broker that is down: a few quick tries, then a 503
+# (the job stays queued in the database and the sweeper sends it again).
+CELERY_TASK_PUBLISH_RETRY_POLICY = {"max_retries": 2, "interval_start": 0, "interval_step": 0.5, "interval_max": 1}
+CELERY_BROKER_TRANSPORT_OPTIONS = {"socket_connect_timeout": 2, "socket_timeout": 5}
 
 INFERENCE_POOL_URL = CONFIG.inference_pool_url
 

@@ -1,0 +1,92 @@
+"""The one Celery app of every process (Celery's Django layout), the tasks by name, and the broker.
+
+A process holds exactly one Celery app. A second one (say, to ping workers) silently becomes what
+``shared_task`` proxies resolve to on threads where this app is not current, and tasks then go to
+the queue ``celery``, which nobody consumes. So this app is the default, tasks are declared on it,
+senders name the task and its queue, and health checks use this app's control API.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+from dataclasses import dataclass
+
+import redis
+from celery import Celery
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "server.settings")
+
+DEFAULT_QUEUE = "default"
+TRAINING_QUEUE = "training"
+REQUIRED_QUEUES = (DEFAULT_QUEUE, TRAINING_QUEUE)  # each needs a consumer for the platform to work
+
+app = Celery("fineserve")
+app.config_from_object("django.conf:settings", namespace="CELERY")
+app.set_default()
+
+
+@dataclass(frozen=True)
+class TaskName:
+    name: str
+    queue: str
+
+
+TRAIN_JOB = TaskName("workers.tasks.train_job", TRAINING_QUEUE)
+SWEEP_JOBS = TaskName("workers.tasks.sweep_jobs", DEFAULT_QUEUE)
+WORKER_REPORT = TaskName("workers.tasks.worker_report", DEFAULT_QUEUE)
+
+# The beat runs inside the `worker` process: it re-queues jobs whose worker died (stale heartbeat),
+# sends again jobs whose message the broker lost, and tells queued jobs what they wait for.
+app.conf.beat_schedule = {"sweep-jobs": {"task": SWEEP_JOBS.name, "schedule": 30.0, "options": {"queue": SWEEP_JOBS.queue}}}
+
+
+def send(task: TaskName, *args: str) -> None:
+    """Publish a task by name to its queue; raises ``kombu.exceptions.OperationalError`` when the
+    broker cannot take it (after the app's short publish retry policy). Nobody waits for the result,
+    so the sender does not subscribe to it (which would need the result store up as well)."""
+    app.send_task(task.name, args=args, queue=task.queue, ignore_result=True)
+
+
+def queue_consumers(broker_url: str, timeout_s: float, expect_workers: int | None = None) -> dict[str, list[str]]:
+    """Which workers consume each queue, as they answer a broadcast.
+
+    A broadcast cannot know how many workers will answer, so it waits ``timeout_s``; with
+    ``expect_workers`` it returns as soon as that many have answered. It asks through a connection
+    of its own to ``broker_url``, so a broker that is down fails here at once and leaves nothing
+    behind in the app's connection pools."""
+    with app.connection_for_read(broker_url) as connection:
+        connection.ensure_connection(max_retries=1)
+        inspect = app.control.inspect(timeout=timeout_s, connection=connection, limit=expect_workers)
+        replies = inspect.active_queues() or {}
+    consumers: dict[str, list[str]] = {}
+    for worker, queues in sorted(replies.items()):
+        for queue in queues:
+            consumers.setdefault(queue["name"], []).append(worker)
+    return consumers
+
+
+def waiting_task_args(broker_url: str, task: TaskName) -> set[str]:
+    """The first argument of every ``task`` message the broker holds: waiting in its queue, or
+    delivered to a worker and not yet acknowledged.
+
+    Celery has no API for this, so it reads kombu's Redis layout (a list per queue, and the hash
+    ``unacked`` of delivered messages). It serves the sweeper that finds jobs whose message was
+    lost; a message it cannot parse is passed over, and at worst a job is sent twice, which the
+    conditional claim makes harmless."""
+    client = redis.Redis.from_url(broker_url, socket_timeout=5)
+    try:
+        raw = [*client.lrange(task.queue, 0, -1), *(json.loads(v)[0] for v in client.hvals("unacked"))]
+    finally:
+        client.close()
+    found = set()
+    for message in raw:
+        try:
+            envelope = json.loads(message) if isinstance(message, bytes | str) else message
+            if envelope["headers"]["task"] == task.name:
+                args, _kwargs, _embed = json.loads(base64.b64decode(envelope["body"]))
+                found.add(args[0])
+        except (ValueError, KeyError, IndexError, TypeError):
+            continue
+    return found

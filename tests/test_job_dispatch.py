@@ -1,0 +1,82 @@
+"""How queued jobs reach trainers: never silently stuck, whatever the broker does."""
+
+import sys
+from datetime import timedelta
+
+import httpx
+import pytest
+from django.conf import settings
+
+from finetuning.models import FineTuningJob, JobStatus
+from server.celery import TRAIN_JOB, waiting_task_args
+from tests.inference_fixtures import free_port
+from tests.personas import good_dataset
+from tests.processes import answers, running, wait_until
+from tests.test_files_api import upload
+from tests.test_training_jobs import BASE, ONE_STEP, launch, not_queued, wait_for  # noqa: F401 (a fixture)
+from workers.sweep import sweep
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture
+def web_without_broker(test_database_url):
+    """The web process as bin/run serves it, on the test database, with its broker down."""
+    port = free_port()
+    command = [
+        sys.executable, "-m", "uvicorn", "server.asgi:application", "--app-dir", "platform",
+        "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
+    ]  # fmt: skip
+    environment = {"DATABASE_URL": test_database_url, "REDIS_URL": "redis://127.0.0.1:9/0"}  # nothing listens
+    with running("web-without-broker", command, environment) as process:
+        url = f"http://127.0.0.1:{port}"
+        wait_until(lambda: answers(f"{url}/v1/models", below=500), 60, "web", process)
+        yield url
+
+
+@pytest.mark.training
+def test_a_job_created_while_the_broker_is_down_answers_503_stays_queued_and_the_sweeper_starts_it(
+    alice, web_without_broker, celery_worker
+):
+    file_id = upload(alice, good_dataset(12)).json()["id"]
+    response = httpx.post(
+        f"{web_without_broker}/v1/fine_tuning/jobs", headers={"Authorization": f"Bearer {alice.key}"},
+        json={"model": BASE, "training_file": file_id, "suffix": "patient", "hyperparameters": ONE_STEP}, timeout=60,
+    )  # fmt: skip
+    assert response.status_code == 503, response.text
+    error = response.json()["error"]
+    assert error["code"] == "broker_unavailable" and "do not create it again" in error["message"]
+    job = FineTuningJob.objects.get(suffix="patient")
+    assert job.status == JobStatus.QUEUED
+    assert job.events.filter(message__contains="could not be sent to a trainer").exists()
+
+    # The broker is back (this process's is up): the sweeper's next pass sends the job.
+    assert sweep(lost_after=timedelta(0))["resent"] == [job.id]
+    job = wait_for(job.id, lambda job: job.is_finished)
+    assert job.status == JobStatus.SUCCEEDED, job.error_message
+
+
+def test_the_sweeper_sends_again_only_a_queued_job_whose_message_the_broker_lost(alice, not_queued, monkeypatch):
+    lost = launch(alice, ONE_STEP, "lost")  # never sent: as if the broker restarted without its data
+    monkeypatch.undo()  # from here on, jobs are sent for real
+    assert lost not in waiting_task_args(settings.CELERY_BROKER_URL, TRAIN_JOB)
+    assert sweep()["resent"] == []  # not yet: a message may take a moment to arrive
+    resent = sweep(lost_after=timedelta(0))["resent"]
+    assert resent == [lost]
+    assert lost in waiting_task_args(settings.CELERY_BROKER_URL, TRAIN_JOB) or FineTuningJob.objects.get(pk=lost).status != JobStatus.QUEUED
+    assert FineTuningJob.objects.get(pk=lost).events.filter(message__contains="was lost").count() == 1
+    alice.api.post(f"/v1/fine_tuning/jobs/{lost}/cancel")  # a session worker, if any, need not train it
+
+
+def test_a_queued_job_says_how_many_jobs_are_ahead_and_when_no_trainer_is_connected(alice, not_queued, settings):
+    first = launch(alice, ONE_STEP, "first")
+    second = launch(alice, ONE_STEP, "second")
+    assert FineTuningJob.objects.get(pk=first).events.filter(message="Job queued; no job ahead").exists()
+    assert FineTuningJob.objects.get(pk=second).events.filter(message="Job queued; 1 job ahead").exists()
+
+    settings.CELERY_BROKER_URL = "redis://127.0.0.1:6379/12"  # a live broker that no trainer reads
+    assert sweep()["trainers"] == 0
+    sweep()  # a second pass says nothing new
+    for job_id in (first, second):
+        notes = FineTuningJob.objects.get(pk=job_id).events.filter(message__startswith="No trainer is connected")
+        assert notes.count() == 1

@@ -1,0 +1,60 @@
+"""The sweeper (a Celery beat task in the ``worker`` process): no job waits silently.
+
+The database says which jobs wait; a broker message only wakes a trainer for one. So every pass:
+- running jobs whose worker stopped sending heartbeats are queued again (or failed) and sent;
+- queued jobs whose message the broker no longer holds (a broker restart without persistence, an
+  enqueue that failed while it was down) are sent again; a duplicate is harmless, as only one
+  ``claim`` wins;
+- each queued job's events say what it waits for, when that changes.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+
+from django.conf import settings
+from django.utils import timezone
+from kombu.exceptions import OperationalError
+
+from finetuning import jobs
+from finetuning.events import record_event
+from finetuning.models import FineTuningJob, JobStatus
+from server.celery import TRAIN_JOB, TRAINING_QUEUE, queue_consumers, waiting_task_args
+from workers.run_job import drop_training_states
+
+log = logging.getLogger(__name__)
+
+LOST_AFTER = timedelta(seconds=60)  # a message this old that the broker does not hold is lost
+_INSPECT_TIMEOUT_S = 1.0
+
+
+def sweep(stale_after: timedelta = jobs.STALE_AFTER, lost_after: timedelta = LOST_AFTER) -> dict:
+    recovered = jobs.recover_stale_jobs(stale_after)
+    for job_id in recovered.failed:
+        drop_training_states(job_id)
+    resent = _resend_lost(lost_after)
+    for job_id in recovered.requeued + resent:
+        _send(job_id)
+    trainers = len(queue_consumers(settings.CELERY_BROKER_URL, _INSPECT_TIMEOUT_S).get(TRAINING_QUEUE, []))
+    for job in FineTuningJob.objects.filter(status=JobStatus.QUEUED):
+        note = jobs.waiting_note(job, trainers)
+        if job.events.filter(type="message").values_list("message", flat=True).first() != note:
+            record_event(job, note)  # only when what it waits for has changed
+    return {"requeued": recovered.requeued, "failed": recovered.failed, "resent": resent, "trainers": trainers}
+
+
+def _resend_lost(lost_after: timedelta) -> list[str]:
+    overdue = FineTuningJob.objects.filter(status=JobStatus.QUEUED, queued_at__lt=timezone.now() - lost_after)
+    if not overdue.exists():
+        return []  # the common case: no need to read the broker's queue
+    held = waiting_task_args(settings.CELERY_BROKER_URL, TRAIN_JOB)
+    return [job.pk for job in overdue if job.pk not in held and jobs.mark_sent_again(job)]
+
+
+def _send(job_id: str) -> None:
+    try:
+        jobs.send_to_trainer(job_id)
+    except OperationalError as exc:  # the broker went away again: the next pass finds the job
+        log.warning("could not send job %s to a trainer: %s", job_id, exc)
+

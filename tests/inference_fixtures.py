@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import socket
-import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +15,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.processes import ROOT, answers, running, wait_until
+from tests.processes import ROOT, answers, running, wait_until, web_command
 
 BASE = "HuggingFaceTB/SmolLM2-135M-Instruct"
 TEST_CATALOG = ROOT / "data" / "test" / "inference-models.toml"
@@ -58,11 +57,7 @@ def free_port() -> int:
 def gateway(test_database_url, inference_pool) -> str:
     """The web process (Django under uvicorn, ASGI) on the test database, in front of the pool."""
     port = free_port()
-    command = [
-        sys.executable, "-m", "uvicorn", "server.asgi:application", "--app-dir", "platform",
-        "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
-    ]  # fmt: skip
-    with running("gateway", command, {"DATABASE_URL": test_database_url, **pool_environment()}) as process:
+    with running("gateway", web_command(port), {"DATABASE_URL": test_database_url, **pool_environment()}) as process:
         url = f"http://127.0.0.1:{port}"
         wait_until(lambda: answers(f"{url}/v1/models", below=500), 60, "gateway", process)  # 401: up
         yield url

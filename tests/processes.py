@@ -61,6 +61,14 @@ def stop(process: subprocess.Popen, grace_s: float = 15.0) -> None:
         process.wait()
 
 
+def web_command(port: int) -> list[str]:
+    """The web process as the Procfile runs it (Django under uvicorn, ASGI), on ``port``."""
+    return [
+        sys.executable, "-m", "uvicorn", "server.asgi:application", "--app-dir", "platform",
+        "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
+    ]  # fmt: skip
+
+
 def celery_worker_command(queues: str = "default,training") -> list[str]:
     return [
         sys.executable, "-m", "celery", "-A", "workers", "worker", "--queues", queues,

@@ -50,21 +50,25 @@ def send(task: TaskName, *args: str) -> None:
 
 
 def queue_consumers(broker_url: str, timeout_s: float, expect_workers: int | None = None) -> dict[str, list[str]]:
-    """Which workers consume each queue, as they answer a broadcast.
+    """Which workers consume each queue, as they answer the ``active_queues`` control broadcast.
 
     A broadcast cannot know how many workers will answer, so it waits ``timeout_s``; with
-    ``expect_workers`` it returns as soon as that many have answered. It asks through a connection
-    of its own to ``broker_url``, so a broker that is down fails here at once and leaves nothing
-    behind in the app's connection pools."""
+    ``expect_workers`` it returns as soon as that many have answered. It goes through a plain
+    connection to ``broker_url`` and a mailbox of its own (the app's control API would publish
+    through the app's producer pool, to the app's broker whatever ``broker_url`` says), so a
+    broker that is down fails here at once and leaves nothing behind in the app's pools."""
+    mailbox = app.control.Mailbox(
+        app.conf.control_exchange, type="fanout", accept=app.conf.accept_content, serializer=app.conf.task_serializer
+    )
     with app.connection_for_read(broker_url) as connection:
         connection.ensure_connection(max_retries=1)
-        inspect = app.control.inspect(timeout=timeout_s, connection=connection, limit=expect_workers)
-        replies = inspect.active_queues() or {}
+        replies = mailbox(connection)._broadcast("active_queues", reply=True, timeout=timeout_s, limit=expect_workers)
     consumers: dict[str, list[str]] = {}
-    for worker, queues in sorted(replies.items()):
-        for queue in queues:
-            consumers.setdefault(queue["name"], []).append(worker)
-    return consumers
+    for reply in replies or []:
+        for worker, queues in reply.items():
+            for queue in queues:
+                consumers.setdefault(queue["name"], []).append(worker)
+    return {queue: sorted(workers) for queue, workers in consumers.items()}
 
 
 def waiting_task_args(broker_url: str, task: TaskName) -> set[str]:

@@ -46,6 +46,8 @@ class Config:
     inference_pool_url: str
     first_replica_port: int  # local vLLM replicas listen on consecutive ports from here
     web_port: int
+    job_heartbeat_s: int  # how often a running job says its worker is alive
+    job_stale_after_s: int  # a running job silent this long has lost its worker: it is queued again
 
 
 def _database(data_dir: Path) -> dict:
@@ -69,12 +71,21 @@ def _storage_location(name: str, default: Path) -> str:
     return str(Path(raw).expanduser().resolve())
 
 
+def _job_liveness() -> tuple[int, int]:
+    heartbeat = env_int("JOB_HEARTBEAT_SECONDS", 10, minimum=1)
+    stale_after = env_int("JOB_STALE_AFTER_SECONDS", 180, minimum=1)
+    if stale_after < 3 * heartbeat:  # a late heartbeat or two must not cost a live job its worker
+        raise ConfigError(f"JOB_STALE_AFTER_SECONDS={stale_after} must be at least 3 x JOB_HEARTBEAT_SECONDS ({3 * heartbeat})")
+    return heartbeat, stale_after
+
+
 def load_config() -> Config:
     debug = env_bool("DEBUG", True)
     secret_key = env_str("SECRET_KEY", _DEV_SECRET_KEY)
     if not debug and secret_key == _DEV_SECRET_KEY:
         raise ConfigError("SECRET_KEY must be set when DEBUG is false")
     data_dir = env_path("DATA_DIR", REPO_ROOT / "data")
+    job_heartbeat_s, job_stale_after_s = _job_liveness()
     return Config(
         debug=debug,
         secret_key=secret_key,
@@ -96,6 +107,8 @@ def load_config() -> Config:
         inference_pool_url=env_url("INFERENCE_POOL_URL", "http://127.0.0.1:8100", schemes=("http", "https")),
         first_replica_port=env_int("FIRST_REPLICA_PORT", 8200, minimum=1),
         web_port=env_int("WEB_PORT", 8000, minimum=1),
+        job_heartbeat_s=job_heartbeat_s,
+        job_stale_after_s=job_stale_after_s,
     )
 
 

@@ -17,3 +17,6 @@ os.environ.setdefault("INFERENCE_POOL_URL", "http://127.0.0.1:18100")
 os.environ.setdefault("FIRST_REPLICA_PORT", "18200")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Heartbeats every second, so tests can give a job up after a few silent seconds.
+os.environ.setdefault("JOB_HEARTBEAT_SECONDS", "1")
+os.environ.setdefault("JOB_STALE_AFTER_SECONDS", "5")

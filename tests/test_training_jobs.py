@@ -110,7 +110,7 @@ def test_a_job_whose_worker_died_is_queued_again_and_resumes_after_its_last_chec
 def test_a_job_that_keeps_losing_its_worker_fails_with_a_reason(alice, not_queued):
     job_id = launch(alice, ONE_STEP, "unlucky")
     FineTuningJob.objects.filter(pk=job_id).update(status=JobStatus.RUNNING, attempts=3, heartbeat_at="2020-01-01T00:00:00Z")
-    assert recover_stale_jobs().failed == [job_id]
+    assert recover_stale_jobs(timedelta(minutes=3)).failed == [job_id]
     job = FineTuningJob.objects.get(pk=job_id)
     assert job.status == JobStatus.FAILED and job.error_code == "worker_lost" and "3 times" in job.error_message
     error = alice.api.get(f"/v1/fine_tuning/jobs/{job_id}").json()["error"]

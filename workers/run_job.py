@@ -22,7 +22,8 @@ from core.object_store import ObjectNotFound
 from finetuning import jobs, storage
 from finetuning.events import record_event
 from finetuning.files import load_examples
-from finetuning.models import Checkpoint, File, FineTuningJob
+from finetuning.models import FINISHED_STATUSES, Checkpoint, File, FineTuningJob, JobStatus
+from workers.heartbeat import Heartbeat
 
 log = logging.getLogger(__name__)
 
@@ -36,13 +37,15 @@ class JobFailed(Exception):
 
 
 class JobCallbacks:
-    """The trainer's window onto the job: metrics become events, cancel is read from the database."""
+    """The trainer's window onto the job: metrics become events, a cancel or a lost job stops it.
 
-    def __init__(self, job: FineTuningJob):
-        self.job = job
+    Every write first beats the heartbeat, which is conditional on this attempt still running the
+    job: an attempt that lost the job writes nothing more."""
+
+    def __init__(self, job: FineTuningJob, heartbeat: Heartbeat):
+        self.job, self.heartbeat = job, heartbeat
         self.store = storage.files()
         self._checked_at = 0.0
-        self._stop = False
 
     def on_step(self, metrics) -> None:
         steps_this_run = max(metrics.step - metrics.resumed_at_step, 1)
@@ -50,23 +53,27 @@ class JobCallbacks:
         message = f"Step {metrics.step}/{metrics.total_steps}: training loss={metrics.train_loss:.4f}"
         if metrics.valid_loss is not None:
             message += f", validation loss={metrics.valid_loss:.4f}"
-        record_event(self.job, message, data=_metrics_data(metrics))
-        jobs.heartbeat(self.job.pk, estimated_finish=timezone.now() + timedelta(seconds=remaining_s))
+        if self.heartbeat.beat(estimated_finish=timezone.now() + timedelta(seconds=remaining_s)):
+            record_event(self.job, message, data=_metrics_data(metrics))
 
     def on_checkpoint(self, epoch: int, step: int, adapter_dir: Path, metrics) -> None:
-        prefix = f"checkpoints/{self.job.pk}/step-{step}"
+        # Each attempt writes under its own prefix: an attempt given up on while it uploads can
+        # never mix its files into the checkpoint the next attempt resumes from.
+        prefix = f"checkpoints/{self.job.pk}/attempt-{self.heartbeat.attempt}/step-{step}"
+        if not self.heartbeat.beat():
+            return
         for file in adapter_dir.iterdir():
             self.store.put_file(f"{prefix}/{file.name}", file)
-        Checkpoint.objects.create(job=self.job, step_number=step, epoch=epoch, metrics=_metrics_data(metrics), storage_key=prefix)
-        record_event(self.job, f"Checkpoint saved after epoch {epoch} (step {step})")
+        if self.heartbeat.beat():
+            Checkpoint.objects.create(job=self.job, step_number=step, epoch=epoch, metrics=_metrics_data(metrics), storage_key=prefix)
+            record_event(self.job, f"Checkpoint saved after epoch {epoch} (step {step})")
 
     def should_stop(self) -> bool:
         now = time.monotonic()
-        if not self._stop and now - self._checked_at >= _STATUS_POLL_S:
+        if now - self._checked_at >= _STATUS_POLL_S:  # a cancel shows within a second
             self._checked_at = now
-            self._stop = not jobs.is_running(self.job.pk)
-            jobs.heartbeat(self.job.pk)
-        return self._stop
+            self.heartbeat.beat()
+        return self.heartbeat.lost.is_set()
 
 
 def _metrics_data(metrics) -> dict:
@@ -131,13 +138,19 @@ def _resume_point(job: FineTuningJob, folder: Path) -> Path | None:
     return folder
 
 
-def _publish(job: FineTuningJob, result) -> None:
+def _publish(job: FineTuningJob, heartbeat: Heartbeat, result) -> None:
+    if not heartbeat.beat():
+        return  # the job is no longer this attempt's: publish nothing
     model = settings.MODEL_CATALOG.get(job.model)
     name = str(ModelName(job.model, job.suffix))
     store = storage.adapters(model.lora.dynamic_lora_loading_path)
     store.publish(name, result.adapter_dir)
-    if not jobs.succeed(job, name, result.trained_tokens, result.final_train_loss):
+    if jobs.succeed(job, heartbeat.attempt, name, result.trained_tokens, result.final_train_loss):
+        return
+    if jobs.status_of(job.pk) == JobStatus.CANCELLED:
         store.delete(name)  # cancelled while publishing: take the adapter back down
+    # Otherwise another attempt runs the job now: its own publish replaces this adapter, and
+    # nothing of its may be deleted here.
 
 
 def drop_training_states(job_id: str) -> None:
@@ -152,23 +165,25 @@ def drop_training_states(job_id: str) -> None:
 
 def run_job(job_id: str, worker: str) -> str:
     """Train and publish one job; returns what happened, for the worker's log."""
-    if not jobs.claim(job_id, worker):
+    attempt = jobs.claim(job_id, worker)
+    if attempt is None:
         return "not claimed (another worker has it, or it is no longer queued)"
     job = FineTuningJob.objects.select_related("organization").get(pk=job_id)
-    workdir = settings.DATA_DIR / "work" / job.pk
-    try:
-        result = _train(job, workdir, JobCallbacks(job))
-        if result.cancelled:
-            return "cancelled"
-        _publish(job, result)
-        return "succeeded"
-    except JobFailed as exc:
-        jobs.fail(job_id, exc.code, exc.message)
-        return "failed"
-    except Exception as exc:  # a bug or a broken environment: the user still gets a reason
-        log.exception("job %s failed", job_id)
-        jobs.fail(job_id, "training_failed", f"Training failed: {type(exc).__name__}: {exc}")
-        return "failed"
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
-        drop_training_states(job_id)  # finished, whichever way: no attempt will resume it
+    workdir = settings.DATA_DIR / "work" / job.pk / f"attempt-{attempt}"
+    with Heartbeat(job_id, attempt, settings.CONFIG.job_heartbeat_s) as heartbeat:
+        try:
+            result = _train(job, workdir, JobCallbacks(job, heartbeat))
+            if not result.cancelled:
+                _publish(job, heartbeat, result)
+        except JobFailed as exc:
+            jobs.fail(job_id, attempt, exc.code, exc.message)
+        except Exception as exc:  # a bug or a broken environment: the user still gets a reason
+            log.exception("job %s failed", job_id)
+            jobs.fail(job_id, attempt, "training_failed", f"Training failed: {type(exc).__name__}: {exc}")
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+    status = jobs.status_of(job_id)
+    if status in FINISHED_STATUSES:
+        drop_training_states(job_id)  # no attempt will resume it
+        return status
+    return f"stopped: attempt {attempt} was given up on, and the job queued again"

@@ -29,8 +29,8 @@ LOST_AFTER = timedelta(seconds=60)  # a message this old that the broker does no
 _INSPECT_TIMEOUT_S = 1.0
 
 
-def sweep(stale_after: timedelta = jobs.STALE_AFTER, lost_after: timedelta = LOST_AFTER) -> dict:
-    recovered = jobs.recover_stale_jobs(stale_after)
+def sweep(stale_after: timedelta | None = None, lost_after: timedelta = LOST_AFTER) -> dict:
+    recovered = jobs.recover_stale_jobs(stale_after or jobs.stale_after())
     for job_id in recovered.failed:
         drop_training_states(job_id)
     resent = _resend_lost(lost_after)

@@ -4,6 +4,10 @@ A job's status moves only here, each time with a conditional update, so two proc
 (a worker and a cancel, two deliveries of one task, a sweeper and a late heartbeat) cannot both win:
 queued -> running (``claim``) -> succeeded (``succeed``) or failed (``fail``); unfinished ->
 cancelled (``cancel_job``); running with a stale heartbeat -> queued again (``recover_stale_jobs``).
+
+``claim`` returns the attempt number, a fencing token: every later write of that run (heartbeat,
+events, checkpoints, success, failure) is conditional on the job still running *that* attempt, so a
+worker that was given up on but is still alive cannot overwrite what the next attempt does.
 How a queued job reaches a trainer is ``finetuning.dispatch``.
 """
 
@@ -35,7 +39,6 @@ log = logging.getLogger(__name__)
 AUTO = "auto"
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 BASE_LEARNING_RATE = 2e-4  # learning_rate_multiplier scales this (OpenAI's contract)
-STALE_AFTER = timedelta(minutes=3)  # a running job without a heartbeat for this long: its worker is gone
 MAX_ATTEMPTS = 3
 
 
@@ -194,28 +197,33 @@ def cancel_job(job: FineTuningJob) -> FineTuningJob:
     return job
 
 
-def claim(job_id: str, worker: str) -> bool:
-    """queued -> running, for exactly one worker: False when another has it or it is not queued."""
+def claim(job_id: str, worker: str) -> int | None:
+    """queued -> running, for exactly one worker: its attempt number, or None when another worker
+    has the job or it is no longer queued."""
     now = timezone.now()
-    return bool(
-        FineTuningJob.objects.filter(pk=job_id, status=JobStatus.QUEUED).update(
-            status=JobStatus.RUNNING, worker=worker, started_at=now, heartbeat_at=now, attempts=F("attempts") + 1
-        )
+    claimed = FineTuningJob.objects.filter(pk=job_id, status=JobStatus.QUEUED).update(
+        status=JobStatus.RUNNING, worker=worker, started_at=now, heartbeat_at=now, attempts=F("attempts") + 1
     )
+    if not claimed:
+        return None
+    return FineTuningJob.objects.filter(pk=job_id).values_list("attempts", flat=True).get()
 
 
-def heartbeat(job_id: str, **fields) -> None:
-    FineTuningJob.objects.filter(pk=job_id).update(heartbeat_at=timezone.now(), **fields)
+def _this_attempt(job_id: str, attempt: int):
+    return FineTuningJob.objects.filter(pk=job_id, status=JobStatus.RUNNING, attempts=attempt)
 
 
-def is_running(job_id: str) -> bool:
-    return FineTuningJob.objects.filter(pk=job_id, status=JobStatus.RUNNING).exists()
+def heartbeat(job_id: str, attempt: int, **fields) -> bool:
+    """Say the attempt's worker is alive; False when the job no longer runs this attempt (cancelled,
+    or given up on and queued again): the attempt must stop, and write nothing more."""
+    return bool(_this_attempt(job_id, attempt).update(heartbeat_at=timezone.now(), **fields))
 
 
-def succeed(job: FineTuningJob, name: str, trained_tokens: int, final_loss: float | None) -> bool:
-    """running -> succeeded, with its model in the registry; False when the job was cancelled meanwhile."""
+def succeed(job: FineTuningJob, attempt: int, name: str, trained_tokens: int, final_loss: float | None) -> bool:
+    """running -> succeeded, with its model in the registry; False when this attempt lost the job
+    meanwhile (cancelled, or another attempt runs it)."""
     with transaction.atomic():
-        succeeded = FineTuningJob.objects.filter(pk=job.pk, status=JobStatus.RUNNING).update(
+        succeeded = _this_attempt(job.pk, attempt).update(
             status=JobStatus.SUCCEEDED, fine_tuned_model=name, trained_tokens=trained_tokens,
             finished_at=timezone.now(), estimated_finish=None,
         )  # fmt: skip
@@ -229,13 +237,21 @@ def succeed(job: FineTuningJob, name: str, trained_tokens: int, final_loss: floa
     return bool(succeeded)
 
 
-def fail(job_id: str, code: str, message: str) -> None:
-    """running -> failed, with the reason the user reads."""
-    failed = FineTuningJob.objects.filter(pk=job_id, status=JobStatus.RUNNING).update(
+def fail(job_id: str, attempt: int, code: str, message: str) -> None:
+    """running -> failed, with the reason the user reads (only while this attempt runs the job)."""
+    failed = _this_attempt(job_id, attempt).update(
         status=JobStatus.FAILED, error_code=code, error_message=message, finished_at=timezone.now(), estimated_finish=None
     )
     if failed:
         record_event(FineTuningJob.objects.get(pk=job_id), f"Job failed: {message}", level="error")
+
+
+def status_of(job_id: str) -> str:
+    return FineTuningJob.objects.filter(pk=job_id).values_list("status", flat=True).get()
+
+
+def stale_after() -> timedelta:
+    return timedelta(seconds=settings.CONFIG.job_stale_after_s)
 
 
 @dataclass
@@ -244,7 +260,7 @@ class Recovered:
     failed: list[str] = field(default_factory=list)  # worker_lost: no attempt will resume them
 
 
-def recover_stale_jobs(stale_after: timedelta = STALE_AFTER) -> Recovered:
+def recover_stale_jobs(stale_after: timedelta) -> Recovered:
     """Running jobs whose worker stopped sending heartbeats go back to queued, or fail after
     MAX_ATTEMPTS."""
     recovered = Recovered()

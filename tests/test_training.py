@@ -17,7 +17,7 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.environment import ROOT
-from workers.training import StepMetrics, TrainingConfig, TrainingResult, example_token_count, train
+from workers.training import StepMetrics, TrainingConfig, TrainingDiverged, TrainingResult, example_token_count, train
 from workers.training.attention import PACKED_SDPA
 from workers.training.data import pack, tokenize_example
 from workers.training.trainer import row_loss
@@ -330,3 +330,16 @@ def test_a_run_resumed_after_its_last_epoch_just_saves_that_adapter_with_its_los
     assert resumed.steps == [] and result.steps == 2 and result.final_train_loss == full.final_train_loss
     expected, actual = _adapter_weights(full.adapter_dir), _adapter_weights(result.adapter_dir)
     assert all(torch.equal(expected[name], actual[name]) for name in expected)
+
+
+def test_a_long_run_reports_a_bounded_number_of_steps_and_always_its_last(tmp_path):
+    recorder = Recorder()
+    examples = SHORT_EXAMPLES[:8]  # 8 steps of one example; at most 3 reports asked for
+    train(config(batch_size=1, n_epochs=1, max_step_reports=3), examples, None, tmp_path, recorder)
+    assert [m.step for m in recorder.steps] == [3, 6, 8]
+
+
+def test_a_loss_that_stops_being_a_number_stops_training_with_its_step(tmp_path):
+    with pytest.raises(TrainingDiverged) as diverged:
+        train(config(batch_size=2, n_epochs=1, max_steps=3, learning_rate=1e30), SHORT_EXAMPLES[:6], None, tmp_path, Recorder())
+    assert diverged.value.step == 2 and "nan" in str(diverged.value)

@@ -147,3 +147,17 @@ def test_checkpoints_and_metrics_are_reported_per_epoch(alice, not_queued):
     assert json.loads(store.get(f"{checkpoint.storage_key}/adapter_config.json"))["r"] == 8
     with pytest.raises(ObjectNotFound):
         store.get(f"{checkpoint.storage_key}/{TRAINING_STATE_FILE}")
+
+
+def test_a_diverging_job_fails_with_what_to_change_and_writes_no_nan(alice, not_queued):
+    job_id = launch(alice, ONE_STEP | {"batch_size": 2}, "diverging")
+    # Far beyond what the API accepts (at most 100), to make the loss overflow within a step or two.
+    job = FineTuningJob.objects.get(pk=job_id)
+    job.hyperparameters["learning_rate_multiplier"] = 1e26
+    job.save(update_fields=["hyperparameters"])
+    assert run_job(job_id, worker="in-test") == "failed"
+    job.refresh_from_db()
+    assert job.error_code == "training_diverged", job.error_message
+    assert "became nan at step" in job.error_message and "Lower learning_rate_multiplier" in job.error_message
+    losses = [event.data["train_loss"] for event in job.events.filter(type="metrics")]
+    assert all(loss == loss for loss in losses)  # NaN is the one float unequal to itself

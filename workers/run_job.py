@@ -98,7 +98,7 @@ def _examples(job: FineTuningJob, file_id: str | None, what: str) -> list | None
 
 
 def _train(job: FineTuningJob, workdir: Path, callbacks: JobCallbacks):
-    from workers.training import TrainingConfig, train  # deferred: torch is only for workers
+    from workers.training import TrainingConfig, TrainingDiverged, train  # deferred: torch is only for workers
 
     model = settings.MODEL_CATALOG.get(job.model)
     if model is None:
@@ -114,7 +114,14 @@ def _train(job: FineTuningJob, workdir: Path, callbacks: JobCallbacks):
     validation = _examples(job, job.validation_file, "validation")
     resume_from = _resume_point(job, workdir / "resume")
     record_event(job, f"Training started on {len(training)} examples")
-    return train(config, training, validation, workdir, callbacks, resume_from=resume_from)
+    try:
+        return train(config, training, validation, workdir, callbacks, resume_from=resume_from)
+    except TrainingDiverged as exc:
+        raise JobFailed(
+            "training_diverged",
+            f"Training diverged: {exc}. Lower learning_rate_multiplier (it is {hp['learning_rate_multiplier']:g}), "
+            "or look for examples unlike the rest.",
+        ) from None
 
 
 def _resume_point(job: FineTuningJob, folder: Path) -> Path | None:

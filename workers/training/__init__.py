@@ -6,6 +6,6 @@ are checked with ``example_token_count()``, which counts tokens exactly as ``tra
 
 from workers.training.config import TrainingConfig
 from workers.training.data import example_token_count
-from workers.training.trainer import StepMetrics, TrainingCallbacks, TrainingResult, train
+from workers.training.trainer import StepMetrics, TrainingCallbacks, TrainingDiverged, TrainingResult, train
 
-__all__ = ["StepMetrics", "TrainingCallbacks", "TrainingConfig", "TrainingResult", "example_token_count", "train"]
+__all__ = ["StepMetrics", "TrainingCallbacks", "TrainingConfig", "TrainingDiverged", "TrainingResult", "example_token_count", "train"]

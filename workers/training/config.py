@@ -27,6 +27,9 @@ class TrainingConfig:
     seed: int = 42  # the LoRA initialisation, dropout and the shuffling all follow from it
     max_seq_len: int = 2048  # a longer example is cut to this (uploads are checked against the context first)
     log_every_steps: int = 1  # on_step cadence; epoch ends and the last step are always reported
+    # ...but at most about this many reports in all: a 10,000-step run's events stay few enough to list
+    # and plot at once (the cadence widens to ceil(total_steps / max_step_reports)).
+    max_step_reports: int = 500
     max_steps: int | None = None  # stop after this many optimizer steps (tests and benchmarks cap runs)
 
     warmup_steps: int = 0  # linear warm-up; fine-tunes are short, and LoRA starts as a no-op (B = 0)

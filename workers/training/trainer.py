@@ -47,6 +47,14 @@ class TrainingResult:
     cancelled: bool
 
 
+class TrainingDiverged(Exception):
+    """The loss stopped being a number: training further cannot recover, and nothing is worth saving."""
+
+    def __init__(self, step: int, loss: float, which: str = "training"):
+        super().__init__(f"the {which} loss became {loss} at step {step}")
+        self.step, self.loss, self.which = step, loss, which
+
+
 class TrainingCallbacks(Protocol):
     def on_step(self, metrics: StepMetrics) -> None: ...
 
@@ -95,6 +103,7 @@ def train(
     total_steps = config.n_epochs * steps_per_epoch
     if config.max_steps is not None:
         total_steps = min(total_steps, config.max_steps)
+    report_every = max(config.log_every_steps, math.ceil(total_steps / config.max_step_reports))
     shuffler = torch.Generator().manual_seed(config.seed)
 
     # Optimizer: AdamW on the adapter only, linear warm-up then linear decay to zero.
@@ -123,6 +132,8 @@ def train(
             train_loss = _train_step(model, optimizer, batch, config)
             schedule.step()
             step += 1
+            if not math.isfinite(train_loss):
+                raise TrainingDiverged(step, train_loss)
             batch_tokens = sum(len(e.input_ids) for e in batch)
             trained_tokens += batch_tokens
             window_tokens += batch_tokens
@@ -134,6 +145,8 @@ def train(
             )
             step_valid_loss = _validation_loss(model, valid_set, config) if validate_now else None
             if step_valid_loss is not None:
+                if not math.isfinite(step_valid_loss):
+                    raise TrainingDiverged(step, step_valid_loss, "validation")
                 valid_loss = step_valid_loss
             metrics = StepMetrics(
                 step=step,
@@ -146,7 +159,7 @@ def train(
                 elapsed_s=time.perf_counter() - started,
                 resumed_at_step=done.step,
             )
-            if _every(step, config.log_every_steps) or step_valid_loss is not None or step == total_steps:
+            if _every(step, report_every) or step_valid_loss is not None or step == total_steps:
                 callbacks.on_step(metrics)
                 window_tokens, window_seconds = 0, 0.0
             if epoch_done:

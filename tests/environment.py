@@ -17,3 +17,5 @@ os.environ.setdefault("INFERENCE_POOL_URL", "http://127.0.0.1:18100")
 os.environ.setdefault("FIRST_REPLICA_PORT", "18200")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Hypothesis keeps its example database and caches here rather than in .hypothesis/ of the checkout.
+os.environ.setdefault("HYPOTHESIS_STORAGE_DIRECTORY", str(TEST_DATA / "hypothesis"))

@@ -24,12 +24,13 @@ from finetuning.files import check_dataset
 from finetuning.tokens import _tokenizer, default_model
 from tests.environment import ROOT
 
-# Sized by examples, not time; no example database (nothing is written under the checkout).
+# Sized by examples, not time. Failures found are replayed first next time (tests/environment.py says where
+# hypothesis keeps them).
 FEW, SOME, MANY = 40, 150, 250
 
 
 def examples(count: int) -> settings:
-    return settings(max_examples=count, deadline=None, database=None)
+    return settings(max_examples=count, deadline=None)
 
 
 @pytest.fixture(scope="module")

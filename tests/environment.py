@@ -20,3 +20,5 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Heartbeats every second, so tests can give a job up after a few silent seconds.
 os.environ.setdefault("JOB_HEARTBEAT_SECONDS", "1")
 os.environ.setdefault("JOB_STALE_AFTER_SECONDS", "5")
+# Hypothesis keeps its example database and caches here rather than in .hypothesis/ of the checkout.
+os.environ.setdefault("HYPOTHESIS_STORAGE_DIRECTORY", str(TEST_DATA / "hypothesis"))

@@ -1,8 +1,10 @@
 import dataclasses
 import io
+import json
 
 import pytest
 
+from finetuning import storage
 from finetuning.models import File
 from tests.personas import chat_example, good_dataset, jsonl
 
@@ -21,6 +23,32 @@ def _named(data: bytes, name: str):
 
 def error_of(response) -> dict:
     return response.json()["error"]
+
+
+@pytest.fixture
+def stored_keys(monkeypatch) -> list[str]:
+    """The keys written to the file store during the test."""
+    store, keys = storage.files(), []
+    put = store.put
+
+    def recording_put(key: str, data: bytes) -> None:
+        keys.append(key)
+        put(key, data)
+
+    monkeypatch.setattr(store, "put", recording_put)
+    return keys
+
+
+def with_line(number: int, line: str, n: int = 12) -> bytes:
+    """A good dataset of ``n`` lines whose line ``number`` is ``line``."""
+    records = [record.decode() for record in good_dataset(n).splitlines()]
+    records[number - 1] = line
+    return ("\n".join(records) + "\n").encode()
+
+
+def turns(n: int) -> list[dict]:
+    """A conversation of ``n`` short user/assistant turns."""
+    return [m for i in range(n) for m in chat_example(f"Question {i}?", f"Answer {i}.")["messages"]]
 
 
 def test_it_accepts_a_chat_dataset_and_counts_examples_and_tokens(alice):
@@ -69,6 +97,68 @@ def test_it_names_the_line_and_the_problem_of_a_bad_example(alice, lines, expect
     assert expected in error_of(response)["message"]
     assert error_of(response)["param"] == "file" and error_of(response)["code"] == "invalid_file"
     assert not File.objects.exists()
+
+
+@pytest.mark.parametrize(
+    ("number", "line", "expected"),
+    [
+        (5, '{"messages": ' + "[" * 5000 + "]" * 5000 + "}",
+         "line 5: the JSON is nested 5,001 levels deep, more than 32: a training line needs 3"),
+        (3, json.dumps({"messages": [{"role": "assistant", "content": "Hi!"}, *turns(1)]}),
+         "line 3: messages[0] is from the assistant: start with the user (or system) message it answers"),
+        (4, json.dumps(chat_example("half a smiley \ud83d here", "a")),
+         "line 4: messages[0].content contains \\ud83d, half of a UTF-16 surrogate pair without its other half: "
+         "remove it, or write the whole character"),
+        (6, json.dumps({"prompt": "q", "completion": "\udc00"}), "line 6: completion contains \\udc00, half of"),
+        (7, json.dumps(chat_example("q", "a\x00b")),
+         "line 7: messages[1].content contains a NUL character (\\u0000): remove it"),
+        (8, '{"prompt": "q", "completion": "a"}\x00',
+         "line 8: contains NUL bytes (0x00), so the file looks binary or UTF-16"),
+        (9, '{"prompt": "q", "completion": "a", "id": ' + "7" * 5000 + "}",
+         "line 9: has a number with more than 4,300 digits, too long to read"),
+        (10, json.dumps({"messages": turns(2000)}),
+         "line 10: 4,000 messages, more than the 1,024 allowed for the model's context of 2048 tokens: "
+         "split the conversation over several lines"),
+        (11, json.dumps(chat_example("word " * 60_000, "a")),
+         "line 11: the line is 300,086 characters long, more than the 262,144 allowed for the model's context of "
+         "2048 tokens: split the conversation over several lines"),
+    ],
+    ids=["deep-nesting", "assistant-first", "lone-surrogate", "lone-surrogate-completion", "nul-escape",
+         "nul-byte", "long-number", "2000-turns", "long-line"],
+)
+def test_it_refuses_a_line_that_used_to_crash_or_stall_the_check_naming_it(alice, stored_keys, number, line, expected):
+    files_before = File.objects.count()
+    response = upload(alice, with_line(number, line))
+    assert response.status_code == 400, response.content[:300]
+    error = error_of(response)
+    assert expected in error["message"] and error["code"] == "invalid_file"
+    assert [e["line"] for e in error["errors"]] == [number]
+    assert File.objects.count() == files_before and stored_keys == []
+
+
+def test_it_refuses_a_utf16_file_saying_to_save_it_as_utf8(alice, stored_keys):
+    response = upload(alice, good_dataset(12).decode().encode("utf-16-le"))
+    assert response.status_code == 400
+    assert "line 1: contains NUL bytes (0x00), so the file looks binary or UTF-16: save it as UTF-8 text" in (
+        error_of(response)["message"]
+    )
+    assert not File.objects.exists() and stored_keys == []
+
+
+def test_it_accepts_line_and_paragraph_separators_inside_strings(alice, stored_keys):
+    # Valid JSON may hold these as they are; only "\n" ends a JSONL line.
+    separators = ["\u2028", "\u2029", "\x85"]
+    records = [chat_example(f"Split{s}here?", f"No{s}split.") for s in separators] * 4
+    data = "".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records).encode()
+    body = upload(alice, data).json()
+    assert body.get("example_count") == 12, body
+    assert stored_keys == [f"files/{alice.organization.pk}/{body['id']}.jsonl"]
+
+
+def test_it_accepts_a_conversation_that_opens_with_a_system_message_and_an_assistant_greeting(alice):
+    greeting = {"messages": [{"role": "system", "content": "Greet first."}, {"role": "assistant", "content": "Hello!"}]}
+    response = upload(alice, jsonl([greeting] * 12))
+    assert response.status_code == 200, response.json()
 
 
 def test_it_lists_every_bad_line_up_to_a_limit(alice):

@@ -1,4 +1,8 @@
-"""Token counts with a base model's own tokenizer and chat template (the trainer's counting)."""
+"""Token counts with a base model's own tokenizer and chat template (the trainer's counting).
+
+Uploads are checked in the web process: ``core.chat_tokens`` tokenizes without torch, which the web
+process never loads.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ from collections.abc import Callable
 from django.conf import settings
 
 from core.catalog import BaseModel
+from core.chat_tokens import example_token_count, load_tokenizer
 from core.datasets import Example
 
 
@@ -18,13 +23,9 @@ def default_model() -> BaseModel:
 
 @functools.lru_cache(maxsize=None)
 def _tokenizer(model_id: str):
-    from transformers import AutoTokenizer  # deferred: a second or two to import
-
-    return AutoTokenizer.from_pretrained(settings.MODEL_CATALOG.get(model_id).weights)
+    return load_tokenizer(settings.MODEL_CATALOG.get(model_id).weights)  # a second or two, once
 
 
 def token_counter(model: BaseModel) -> Callable[[Example], int]:
-    from workers.training import example_token_count
-
     tokenizer = _tokenizer(model.id)
     return lambda example: example_token_count(tokenizer, example)

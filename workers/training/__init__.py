@@ -1,7 +1,8 @@
 """LoRA training for the platform: pure torch + PEFT, no Django.
 
-The job runner calls ``train()`` with a ``TrainingConfig``, the examples and its callbacks; uploads
-are checked with ``example_token_count()``, which counts tokens exactly as ``train()`` feeds them.
+The job runner calls ``train()`` with a ``TrainingConfig``, the examples and its callbacks. Uploads are
+counted with ``example_token_count()`` from ``core.chat_tokens`` (torch-free, for the web process),
+the tokenizing ``train()`` feeds; it is exported here too.
 """
 
 from workers.training.config import TrainingConfig

@@ -1,9 +1,8 @@
 """From chat examples to the tensors the trainer feeds the model.
 
-An example is a conversation: a list of ``{"role", "content", "weight"?}`` messages. It is rendered
-with the tokenizer's own chat template (the one the inference engine applies), tokenized once, and
-each token is marked as trained or not: only the tokens of assistant messages whose ``weight`` is 1
-(their content and the end-of-turn token) count in the loss.
+An example is a conversation, tokenized by ``core.chat_tokens`` (shared with the upload check, which
+must count the same tokens): rendered with the tokenizer's own chat template, and each token marked
+as trained or not, so that only assistant replies whose ``weight`` is 1 count in the loss.
 
 Examples of one optimizer step are then *packed*: concatenated into flat rows without padding, with
 position ids that restart at 0 for every example, and each example attends only to itself (see
@@ -20,90 +19,14 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-Message = dict[str, Any]
-Example = list[Message]
+from core.chat_tokens import TokenizedExample, example_token_count, tokenize_example
+from core.datasets import Example
 
-
-@dataclass(frozen=True)
-class TokenizedExample:
-    input_ids: list[int]
-    trained: list[bool]  # trained[i]: token i is a target of the loss (predicted from token i - 1)
-
-    @property
-    def n_trained(self) -> int:
-        return sum(self.trained)
-
-
-def _render(tokenizer, messages: Example, add_generation_prompt: bool = False) -> str:
-    # Only role and content go to the template: "weight" is ours, and some templates choke on extras.
-    plain = [{"role": message["role"], "content": message["content"]} for message in messages]
-    return tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=add_generation_prompt)
-
-
-def _reply_spans(tokenizer, example: Example, text: str) -> list[tuple[int, int, bool]]:
-    """(start, end, trained) character spans of ``text`` that hold the assistant replies.
-
-    The conversation is rendered prefix by prefix: a reply starts where the prefix before it, plus
-    the template's assistant header (the generation prompt), ends, and stops where the prefix
-    including it ends. That needs a template whose renderings of prefixes are prefixes of the whole
-    rendering; one that is not (for example one that rewrites earlier turns) is refused loudly
-    rather than trained with a silently wrong mask.
-    """
-    spans = []
-    for index, message in enumerate(example):
-        if message["role"] != "assistant":
-            continue
-        before = _render(tokenizer, example[:index], add_generation_prompt=True)
-        through = _render(tokenizer, example[: index + 1])
-        if not (text.startswith(through) and through.startswith(before)):
-            raise ValueError(
-                f"the chat template does not render message {index} of this conversation as a prefix "
-                "of the whole conversation, so its assistant tokens cannot be located"
-            )
-        # The template's whitespace after the end-of-turn token is never generated: leave it out.
-        end = max(len(through.rstrip()), len(before))
-        spans.append((len(before), end, message.get("weight", 1) != 0))
-    return spans
-
-
-def tokenize_example(tokenizer, example: Example) -> TokenizedExample:
-    """The tokens of one conversation, rendered by the chat template, and which of them are trained.
-
-    The text is tokenized piece by piece, cut where replies start and end, so a reply's tokens follow
-    exactly the tokens its prompt gets at inference (the rendering up to the assistant header,
-    tokenized alone). Tokenizing the whole text at once would let BPE merge the header's newline with a
-    reply that starts with whitespace (" Paris", common in prompt/completion data) into a token the
-    model never sees after a prompt. Every reply is cut out, weighted or not, so weights never change
-    the tokens.
-    """
-    text = _render(tokenizer, example)
-    input_ids: list[int] = []
-    trained: list[bool] = []
-
-    def add(piece: str, is_trained: bool) -> None:
-        # The template writes its own special tokens: the tokenizer must not add a BOS of its own.
-        ids = tokenizer(piece, add_special_tokens=False)["input_ids"] if piece else []
-        input_ids.extend(ids)
-        trained.extend([is_trained] * len(ids))
-
-    cursor = 0
-    for start, end, is_trained in _reply_spans(tokenizer, example, text):
-        add(text[cursor:start], False)
-        add(text[start:end], is_trained)
-        cursor = end
-    add(text[cursor:], False)
-    if trained:
-        trained[0] = False  # nothing predicts the first token, so it can never be a target
-    return TokenizedExample(input_ids=input_ids, trained=trained)
-
-
-def example_token_count(tokenizer, example: Example) -> int:
-    """Tokens of the example as the trainer feeds it to the model (before any max_seq_len cut)."""
-    return len(tokenize_example(tokenizer, example).input_ids)
+# The trainer and its tests take the tokenizing from here, with the packing.
+__all__ = ["Example", "PackedRow", "TokenizedExample", "example_token_count", "pack", "tokenize_example", "truncate"]
 
 
 def truncate(example: TokenizedExample, max_len: int) -> TokenizedExample:

@@ -16,8 +16,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 from peft import PeftModel
-from transformers import AutoTokenizer
 
+from core.chat_tokens import load_tokenizer
 from workers.training.config import TrainingConfig
 from workers.training.data import Example, PackedRow, TokenizedExample, pack, tokenize_example, truncate
 from workers.training.model import load_model_with_lora, save_adapter
@@ -93,7 +93,7 @@ def train(
         torch.set_num_threads(config.num_threads)
 
     # Model.
-    tokenizer = AutoTokenizer.from_pretrained(config.base_model_path)
+    tokenizer = load_tokenizer(config.base_model_path)  # as the upload check loads it, so counts agree
     model = load_model_with_lora(config)
 
     # Data: tokenized once; shuffled per epoch by a generator of our own.

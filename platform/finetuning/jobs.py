@@ -32,7 +32,7 @@ from core.model_names import ModelName, is_valid_suffix
 from finetuning.events import record_event
 from finetuning.models import File, FineTunedModel, FineTuningJob, JobStatus
 from server.api_errors import not_found
-from server.celery import TRAIN_JOB, send
+from server.celery import TRAIN_JOB, TRAINING_QUEUE, send
 
 log = logging.getLogger(__name__)
 
@@ -157,7 +157,10 @@ def _send_or_503(job: FineTuningJob) -> None:
         send_to_trainer(job.id)
     except OperationalError as exc:  # the broker is down; the job stays queued for the sweeper
         log.warning("job %s is queued but could not be sent to a trainer: %s", job.id, exc)
-        record_event(job, "The job could not be sent to a trainer (the broker is unreachable); it is sent again once the broker is back", level="warn")
+        record_event(
+            job, "The job could not be sent to a trainer (the broker is unreachable); it is sent again once the broker is back",
+            level="warn",
+        )  # fmt: skip
         raise ApiError(
             f"Job {job.id} was created and is queued, but the task broker is unreachable, so no trainer has been told yet. "
             "It starts by itself once the broker is back; do not create it again.",
@@ -180,7 +183,7 @@ def _jobs_ahead_phrase(job: FineTuningJob) -> str:
 def waiting_note(job: FineTuningJob, trainers: int) -> str:
     """What a queued job waits for, as its events say it."""
     if trainers == 0:
-        return "No trainer is connected to the 'training' queue; the job starts when one connects"
+        return f"No trainer is connected to the '{TRAINING_QUEUE}' queue; the job starts when one connects"
     return f"Waiting for a trainer: {_jobs_ahead_phrase(job)}"
 
 

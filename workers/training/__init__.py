@@ -9,4 +9,6 @@ from workers.training.config import TrainingConfig
 from workers.training.data import example_token_count
 from workers.training.trainer import StepMetrics, TrainingCallbacks, TrainingDiverged, TrainingResult, train
 
-__all__ = ["StepMetrics", "TrainingCallbacks", "TrainingConfig", "TrainingDiverged", "TrainingResult", "example_token_count", "train"]
+__all__ = [
+    "StepMetrics", "TrainingCallbacks", "TrainingConfig", "TrainingDiverged", "TrainingResult", "example_token_count", "train",
+]

@@ -56,10 +56,9 @@ from tests.inference_fixtures import (
     AdapterMaker,
     Persona,
     adapter_store,
-    free_port,
     publish_fine_tuned_model,
 )
-from tests.processes import answers, running, wait_until
+from tests.processes import answers, free_port, running, wait_until
 
 CONCURRENCY = 32
 TOKENS = 64

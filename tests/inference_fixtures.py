@@ -7,7 +7,6 @@ is conftest's session ``inference_pool``, started with ``pool_environment()``.
 from __future__ import annotations
 
 import json
-import socket
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +14,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.processes import ROOT, answers, running, wait_until, web_command
+from tests.processes import ROOT, running_web
 
 BASE = "HuggingFaceTB/SmolLM2-135M-Instruct"
 TEST_CATALOG = ROOT / "data" / "test" / "inference-models.toml"
@@ -47,19 +46,10 @@ def pool_environment() -> dict[str, str]:
     return {"MODEL_CATALOG": str(TEST_CATALOG)}
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def gateway(test_database_url, inference_pool) -> str:
     """The web process (Django under uvicorn, ASGI) on the test database, in front of the pool."""
-    port = free_port()
-    with running("gateway", web_command(port), {"DATABASE_URL": test_database_url, **pool_environment()}) as process:
-        url = f"http://127.0.0.1:{port}"
-        wait_until(lambda: answers(f"{url}/v1/models", below=500), 60, "gateway", process)  # 401: up
+    with running_web("gateway", {"DATABASE_URL": test_database_url, **pool_environment()}) as url:
         yield url
 
 

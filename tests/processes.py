@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -61,17 +62,30 @@ def stop(process: subprocess.Popen, grace_s: float = 15.0) -> None:
         process.wait()
 
 
-def web_command(port: int) -> list[str]:
-    """The web process as the Procfile runs it (Django under uvicorn, ASGI), on ``port``."""
-    return [
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextmanager
+def running_web(name: str, env: dict[str, str]) -> Iterator[str]:
+    """The web process as the Procfile runs it (Django under uvicorn, ASGI) on a port of its own;
+    yields its URL once it answers (a 401 from /v1/models means it is up)."""
+    port = free_port()
+    command = [
         sys.executable, "-m", "uvicorn", "server.asgi:application", "--app-dir", "platform",
         "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
     ]  # fmt: skip
+    with running(name, command, env) as process:
+        url = f"http://127.0.0.1:{port}"
+        wait_until(lambda: answers(f"{url}/v1/models", below=500), 60, name, process)
+        yield url
 
 
-def celery_worker_command(queues: str = "default,training") -> list[str]:
+def celery_worker_command(queues: str = "default,training", name: str = "test-worker", *extra: str) -> list[str]:
     return [
         sys.executable, "-m", "celery", "-A", "workers", "worker", "--queues", queues,
-        "--concurrency", "1", "--hostname", f"test-worker-{os.getpid()}@%h", "--loglevel", "INFO",
-        "--without-mingle", "--without-gossip",
+        "--concurrency", "1", "--hostname", f"{name}-{os.getpid()}@%h", "--loglevel", "INFO",
+        "--without-mingle", "--without-gossip", *extra,
     ]  # fmt: skip

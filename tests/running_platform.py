@@ -15,8 +15,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.inference_fixtures import free_port
-from tests.processes import LOGS, ROOT, answers, stop, wait_until
+from tests.processes import LOGS, ROOT, answers, free_port, stop, wait_until
 
 # Each variable the platform reads (listed in .env.example) comes from this run, not the caller:
 # the test session's own settings (its Redis database, ports, DATABASE_URL) must not leak in.

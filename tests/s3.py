@@ -2,17 +2,11 @@
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 from core.config import S3Settings
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from tests.processes import free_port
 
 
 @contextmanager
@@ -20,7 +14,7 @@ def s3_server(bucket: str) -> Iterator[S3Settings]:
     import boto3
     from moto.server import ThreadedMotoServer
 
-    port = _free_port()
+    port = free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     settings = S3Settings(f"http://127.0.0.1:{port}", "testing", "testing", "us-east-1")

@@ -5,17 +5,16 @@ command runs them on PostgreSQL only (marker ``fault``).
 """
 
 import contextlib
-import sys
 import time
 
 import httpx
 import pytest
 import redis
 
+from core.redis_ping import redis_problem
 from finetuning.models import FineTuningJob, JobStatus
-from tests.inference_fixtures import free_port
 from tests.personas import good_dataset
-from tests.processes import answers, running, wait_until, web_command
+from tests.processes import celery_worker_command, free_port, running, running_web, wait_until
 from tests.test_files_api import upload
 from tests.test_training_jobs import BASE, ONE_STEP
 
@@ -27,28 +26,15 @@ def redis_server(port: int, folder):
     """A Redis of the test's own that keeps nothing on disk: stopping it loses every message."""
     command = ["redis-server", "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no", "--dir", str(folder)]
     with running(f"redis-{port}", command) as process:
-        wait_until(lambda: _pings(port), 20, "redis", process)
+        wait_until(lambda: redis_problem(f"redis://127.0.0.1:{port}/0") is None, 20, "redis", process)
         yield
 
 
-def _pings(port: int) -> bool:
-    try:
-        return redis.Redis(port=port, socket_timeout=1).ping()
-    except redis.ConnectionError:
-        return False
-
-
-def celery_command(*arguments: str) -> list[str]:
-    return [sys.executable, "-m", "celery", "-A", "workers", "worker", "--loglevel", "INFO", *arguments]
-
-
 def test_jobs_queued_before_redis_restarts_without_its_data_all_succeed(alice, test_database_url, tmp_path):
-    port, web_port = free_port(), free_port()
+    port = free_port()
     environment = {"REDIS_URL": f"redis://127.0.0.1:{port}/0", "DATABASE_URL": test_database_url}
     file_id = upload(alice, good_dataset(12)).json()["id"]
-    with redis_server(port, tmp_path), running("web-own-redis", web_command(web_port), environment) as web:
-        url = f"http://127.0.0.1:{web_port}"
-        wait_until(lambda: answers(f"{url}/v1/models", below=500), 60, "web", web)
+    with redis_server(port, tmp_path), running_web("web-own-redis", environment) as url:
         for suffix in ("one", "two", "three"):  # no trainer runs: the messages wait in Redis
             body = {"model": BASE, "training_file": file_id, "suffix": f"restart-{suffix}", "hyperparameters": ONE_STEP}
             response = httpx.post(f"{url}/v1/fine_tuning/jobs", json=body, headers={"Authorization": f"Bearer {alice.key}"})
@@ -56,8 +42,8 @@ def test_jobs_queued_before_redis_restarts_without_its_data_all_succeed(alice, t
         assert redis.Redis(port=port).llen("training") == 3
 
     # Redis comes back empty. The worker's beat sweeps; a trainer starts.
-    worker = celery_command("--beat", "--schedule", str(tmp_path / "beat"), "--queues", "default", "--hostname", "sweeper@%h")
-    trainer = celery_command("--queues", "training", "--concurrency", "1", "--hostname", "trainer@%h")
+    worker = celery_worker_command("default", "sweeper", "--beat", "--schedule", str(tmp_path / "beat"))
+    trainer = celery_worker_command("training", "trainer")
     with redis_server(port, tmp_path), running("sweeping-worker", worker, environment), running("trainer", trainer, environment):
         deadline = time.monotonic() + 480
         while FineTuningJob.objects.exclude(status=JobStatus.SUCCEEDED).exists():

@@ -1,3 +1,4 @@
+# ruff: noqa: F811 (pytest fixtures are imported from tests.test_training_jobs, then named as arguments)
 """How queued jobs reach trainers: never silently stuck, whatever the broker does."""
 
 from datetime import timedelta
@@ -8,9 +9,8 @@ from django.conf import settings
 
 from finetuning.models import FineTuningJob, JobStatus
 from server.celery import TRAIN_JOB, waiting_task_args
-from tests.inference_fixtures import free_port
 from tests.personas import good_dataset
-from tests.processes import answers, running, wait_until, web_command
+from tests.processes import running_web
 from tests.test_files_api import upload
 from tests.test_training_jobs import BASE, ONE_STEP, launch, not_queued, wait_for  # noqa: F401 (a fixture)
 from workers.sweep import sweep
@@ -21,11 +21,8 @@ pytestmark = pytest.mark.django_db(transaction=True)
 @pytest.fixture
 def web_without_broker(test_database_url):
     """The web process as bin/run serves it, on the test database, with its broker down."""
-    port = free_port()
     environment = {"DATABASE_URL": test_database_url, "REDIS_URL": "redis://127.0.0.1:9/0"}  # nothing listens
-    with running("web-without-broker", web_command(port), environment) as process:
-        url = f"http://127.0.0.1:{port}"
-        wait_until(lambda: answers(f"{url}/v1/models", below=500), 60, "web", process)
+    with running_web("web-without-broker", environment) as url:
         yield url
 
 

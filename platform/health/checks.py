@@ -52,7 +52,8 @@ def workers() -> CheckResult:
         return CheckResult(False, "no worker answered (start one: celery -A workers worker)")
     unread = _unread(consumers)
     if unread:
-        return CheckResult(False, f"no worker consumes the queue(s) {', '.join(map(repr, unread))} (start one: celery -A workers worker --queues {','.join(unread)})")
+        listed = ", ".join(map(repr, unread))
+        return CheckResult(False, f"no worker consumes the queue(s) {listed} (start one: celery -A workers worker --queues {','.join(unread)})")
     return CheckResult(True, "; ".join(f"{queue}: {', '.join(consumers[queue])}" for queue in REQUIRED_QUEUES))
 
 

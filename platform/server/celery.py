@@ -3,7 +3,7 @@
 A process holds exactly one Celery app. A second one (say, to ping workers) silently becomes what
 ``shared_task`` proxies resolve to on threads where this app is not current, and tasks then go to
 the queue ``celery``, which nobody consumes. So this app is the default, tasks are declared on it,
-senders name the task and its queue, and health checks use this app's control API.
+senders name the task and its queue, and health checks ask workers through a plain connection.
 """
 
 from __future__ import annotations

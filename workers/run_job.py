@@ -192,5 +192,6 @@ def run_job(job_id: str, worker: str) -> str:
     status = jobs.status_of(job_id)
     if status in FINISHED_STATUSES:
         drop_training_states(job_id)  # no attempt will resume it
+        shutil.rmtree(workdir.parent, ignore_errors=True)  # the job's folder, empty of attempts
         return status
     return f"stopped: attempt {attempt} was given up on, and the job queued again"

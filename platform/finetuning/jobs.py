@@ -168,7 +168,7 @@ def _send_or_503(job: FineTuningJob) -> None:
         ) from None  # fmt: skip
 
 
-def jobs_ahead(job: FineTuningJob) -> int:
+def _jobs_ahead(job: FineTuningJob) -> int:
     """Jobs a trainer takes before this queued one: those running, and those queued before it."""
     running = FineTuningJob.objects.filter(status=JobStatus.RUNNING).count()
     earlier = FineTuningJob.objects.filter(status=JobStatus.QUEUED, queued_at__lt=job.queued_at).count()
@@ -176,7 +176,7 @@ def jobs_ahead(job: FineTuningJob) -> int:
 
 
 def _jobs_ahead_phrase(job: FineTuningJob) -> str:
-    ahead = jobs_ahead(job)
+    ahead = _jobs_ahead(job)
     return "no job ahead" if ahead == 0 else f"{ahead} job{'s' if ahead > 1 else ''} ahead"
 
 

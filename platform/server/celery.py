@@ -81,13 +81,15 @@ def waiting_task_args(broker_url: str, task: TaskName) -> set[str]:
     conditional claim makes harmless."""
     client = redis.Redis.from_url(broker_url, socket_timeout=5)
     try:
-        raw = [*client.lrange(task.queue, 0, -1), *(json.loads(v)[0] for v in client.hvals("unacked"))]
+        waiting, unacked = client.lrange(task.queue, 0, -1), client.hvals("unacked")
     finally:
         client.close()
     found = set()
-    for message in raw:
+    for raw, delivered in [*((m, False) for m in waiting), *((m, True) for m in unacked)]:
         try:
-            envelope = json.loads(message) if isinstance(message, bytes | str) else message
+            envelope = json.loads(raw)
+            if delivered:  # kombu keeps [message, exchange, routing key] for a delivered one
+                envelope = envelope[0]
             if envelope["headers"]["task"] == task.name:
                 args, _kwargs, _embed = json.loads(base64.b64decode(envelope["body"]))
                 found.add(args[0])

@@ -16,7 +16,10 @@ UNAVAILABLE = "service_unavailable_error"
 
 
 class ApiError(Exception):
-    """``extra`` adds fields to the error object (a dataset's per-line ``errors``)."""
+    """``extra`` adds fields to the error object (a dataset's per-line ``errors``).
+
+    ``retry_after`` (seconds) marks a refusal that is temporary: it travels as the ``Retry-After``
+    header, which the official clients honour before they retry."""
 
     def __init__(
         self,
@@ -26,10 +29,15 @@ class ApiError(Exception):
         type: str = INVALID_REQUEST,
         param: str | None = None,
         code: str | None = None,
+        retry_after: int | None = None,
         **extra,
     ):
         super().__init__(message)
         self.message, self.status, self.type, self.param, self.code, self.extra = message, status, type, param, code, extra
+        self.retry_after = retry_after
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after)} if self.retry_after is not None else {}
 
     def body(self) -> dict:
         return error_body(self.message, type=self.type, param=self.param, code=self.code, **self.extra)

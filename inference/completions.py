@@ -2,8 +2,10 @@
 
 Route the request to a replica (``inference.router``), make that replica hold the adapter
 (``inference.adapters``), forward the body unchanged and relay the answer, streamed or not.
-A replica that does not answer is taken out of routing and the request tries another; a replica
-that lost the adapter (restart, eviction racing this request) gets it again. Nothing here waits
+A replica that cannot be reached is taken out of routing and the request tries another; a replica
+that lost the adapter (restart, eviction racing this request) gets it again. A request that may
+have reached a replica is never sent again (a generation must not run twice): when that replica
+fails, the client gets a 503 with Retry-After. Nothing here waits
 on anything but the replica: no database, no per-request disk writes; requests and answers go
 through ``inference.http_client`` (kept-alive connections, a fraction of httpx's cost).
 """
@@ -101,9 +103,13 @@ class CompletionsHandler:
         done = _Done(replica, model, request.adapter)
         try:
             upstream = await self.http.post(f"{replica.url}/v1/{request.endpoint}", request.body)
-        except (UpstreamUnavailable, UpstreamBroken) as exc:
+        except UpstreamUnavailable as exc:
             done()
             raise _down(replica, str(exc)) from None
+        except UpstreamBroken as exc:
+            done()
+            replica.mark_down(str(exc))
+            raise errors.replica_lost(str(exc)) from None
         except UpstreamTimeout as exc:
             done()
             raise errors.replica_failed(str(exc)) from None
@@ -129,7 +135,7 @@ class CompletionsHandler:
             raw = await upstream.read()
         except UpstreamError as exc:
             done.replica.mark_down(str(exc))
-            raise errors.replica_failed(str(exc)) from None
+            raise errors.replica_lost(str(exc)) from None
         finally:
             done()
         if upstream.status >= 500 and _ENGINE_DEAD in raw:

@@ -7,12 +7,20 @@ private network speaking plain HTTP/1.1, so this client only does what they need
 read the status, headers and body (Content-Length or chunked, streamed as it arrives), and keep
 connections alive for the next request (plain or TLS). httptools, uvicorn's parser, does the
 parsing. Everything off the hot path (health checks, adapter loads, metrics) keeps using httpx.
+
+A POST is never sent twice: once its bytes are written, whatever goes wrong is ``UpstreamBroken``
+(it may have reached the server, and a generation must not run twice). Only a connection that
+fails before anything is sent is ``UpstreamUnavailable``, safe to try elsewhere. To make "the
+server closed the idle connection just as we reused it" rare enough to give up on, a connection
+idle for ``REUSE_IDLE_S`` is not reused: uvicorn (vLLM's server, and ours) closes idle
+connections after 5 s.
 """
 
 from __future__ import annotations
 
 import asyncio
 import ssl
+import time
 from collections import deque
 from collections.abc import AsyncIterator
 from typing import Protocol
@@ -22,6 +30,7 @@ import httptools
 
 CONNECT_TIMEOUT_S = 5.0
 READ_TIMEOUT_S = 600.0  # between two reads: a long generation sends nothing until it is done
+REUSE_IDLE_S = 2.0  # well inside uvicorn's 5 s keep-alive: the server has not closed it yet
 _READ_SIZE = 1 << 16
 
 
@@ -33,11 +42,11 @@ class UpstreamError(Exception):
 
 
 class UpstreamUnavailable(UpstreamError):
-    """No answer at all: the connection was refused or dropped before any byte of a response."""
+    """Nothing was sent: the connection could not be made. Safe to send the request elsewhere."""
 
 
 class UpstreamBroken(UpstreamError):
-    """The connection failed in the middle of a response."""
+    """The connection failed after the request was sent: it may have reached the server."""
 
 
 class UpstreamTimeout(UpstreamError):
@@ -62,10 +71,12 @@ class Poster(Protocol):
 class _Connection:
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
         self.reader, self.writer = reader, writer
+        self.idle_since = time.monotonic()
 
     @property
     def usable(self) -> bool:
-        return not self.writer.is_closing() and not self.reader.at_eof()
+        fresh = time.monotonic() - self.idle_since < REUSE_IDLE_S
+        return fresh and not self.writer.is_closing() and not self.reader.at_eof()
 
     def close(self) -> None:
         self.writer.close()
@@ -107,12 +118,12 @@ class Response:
             raise UpstreamTimeout(f"no data from {self._key[1]}:{self._key[2]} in {READ_TIMEOUT_S:.0f} s") from None
         except OSError as exc:
             self._discard()
-            raise (UpstreamBroken if self._received_any else UpstreamUnavailable)(repr(exc)) from None
+            raise UpstreamBroken(repr(exc)) from None
         if not data:
             self._discard()
             if self._received_any:
                 raise UpstreamBroken("the connection closed in the middle of a response")
-            raise UpstreamUnavailable("the connection closed before any response")
+            raise UpstreamBroken("the connection closed after the request was sent, before any response")
         self._received_any = True
         try:
             self._parser.feed_data(data)
@@ -170,22 +181,16 @@ class HttpClient:
             f"POST {path} HTTP/1.1\r\nHost: {parts.netloc}\r\nContent-Type: {content_type}\r\n"
             f"Content-Length: {len(body)}\r\nConnection: keep-alive\r\n\r\n"
         ).encode("latin-1") + body
-        for reused in (True, False):
-            connection = self._idle_connection(key) if reused else await self._connect(key)
-            if connection is None:
-                continue
-            response = Response(self, key, connection)
-            try:
-                connection.writer.write(request)
-                await connection.writer.drain()
-                await response._read_headers()
-                return response
-            except (UpstreamUnavailable, OSError) as exc:
-                response._discard()
-                if reused:
-                    continue  # the server closed an idle connection as we used it: try a fresh one
-                raise (exc if isinstance(exc, UpstreamError) else UpstreamUnavailable(repr(exc))) from None
-        raise UpstreamUnavailable(f"{key[1]}:{key[2]} does not answer")  # not reached
+        connection = self._idle_connection(key) or await self._connect(key)
+        response = Response(self, key, connection)
+        try:
+            connection.writer.write(request)
+            await connection.writer.drain()
+            await response._read_headers()
+        except OSError as exc:
+            response._discard()
+            raise UpstreamBroken(f"sending to {key[1]}:{key[2]} failed ({exc!r})") from None
+        return response
 
     def _idle_connection(self, key: _Key) -> _Connection | None:
         idle = self._idle.get(key)
@@ -208,7 +213,8 @@ class HttpClient:
 
     def _release(self, key: _Key, connection: _Connection) -> None:
         idle = self._idle.setdefault(key, deque())
-        if len(idle) < self.max_idle_per_host and connection.usable:
+        if len(idle) < self.max_idle_per_host and not connection.writer.is_closing():
+            connection.idle_since = time.monotonic()
             idle.append(connection)
         else:
             connection.close()

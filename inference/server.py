@@ -60,7 +60,7 @@ def create_app(pool: Pool, adapters: AdapterManager, http: Poster, metrics: Metr
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     async def api_error(request: Request, exc: errors.ApiError) -> Response:
-        return Response(exc.json_bytes(), status_code=exc.status, media_type="application/json")
+        return Response(exc.json_bytes(), exc.status, exc.headers(), media_type="application/json")
 
     return Starlette(
         routes=[

@@ -85,6 +85,7 @@ async def test_it_answers_404_for_another_organizations_model_and_unknown_ones(w
         }  # fmt: skip
     allowed = await web.post("/v1/chat/completions", json=_chat(name), headers=_bearer(keys["alice"]))
     assert allowed.status_code == 503 and allowed.json()["error"]["code"] == "pool_unavailable"
+    assert allowed.headers["retry-after"] == "2"
 
 
 async def test_it_answers_400_for_a_body_without_a_model(web, keys):

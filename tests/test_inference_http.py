@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 
+from inference import http_client
 from inference.http_client import HttpClient, UpstreamBroken, UpstreamUnavailable
 
 pytestmark = pytest.mark.anyio
@@ -17,7 +18,8 @@ def anyio_backend():
 
 
 class TinyServer:
-    """Answers each request on a connection with the next of ``answers`` (raw bytes)."""
+    """Answers each request on a connection with the next of ``answers`` (raw bytes; None: read the
+    request, then close the connection without a word, as a replica killed mid-request)."""
 
     def __init__(self, answers: list[bytes], close_after_each: bool = False):
         self.answers, self.close_after_each = list(answers), close_after_each
@@ -40,6 +42,8 @@ class TinyServer:
             )
             self.requests.append(head + await reader.readexactly(length))
             answer = self.answers.pop(0)
+            if answer is None:
+                break
             for piece in answer if isinstance(answer, list) else [answer]:
                 writer.write(piece)
                 await writer.drain()
@@ -103,3 +107,35 @@ async def test_it_tells_nothing_listening_from_a_response_cut_short():
         response = await HttpClient().post(url + "/", b"")
         with pytest.raises(UpstreamBroken):
             await response.read()
+
+
+async def test_it_never_sends_a_post_twice_when_a_kept_alive_connection_dies_after_sending():
+    server = TinyServer([_ok(b"1"), None])
+    async with server as url:
+        client = HttpClient()
+        assert await (await client.post(url + "/", b"first")).read() == b"1"
+        with pytest.raises(UpstreamBroken, match="after the request was sent"):
+            await client.post(url + "/", b"second")
+        await asyncio.sleep(0.05)
+        assert [request.rpartition(b"\r\n\r\n")[2] for request in server.requests] == [b"first", b"second"]
+        assert server.connections == 1  # no fresh connection carried it a second time
+
+
+async def test_it_never_sends_a_post_twice_when_a_fresh_connection_dies_after_sending():
+    server = TinyServer([None])
+    async with server as url:
+        with pytest.raises(UpstreamBroken):
+            await HttpClient().post(url + "/", b"only once")
+        await asyncio.sleep(0.05)
+        assert len(server.requests) == 1 and server.connections == 1
+
+
+async def test_it_does_not_reuse_a_connection_the_server_may_be_closing(monkeypatch):
+    monkeypatch.setattr(http_client, "REUSE_IDLE_S", 0.05)
+    server = TinyServer([_ok(b"1"), _ok(b"2")])
+    async with server as url:
+        client = HttpClient()
+        assert await (await client.post(url + "/", b"")).read() == b"1"
+        await asyncio.sleep(0.1)  # idle past the reuse limit: a server's keep-alive may be ending
+        assert await (await client.post(url + "/", b"")).read() == b"2"
+        assert server.connections == 2

@@ -21,7 +21,7 @@ from inference import adapter_slots
 from inference.adapter_slots import AdapterSlots
 from inference.adapter_source import AdapterSource
 from inference.adapters import AdapterManager
-from inference.http_client import UpstreamUnavailable
+from inference.http_client import UpstreamBroken, UpstreamUnavailable
 from inference.metrics import Metrics
 from inference.pool import Pool
 from inference.router import HOT_ADAPTER_INFLIGHT, choose_replica, rendezvous_order
@@ -67,6 +67,7 @@ class FakeVllm:
 
     loaded: dict = field(default_factory=dict)  # url -> {name: path}
     down: set = field(default_factory=set)
+    dies_mid_request: set = field(default_factory=set)  # urls that take a completion and then vanish
     calls: list = field(default_factory=list)
     max_rank: int = 16
 
@@ -88,6 +89,8 @@ class FakeVllm:
                 return httpx.Response(404, json=_vllm_error("cannot be found", 404))
             return httpx.Response(200, text="Success")
         if path in ("/v1/chat/completions", "/v1/completions"):
+            if url in self.dies_mid_request:
+                raise httpx.RemoteProtocolError("Server disconnected without sending a response.", request=request)
             model = body["model"]
             if model != BASE and model not in held:
                 return httpx.Response(404, json=_vllm_error(f"The model `{model}` does not exist.", 404))
@@ -112,6 +115,8 @@ class HttpxPoster:
             response = await self.client.post(url, content=body, headers={"content-type": content_type})
         except httpx.ConnectError as exc:
             raise UpstreamUnavailable(str(exc)) from None
+        except httpx.TransportError as exc:
+            raise UpstreamBroken(str(exc)) from None
         return BufferedResponse(response.status_code, dict(response.headers), response.content)
 
 
@@ -402,6 +407,21 @@ async def test_it_routes_around_a_replica_that_does_not_answer(tmp_path):
 
 
 @pytest.mark.anyio
+async def test_it_never_sends_a_request_that_reached_a_failing_replica_to_another(tmp_path):
+    pool = PoolUnderTest(tmp_path, replicas=2)
+    name = pool.publish("support")
+    favourite = rendezvous_order(name, pool.pool.replicas)[0]
+    pool.vllm.dies_mid_request.add(favourite.url)
+    response = await pool.chat(name)
+    assert response.status_code == 503 and response.headers["retry-after"] == "1"
+    assert response.json()["error"]["code"] == "replica_unavailable"
+    completions = [call for call in pool.vllm.calls if call[1] == "/v1/chat/completions"]
+    assert completions == [(favourite.url, "/v1/chat/completions", name)]  # once, on one replica
+    assert not favourite.healthy
+    assert (await pool.chat(name)).status_code == 200  # the next request goes elsewhere
+
+
+@pytest.mark.anyio
 async def test_it_takes_a_replica_whose_engine_died_out_of_routing(tmp_path):
     pool = PoolUnderTest(tmp_path, replicas=2)
     dead = rendezvous_order(BASE, pool.pool.replicas)[0]
@@ -423,7 +443,7 @@ async def test_it_answers_503_when_no_replica_is_ready(tmp_path):
     pool = PoolUnderTest(tmp_path, replicas=2)
     pool.vllm.down.update(replica.url for replica in pool.pool.replicas)
     response = await pool.chat(BASE)
-    assert response.status_code == 503
+    assert response.status_code == 503 and response.headers["retry-after"] == "5"
     assert response.json()["error"]["code"] == "no_replica_available"
     response = await pool.chat(BASE)  # now known to be down: no attempt at all
     assert response.status_code == 503

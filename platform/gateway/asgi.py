@@ -33,12 +33,12 @@ def with_fast_path(django_application: ASGIApp) -> ASGIApp:
         try:
             result = await complete(request.headers.get("authorization"), await request.body(), endpoint)
         except errors.ApiError as exc:
-            return Response(exc.json_bytes(), status_code=exc.status, media_type="application/json")
+            return Response(exc.json_bytes(), exc.status, exc.headers(), media_type="application/json")
         if result.stream is not None:
             return StreamingResponse(
                 result.stream, status_code=result.status, media_type=result.content_type, headers=STREAM_HEADERS
             )
-        return Response(result.body, status_code=result.status, media_type=result.content_type)
+        return Response(result.body, result.status, result.headers, media_type=result.content_type)
 
     async def application(scope: Scope, receive: Receive, send: Send) -> None:
         endpoint = ENDPOINTS.get(scope.get("path", "")) if scope["type"] == "http" else None

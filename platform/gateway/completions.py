@@ -9,7 +9,7 @@ inference pool byte for byte and give back its answer the same way (a stream sta
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from accounts.models import Organization
 from gateway.access import authorize, organization_model
@@ -28,6 +28,7 @@ class PoolAnswer:
     content_type: str
     body: bytes = b""
     stream: AsyncIterator[bytes] | None = None  # set for a streamed answer, instead of body
+    headers: dict[str, str] = field(default_factory=dict)  # the pool's Retry-After on a refusal
 
 
 def bearer_key(authorization: str | None) -> str:
@@ -70,7 +71,8 @@ async def _forward(body: bytes, stream: bool, endpoint: str) -> PoolAnswer:
         raw = await upstream.read()
     except UpstreamError as exc:
         raise _unreachable(exc) from None
-    return PoolAnswer(upstream.status, content_type, body=raw)
+    retry_after = upstream.headers.get("retry-after")
+    return PoolAnswer(upstream.status, content_type, body=raw, headers={"Retry-After": retry_after} if retry_after else {})
 
 
 def _unreachable(exc: UpstreamError) -> errors.ApiError:

@@ -38,7 +38,7 @@ def openai_endpoint(name: str, *methods: str):
 
 
 def error_response(exc: errors.ApiError) -> HttpResponse:
-    return HttpResponse(exc.json_bytes(), status=exc.status, content_type="application/json")
+    return HttpResponse(exc.json_bytes(), status=exc.status, content_type="application/json", headers=exc.headers())
 
 
 def pool_response(answer: PoolAnswer) -> HttpResponse:
@@ -47,7 +47,7 @@ def pool_response(answer: PoolAnswer) -> HttpResponse:
         return StreamingHttpResponse(
             answer.stream, status=answer.status, content_type=answer.content_type, headers=STREAM_HEADERS
         )
-    return HttpResponse(answer.body, status=answer.status, content_type=answer.content_type)
+    return HttpResponse(answer.body, status=answer.status, content_type=answer.content_type, headers=answer.headers)
 
 
 async def _completion(request: HttpRequest, endpoint: str) -> HttpResponse:

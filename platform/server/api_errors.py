@@ -50,7 +50,9 @@ def exception_handler(exc, context) -> Response | None:
         exc = _translate(exc)
     if not isinstance(exc, ApiError):
         return None  # a bug: let Django report it as a 500
-    headers = {"WWW-Authenticate": "Bearer"} if exc.status == status.HTTP_401_UNAUTHORIZED else None
+    headers = exc.headers()
+    if exc.status == status.HTTP_401_UNAUTHORIZED:
+        headers["WWW-Authenticate"] = "Bearer"
     return Response(exc.body(), status=exc.status, headers=headers)
 
 

@@ -4,17 +4,20 @@ Publishing is atomic, so a reader never sees half an adapter:
 - a local root holds each adapter as a symlink to an immutable version folder; publishing writes a
   new version folder, then swaps the link with ``os.replace`` (atomic, even over an old version);
 - an ``s3://bucket/prefix`` root gets the weights first and ``adapter_config.json`` last, each
-  object with its SHA-256 in its metadata, so a reader that finds the config finds complete,
-  verifiable data.
+  object with its SHA-256 and the version in its metadata, so a reader that finds the config finds
+  complete, verifiable data; a reader that meets objects of another version (a republish under
+  way) starts again, and caches nothing until every object it read carries the config's version.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -35,6 +38,17 @@ class CorruptAdapter(ValueError):
     """Downloaded bytes do not match the checksum they were published with."""
 
 
+class StoreUnavailable(OSError):
+    """The store did not answer (S3 down, a network error, or a republish that never settled)."""
+
+
+class _VersionMoved(Exception):
+    """An object of another version than the config's: the adapter is being republished."""
+
+
+_FETCH_ATTEMPTS = 5
+
+
 @dataclass(frozen=True)
 class AdapterVersion:
     name: str
@@ -46,6 +60,11 @@ class AdapterStore(Protocol):
     def version(self, name: str) -> AdapterVersion | None: ...
     def fetch(self, name: str, cache_dir: Path) -> Path: ...
     def delete(self, name: str) -> None: ...
+
+
+def version_of_folder(folder: Path) -> str:
+    """Version folders (local, and S3 copies in a cache) are named ``<name>@<version>``."""
+    return folder.name.rpartition("@")[2]
 
 
 def sha256_of(path: Path) -> str:
@@ -98,7 +117,7 @@ class LocalAdapterStore:
         if not (link / CONFIG_FILE).is_file():
             return None
         resolved = link.resolve()
-        return AdapterVersion(name, resolved.name.rpartition("@")[2] or str(resolved.stat().st_mtime_ns))
+        return AdapterVersion(name, version_of_folder(resolved) or str(resolved.stat().st_mtime_ns))
 
     def fetch(self, name: str, cache_dir: Path) -> Path:
         """A local store is already local: the published folder is what a replica loads."""
@@ -138,7 +157,8 @@ class S3AdapterStore:
         from botocore.exceptions import ClientError
 
         try:
-            head = self.client.head_object(Bucket=self.bucket, Key=self.key(name, CONFIG_FILE))
+            with _unavailable_on_network_errors():
+                head = self.client.head_object(Bucket=self.bucket, Key=self.key(name, CONFIG_FILE))
         except ClientError as exc:
             if exc.response["Error"]["Code"] in ("404", "NoSuchKey", "NotFound"):
                 return None
@@ -147,26 +167,48 @@ class S3AdapterStore:
 
     def fetch(self, name: str, cache_dir: Path) -> Path:
         """Download into ``cache_dir/<name>@<version>`` (verified, then renamed into place)."""
-        current = self.version(name)
-        if current is None:
-            raise AdapterNotFound(name)
-        target = cache_dir / f"{name}@{current.version}"
-        if (target / CONFIG_FILE).is_file():
-            return target
+        for attempt in range(_FETCH_ATTEMPTS):
+            current = self.version(name)
+            if current is None:
+                raise AdapterNotFound(name)
+            target = cache_dir / f"{name}@{current.version}"
+            if (target / CONFIG_FILE).is_file():
+                return target
+            try:
+                with _unavailable_on_network_errors():
+                    self._download(name, current.version, target)
+                return target
+            except _VersionMoved:
+                time.sleep(0.1 * 2**attempt)  # the publisher writes the config last: give it time
+        raise StoreUnavailable(f"{name} kept changing while it was read ({_FETCH_ATTEMPTS} tries)")
+
+    def _download(self, name: str, version: str, target: Path) -> None:
         target.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=".download-", dir=target.parent))
         try:
             listing = self.client.list_objects_v2(Bucket=self.bucket, Prefix=self.key(name) + "/")
             for item in listing.get("Contents", []):
-                local = staging / item["Key"].rpartition("/")[2]
-                self.client.download_file(self.bucket, item["Key"], str(local))
-                expected = self.client.head_object(Bucket=self.bucket, Key=item["Key"])["Metadata"].get("sha256")
-                if expected and sha256_of(local) != expected:
+                filename = item["Key"].rpartition("/")[2]
+                # Body and metadata from one GET: they belong to the same write of the object.
+                answer = self.client.get_object(Bucket=self.bucket, Key=item["Key"])
+                published_as = answer["Metadata"].get("version")
+                if published_as not in (None, version):
+                    if filename in (CONFIG_FILE, WEIGHTS_FILE):
+                        raise _VersionMoved(item["Key"])
+                    continue  # a file an older version had and this one does not
+                digest = hashlib.sha256()
+                with (staging / filename).open("wb") as local:
+                    for block in answer["Body"].iter_chunks(1 << 20):
+                        digest.update(block)
+                        local.write(block)
+                expected = answer["Metadata"].get("sha256")
+                if expected and digest.hexdigest() != expected:
                     raise CorruptAdapter(f"{item['Key']}: checksum mismatch")
+            if not (staging / CONFIG_FILE).is_file() or not (staging / WEIGHTS_FILE).is_file():
+                raise _VersionMoved(name)  # deleted or being replaced while listed
             staging.rename(target)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
-        return target
 
     def delete(self, name: str) -> None:
         # The config first, so the adapter stops looking complete before its weights go.
@@ -174,6 +216,22 @@ class S3AdapterStore:
         listing = self.client.list_objects_v2(Bucket=self.bucket, Prefix=self.key(name) + "/")
         for item in listing.get("Contents", []):
             self.client.delete_object(Bucket=self.bucket, Key=item["Key"])
+
+
+@contextlib.contextmanager
+def _unavailable_on_network_errors() -> Iterator[None]:
+    """S3 that cannot be reached (or answers 5xx) is ``StoreUnavailable``: a reader waits and
+    retries; it is not told the adapter is missing or broken."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    try:
+        yield
+    except BotoCoreError as exc:
+        raise StoreUnavailable(str(exc)) from exc
+    except ClientError as exc:
+        if exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) >= 500:
+            raise StoreUnavailable(str(exc)) from exc
+        raise
 
 
 def adapter_store(root: str, s3: S3Settings) -> AdapterStore:

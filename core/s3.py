@@ -7,6 +7,7 @@ from core.config import S3Settings
 
 def s3_client(s3: S3Settings):
     import boto3  # deferred: processes that never touch S3 do not pay for importing boto3
+    from botocore.config import Config
 
     return boto3.client(
         "s3",
@@ -14,6 +15,9 @@ def s3_client(s3: S3Settings):
         aws_access_key_id=s3.access_key_id,
         aws_secret_access_key=s3.secret_access_key,
         region_name=s3.region,
+        # botocore waits 60 s for a connection by default, and retries: an unreachable S3 would
+        # hold a request or a publish for minutes instead of seconds.
+        config=Config(connect_timeout=3, read_timeout=30, retries={"mode": "standard", "max_attempts": 3}),
     )
 
 

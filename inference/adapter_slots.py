@@ -17,6 +17,8 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
+from core.adapter_store import version_of_folder
+
 UNLOAD_GRACE_S = 1.0  # after an adapter's last request: time for the engine to drop it from its batch
 
 
@@ -58,8 +60,16 @@ class AdapterSlots:
     def forget(self, name: str) -> HeldAdapter | None:
         return self.held.pop(name, None)
 
+    def read_back(self, loaded: dict[str, Path]) -> None:
+        """What the engine says it holds (name -> folder) replaces what we thought; order is kept."""
+        for name in [name for name, held in self.held.items() if loaded.get(name) != held.folder]:
+            del self.held[name]
+        for name, folder in loaded.items():
+            if name not in self.held:
+                self.held[name] = HeldAdapter(version_of_folder(folder), folder)
+
     def clear(self) -> None:
-        """The replica restarted or vanished: whatever it held is gone."""
+        """The replica's engine exited: whatever it held is gone."""
         self.held.clear()
         self.running.clear()
         self.last_finished.clear()

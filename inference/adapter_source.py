@@ -4,26 +4,30 @@ It answers "which version is published now?" on every request (a local path is a
 S3 a HEAD, remembered for a second), and gives a local folder for a version: the published folder
 itself, or an S3 copy synced into a cache, checksum-verified, downloaded once however many requests
 want it at the same moment. A missing adapter is never remembered: the next request looks again.
+
+When S3 is slow or unreachable, an adapter whose version is known keeps answering with it (the
+look-up goes on in the background and corrects it once S3 answers); one never seen before is a
+503 with Retry-After.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
+import logging
 import shutil
 import time
 from pathlib import Path
 
-from core.adapter_store import CONFIG_FILE, WEIGHTS_FILE, AdapterStore, LocalAdapterStore
+from core.adapter_store import CONFIG_FILE, WEIGHTS_FILE, AdapterStore, LocalAdapterStore, StoreUnavailable
 from inference import errors
 from inference.metrics import Metrics
 
 REMOTE_VERSION_TTL_S = 1.0  # how long an S3 version answer is trusted (a found one; never a missing one)
+KNOWN_VERSION_WAIT_S = 0.5  # how long a request for a known adapter waits for S3 before using what it knows
 
-
-def version_of_folder(folder: Path) -> str:
-    # Published folders are named <name>@<version> by the store (local and S3 cache alike).
-    return folder.name.rpartition("@")[2]
+log = logging.getLogger("inference.adapter_source")
 
 
 class AdapterSource:
@@ -33,6 +37,8 @@ class AdapterSource:
         self.store, self.cache_dir, self.metrics, self.base_model_id = store, cache_dir, metrics, base_model_id
         self.is_local = isinstance(store, LocalAdapterStore)
         self._known: dict[str, tuple[str, float]] = {}  # S3: name -> (version, checked at)
+        self._lookups: dict[str, asyncio.Task[str | None]] = {}
+        self._store_down = False  # the last look-up failed: known versions answer without waiting
         self._fetches: dict[tuple[str, str], asyncio.Task[Path]] = {}
 
     async def version(self, name: str) -> str | None:
@@ -42,6 +48,36 @@ class AdapterSource:
         known = self._known.get(name)
         if known and time.monotonic() - known[1] < REMOTE_VERSION_TTL_S:
             return known[0]
+        lookup = asyncio.shield(self._look_up(name))
+        if known is None:
+            try:
+                return await lookup
+            except StoreUnavailable as exc:
+                raise errors.adapter_store_unavailable(name, str(exc)) from None
+        try:
+            return await asyncio.wait_for(lookup, 0 if self._store_down else KNOWN_VERSION_WAIT_S)
+        except (TimeoutError, StoreUnavailable):
+            return known[0]
+
+    def _look_up(self, name: str) -> asyncio.Task[str | None]:
+        """One HEAD in flight per adapter; it updates what is known, whoever is still waiting."""
+        task = self._lookups.get(name)
+        if task is None:
+            task = self._lookups[name] = asyncio.create_task(self._head(name))
+            task.add_done_callback(functools.partial(self._looked_up, name))
+        return task
+
+    def _looked_up(self, name: str, task: asyncio.Task) -> None:
+        self._lookups.pop(name, None)
+        failure = None if task.cancelled() else task.exception()  # retrieved even when nobody waited
+        if isinstance(failure, StoreUnavailable) != self._store_down:
+            self._store_down = not self._store_down
+            if self._store_down:
+                log.warning("S3 does not answer (%s): loaded adapters keep their versions until it does", failure)
+            else:
+                log.info("S3 answers again: adapter versions are checked again")
+
+    async def _head(self, name: str) -> str | None:
         found = await asyncio.to_thread(self.store.version, name)
         if found is None:
             self._known.pop(name, None)

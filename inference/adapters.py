@@ -3,7 +3,9 @@
 ``AdapterManager.ensure`` runs before a request goes to a replica: it loads the published version
 of the adapter there through vLLM's ``/v1/load_lora_adapter`` (evicting the least recently used
 idle one when the replica is full, see ``inference.adapter_slots``), reloads it when the store has
-a newer version, and unloads it everywhere once the store no longer has it.
+a newer version, and unloads it everywhere once the store no longer has it. ``watch_forever`` looks
+at every held adapter every ``RECHECK_HELD_S``, so a deleted one leaves the replicas (and the
+cache) within seconds, not at its next request; a request still streaming with it finishes first.
 """
 
 from __future__ import annotations
@@ -17,10 +19,10 @@ from typing import TYPE_CHECKING
 
 import httpx
 
-from core.adapter_store import AdapterNotFound, CorruptAdapter
+from core.adapter_store import AdapterNotFound, CorruptAdapter, StoreUnavailable, version_of_folder
 from inference import adapter_slots, errors
 from inference.adapter_slots import AdapterSlots, HeldAdapter
-from inference.adapter_source import AdapterSource, check_adapter, version_of_folder
+from inference.adapter_source import AdapterSource, check_adapter
 from inference.metrics import Metrics
 
 if TYPE_CHECKING:
@@ -29,6 +31,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("inference.adapters")
 
 VLLM_ADMIN_TIMEOUT_S = 60.0
+RECHECK_HELD_S = 2.0
 
 
 class ReplicaUnavailable(Exception):
@@ -85,6 +88,8 @@ class AdapterManager:
         except CorruptAdapter as exc:
             self.metrics.adapter_loads.labels(base.id, "failed").inc()
             raise errors.adapter_invalid(name, f"its files do not match their checksums ({exc})") from None
+        except StoreUnavailable as exc:
+            raise errors.adapter_store_unavailable(name, str(exc)) from None
         try:
             check_adapter(name, folder, base.lora.max_lora_rank)
         except errors.ApiError:
@@ -128,6 +133,25 @@ class AdapterManager:
                     await asyncio.sleep(adapter_slots.UNLOAD_GRACE_S)  # all busy: look again in a moment
         finally:
             slots.trim_scheduled = False
+
+    async def watch_forever(self) -> None:
+        while True:
+            await asyncio.sleep(RECHECK_HELD_S)
+            try:
+                await self.retire_deleted()
+            except Exception:
+                log.exception("checking the held adapters against the store failed; again in %.0f s", RECHECK_HELD_S)
+
+    async def retire_deleted(self) -> None:
+        """Unload, everywhere, the held adapters the store no longer has."""
+        held = {(replica.model.id, name) for replica in self.replicas for name in replica.adapters.held}
+        for base_id, name in held:
+            try:
+                deleted = await self.sources[base_id].version(name) is None
+            except errors.ApiError:  # the store cannot say (S3 down): keep it until it can
+                continue
+            if deleted:
+                self.retire_everywhere(name)
 
     def retire_everywhere(self, name: str) -> None:
         """The store no longer has it: unload it from every replica, once its requests are answered."""

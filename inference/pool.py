@@ -28,14 +28,22 @@ class Pool:
     def ready(self, model_id: str | None = None) -> list[Replica]:
         return [r for r in self.replicas if r.healthy and (model_id is None or r.model.id == model_id)]
 
-    async def supervise_forever(self) -> None:
-        async with httpx.AsyncClient() as client:
-            while True:
-                now = time.monotonic()
-                for replica in self.replicas:
-                    replica.supervise(now)
-                await asyncio.gather(*(replica.probe(client) for replica in self.replicas))
-                await asyncio.sleep(SUPERVISE_INTERVAL_S)
+    async def supervise_forever(self, client: httpx.AsyncClient) -> None:
+        """Start what is not running and probe every replica, each second, whatever goes wrong:
+        an error in one round is logged and the next round runs (without this loop nothing
+        restarts a crashed replica or brings a recovered one back into routing)."""
+        while True:
+            try:
+                await self.supervise_once(client)
+            except Exception:
+                log.exception("supervising the replicas failed; trying again in %.0f s", SUPERVISE_INTERVAL_S)
+            await asyncio.sleep(SUPERVISE_INTERVAL_S)
+
+    async def supervise_once(self, client: httpx.AsyncClient) -> None:
+        now = time.monotonic()
+        for replica in self.replicas:
+            replica.supervise(now)
+        await asyncio.gather(*(replica.probe(client) for replica in self.replicas))
 
     def stop(self) -> None:
         for replica in self.replicas:

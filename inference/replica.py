@@ -10,6 +10,7 @@ import subprocess
 import sys
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 
@@ -109,11 +110,26 @@ class Replica:
             del self.inflight_by_model[model]
 
     def mark_down(self, reason: str) -> None:
-        """Stop routing here until the health check passes again; whatever it held is forgotten."""
+        """Stop routing here until the health check passes again.
+
+        What it holds is not forgotten: a busy engine that missed two probes still has its
+        adapters, and forgetting them would mean unloading and reloading under load (which kills
+        the engine while their requests run). When it is back, ``read_back_adapters`` says what
+        it really holds."""
         if self.healthy:
             log.warning("replica %s for %s is down: %s", self.url, self.model.id, reason)
         self.healthy = False
-        self.adapters.clear()
+
+    async def read_back_adapters(self, client: httpx.AsyncClient) -> None:
+        """Take vLLM's own list of loaded adapters (its /v1/models) as what this replica holds."""
+        response = await client.get(f"{self.url}/v1/models", timeout=_PROBE_TIMEOUT_S)
+        response.raise_for_status()
+        loaded = {
+            card["id"]: Path(card["root"])
+            for card in response.json()["data"]
+            if card.get("parent") and card["id"] != self.model.id  # LoRA cards name their base as parent
+        }
+        self.adapters.read_back(loaded)
 
     @property
     def managed(self) -> bool:
@@ -136,6 +152,7 @@ class Replica:
             self.last_exit_code = self.process.returncode
             self.process = None
             self.mark_down(f"exited with {self.last_exit_code}")
+            self.adapters.clear()  # a new engine starts empty
             self.restarts += 1
             self.next_start_at = now + self.backoff_s
             self.backoff_s = min(self.backoff_s * 2, _RESTART_BACKOFF_S[1])
@@ -159,14 +176,22 @@ class Replica:
         if problem is None:
             self.failed_probes = 0
             if not self.healthy:
-                log.info("replica %s for %s is ready", self.url, self.model.id)
-                self.backoff_s = _RESTART_BACKOFF_S[0]
-                self.healthy = True
+                await self._come_back(client)
             return
         # A busy engine can miss one slow health check; only a second miss takes it out of routing.
         self.failed_probes += 1
         if self.failed_probes >= _PROBE_FAILURES_TO_DOWN:
             self.mark_down(problem)
+
+    async def _come_back(self, client: httpx.AsyncClient) -> None:
+        try:
+            await self.read_back_adapters(client)
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+            log.warning("replica %s answers but its adapter list does not (%r); next probe again", self.url, exc)
+            return
+        log.info("replica %s for %s is ready, holding %d adapter(s)", self.url, self.model.id, len(self.adapters.held))
+        self.backoff_s = _RESTART_BACKOFF_S[0]
+        self.healthy = True
 
     def stop(self, grace_s: float = 10.0) -> None:
         """Stop the server and the engine processes it started (its own process group)."""

@@ -36,11 +36,15 @@ def create_app(pool: Pool, adapters: AdapterManager, http: Poster, metrics: Metr
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
-        supervisor = asyncio.create_task(pool.supervise_forever())
+        background = [
+            asyncio.create_task(pool.supervise_forever(adapters.client)),
+            asyncio.create_task(adapters.watch_forever()),
+        ]
         try:
             yield
         finally:
-            supervisor.cancel()
+            for task in background:
+                task.cancel()
             await adapters.client.aclose()
             if hasattr(http, "aclose"):
                 await http.aclose()

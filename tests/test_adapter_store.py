@@ -4,8 +4,16 @@ from pathlib import Path
 
 import pytest
 
-from core.adapter_store import CONFIG_FILE, WEIGHTS_FILE, AdapterNotFound, CorruptAdapter, adapter_store
-from tests.s3 import s3_server
+from core.adapter_store import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    AdapterNotFound,
+    CorruptAdapter,
+    StoreUnavailable,
+    adapter_store,
+    sha256_of,
+)
+from tests.s3 import running_s3_server, s3_server
 
 NAME = "HuggingFaceTB/SmolLM2-135M-Instruct:support-bot"
 
@@ -90,3 +98,36 @@ def test_s3_fetch_refuses_bytes_that_do_not_match_their_checksum(s3, tmp_path):
     with pytest.raises(CorruptAdapter, match="checksum"):
         store.fetch(NAME, tmp_path / "cache")
     assert not list((tmp_path / "cache").rglob(WEIGHTS_FILE))  # nothing half-downloaded is left
+
+
+def test_s3_fetch_during_a_republish_retries_until_every_object_has_one_version(s3, tmp_path):
+    store = adapter_store("s3://adapters/republishing", s3)
+    store.publish(NAME, _adapter(tmp_path / "v1", b"one"))
+    # Halfway through a republish: the new weights are up, the config still names the old version.
+    new = _adapter(tmp_path / "v2", b"two")
+    version = "9" * 19
+    upload = {"Metadata": {"sha256": sha256_of(new / WEIGHTS_FILE), "version": version}}
+    store.client.upload_file(str(new / WEIGHTS_FILE), "adapters", store.key(NAME, WEIGHTS_FILE), ExtraArgs=upload)
+    upload = {"Metadata": {"sha256": sha256_of(new / CONFIG_FILE), "version": version}}
+    config_last = threading.Timer(
+        0.3, store.client.upload_file, (str(new / CONFIG_FILE), "adapters", store.key(NAME, CONFIG_FILE), upload)
+    )
+    config_last.start()
+    fetched = store.fetch(NAME, tmp_path / "cache")
+    config_last.join()
+    assert fetched.name.endswith(f"@{version}")  # never the old name with the new bytes
+    assert (fetched / WEIGHTS_FILE).read_bytes() == b"two"
+    assert [folder.name for folder in fetched.parent.iterdir()] == [fetched.name]  # nothing mixed was cached
+
+
+def test_s3_reads_while_s3_is_down_say_unavailable_not_missing_or_corrupt(tmp_path):
+    with running_s3_server("outage") as server:
+        store = adapter_store("s3://outage/x", server.settings)
+        store.publish(NAME, _adapter(tmp_path / "v1", b"one"))
+        server.stop()
+        with pytest.raises(StoreUnavailable):
+            store.version(NAME)
+        with pytest.raises(StoreUnavailable):
+            store.fetch(NAME, tmp_path / "cache")
+        server.start()
+        assert (store.fetch(NAME, tmp_path / "cache") / WEIGHTS_FILE).read_bytes() == b"one"

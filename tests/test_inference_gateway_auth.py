@@ -109,3 +109,38 @@ async def test_it_lists_models_with_owner_and_parent(web, keys):
     assert name not in {card["id"] for card in charlies["data"]}
     assert (await web.get(f"/v1/models/{name}", headers=_bearer(keys["charlie"]))).status_code == 404
     assert (await web.get(f"/v1/models/{name}", headers=_bearer(keys["alice"]))).json()["id"] == name
+
+
+async def test_deleting_a_model_deletes_its_checkpoints_files_and_rows_and_keeps_the_job(web, keys):
+    from asgiref.sync import sync_to_async
+    from finetuning import storage
+    from finetuning.models import Checkpoint, FineTuningJob
+
+    from tests.inference_fixtures import Persona
+
+    def a_model_with_checkpoints() -> tuple[str, FineTuningJob, list[str]]:
+        name = register_fine_tuned_model(Persona(keys["alice_org"], keys["alice"], None), "kept-then-gone")
+        job = FineTuningJob.objects.get(fine_tuned_model=name)
+        keys_written = []
+        for step in (5, 10):
+            prefix = f"{storage.checkpoints_prefix(job.pk)}attempt-1/step-{step}"
+            storage.files().put(f"{prefix}/adapter_model.safetensors", b"weights")
+            Checkpoint.objects.create(job=job, step_number=step, epoch=step // 5, metrics={}, storage_key=prefix)
+            keys_written.append(f"{prefix}/adapter_model.safetensors")
+        return name, job, keys_written
+
+    def stored(key: str) -> bool:
+        try:
+            storage.files().get(key)
+        except KeyError:
+            return False
+        return True
+
+    name, job, written = await sync_to_async(a_model_with_checkpoints)()
+    outsider = await web.delete(f"/v1/models/{name}", headers=_bearer(keys["charlie"]))
+    assert outsider.status_code == 404 and all(stored(key) for key in written)  # nothing of alice's went
+    response = await web.delete(f"/v1/models/{name}", headers=_bearer(keys["alice"]))
+    assert response.status_code == 200 and response.json() == {"id": name, "object": "model", "deleted": True}
+    assert not any(stored(key) for key in written)
+    assert not await sync_to_async(Checkpoint.objects.filter(job=job).exists)()
+    assert await sync_to_async(FineTuningJob.objects.filter(pk=job.pk).exists)()  # the job's record stays

@@ -17,7 +17,7 @@ import pytest
 
 from core.adapter_store import adapter_store
 from core.catalog import BaseModel, Catalog, EngineConfig, LoraConfig
-from inference import adapter_slots
+from inference import adapter_slots, adapter_source
 from inference.adapter_slots import AdapterSlots
 from inference.adapter_source import AdapterSource
 from inference.adapters import AdapterManager
@@ -26,7 +26,7 @@ from inference.metrics import Metrics
 from inference.pool import Pool
 from inference.router import HOT_ADAPTER_INFLIGHT, choose_replica, rendezvous_order
 from inference.server import create_app
-from tests.s3 import s3_server
+from tests.s3 import running_s3_server, s3_server
 
 BASE = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
@@ -68,6 +68,7 @@ class FakeVllm:
     loaded: dict = field(default_factory=dict)  # url -> {name: path}
     down: set = field(default_factory=set)
     dies_mid_request: set = field(default_factory=set)  # urls that take a completion and then vanish
+    too_busy_to_probe: set = field(default_factory=set)  # urls whose health check times out
     calls: list = field(default_factory=list)
     max_rank: int = 16
 
@@ -78,6 +79,14 @@ class FakeVllm:
         body = json.loads(request.content or b"{}")
         held = self.loaded.setdefault(url, {})
         path = request.url.path
+        if path == "/health":
+            if url in self.too_busy_to_probe:
+                raise httpx.ReadTimeout("timed out", request=request)
+            return httpx.Response(200)
+        if path == "/v1/models":  # as vLLM lists them: the base model, then each adapter with its path
+            cards = [{"id": BASE, "root": "/weights", "parent": None}]
+            cards += [{"id": name, "root": folder, "parent": BASE} for name, folder in held.items()]
+            return httpx.Response(200, json={"object": "list", "data": cards})
         self.calls.append((url, path, body.get("lora_name") or body.get("model")))
         if path == "/v1/load_lora_adapter":
             if body["lora_name"] in held:
@@ -470,6 +479,83 @@ async def test_it_counts_requests_adapter_loads_and_replica_health_in_metrics(tm
     assert f'fineserve_replica_healthy{{model="{BASE}",replica="http://replica-0"}} 1.0' in text
 
 
+# --- keeping itself alive ------------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_it_keeps_what_a_busy_replica_holds_when_it_misses_two_probes(tmp_path):
+    pool = PoolUnderTest(tmp_path, replicas=1)
+    name = pool.publish("support")
+    await pool.chat(name)
+    replica = pool.pool.replicas[0]
+    pool.vllm.too_busy_to_probe.add(replica.url)
+    for _ in range(2):
+        await pool.pool.supervise_once(pool.client)
+    assert not replica.healthy  # out of routing while it does not answer...
+    pool.vllm.too_busy_to_probe.clear()
+    await pool.pool.supervise_once(pool.client)
+    assert replica.healthy and replica.holds(name)  # ...but what it holds was never forgotten
+    assert (await pool.chat(name)).status_code == 200
+    assert len(pool.vllm.loads(name)) == 1 and pool.vllm.unloads() == []  # no unload/reload under load
+
+
+@pytest.mark.anyio
+async def test_it_reads_back_the_adapters_a_replica_already_holds(tmp_path):
+    first = PoolUnderTest(tmp_path, replicas=1)
+    name = first.publish("support")
+    await first.chat(name)
+    # A new pool process in front of the same (remote) replica: it knows nothing yet.
+    second = PoolUnderTest(tmp_path, replicas=1)
+    second.vllm, second.client._transport = first.vllm, first.client._transport
+    second.pool.replicas[0].healthy = False
+    await second.pool.supervise_once(second.client)
+    assert second.pool.replicas[0].holds(name)
+    assert (await second.chat(name)).status_code == 200
+    assert len(first.vllm.loads(name)) == 1 and first.vllm.unloads() == []
+
+
+@pytest.mark.anyio
+async def test_it_logs_an_error_in_a_supervision_round_and_goes_on(tmp_path, monkeypatch, caplog):
+    from inference import pool as pool_module
+
+    monkeypatch.setattr(pool_module, "SUPERVISE_INTERVAL_S", 0.01)
+    pool = PoolUnderTest(tmp_path, replicas=1)
+    replica = pool.pool.replicas[0]
+    replica.healthy = False
+    rounds = {"n": 0}
+
+    def supervise_badly(now: float) -> None:
+        rounds["n"] += 1
+        if rounds["n"] == 1:
+            raise RuntimeError("injected")
+
+    monkeypatch.setattr(replica, "supervise", supervise_badly)
+    supervisor = asyncio.create_task(pool.pool.supervise_forever(pool.client))
+    for _ in range(200):
+        await asyncio.sleep(0.01)
+        if replica.healthy:
+            break
+    supervisor.cancel()
+    assert rounds["n"] >= 2 and replica.healthy  # later rounds ran and probed it back in
+    assert "supervising the replicas failed" in caplog.text and "injected" in caplog.text
+
+
+@pytest.mark.anyio
+async def test_it_unloads_a_deleted_adapter_from_every_replica_without_waiting_for_a_request(tmp_path):
+    pool = PoolUnderTest(tmp_path, replicas=2)
+    name = pool.publish("support")
+    await pool.chat(name)
+    holder = next(replica for replica in pool.pool.replicas if replica.holds(name))
+    holder.adapters.started(name)  # a request still streaming with it
+    pool.store.delete(name)
+    await pool.adapters.retire_deleted()
+    await _settle()
+    assert name in pool.vllm.loaded[holder.url]  # the stream finishes first
+    holder.adapters.finished(name)
+    await _settle()
+    assert not holder.holds(name) and name not in pool.vllm.loaded[holder.url]
+
+
 # --- S3 ----------------------------------------------------------------------------------------
 
 
@@ -503,3 +589,23 @@ async def test_it_refuses_an_s3_adapter_whose_bytes_do_not_match_their_checksum(
     response = await pool.chat(name)
     assert response.status_code == 500 and "checksum" in response.json()["error"]["message"]
     assert pool.vllm.loads() == []
+
+
+@pytest.mark.anyio
+async def test_it_serves_loaded_s3_adapters_while_s3_is_down_and_asks_for_a_retry_of_a_cold_one(tmp_path, monkeypatch):
+    monkeypatch.setattr(adapter_source, "REMOTE_VERSION_TTL_S", 0.0)  # every request asks S3
+    with running_s3_server("outage") as s3:
+        pool = PoolUnderTest(tmp_path, replicas=1, dynamic=f"s3://outage/{tmp_path.name}", s3=s3.settings)
+        warm, cold = pool.publish("warm"), pool.publish("cold")
+        assert (await pool.chat(warm)).status_code == 200
+        s3.stop()
+        for _ in range(3):
+            assert (await pool.chat(warm)).status_code == 200
+        response = await pool.chat(cold)
+        assert response.status_code == 503 and response.headers["retry-after"] == "5"
+        assert response.json()["error"]["code"] == "adapter_store_unavailable"
+        s3.start()
+        assert (await pool.chat(cold)).status_code == 200
+        pool.publish("warm")  # checked again now that S3 answers: the new version loads
+        assert (await pool.chat(warm)).status_code == 200
+        assert len(pool.vllm.loads(warm)) == 2

@@ -59,7 +59,7 @@ class JobCallbacks:
     def on_checkpoint(self, epoch: int, step: int, adapter_dir: Path, metrics) -> None:
         # Each attempt writes under its own prefix: an attempt given up on while it uploads can
         # never mix its files into the checkpoint the next attempt resumes from.
-        prefix = f"checkpoints/{self.job.pk}/attempt-{self.heartbeat.attempt}/step-{step}"
+        prefix = f"{storage.checkpoints_prefix(self.job.pk)}attempt-{self.heartbeat.attempt}/step-{step}"
         if not self.heartbeat.beat():
             return
         for file in adapter_dir.iterdir():

@@ -15,6 +15,11 @@ def files() -> ObjectStore:
     return object_store(settings.CONFIG.files_path, settings.CONFIG.s3)
 
 
+def checkpoints_prefix(job_id: str) -> str:
+    """Where a job's checkpoints live in the file store (each attempt and step in a folder below)."""
+    return f"checkpoints/{job_id}/"
+
+
 @functools.lru_cache(maxsize=None)
 def adapters(root: str) -> AdapterStore:
     """The dynamic LoRA path of a base model (its catalog lora_config names it)."""

@@ -31,6 +31,7 @@ _API_KEY_LINE = re.compile(r"API key:\s+(sk-\S+)")
 class RunningPlatform:
     url: str
     api_key: str
+    pool_url: str  # the inference pool's internal address (its /health lists what replicas hold)
     data_dir: Path
     redis_url: str
     process: subprocess.Popen
@@ -80,6 +81,6 @@ def bin_run(data_dir: Path, redis_url: str, ready_timeout_s: float = 420) -> Ite
     try:
         wait_until(key_found.is_set, 300, "bin/run's API key banner", process)
         wait_until(lambda: answers(f"{url}/healthz"), ready_timeout_s, "bin/run's /healthz", process)
-        yield RunningPlatform(url, found["key"], data_dir, redis_url, process)
+        yield RunningPlatform(url, found["key"], env["INFERENCE_POOL_URL"], data_dir, redis_url, process)
     finally:
         stop(process, grace_s=30)

@@ -299,6 +299,48 @@ def _metric(gateway: str, name: str, label: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name) and label in line)
 
 
+def _replica() -> dict:
+    return httpx.get(f"{settings.INFERENCE_POOL_URL}/health").json()["replicas"][0]
+
+
+def _loaded_in_vllm(replica_url: str) -> set[str]:
+    cards = httpx.get(f"{replica_url}/v1/models").json()["data"]
+    return {card["id"] for card in cards if card.get("parent")}
+
+
+def test_deleting_a_model_lets_its_stream_finish_then_unloads_it_everywhere_within_seconds(alice, make_adapter):
+    name = publish_fine_tuned_model(alice, _suffix("deleted"), make_adapter(seed=40))
+    stream = alice.client.chat.completions.create(
+        model=name, messages=QUESTION, max_tokens=48, temperature=0, stream=True, extra_body={"ignore_eos": True}
+    )
+    chunks = [next(stream)]  # it is streaming
+    assert alice.client.models.delete(name).deleted
+    chunks += list(stream)
+    assert sum(1 for chunk in chunks if chunk.choices and chunk.choices[0].delta.content) >= 40
+    assert chunks[-1].choices[0].finish_reason == "length"  # the stream ran to its end
+    replica_url = _replica()["url"]
+    deleted_at = time.monotonic()
+    wait_until(lambda: name not in _loaded_in_vllm(replica_url), 15, "the deleted adapter to leave the replica")
+    assert time.monotonic() - deleted_at < 10 and name not in _replica()["adapters"]  # no request needed
+
+
+def test_a_new_pool_reads_back_what_a_running_replica_already_holds(alice, make_adapter):
+    import asyncio
+
+    from inference.replica import Replica
+
+    name = publish_fine_tuned_model(alice, _suffix("held"), make_adapter(seed=41))
+    _ask(alice.client, name)
+    fresh = Replica(settings.MODEL_CATALOG.get(BASE), _replica()["url"])  # as a restarted pool sees it
+
+    async def read_back() -> None:
+        async with httpx.AsyncClient() as client:
+            await fresh.read_back_adapters(client)
+
+    asyncio.run(read_back())
+    assert fresh.holds(name) and fresh.adapters.version(name) == adapter_store().version(name).version
+
+
 # Last: it restarts the session's engine.
 def test_it_restarts_a_killed_replica_and_answers_503_meanwhile(alice, make_adapter):
     pool_url = settings.INFERENCE_POOL_URL

@@ -19,7 +19,7 @@ import redis
 
 from tests.browser import screenshot
 from tests.personas import good_dataset
-from tests.processes import ROOT
+from tests.processes import ROOT, wait_until
 from tests.running_platform import bin_run
 
 pytestmark = [pytest.mark.product, pytest.mark.engine, pytest.mark.training]
@@ -45,6 +45,10 @@ def wait_for_status(client: openai.OpenAI, job_id: str, statuses: tuple[str, ...
             raise AssertionError(f"job {job_id} is still {job.status} after {timeout_s:.0f} s; events: {events}")
         time.sleep(0.25)
     return job
+
+
+def pool_replicas(platform) -> list[dict]:
+    return httpx.get(f"{platform.pool_url}/health", timeout=10).json()["replicas"]
 
 
 def test_a_job_created_with_the_openai_client_trains_and_its_model_streams_then_deletes(platform):
@@ -77,7 +81,12 @@ def test_a_job_created_with_the_openai_client_trains_and_its_model_streams_then_
     assert len(pieces) >= 2 and "".join(pieces).strip(), "the answer did not stream"
 
     assert job.fine_tuned_model in [model.id for model in client.models.list()]
+    assert any(job.fine_tuned_model in replica["adapters"] for replica in pool_replicas(platform))
     assert client.models.delete(job.fine_tuned_model).deleted
+    wait_until(
+        lambda: not any(job.fine_tuned_model in replica["adapters"] for replica in pool_replicas(platform)),
+        10, "the deleted model to leave every replica, with no request for it",
+    )  # fmt: skip
     time.sleep(1.1)  # another web process may remember the grant for its GRANT_TTL_S
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model=job.fine_tuned_model, messages=[{"role": "user", "content": "Hi"}])

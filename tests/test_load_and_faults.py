@@ -1,0 +1,66 @@
+"""Faults under load, with real processes: the session's vLLM replica, pool and web gateway.
+
+Streaming chat clients over four adapters and the base model, and API clients creating, listing
+and cancelling jobs, while an adapter is republished and then the replica is SIGKILLed. Every
+request must be answered correctly or refused cleanly (``tests.load`` says what each means), and
+no job may be lost. ``benchmarks/load_and_faults.py`` runs the same at full size and prints the
+table; here it is small, so the suite stays short.
+"""
+
+# ruff: noqa: F811 (pytest fixtures are imported from tests.inference_fixtures, then named as arguments)
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import uuid
+
+import httpx
+import pytest
+from django.conf import settings
+
+from tests.inference_fixtures import (  # noqa: F401 (fixtures)
+    BASE,
+    adapter_store,
+    alice,
+    gateway,
+    make_adapter,
+    publish_fine_tuned_model,
+)
+from tests.load import Fault, run_load
+from tests.personas import good_dataset
+from tests.processes import wait_until
+
+pytestmark = [pytest.mark.engine, pytest.mark.fault, pytest.mark.django_db(transaction=True)]
+
+
+def _replica() -> dict:
+    return httpx.get(f"{settings.INFERENCE_POOL_URL}/health").json()["replicas"][0]
+
+
+def test_under_load_every_request_is_answered_or_refused_cleanly_through_a_republish_and_a_replica_kill(
+    alice, make_adapter, gateway
+):
+    names = [publish_fine_tuned_model(alice, f"load{i}-{uuid.uuid4().hex[:6]}", make_adapter(seed=50 + i)) for i in range(4)]
+    training_file = alice.client.files.create(file=("train.jsonl", good_dataset(10)), purpose="fine-tune").id
+    replica = _replica()
+
+    def republish_while_streaming() -> None:
+        adapter_store().publish(names[0], make_adapter(seed=60))
+
+    def kill_the_replica() -> None:
+        os.killpg(replica["pid"], signal.SIGKILL)
+
+    report = asyncio.run(run_load(
+        gateway, alice.api_key, [BASE, *names], chat_clients=12, duration_s=30, job_clients=2,
+        training_file=training_file,
+        faults=[Fault(8, "republish an adapter", republish_while_streaming), Fault(16, "SIGKILL the replica", kill_the_replica)],
+    ))  # fmt: skip
+    print(report.summary())
+    assert report.lost() == [], report.lost()[:5]
+    assert report.count("answered") >= 12  # the load ran...
+    assert report.count("refused") + report.count("cut") > 0  # ...and the kill was felt, cleanly
+    assert report.job_calls["lost"] == 0 and report.jobs_created > 0 and report.lost_jobs == []
+    wait_until(lambda: _replica()["healthy"], 300, "the killed replica to be restarted")
+    answer = alice.client.chat.completions.create(model=names[0], messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
+    assert answer.choices[0].message.content  # the republished adapter loads on the new engine

@@ -37,7 +37,7 @@ class RunningPlatform:
     process: subprocess.Popen
 
 
-def _environment(data_dir: Path, redis_url: str) -> dict[str, str]:
+def _environment(data_dir: Path, redis_url: str, settings: dict[str, str]) -> dict[str, str]:
     env = {name: value for name, value in os.environ.items() if name not in _PLATFORM_VARIABLES}
     env.update(
         DATA_DIR=str(data_dir),
@@ -45,6 +45,7 @@ def _environment(data_dir: Path, redis_url: str) -> dict[str, str]:
         WEB_PORT=str(free_port()),
         INFERENCE_POOL_URL=f"http://127.0.0.1:{free_port()}",
         FIRST_REPLICA_PORT=str(free_port()),
+        **settings,
     )
     return env
 
@@ -62,14 +63,17 @@ def _pump(process: subprocess.Popen, log_path: Path, key_found: threading.Event,
 
 
 @contextmanager
-def bin_run(data_dir: Path, redis_url: str, ready_timeout_s: float = 420) -> Iterator[RunningPlatform]:
+def bin_run(
+    data_dir: Path, redis_url: str, ready_timeout_s: float = 420, settings: dict[str, str] | None = None
+) -> Iterator[RunningPlatform]:
     """Start ``bin/run``, wait until ``/healthz`` answers 200, and stop everything it started on exit.
+    ``settings``: variables of ``.env.example`` to set, as a user's ``.env`` would.
 
     The base model is prepared once per checkout (``data/models``): the new data folder links to it,
     as a user's second start would find it.
     """
     (data_dir / "models").symlink_to(ROOT / "data" / "models", target_is_directory=True)
-    env = _environment(data_dir, redis_url)
+    env = _environment(data_dir, redis_url, settings or {})
     LOGS.mkdir(parents=True, exist_ok=True)
     process = subprocess.Popen(
         [str(ROOT / "bin" / "run")], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import signal
 import sys
@@ -30,6 +31,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "platform")]
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "server.settings")
+
+import django  # noqa: E402
+
+django.setup()  # the test helpers it borrows import Django models
 
 import httpx  # noqa: E402
 import openai  # noqa: E402
@@ -83,9 +89,8 @@ def _replica(platform: RunningPlatform) -> dict:
 def _training_child() -> psutil.Process:
     """The trainer's prefork child (the process that runs the task): what an OOM kill would take."""
     for process in psutil.process_iter(["cmdline"]):
-        cmdline = " ".join(process.info["cmdline"] or [])
-        if "--queues training" in cmdline and "--queues training" in " ".join(process.parent().cmdline()):
-            return process
+        if "--queues training" in " ".join(process.info["cmdline"] or []) and process.children():
+            return process.children()[0]
     raise LookupError("no trainer child process")
 
 
@@ -154,9 +159,9 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=1)
     args = parser.parse_args()
 
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     redis.Redis.from_url(REDIS_URL).flushdb()
     data_dir = Path(tempfile.mkdtemp(prefix="fineserve-load-"))
-    (data_dir / "models").symlink_to(ROOT / "data" / "models", target_is_directory=True)
     settings = {"JOB_HEARTBEAT_SECONDS": "2", "JOB_STALE_AFTER_SECONDS": "10"}
     print(f"starting bin/run in {data_dir} ...", flush=True)
     with bin_run(data_dir, REDIS_URL, settings=settings) as platform:
@@ -175,6 +180,7 @@ def main() -> int:
                 ))  # fmt: skip
                 note = follow_up.outcome() if follow_up else ""
                 rows.append(_row(name, report, steady, note))
+                print(rows[-1], flush=True)
                 steady = steady or report
                 for lost in report.lost()[:3]:
                     print(f"  lost: {lost}", flush=True)

@@ -97,9 +97,12 @@ class LocalAdapterStore:
         target = self.root / _VERSIONS / f"{name}@{version}"
         target.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=target.parent))
-        for file in _adapter_files(source_dir):
-            shutil.copy2(file, staging / file.name)
-        staging.rename(target)
+        try:
+            for file in _adapter_files(source_dir):
+                shutil.copy2(file, staging / file.name)
+            staging.rename(target)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)  # a full disk leaves no partial copy behind
         link.parent.mkdir(parents=True, exist_ok=True)
         previous = link.resolve() if link.is_symlink() else None
         temporary_link = link.with_name(f".{link.name}.{version}.link")
@@ -146,11 +149,12 @@ class S3AdapterStore:
 
     def publish(self, name: str, source_dir: Path) -> AdapterVersion:
         version = f"{time.time_ns()}"
-        for file in _adapter_files(source_dir):
-            self.client.upload_file(
-                str(file), self.bucket, self.key(name, file.name),
-                ExtraArgs={"Metadata": {"sha256": sha256_of(file), "version": version}},
-            )  # fmt: skip
+        with _unavailable_on_network_errors():
+            for file in _adapter_files(source_dir):
+                self.client.upload_file(
+                    str(file), self.bucket, self.key(name, file.name),
+                    ExtraArgs={"Metadata": {"sha256": sha256_of(file), "version": version}},
+                )  # fmt: skip
         return AdapterVersion(name, version)
 
     def version(self, name: str) -> AdapterVersion | None:
@@ -222,11 +226,12 @@ class S3AdapterStore:
 def _unavailable_on_network_errors() -> Iterator[None]:
     """S3 that cannot be reached (or answers 5xx) is ``StoreUnavailable``: a reader waits and
     retries; it is not told the adapter is missing or broken."""
+    from boto3.exceptions import S3UploadFailedError
     from botocore.exceptions import BotoCoreError, ClientError
 
     try:
         yield
-    except BotoCoreError as exc:
+    except (BotoCoreError, S3UploadFailedError) as exc:
         raise StoreUnavailable(str(exc)) from exc
     except ClientError as exc:
         if exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) >= 500:

@@ -131,3 +131,33 @@ def test_s3_reads_while_s3_is_down_say_unavailable_not_missing_or_corrupt(tmp_pa
             store.fetch(NAME, tmp_path / "cache")
         server.start()
         assert (store.fetch(NAME, tmp_path / "cache") / WEIGHTS_FILE).read_bytes() == b"one"
+
+
+def test_an_s3_publish_while_s3_is_down_says_unavailable_and_readers_keep_the_last_version(tmp_path):
+    with running_s3_server("outage-publish") as server:
+        store = adapter_store("s3://outage-publish/x", server.settings)
+        store.publish(NAME, _adapter(tmp_path / "v1", b"one"))
+        server.stop()
+        with pytest.raises(StoreUnavailable):
+            store.publish(NAME, _adapter(tmp_path / "v2", b"two"))
+        server.start()
+        assert (store.fetch(NAME, tmp_path / "cache") / WEIGHTS_FILE).read_bytes() == b"one"
+
+
+def test_a_local_publish_that_fails_leaves_no_partial_copy(tmp_path, monkeypatch):
+    import errno
+    import shutil
+
+    store = adapter_store(str(tmp_path / "dynamic"), s3=None)
+    store.publish(NAME, _adapter(tmp_path / "v1", b"one"))
+
+    def disk_full(source, target, **kwargs):
+        Path(target).write_bytes(b"par")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(shutil, "copy2", disk_full)
+    with pytest.raises(OSError, match="No space"):
+        store.publish(NAME, _adapter(tmp_path / "v2", b"two"))
+    monkeypatch.undo()
+    assert (store.path(NAME) / WEIGHTS_FILE).read_bytes() == b"one"
+    assert not list((tmp_path / "dynamic").rglob(".staging-*"))

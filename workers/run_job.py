@@ -8,6 +8,7 @@ fails the job. Every change of status is a function of ``finetuning.jobs``.
 
 from __future__ import annotations
 
+import errno
 import logging
 import shutil
 import time
@@ -17,6 +18,7 @@ from pathlib import Path
 from django.conf import settings
 from django.utils import timezone
 
+from core.adapter_store import StoreUnavailable
 from core.model_names import ModelName
 from core.object_store import ObjectNotFound
 from finetuning import jobs, storage
@@ -160,6 +162,23 @@ def _publish(job: FineTuningJob, heartbeat: Heartbeat, result) -> None:
     # nothing of its may be deleted here.
 
 
+def _storage_failure(exc: Exception) -> JobFailed | None:
+    """A checkpoint or an adapter that could not be written, said so a person knows what to do."""
+    if isinstance(exc, StoreUnavailable):
+        return JobFailed(
+            "storage_unavailable",
+            f"The adapter could not be published: the dynamic LoRA path did not answer ({exc}). Nothing was "
+            "published; create the job again once it answers (operators: check S3_ENDPOINT_URL and the bucket).",
+        )  # fmt: skip
+    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+        return JobFailed(
+            "storage_full",
+            "The platform ran out of disk space while writing this job's checkpoint or adapter. Nothing was "
+            "published. Free space (operators: DATA_DIR, FILES_PATH, DYNAMIC_LORA_PATH) and create the job again.",
+        )  # fmt: skip
+    return None
+
+
 def drop_training_states(job_id: str) -> None:
     """A finished job's checkpoints keep their adapters (users may fetch them); the training state
     beside each, twice an adapter's size, only ever served a resume."""
@@ -184,9 +203,12 @@ def run_job(job_id: str, worker: str) -> str:
                 _publish(job, heartbeat, result)
         except JobFailed as exc:
             jobs.fail(job_id, attempt, exc.code, exc.message)
-        except Exception as exc:  # a bug or a broken environment: the user still gets a reason
-            log.exception("job %s failed", job_id)
-            jobs.fail(job_id, attempt, "training_failed", f"Training failed: {type(exc).__name__}: {exc}")
+        except Exception as exc:  # storage trouble, a bug or a broken environment: the user still gets a reason
+            failure = _storage_failure(exc)
+            if failure is None:
+                log.exception("job %s failed", job_id)
+                failure = JobFailed("training_failed", f"Training failed: {type(exc).__name__}: {exc}")
+            jobs.fail(job_id, attempt, failure.code, failure.message)
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
     status = jobs.status_of(job_id)

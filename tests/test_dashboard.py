@@ -77,17 +77,23 @@ def test_form_errors_from_the_service_appear_next_to_their_field(alice_web):
     assert not FineTuningJob.objects.exists()
 
 
-def test_the_progress_feed_carries_one_metrics_point_per_step_for_the_chart(alice_web):
+def test_the_progress_feed_sends_only_the_metrics_reports_the_page_has_not_seen(alice_web):
     upload(alice_web, good_dataset(12))
     alice_web.post(reverse("dashboard:job_new"), {"model": BASE, "training_file": File.objects.get().id, "lora_r": 8,
                                                   "lora_alpha": 16, "lora_dropout": 0.05, "target_modules": ["q_proj"]})
     job = FineTuningJob.objects.get()
     for step, loss in [(1, 2.5), (2, 2.0), (2, 1.9)]:  # step 2 again: a resumed attempt reports it anew
         job.events.create(message=f"Step {step}/3", type="metrics", data={"step": step, "total_steps": 3, "train_loss": loss})
-    body = alice_web.get(reverse("dashboard:job_progress", args=[job.id])).json()
-    assert body["job"]["status"] == "queued"
-    assert body["metrics"] == [{"step": 1, "total_steps": 3, "train_loss": 2.5}, {"step": 2, "total_steps": 3, "train_loss": 1.9}]
+    progress = reverse("dashboard:job_progress", args=[job.id])
+    body = alice_web.get(progress).json()
+    assert body["job"]["status"] == "queued" and body["metrics_count"] == 3
+    assert [report["train_loss"] for report in body["metrics"]] == [2.5, 2.0, 1.9]  # the page keeps the last of a step
     assert body["events"][0]["message"] == "Step 2/3"
+    assert alice_web.get(f"{progress}?metrics_from=3").json()["metrics"] == []  # nothing new: nothing sent
+    job.events.create(message="Step 3/3", type="metrics", data={"step": 3, "total_steps": 3, "train_loss": 1.5})
+    body = alice_web.get(f"{progress}?metrics_from=3").json()
+    assert body["metrics"] == [{"step": 3, "total_steps": 3, "train_loss": 1.5}] and body["metrics_count"] == 4
+    assert alice_web.get(f"{progress}?metrics_from=-1").status_code == 400
 
 
 def test_a_new_api_key_is_shown_once_and_can_be_revoked(alice_web, alice):

@@ -109,13 +109,18 @@ def job_detail(request: HttpRequest, job_id: str) -> HttpResponse:
 
 @with_organization
 def job_progress(request: HttpRequest, job_id: str) -> JsonResponse:
-    """What the job page polls: the job, every metrics point, and the latest messages."""
+    """What the job page polls: the job, the metrics reports it has not seen yet (from the
+    ``metrics_from``-th on, so a long job's poll stays small), and the latest messages."""
     job = get_object_or_404(FineTuningJob.objects.for_org(request.organization).select_related("organization"), pk=job_id)
-    # A resumed job reports the steps after its checkpoint again: the latest report of a step counts.
-    by_step = {event.data["step"]: event.data for event in job.events.filter(type="metrics").order_by("created_at")}
-    metrics = [by_step[step] for step in sorted(by_step)]
+    seen = request.GET.get("metrics_from", "0")
+    if not seen.isdigit():
+        return JsonResponse({"error": "metrics_from must be a whole number of reports already seen"}, status=400)
+    reports = job.events.filter(type="metrics").order_by("created_at", "pk")[int(seen):]
+    metrics = [event.data for event in reports]
     latest = [event_object(event) for event in job.events.all()[:50]]
-    return JsonResponse({"job": job_object(job), "metrics": metrics, "events": latest})
+    return JsonResponse(
+        {"job": job_object(job), "metrics": metrics, "metrics_count": int(seen) + len(metrics), "events": latest}
+    )
 
 
 @require_POST

@@ -48,7 +48,15 @@
     svg.dataset.points = String(train.length);
   }
 
-  function render({ job, metrics, events }) {
+  // Every metrics report so far, by step: a resumed job reports the steps after its checkpoint
+  // again, and the latest report of a step counts. The poll asks only for reports it has not seen.
+  const byStep = new Map();
+  let reportsSeen = 0;
+
+  function render({ job, metrics: newReports, metrics_count, events }) {
+    newReports.forEach((report) => byStep.set(report.step, report));
+    reportsSeen = metrics_count;
+    const metrics = [...byStep.values()].sort((a, b) => a.step - b.step);
     $("status").textContent = job.status.replace("_", " ");
     $("status").className = `status ${job.status}`;
     const last = metrics[metrics.length - 1];
@@ -85,7 +93,8 @@
 
   async function poll() {
     try {
-      const response = await fetch(root.dataset.url, { headers: { Accept: "application/json" } });
+      const url = `${root.dataset.url}?metrics_from=${reportsSeen}`;
+      const response = await fetch(url, { headers: { Accept: "application/json" } });
       if (response.ok && render(await response.json())) return;  // finished: stop polling
     } catch (error) {
       console.warn("progress poll failed; retrying", error);

@@ -108,3 +108,20 @@ def test_publishing_to_an_unreachable_s3_fails_the_job_plainly(platform):
         job = wait_for_job(job_id, lambda job: job.is_finished)
     assert job.status == JobStatus.FAILED and job.error_code == "storage_unavailable", job.error_message
     assert not FineTunedModel.objects.filter(job_id=job_id).exists()
+
+
+def test_a_checkpoint_onto_a_full_disk_fails_the_job_plainly(platform, tmp_path):
+    from finetuning import storage
+    from finetuning.models import File
+
+    environment, create_job = platform
+    with small_filesystem(tmp_path / "tiny-files", "256k") as tiny:  # room for the dataset, not a checkpoint
+        training = File.objects.get()
+        (tiny / training.storage_key).parent.mkdir(parents=True, exist_ok=True)
+        (tiny / training.storage_key).write_bytes(storage.files().get(training.storage_key))
+        job_id = create_job("checkpoint-disk-full", ONE_STEP)
+        trainer = celery_worker_command("training", "trainer-full-files")
+        with running("trainer-full-files", trainer, {**environment, "FILES_PATH": str(tiny)}):
+            job = wait_for_job(job_id, lambda job: job.is_finished)
+    assert job.status == JobStatus.FAILED and job.error_code == "storage_full", job.error_message
+    assert not FineTunedModel.objects.filter(job_id=job_id).exists()

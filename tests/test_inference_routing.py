@@ -609,3 +609,17 @@ async def test_it_serves_loaded_s3_adapters_while_s3_is_down_and_asks_for_a_retr
         pool.publish("warm")  # checked again now that S3 answers: the new version loads
         assert (await pool.chat(warm)).status_code == 200
         assert len(pool.vllm.loads(warm)) == 2
+
+
+@pytest.mark.anyio
+async def test_it_removes_the_cached_copy_of_a_deleted_s3_adapter(tmp_path, s3, monkeypatch):
+    pool = PoolUnderTest(tmp_path, replicas=1, dynamic=f"s3://adapters/{tmp_path.name}", s3=s3)
+    name = pool.publish("short-lived")
+    assert (await pool.chat(name)).status_code == 200
+    assert list((tmp_path / "cache").rglob("adapter_model.safetensors"))
+    pool.store.delete(name)
+    monkeypatch.setattr(adapter_source, "REMOTE_VERSION_TTL_S", 0.0)  # the next look at S3 sees it gone
+    await pool.adapters.retire_deleted()
+    await _settle()
+    assert not pool.pool.replicas[0].holds(name)
+    assert not list((tmp_path / "cache").rglob("adapter_model.safetensors"))

@@ -86,19 +86,19 @@ def _replica(platform: RunningPlatform) -> dict:
     return httpx.get(f"{platform.pool_url}/health", timeout=10).json()["replicas"][0]
 
 
-def _training_child() -> psutil.Process:
-    """The trainer's prefork child (the process that runs the task): what an OOM kill would take."""
-    for process in psutil.process_iter(["cmdline"]):
-        if "--queues training" in " ".join(process.info["cmdline"] or []) and process.children():
+def _training_child(platform: RunningPlatform) -> psutil.Process:
+    """bin/run's trainer's prefork child (the process that runs the task): what an OOM kill would take."""
+    for process in psutil.Process(platform.process.pid).children(recursive=True):
+        if "--queues training" in " ".join(process.cmdline()) and process.children():
             return process.children()[0]
-    raise LookupError("no trainer child process")
+    raise LookupError("bin/run has no trainer child process")
 
 
 class TrainerKill:
     """Start a real job, and SIGKILL the trainer's child once the job has reported a step."""
 
     def __init__(self, platform: RunningPlatform, training_file: str):
-        self.client, self.training_file = _client(platform), training_file
+        self.platform, self.client, self.training_file = platform, _client(platform), training_file
         self.job_id = ""
 
     def __call__(self) -> None:
@@ -110,7 +110,7 @@ class TrainerKill:
             lambda: any("Step" in event.message for event in self.client.fine_tuning.jobs.list_events(job.id).data),
             300, "a training step",
         )  # fmt: skip
-        _training_child().send_signal(signal.SIGKILL)
+        _training_child(self.platform).send_signal(signal.SIGKILL)
 
     def outcome(self) -> str:
         job = _wait_for_job(self.client, self.job_id, FINISHED, 600)
@@ -136,7 +136,7 @@ def scenarios(platform: RunningPlatform, adapters: list[str], training_file: str
     return [
         ("steady", [], None),
         ("republish", [Fault(seconds * f, "republish", republish) for f in (0.25, 0.5, 0.75)], None),
-        ("replica SIGKILL", [Fault(seconds / 3, "replica SIGKILL", kill_replica)], None),
+        ("replica SIGKILL", [Fault(seconds / 2, "replica SIGKILL", kill_replica)], None),
         ("trainer SIGKILL", [Fault(1, "trainer SIGKILL", trainer_kill)], trainer_kill),
     ]
 

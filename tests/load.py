@@ -149,7 +149,7 @@ async def _job_client(client, gateway, headers, training_file, deadline, report:
             job_id = response.json()["id"]
             created.append(job_id)
             await _job_call(report, client.post(f"{gateway}/v1/fine_tuning/jobs/{job_id}/cancel", headers=headers))
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(1.0)  # a person or a script polling, not a flood
 
 
 async def _faults(faults: list[Fault], started: float, report: LoadReport) -> None:

@@ -33,7 +33,7 @@ def with_fast_path(django_application: ASGIApp) -> ASGIApp:
         try:
             result = await complete(request.headers.get("authorization"), await request.body(), endpoint)
         except errors.ApiError as exc:
-            return Response(exc.json_bytes(), status_code=exc.status, media_type="application/json")
+            return Response(exc.json_bytes(), status_code=exc.status, media_type="application/json", headers=exc.headers())
         if result.stream is not None:
             return StreamingResponse(
                 result.stream, status_code=result.status, media_type=result.content_type, headers=STREAM_HEADERS

@@ -38,7 +38,7 @@ def openai_endpoint(name: str, *methods: str):
 
 
 def error_response(exc: errors.ApiError) -> HttpResponse:
-    return HttpResponse(exc.json_bytes(), status=exc.status, content_type="application/json")
+    return HttpResponse(exc.json_bytes(), status=exc.status, content_type="application/json", headers=exc.headers())
 
 
 def pool_response(answer: PoolAnswer) -> HttpResponse:

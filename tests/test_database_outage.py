@@ -7,6 +7,7 @@ PostgreSQL only: SQLite is a file the processes open themselves, with no connect
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from urllib.parse import urlsplit
@@ -16,8 +17,13 @@ import pytest
 from django.db import connection
 from django.test import Client
 
-from tests.processes import running_web
+from finetuning.models import JobStatus
+from tests.personas import good_dataset
+from tests.processes import celery_worker_command, free_port, running, running_web
 from tests.tcp_proxy import TcpProxy, tcp_proxy
+from tests.test_faults import redis_server
+from tests.test_files_api import upload
+from tests.test_training_jobs import BASE, wait_for
 
 pytestmark = [
     pytest.mark.fault,
@@ -74,3 +80,34 @@ def test_it_answers_503_to_retry_while_the_database_is_unreachable_and_200_once_
             assert api.get(path).status_code == 200, path
         assert signed_in.get("/jobs").status_code == 200
         assert "database" not in httpx.get(f"{url}/healthz", timeout=30).json()["down"]
+
+
+def test_a_trainer_cut_off_from_the_database_mid_training_waits_for_it_and_the_job_succeeds(
+    alice, proxied_database, test_database_url, tmp_path
+):
+    # A broker of the test's own: the session's worker (if an earlier test started it) must not take the job.
+    port = free_port()
+    broker = {"REDIS_URL": f"redis://127.0.0.1:{port}/0"}
+    file_id = upload(alice, good_dataset(12)).json()["id"]
+    trainer = celery_worker_command("training", "trainer-proxied-database")
+    with (
+        redis_server(port, tmp_path),
+        running_web("web-own-redis", {**broker, "DATABASE_URL": test_database_url}) as url,
+        running("trainer-proxied-database", trainer, {**broker, "DATABASE_URL": proxied_database.url}),
+    ):
+        hyperparameters = {"n_epochs": 2, "batch_size": 4}  # 6 steps, a checkpoint after the third
+        body = {"model": BASE, "training_file": file_id, "suffix": "outage", "hyperparameters": hyperparameters}
+        response = httpx.post(f"{url}/v1/fine_tuning/jobs", json=body, headers={"Authorization": f"Bearer {alice.key}"})
+        assert response.status_code == 200, response.text
+        job_id = response.json()["id"]
+        wait_for(job_id, lambda job: job.events.filter(type="metrics").exists())  # it has just begun
+
+        # Both its connections (the trainer's and its heartbeat's) break, whatever it is doing.
+        proxied_database.proxy.cut()
+        time.sleep(5)
+        proxied_database.proxy.restore()
+        job = wait_for(job_id, lambda job: job.is_finished, timeout_s=240)
+
+    assert job.status == JobStatus.SUCCEEDED and job.attempts == 1, job.error_message
+    steps = {event.data["step"] for event in job.events.filter(type="metrics")}
+    assert steps == set(range(1, 7)), "a step's event was lost in the outage"

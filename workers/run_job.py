@@ -3,7 +3,8 @@
 Safe to run twice for one job (a redelivered task, a recovered job): only the worker whose
 conditional update moves the job from "queued" to "running" trains it; the others return at once.
 A worker that dies leaves a stale heartbeat, and the sweeper (``workers.sweep``) re-queues or
-fails the job. Every change of status is a function of ``finetuning.jobs``.
+fails the job. Every change of status is a function of ``finetuning.jobs``. Every database call
+waits out a database outage (``workers.db_retry``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from finetuning import jobs, storage
 from finetuning.events import record_event
 from finetuning.files import load_examples
 from finetuning.models import FINISHED_STATUSES, Checkpoint, File, FineTuningJob, JobStatus
+from server.database_outage import DATABASE_ERRORS
+from workers.db_retry import retrying
 from workers.heartbeat import Heartbeat
 
 log = logging.getLogger(__name__)
@@ -54,7 +57,7 @@ class JobCallbacks:
         if metrics.valid_loss is not None:
             message += f", validation loss={metrics.valid_loss:.4f}"
         if self.heartbeat.beat(estimated_finish=timezone.now() + timedelta(seconds=remaining_s)):
-            record_event(self.job, message, data=_metrics_data(metrics))
+            retrying(record_event, self.job, message, data=_metrics_data(metrics))
 
     def on_checkpoint(self, epoch: int, step: int, adapter_dir: Path, metrics) -> None:
         # Each attempt writes under its own prefix: an attempt given up on while it uploads can
@@ -65,8 +68,11 @@ class JobCallbacks:
         for file in adapter_dir.iterdir():
             self.store.put_file(f"{prefix}/{file.name}", file)
         if self.heartbeat.beat():
-            Checkpoint.objects.create(job=self.job, step_number=step, epoch=epoch, metrics=_metrics_data(metrics), storage_key=prefix)
-            record_event(self.job, f"Checkpoint saved after epoch {epoch} (step {step})")
+            retrying(
+                Checkpoint.objects.create, job=self.job, step_number=step, epoch=epoch, metrics=_metrics_data(metrics),
+                storage_key=prefix,
+            )  # fmt: skip
+            retrying(record_event, self.job, f"Checkpoint saved after epoch {epoch} (step {step})")
 
     def should_stop(self) -> bool:
         now = time.monotonic()
@@ -91,7 +97,7 @@ def _metrics_data(metrics) -> dict:
 def _examples(job: FineTuningJob, file_id: str | None, what: str) -> list | None:
     if file_id is None:
         return None
-    file = File.objects.filter(pk=file_id).first()
+    file = retrying(File.objects.filter(pk=file_id).first)
     if file is None:
         raise JobFailed("invalid_file", f"The {what} file {file_id} was deleted before the job started.")
     return load_examples(file)
@@ -113,7 +119,7 @@ def _train(job: FineTuningJob, workdir: Path, callbacks: JobCallbacks):
     training = _examples(job, job.training_file, "training")
     validation = _examples(job, job.validation_file, "validation")
     resume_from = _resume_point(job, workdir / "resume")
-    record_event(job, f"Training started on {len(training)} examples")
+    retrying(record_event, job, f"Training started on {len(training)} examples")
     try:
         return train(config, training, validation, workdir, callbacks, resume_from=resume_from)
     except TrainingDiverged as exc:
@@ -130,7 +136,7 @@ def _resume_point(job: FineTuningJob, folder: Path) -> Path | None:
     from workers.training.model import ADAPTER_FILES
     from workers.training.state import TRAINING_STATE_FILE
 
-    checkpoint = job.checkpoints.order_by("-step_number").first()
+    checkpoint = retrying(job.checkpoints.order_by("-step_number").first)
     if checkpoint is None:
         return None
     folder.mkdir(parents=True, exist_ok=True)
@@ -139,9 +145,11 @@ def _resume_point(job: FineTuningJob, folder: Path) -> Path | None:
         for name in (*ADAPTER_FILES, TRAINING_STATE_FILE):
             (folder / name).write_bytes(store.get(f"{checkpoint.storage_key}/{name}"))
     except ObjectNotFound as exc:
-        record_event(job, f"Checkpoint {checkpoint.id} is incomplete (no {exc}); training starts over", level="warn")
+        message = f"Checkpoint {checkpoint.id} is incomplete (no {exc}); training starts over"
+        retrying(record_event, job, message, level="warn")
         return None
-    record_event(job, f"Resuming after epoch {checkpoint.epoch} (step {checkpoint.step_number}) from checkpoint {checkpoint.id}")
+    message = f"Resuming after epoch {checkpoint.epoch} (step {checkpoint.step_number}) from checkpoint {checkpoint.id}"
+    retrying(record_event, job, message)
     return folder
 
 
@@ -152,9 +160,9 @@ def _publish(job: FineTuningJob, heartbeat: Heartbeat, result) -> None:
     name = str(ModelName(job.model, job.suffix))
     store = storage.adapters(model.lora.dynamic_lora_loading_path)
     store.publish(name, result.adapter_dir)
-    if jobs.succeed(job, heartbeat.attempt, name, result.trained_tokens, result.final_train_loss):
+    if retrying(jobs.succeed, job, heartbeat.attempt, name, result.trained_tokens, result.final_train_loss):
         return
-    if jobs.status_of(job.pk) == JobStatus.CANCELLED:
+    if retrying(jobs.status_of, job.pk) == JobStatus.CANCELLED:
         store.delete(name)  # cancelled while publishing: take the adapter back down
     # Otherwise another attempt runs the job now: its own publish replaces this adapter, and
     # nothing of its may be deleted here.
@@ -172,10 +180,10 @@ def drop_training_states(job_id: str) -> None:
 
 def run_job(job_id: str, worker: str) -> str:
     """Train and publish one job; returns what happened, for the worker's log."""
-    attempt = jobs.claim(job_id, worker)
+    attempt = retrying(jobs.claim, job_id, worker)
     if attempt is None:
         return "not claimed (another worker has it, or it is no longer queued)"
-    job = FineTuningJob.objects.select_related("organization").get(pk=job_id)
+    job = retrying(FineTuningJob.objects.select_related("organization").get, pk=job_id)
     workdir = settings.DATA_DIR / "work" / job.pk / f"attempt-{attempt}"
     with Heartbeat(job_id, attempt, settings.CONFIG.job_heartbeat_s) as heartbeat:
         try:
@@ -183,15 +191,20 @@ def run_job(job_id: str, worker: str) -> str:
             if not result.cancelled:
                 _publish(job, heartbeat, result)
         except JobFailed as exc:
-            jobs.fail(job_id, attempt, exc.code, exc.message)
+            retrying(jobs.fail, job_id, attempt, exc.code, exc.message)
+        except DATABASE_ERRORS:  # longer than the wait; if this cannot be written either, the sweeper recovers the job
+            log.exception("job %s: the database stayed unreachable", job_id)
+            wait_s = settings.CONFIG.job_database_wait_s
+            message = f"The database was unreachable for more than {wait_s} s during training; create the job again."
+            retrying(jobs.fail, job_id, attempt, "database_unavailable", message)
         except Exception as exc:  # a bug or a broken environment: the user still gets a reason
             log.exception("job %s failed", job_id)
-            jobs.fail(job_id, attempt, "training_failed", f"Training failed: {type(exc).__name__}: {exc}")
+            retrying(jobs.fail, job_id, attempt, "training_failed", f"Training failed: {type(exc).__name__}: {exc}")
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
-    status = jobs.status_of(job_id)
+    status = retrying(jobs.status_of, job_id)
     if status in FINISHED_STATUSES:
-        drop_training_states(job_id)  # no attempt will resume it
+        retrying(drop_training_states, job_id)  # no attempt will resume it
         shutil.rmtree(workdir.parent, ignore_errors=True)  # the job's folder, empty of attempts
         return status
     return f"stopped: attempt {attempt} was given up on, and the job queued again"

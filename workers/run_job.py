@@ -15,6 +15,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+from celery.exceptions import SoftTimeLimitExceeded
 from django.conf import settings
 from django.utils import timezone
 
@@ -168,6 +169,15 @@ def _publish(job: FineTuningJob, heartbeat: Heartbeat, result) -> None:
     # nothing of its may be deleted here.
 
 
+def _time_limit_message(job: FineTuningJob) -> str:
+    limit_s = settings.CONFIG.job_time_limit_s
+    return (
+        f"Training did not finish within the time limit of {limit_s} seconds, and was stopped. Lower n_epochs "
+        f"(it is {job.hyperparameters['n_epochs']}) or train on fewer examples; the platform's operators can raise "
+        "the limit (JOB_TIME_LIMIT_SECONDS)."
+    )
+
+
 def drop_training_states(job_id: str) -> None:
     """A finished job's checkpoints keep their adapters (users may fetch them); the training state
     beside each, twice an adapter's size, only ever served a resume."""
@@ -192,6 +202,8 @@ def run_job(job_id: str, worker: str) -> str:
                 _publish(job, heartbeat, result)
         except JobFailed as exc:
             retrying(jobs.fail, job_id, attempt, exc.code, exc.message)
+        except SoftTimeLimitExceeded:  # raised by Celery wherever the task was (workers.tasks)
+            retrying(jobs.fail, job_id, attempt, "time_limit_exceeded", _time_limit_message(job))
         except DATABASE_ERRORS:  # longer than the wait; if this cannot be written either, the sweeper recovers the job
             log.exception("job %s: the database stayed unreachable", job_id)
             wait_s = settings.CONFIG.job_database_wait_s

@@ -49,7 +49,7 @@ from tests.processes import wait_until  # noqa: E402
 from tests.running_platform import RunningPlatform, bin_run  # noqa: E402
 
 BASE = "HuggingFaceTB/SmolLM2-135M-Instruct"
-REDIS_URL = "redis://127.0.0.1:6379/12"
+REDIS_URL = "redis://127.0.0.1:6379/9"  # no test uses it
 FINISHED = ("succeeded", "failed", "cancelled")
 
 

@@ -16,10 +16,8 @@ UNAVAILABLE = "service_unavailable_error"
 
 
 class ApiError(Exception):
-    """``extra`` adds fields to the error object (a dataset's per-line ``errors``).
-
-    ``retry_after`` (seconds) marks a refusal that is temporary: it travels as the ``Retry-After``
-    header, which the official clients honour before they retry."""
+    """``extra`` adds fields to the error object (a dataset's per-line ``errors``); ``retry_after_s``
+    says when a temporary outage is worth retrying (the ``Retry-After`` header, see ``headers``)."""
 
     def __init__(
         self,
@@ -29,18 +27,19 @@ class ApiError(Exception):
         type: str = INVALID_REQUEST,
         param: str | None = None,
         code: str | None = None,
-        retry_after: int | None = None,
+        retry_after_s: int | None = None,
         **extra,
     ):
         super().__init__(message)
         self.message, self.status, self.type, self.param, self.code, self.extra = message, status, type, param, code, extra
-        self.retry_after = retry_after
-
-    def headers(self) -> dict[str, str]:
-        return {"Retry-After": str(self.retry_after)} if self.retry_after is not None else {}
+        self.retry_after_s = retry_after_s
 
     def body(self) -> dict:
         return error_body(self.message, type=self.type, param=self.param, code=self.code, **self.extra)
+
+    def headers(self) -> dict[str, str]:
+        """The HTTP headers that go with the body."""
+        return {} if self.retry_after_s is None else {"Retry-After": str(self.retry_after_s)}
 
     def json_bytes(self) -> bytes:
         return json.dumps(self.body()).encode()

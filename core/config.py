@@ -48,6 +48,8 @@ class Config:
     web_port: int
     job_heartbeat_s: int  # how often a running job says its worker is alive
     job_stale_after_s: int  # a running job silent this long has lost its worker: it is queued again
+    job_database_wait_s: int  # how long a trainer's database call waits out an unreachable database
+    job_time_limit_s: int  # a job still training after this long fails (a hung trainer frees its queue)
 
 
 def _database(data_dir: Path) -> dict:
@@ -109,6 +111,8 @@ def load_config() -> Config:
         web_port=env_int("WEB_PORT", 8000, minimum=1),
         job_heartbeat_s=job_heartbeat_s,
         job_stale_after_s=job_stale_after_s,
+        job_database_wait_s=env_int("JOB_DATABASE_WAIT_SECONDS", 120, minimum=0),
+        job_time_limit_s=env_int("JOB_TIME_LIMIT_SECONDS", 6 * 3600, minimum=1),
     )
 
 

@@ -75,14 +75,14 @@ def no_replica(model_id: str) -> ApiError:
     return ApiError(
         f"No replica of `{model_id}` is ready: they are starting or restarting (a CPU engine needs about a "
         "minute). Retry shortly.",
-        status=503, type=UNAVAILABLE, code="no_replica_available", retry_after=5,
+        status=503, type=UNAVAILABLE, code="no_replica_available", retry_after_s=5,
     )  # fmt: skip
 
 
 def pool_unreachable(detail: str) -> ApiError:
     return ApiError(
         f"The inference pool cannot be reached ({detail}). Retry shortly.",
-        status=503, type=UNAVAILABLE, code="pool_unavailable", retry_after=2,
+        status=503, type=UNAVAILABLE, code="pool_unavailable", retry_after_s=2,
     )  # fmt: skip
 
 
@@ -92,7 +92,7 @@ def replica_lost(detail: str) -> ApiError:
     return ApiError(
         f"The model replica stopped answering after it received your request ({detail}). It was not "
         "sent again, so it cannot have run twice. Retry.",
-        status=503, type=UNAVAILABLE, code="replica_unavailable", retry_after=1,
+        status=503, type=UNAVAILABLE, code="replica_unavailable", retry_after_s=1,
     )  # fmt: skip
 
 
@@ -100,7 +100,7 @@ def adapter_store_unavailable(name: str, detail: str) -> ApiError:
     return ApiError(
         f"The adapter of `{name}` is not on this replica yet and its dynamic LoRA path cannot be read "
         f"right now ({detail}). Retry shortly; models already loaded keep answering.",
-        status=503, type=UNAVAILABLE, param="model", code="adapter_store_unavailable", retry_after=5,
+        status=503, type=UNAVAILABLE, param="model", code="adapter_store_unavailable", retry_after_s=5,
     )  # fmt: skip
 
 

@@ -34,6 +34,8 @@ def test_it_reads_postgresql_from_database_url(monkeypatch):
         ("DATABASE_URL", "postgres://u:p@host:port/db", "DATABASE_URL='postgres://u:p@host:port/db' cannot be parsed"),
         ("REDIS_URL", "localhost:6379", "REDIS_URL='localhost:6379' is not a usable URL"),
         ("WEB_PORT", "eighty", "WEB_PORT='eighty' is not a whole number"),
+        ("JOB_TIME_LIMIT_SECONDS", "0", "JOB_TIME_LIMIT_SECONDS=0 is too small"),
+        ("JOB_DATABASE_WAIT_SECONDS", "-1", "JOB_DATABASE_WAIT_SECONDS=-1 is too small"),
         ("DYNAMIC_LORA_PATH", "s3://", "names no bucket"),
         ("DYNAMIC_LORA_PATH", "gs://bucket/x", "use a local folder or s3://bucket/prefix"),
     ],

@@ -16,7 +16,7 @@ from finetuning.models import FineTuningJob, JobStatus
 from tests.personas import good_dataset
 from tests.processes import celery_worker_command, free_port, running, running_web, wait_until
 from tests.test_files_api import upload
-from tests.test_training_jobs import BASE, ONE_STEP
+from tests.test_training_jobs import BASE, ONE_STEP, wait_for
 
 pytestmark = [pytest.mark.fault, pytest.mark.training, pytest.mark.django_db(transaction=True)]
 
@@ -51,3 +51,35 @@ def test_jobs_queued_before_redis_restarts_without_its_data_all_succeed(alice, t
             time.sleep(1)
     for job in FineTuningJob.objects.all():
         assert job.events.filter(message__contains="was lost").count() == 1 and job.attempts == 1
+
+
+def test_a_job_longer_than_the_time_limit_fails_saying_what_to_change_and_the_trainer_takes_the_next_job(
+    alice, test_database_url, tmp_path
+):
+    port = free_port()
+    environment = {"REDIS_URL": f"redis://127.0.0.1:{port}/0", "DATABASE_URL": test_database_url}
+    file_id = upload(alice, good_dataset(12)).json()["id"]
+    # Long enough to be past the trainer's imports and the model's loading (a limit that interrupts an
+    # import leaves the process unable to import that module again), far too short for 600 steps.
+    limit = {"JOB_TIME_LIMIT_SECONDS": "20"}
+    trainer = celery_worker_command("training", "trainer-time-limit")
+    with (
+        redis_server(port, tmp_path),
+        running_web("web-own-redis", environment) as url,
+        running("trainer-time-limit", trainer, {**environment, **limit}) as process,
+    ):
+        job_ids = []
+        for suffix, hyperparameters in (("too-long", {"n_epochs": 50, "batch_size": 1}), ("next", ONE_STEP)):
+            body = {"model": BASE, "training_file": file_id, "suffix": suffix, "hyperparameters": hyperparameters}
+            response = httpx.post(f"{url}/v1/fine_tuning/jobs", json=body, headers={"Authorization": f"Bearer {alice.key}"})
+            assert response.status_code == 200, response.text
+            job_ids.append(response.json()["id"])
+        too_long, following = (wait_for(job_id, lambda job: job.is_finished, timeout_s=120) for job_id in job_ids)
+        assert process.poll() is None, "the trainer died"
+
+    assert (too_long.status, too_long.error_code, too_long.attempts) == (JobStatus.FAILED, "time_limit_exceeded", 1)
+    assert "20 seconds" in too_long.error_message and "n_epochs (it is 50)" in too_long.error_message
+    assert "JOB_TIME_LIMIT_SECONDS" in too_long.error_message
+    # The same worker took the next job (which may or may not fit in 20 seconds on a busy machine).
+    assert following.worker == too_long.worker and following.attempts == 1
+    assert following.status == JobStatus.SUCCEEDED or following.error_code == "time_limit_exceeded", following.error_message

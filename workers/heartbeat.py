@@ -45,6 +45,7 @@ class Heartbeat:
                 self.lost.set()
         except DatabaseError as exc:  # a database blip is not a lost job: the next beat tries again
             log.warning("job %s: heartbeat not written (%s); trying again", self.job_id, exc)
+            connection.close()  # a broken connection stays broken: the next beat must open a new one
         return not self.lost.is_set()
 
     def _beat_until_done(self) -> None:

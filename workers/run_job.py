@@ -3,7 +3,8 @@
 Safe to run twice for one job (a redelivered task, a recovered job): only the worker whose
 conditional update moves the job from "queued" to "running" trains it; the others return at once.
 A worker that dies leaves a stale heartbeat, and the sweeper (``workers.sweep``) re-queues or
-fails the job. Every change of status is a function of ``finetuning.jobs``.
+fails the job. Every change of status is a function of ``finetuning.jobs``. Every database call
+waits out a database outage (``workers.db_retry``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+from celery.exceptions import SoftTimeLimitExceeded
 from django.conf import settings
 from django.utils import timezone
 
@@ -25,6 +27,8 @@ from finetuning import jobs, storage
 from finetuning.events import record_event
 from finetuning.files import load_examples
 from finetuning.models import FINISHED_STATUSES, Checkpoint, File, FineTuningJob, JobStatus
+from server.database_outage import DATABASE_ERRORS
+from workers.db_retry import retrying
 from workers.heartbeat import Heartbeat
 
 log = logging.getLogger(__name__)
@@ -56,7 +60,7 @@ class JobCallbacks:
         if metrics.valid_loss is not None:
             message += f", validation loss={metrics.valid_loss:.4f}"
         if self.heartbeat.beat(estimated_finish=timezone.now() + timedelta(seconds=remaining_s)):
-            record_event(self.job, message, data=_metrics_data(metrics))
+            retrying(record_event, self.job, message, data=_metrics_data(metrics))
 
     def on_checkpoint(self, epoch: int, step: int, adapter_dir: Path, metrics) -> None:
         # Each attempt writes under its own prefix: an attempt given up on while it uploads can
@@ -67,8 +71,11 @@ class JobCallbacks:
         for file in adapter_dir.iterdir():
             self.store.put_file(f"{prefix}/{file.name}", file)
         if self.heartbeat.beat():
-            Checkpoint.objects.create(job=self.job, step_number=step, epoch=epoch, metrics=_metrics_data(metrics), storage_key=prefix)
-            record_event(self.job, f"Checkpoint saved after epoch {epoch} (step {step})")
+            retrying(
+                Checkpoint.objects.create, job=self.job, step_number=step, epoch=epoch, metrics=_metrics_data(metrics),
+                storage_key=prefix,
+            )  # fmt: skip
+            retrying(record_event, self.job, f"Checkpoint saved after epoch {epoch} (step {step})")
 
     def should_stop(self) -> bool:
         now = time.monotonic()
@@ -93,7 +100,7 @@ def _metrics_data(metrics) -> dict:
 def _examples(job: FineTuningJob, file_id: str | None, what: str) -> list | None:
     if file_id is None:
         return None
-    file = File.objects.filter(pk=file_id).first()
+    file = retrying(File.objects.filter(pk=file_id).first)
     if file is None:
         raise JobFailed("invalid_file", f"The {what} file {file_id} was deleted before the job started.")
     return load_examples(file)
@@ -115,7 +122,7 @@ def _train(job: FineTuningJob, workdir: Path, callbacks: JobCallbacks):
     training = _examples(job, job.training_file, "training")
     validation = _examples(job, job.validation_file, "validation")
     resume_from = _resume_point(job, workdir / "resume")
-    record_event(job, f"Training started on {len(training)} examples")
+    retrying(record_event, job, f"Training started on {len(training)} examples")
     try:
         return train(config, training, validation, workdir, callbacks, resume_from=resume_from)
     except TrainingDiverged as exc:
@@ -132,7 +139,7 @@ def _resume_point(job: FineTuningJob, folder: Path) -> Path | None:
     from workers.training.model import ADAPTER_FILES
     from workers.training.state import TRAINING_STATE_FILE
 
-    checkpoint = job.checkpoints.order_by("-step_number").first()
+    checkpoint = retrying(job.checkpoints.order_by("-step_number").first)
     if checkpoint is None:
         return None
     folder.mkdir(parents=True, exist_ok=True)
@@ -141,9 +148,11 @@ def _resume_point(job: FineTuningJob, folder: Path) -> Path | None:
         for name in (*ADAPTER_FILES, TRAINING_STATE_FILE):
             (folder / name).write_bytes(store.get(f"{checkpoint.storage_key}/{name}"))
     except ObjectNotFound as exc:
-        record_event(job, f"Checkpoint {checkpoint.id} is incomplete (no {exc}); training starts over", level="warn")
+        message = f"Checkpoint {checkpoint.id} is incomplete (no {exc}); training starts over"
+        retrying(record_event, job, message, level="warn")
         return None
-    record_event(job, f"Resuming after epoch {checkpoint.epoch} (step {checkpoint.step_number}) from checkpoint {checkpoint.id}")
+    message = f"Resuming after epoch {checkpoint.epoch} (step {checkpoint.step_number}) from checkpoint {checkpoint.id}"
+    retrying(record_event, job, message)
     return folder
 
 
@@ -154,16 +163,32 @@ def _publish(job: FineTuningJob, heartbeat: Heartbeat, result) -> None:
     name = str(ModelName(job.model, job.suffix))
     store = storage.adapters(model.lora.dynamic_lora_loading_path)
     store.publish(name, result.adapter_dir)
-    if jobs.succeed(job, heartbeat.attempt, name, result.trained_tokens, result.final_train_loss):
+    if retrying(jobs.succeed, job, heartbeat.attempt, name, result.trained_tokens, result.final_train_loss):
         return
-    if jobs.status_of(job.pk) == JobStatus.CANCELLED:
+    if retrying(jobs.status_of, job.pk) == JobStatus.CANCELLED:
         store.delete(name)  # cancelled while publishing: take the adapter back down
     # Otherwise another attempt runs the job now: its own publish replaces this adapter, and
     # nothing of its may be deleted here.
 
 
-def _storage_failure(exc: Exception) -> JobFailed | None:
-    """A checkpoint or an adapter that could not be written, said so a person knows what to do."""
+def _explained(exc: Exception, job: FineTuningJob) -> JobFailed:
+    """Why a job failed, said so a person knows what to change."""
+    if isinstance(exc, JobFailed):
+        return exc
+    if isinstance(exc, SoftTimeLimitExceeded):  # raised by Celery wherever the task was (workers.tasks)
+        return JobFailed(
+            "time_limit_exceeded",
+            f"Training did not finish within the time limit of {settings.CONFIG.job_time_limit_s} seconds, and was "
+            f"stopped. Lower n_epochs (it is {job.hyperparameters['n_epochs']}) or train on fewer examples; the "
+            "platform's operators can raise the limit (JOB_TIME_LIMIT_SECONDS).",
+        )  # fmt: skip
+    if isinstance(exc, DATABASE_ERRORS):  # longer than the wait; if this cannot be written either, the sweeper recovers the job
+        log.exception("job %s: the database stayed unreachable", job.pk)
+        wait_s = settings.CONFIG.job_database_wait_s
+        return JobFailed(
+            "database_unavailable",
+            f"The database was unreachable for more than {wait_s} s during training; create the job again.",
+        )  # fmt: skip
     if isinstance(exc, StoreUnavailable):
         return JobFailed(
             "storage_unavailable",
@@ -176,7 +201,8 @@ def _storage_failure(exc: Exception) -> JobFailed | None:
             "The platform ran out of disk space while writing this job's checkpoint or adapter. Nothing was "
             "published. Free space (operators: DATA_DIR, FILES_PATH, DYNAMIC_LORA_PATH) and create the job again.",
         )  # fmt: skip
-    return None
+    log.exception("job %s failed", job.pk)  # a bug or a broken environment: the user still gets a reason
+    return JobFailed("training_failed", f"Training failed: {type(exc).__name__}: {exc}")
 
 
 def drop_training_states(job_id: str) -> None:
@@ -191,10 +217,10 @@ def drop_training_states(job_id: str) -> None:
 
 def run_job(job_id: str, worker: str) -> str:
     """Train and publish one job; returns what happened, for the worker's log."""
-    attempt = jobs.claim(job_id, worker)
+    attempt = retrying(jobs.claim, job_id, worker)
     if attempt is None:
         return "not claimed (another worker has it, or it is no longer queued)"
-    job = FineTuningJob.objects.select_related("organization").get(pk=job_id)
+    job = retrying(FineTuningJob.objects.select_related("organization").get, pk=job_id)
     workdir = settings.DATA_DIR / "work" / job.pk / f"attempt-{attempt}"
     with Heartbeat(job_id, attempt, settings.CONFIG.job_heartbeat_s) as heartbeat:
         try:
@@ -202,18 +228,14 @@ def run_job(job_id: str, worker: str) -> str:
             if not result.cancelled:
                 _publish(job, heartbeat, result)
         except JobFailed as exc:
-            jobs.fail(job_id, attempt, exc.code, exc.message)
-        except Exception as exc:  # storage trouble, a bug or a broken environment: the user still gets a reason
-            failure = _storage_failure(exc)
-            if failure is None:
-                log.exception("job %s failed", job_id)
-                failure = JobFailed("training_failed", f"Training failed: {type(exc).__name__}: {exc}")
-            jobs.fail(job_id, attempt, failure.code, failure.message)
+        except Exception as exc:
+            failure = _explained(exc, job)
+            retrying(jobs.fail, job_id, attempt, failure.code, failure.message)
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
-    status = jobs.status_of(job_id)
+    status = retrying(jobs.status_of, job_id)
     if status in FINISHED_STATUSES:
-        drop_training_states(job_id)  # no attempt will resume it
+        retrying(drop_training_states, job_id)  # no attempt will resume it
         shutil.rmtree(workdir.parent, ignore_errors=True)  # the job's folder, empty of attempts
         return status
     return f"stopped: attempt {attempt} was given up on, and the job queued again"

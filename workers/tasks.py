@@ -6,7 +6,16 @@ senders find them (by name, with their queue).
 
 from __future__ import annotations
 
+from django.conf import settings
+
 from server.celery import SWEEP_JOBS, TRAIN_JOB, WORKER_REPORT, app
+
+# At the soft limit the task is interrupted (SoftTimeLimitExceeded) and fails its job
+# (``workers.run_job``); the hard limit, a minute later, kills a trainer too stuck even for that
+# (the sweeper then finds the job's heartbeat stale: it queues the job again, and fails it after
+# ``finetuning.jobs.MAX_ATTEMPTS``).
+JOB_SOFT_LIMIT_S = settings.CONFIG.job_time_limit_s
+JOB_HARD_LIMIT_S = JOB_SOFT_LIMIT_S + 60
 
 
 @app.task(name=WORKER_REPORT.name, queue=WORKER_REPORT.queue)
@@ -17,7 +26,9 @@ def worker_report() -> dict:
     return report()
 
 
-@app.task(name=TRAIN_JOB.name, queue=TRAIN_JOB.queue, bind=True)
+@app.task(
+    name=TRAIN_JOB.name, queue=TRAIN_JOB.queue, bind=True, soft_time_limit=JOB_SOFT_LIMIT_S, time_limit=JOB_HARD_LIMIT_S
+)
 def train_job(self, job_id: str) -> str:
     from workers.run_job import run_job
 

@@ -9,11 +9,15 @@ within ``GRANT_TTL_S``.
 
 The reads run with ``thread_sensitive=False``: in the shared thread pool, whose threads keep their
 database connections between requests, instead of a fresh thread (and connection) per request.
+A database outage in them is the 503 of ``server.database_outage``, whichever door called
+(a Django view, or the ASGI fast path, which Django's middleware never sees).
 """
 
 from __future__ import annotations
 
+import functools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from accounts.models import ApiKey, Organization, hash_key
@@ -24,6 +28,7 @@ from core.api_errors import ApiError
 from finetuning.fine_tuned_models import delete_fine_tuned_model
 from finetuning.models import FineTunedModel
 from finetuning.registry import UsableModel, list_usable_models, resolve_model
+from server.database_outage import outage_as_api_error
 
 from inference import errors
 
@@ -76,9 +81,20 @@ def _delete_model(organization: Organization, model: UsableModel) -> None:
     delete_fine_tuned_model(fine_tuned)
 
 
-_authorize_in_thread = sync_to_async(_authorize, thread_sensitive=False)
-usable_models = sync_to_async(_usable_models, thread_sensitive=False)
-organization_model = sync_to_async(_organization_model, thread_sensitive=False)
+def _in_thread(function: Callable):
+    """``function`` as a coroutine run in the shared thread pool."""
+
+    @functools.wraps(function)
+    def call(*args):
+        with outage_as_api_error():
+            return function(*args)
+
+    return sync_to_async(call, thread_sensitive=False)
+
+
+_authorize_in_thread = _in_thread(_authorize)
+usable_models = _in_thread(_usable_models)
+organization_model = _in_thread(_organization_model)
 
 
 async def authorize(raw_key: str, model_name: str | None) -> Access:
@@ -98,6 +114,6 @@ async def authorize(raw_key: str, model_name: str | None) -> Access:
 
 async def delete_model(organization: Organization, model: UsableModel) -> None:
     """Delete a fine-tuned model; this process forgets its grants at once (others within GRANT_TTL_S)."""
-    await sync_to_async(_delete_model, thread_sensitive=False)(organization, model)
+    await _in_thread(_delete_model)(organization, model)
     for grant_key in [key for key in _grants if key[1] == model.name]:
         _grants.pop(grant_key, None)

@@ -1,6 +1,6 @@
 """The REST API's errors: domain code raises ``core.api_errors.ApiError``; DRF's own exceptions (bad
-JSON, bad auth, unknown ids) are translated by ``exception_handler`` so every API answer has the
-same shape.
+JSON, bad auth, unknown ids) and a database outage (``server.database_outage``) are translated by
+``exception_handler`` so every API answer has the same shape.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from rest_framework import exceptions, status
 from rest_framework.response import Response
 
 from core.api_errors import ApiError, error_body
+from server.database_outage import as_api_error
 
 
 def not_found(what: str, ident: str, param: str | None = None) -> ApiError:
@@ -48,6 +49,7 @@ def exception_handler(exc, context) -> Response | None:
         exc = exceptions.NotFound("Not found.")
     if isinstance(exc, exceptions.APIException):
         exc = _translate(exc)
+    exc = as_api_error(exc) or exc
     if not isinstance(exc, ApiError):
         return None  # a bug: let Django report it as a 500
     headers = exc.headers()

@@ -41,6 +41,7 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "server.middleware.DatabaseOutageMiddleware",  # a database outage answers 503, not 500
 ]
 
 ROOT_URLCONF = "server.urls"

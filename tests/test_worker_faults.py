@@ -20,7 +20,7 @@ import redis
 
 from finetuning.models import FineTunedModel, FineTuningJob, JobStatus
 from tests.personas import good_dataset
-from tests.processes import celery_worker_command, free_port, running, running_web, wait_until
+from tests.processes import celery_worker_command, free_port, running, running_web
 from tests.test_files_api import upload
 from tests.test_training_jobs import BASE, ONE_STEP
 

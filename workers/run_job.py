@@ -227,7 +227,6 @@ def run_job(job_id: str, worker: str) -> str:
             result = _train(job, workdir, JobCallbacks(job, heartbeat))
             if not result.cancelled:
                 _publish(job, heartbeat, result)
-        except JobFailed as exc:
         except Exception as exc:
             failure = _explained(exc, job)
             retrying(jobs.fail, job_id, attempt, failure.code, failure.message)

@@ -20,10 +20,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from core.internal_token import bearer
 from inference import errors
 from inference.adapters import AdapterManager
 from inference.completions import CompletionsHandler
-from core.internal_token import bearer
 from inference.http_client import HttpClient, Poster
 from inference.internal_auth import RequireInternalToken
 from inference.metrics import CONTENT_TYPE, Metrics

@@ -108,6 +108,18 @@ async def test_it_shows_metrics_only_to_the_monitoring_token_and_names_no_model_
     assert PoolMetrics.SECRET_MODEL in scraped.text  # the web asked the pool with the internal token
 
 
+async def test_it_keeps_metrics_readable_when_the_pool_refuses_the_webs_token(web, settings):
+    pool = PoolMetrics("x" * 64)  # a pool started with another INTERNAL_TOKEN (or SECRET_KEY)
+    server = await asyncio.start_server(pool.answer, "127.0.0.1", 0)
+    settings.INFERENCE_POOL_URL = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    try:
+        scraped = await web.get("/metrics", headers=monitoring_headers())
+    finally:
+        server.close()
+    assert scraped.status_code == 200 and "fineserve_gateway_requests_total" in scraped.text
+    assert "# the inference pool's metrics are unavailable" in scraped.text and "401" in scraped.text
+
+
 async def test_it_answers_404_for_another_organizations_model_and_unknown_ones(web, keys):
     from asgiref.sync import sync_to_async
 

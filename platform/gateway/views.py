@@ -98,6 +98,7 @@ async def metrics(request: HttpRequest) -> HttpResponse:
     text = gateway_metrics.render()
     try:
         response = await pool_client().get(pool_url("/metrics"), timeout=2.0)
+        response.raise_for_status()  # a refusal (say, INTERNAL_TOKEN differs from the pool's) is not metrics text
         text += response.content
     except httpx.HTTPError as exc:
         text += f"# the inference pool's metrics are unavailable: {exc!r}\n".encode()

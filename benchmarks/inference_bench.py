@@ -62,6 +62,7 @@ from tests.processes import answers, free_port, running, wait_until
 
 CONCURRENCY = 32
 TOKENS = 64
+INTERNAL = {"Authorization": f"Bearer {settings.INTERNAL_TOKEN}"}  # what the pool and replicas require
 PROMPT = "Write a short story about a lighthouse keeper and a storm."
 
 
@@ -149,7 +150,9 @@ DIRECT, POOL, GATEWAY = "vLLM replica, direct", "pool (route, adapter check)", "
 
 def overhead(replica: str, pool: str, gateway: str, api_key: str, model: str, samples: int) -> dict[str, list[float]]:
     body = {"model": model, "prompt": "Hi", "max_tokens": 1, "temperature": 0}
-    paths = {DIRECT: (replica, {}), POOL: (pool, {}), GATEWAY: (gateway, {"Authorization": f"Bearer {api_key}"})}
+    paths = {
+        DIRECT: (replica, INTERNAL), POOL: (pool, INTERNAL), GATEWAY: (gateway, {"Authorization": f"Bearer {api_key}"})
+    }
     times: dict[str, list[float]] = {name: [] for name in paths}
     with httpx.Client(timeout=60) as client:
         for round_number in range(samples + 5):
@@ -178,17 +181,17 @@ def stock_vllm_throughput(adapter_folders: dict[str, Path], rounds: int) -> dict
         wanted = [name for name in models if name != BASE]
         for name in list(loaded):  # stock vLLM: keep at most max_cpu_loras registered, like the pool
             if name not in wanted and len(loaded) + len(wanted) > model.lora.max_num_adapters_per_replica:
-                httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": name}, timeout=60)
+                httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": name}, headers=INTERNAL, timeout=60)
                 loaded.discard(name)
         for name in wanted:
             if name not in loaded:
                 body = {"lora_name": name, "lora_path": str(adapter_folders[name])}
-                httpx.post(f"{url}/v1/load_lora_adapter", json=body, timeout=60).raise_for_status()
+                httpx.post(f"{url}/v1/load_lora_adapter", json=body, headers=INTERNAL, timeout=60).raise_for_status()
                 loaded.add(name)
 
-    with running("bench-stock-vllm", command, vllm_environment(model)) as process:
-        wait_until(lambda: answers(f"{url}/health"), 600, "stock vLLM", process)
-        return throughput_rounds(url, list(adapter_folders), None, rounds, load_adapters=load)
+    with running("bench-stock-vllm", command, vllm_environment(model, settings.INTERNAL_TOKEN)) as process:
+        wait_until(lambda: answers(f"{url}/health", headers=INTERNAL), 600, "stock vLLM", process)
+        return throughput_rounds(url, list(adapter_folders), settings.INTERNAL_TOKEN, rounds, load_adapters=load)
 
 
 # --- report ------------------------------------------------------------------------------------
@@ -274,9 +277,9 @@ def main() -> int:
         running("bench-gateway", web, env) as web_process,
     ):
         print("waiting for the engine ...", flush=True)
-        wait_until(lambda: answers(f"{pool_url}/health"), 600, "pool", pool_process)
+        wait_until(lambda: answers(f"{pool_url}/health", headers=INTERNAL), 600, "pool", pool_process)
         wait_until(lambda: httpx.get(f"{gateway}/v1/models").status_code == 401, 60, "gateway", web_process)
-        replica = httpx.get(f"{pool_url}/health").json()["replicas"][0]["url"]
+        replica = httpx.get(f"{pool_url}/health", headers=INTERNAL).json()["replicas"][0]["url"]
 
         print("(1) publish -> first token ...", flush=True)
         publish = publish_to_first_token(persona, fresh, gateway)

@@ -37,7 +37,6 @@ import django  # noqa: E402
 
 django.setup()  # the test helpers it borrows import Django models
 
-import httpx  # noqa: E402
 import openai  # noqa: E402
 import psutil  # noqa: E402
 import redis  # noqa: E402
@@ -83,7 +82,7 @@ def train_adapters(platform: RunningPlatform, training_file: str, count: int) ->
 
 
 def _replica(platform: RunningPlatform) -> dict:
-    return httpx.get(f"{platform.pool_url}/health", timeout=10).json()["replicas"][0]
+    return platform.pool_health()["replicas"][0]
 
 
 def _training_child(platform: RunningPlatform) -> psutil.Process:

@@ -26,6 +26,7 @@ sys.path[:0] = [str(ROOT)]  # the repository's packages, for the imports below
 
 from core.catalog import load_catalog
 from core.config import load_config
+from core.internal_token import bearer
 from inference.replica import vllm_command, vllm_environment
 from tests.processes import answers, running, wait_until
 
@@ -35,27 +36,29 @@ PORT = 38300
 LAYOUTS = {"vLLM default (engine + worker process)": False, "ours (one-process engine)": True}
 
 
-def _complete(url: str, model_id: str, prompt: str) -> int:
+def _complete(url: str, headers: dict[str, str], model_id: str, prompt: str) -> int:
     body = {"model": model_id, "prompt": prompt, "max_tokens": TOKENS, "temperature": 0, "ignore_eos": True}
-    response = httpx.post(f"{url}/v1/completions", json=body, timeout=600)
+    response = httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=600)
     response.raise_for_status()
     return response.json()["usage"]["completion_tokens"]
 
 
-def measure(model, one_process_engine: bool) -> dict[str, float]:
+def measure(model, one_process_engine: bool, api_key: str) -> dict[str, float]:
     url = f"http://127.0.0.1:{PORT}"
+    headers = {"Authorization": bearer(api_key)}  # a replica answers only the pool's token
     started = time.monotonic()
-    environment = vllm_environment(model, one_process_engine=one_process_engine)
+    environment = vllm_environment(model, api_key, one_process_engine=one_process_engine)
     with running("bench-replica", vllm_command(model, PORT), environment) as process:
-        wait_until(lambda: answers(f"{url}/health"), 600, "replica", process)
+        wait_until(lambda: answers(f"{url}/health", headers=headers), 600, "replica", process)
         ready_s = time.monotonic() - started
-        _complete(url, model.id, "Warm up.")
+        _complete(url, headers, model.id, "Warm up.")
         began = time.monotonic()
         with ThreadPoolExecutor(CONCURRENCY) as pool:
-            tokens = sum(pool.map(lambda i: _complete(url, model.id, f"Story number {i}:"), range(CONCURRENCY)))
+            stories = pool.map(lambda i: _complete(url, headers, model.id, f"Story number {i}:"), range(CONCURRENCY))
+            tokens = sum(stories)
         throughput = tokens / (time.monotonic() - began)
         began = time.monotonic()
-        single = _complete(url, model.id, "Once upon a time") / (time.monotonic() - began)
+        single = _complete(url, headers, model.id, "Once upon a time") / (time.monotonic() - began)
     return {"start s": ready_s, f"{CONCURRENCY}-way tokens/s": throughput, "single tokens/s": single}
 
 
@@ -68,7 +71,7 @@ def main() -> None:
     results: dict[str, list[dict[str, float]]] = {name: [] for name in LAYOUTS}
     for round_number in range(1, args.rounds + 1):
         for name, one_process in LAYOUTS.items():
-            results[name].append(measure(model, one_process))
+            results[name].append(measure(model, one_process, config.internal_token))
             print(f"  round {round_number}: {name}: {results[name][-1]}", flush=True)
 
     columns = list(results[next(iter(LAYOUTS))][0])

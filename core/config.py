@@ -13,7 +13,8 @@ from urllib.parse import urlsplit
 
 import dj_database_url
 
-from core.env import ConfigError, env_bool, env_int, env_list, env_path, env_str, env_url
+from core.env import ConfigError, env_bool, env_int, env_list, env_path, env_str, env_token, env_url
+from core.internal_token import derive_internal_token
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -44,6 +45,10 @@ class Config:
     min_training_examples: int
     s3: S3Settings
     inference_pool_url: str
+    # What the web, the pool and the vLLM replicas present to each other (core.internal_token):
+    # INTERNAL_TOKEN, or derived from SECRET_KEY so separately started processes agree on it.
+    internal_token: str
+    monitoring_token: str  # opens /metrics and the detail of /healthz; the internal token unless set
     first_replica_port: int  # local vLLM replicas listen on consecutive ports from here
     web_port: int
     job_heartbeat_s: int  # how often a running job says its worker is alive
@@ -88,6 +93,7 @@ def load_config() -> Config:
         raise ConfigError("SECRET_KEY must be set when DEBUG is false")
     data_dir = env_path("DATA_DIR", REPO_ROOT / "data")
     job_heartbeat_s, job_stale_after_s = _job_liveness()
+    internal_token = env_token("INTERNAL_TOKEN") or derive_internal_token(secret_key)
     return Config(
         debug=debug,
         secret_key=secret_key,
@@ -107,6 +113,8 @@ def load_config() -> Config:
             region=env_str("AWS_DEFAULT_REGION", "us-east-1"),
         ),
         inference_pool_url=env_url("INFERENCE_POOL_URL", "http://127.0.0.1:8100", schemes=("http", "https")),
+        internal_token=internal_token,
+        monitoring_token=env_token("MONITORING_TOKEN") or internal_token,
         first_replica_port=env_int("FIRST_REPLICA_PORT", 8200, minimum=1),
         web_port=env_int("WEB_PORT", 8000, minimum=1),
         job_heartbeat_s=job_heartbeat_s,

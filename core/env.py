@@ -61,6 +61,23 @@ def env_url(name: str, default: str, schemes: tuple[str, ...]) -> str:
     return raw
 
 
+_MIN_TOKEN_CHARS = 32
+
+
+def env_token(name: str) -> str:
+    """A shared secret sent in an HTTP header: empty (unset), or at least 32 visible ASCII
+    characters without spaces (a short one can be guessed; a space or newline breaks the header)."""
+    raw = os.environ.get(name, "")
+    if not raw:
+        return ""
+    if len(raw) < _MIN_TOKEN_CHARS or not all("!" <= char <= "~" for char in raw):
+        raise ConfigError(
+            f"{name} must be at least {_MIN_TOKEN_CHARS} visible ASCII characters without spaces "
+            "(for example: openssl rand -hex 32), or empty"
+        )
+    return raw
+
+
 def env_path(name: str, default: Path) -> Path:
     raw = os.environ.get(name)
     return Path(raw).expanduser().resolve() if raw else default

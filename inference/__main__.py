@@ -14,10 +14,9 @@ from core.config import Config, load_config
 from core.env import ConfigError
 from inference.adapter_source import AdapterSource
 from inference.adapters import AdapterManager
-from inference.http_client import HttpClient
 from inference.metrics import Metrics
 from inference.pool import Pool
-from inference.server import admin_client, create_app
+from inference.server import admin_client, create_app, replica_client
 
 ADAPTER_CACHE = "adapter-cache"  # under DATA_DIR: adapters synced from S3
 
@@ -47,9 +46,9 @@ def main() -> int:
         return 2
     address = urlsplit(config.inference_pool_url)
     metrics = Metrics()
-    pool = Pool(catalog, config.first_replica_port)
-    adapters = build_adapter_manager(config, catalog, admin_client(), metrics)
-    app = create_app(pool, adapters, HttpClient(), metrics)
+    pool = Pool(catalog, config.first_replica_port, config.internal_token)
+    adapters = build_adapter_manager(config, catalog, admin_client(config.internal_token), metrics)
+    app = create_app(pool, adapters, replica_client(config.internal_token), metrics, config.internal_token)
     uvicorn.run(app, host=address.hostname, port=address.port or 80, log_level="warning")
     return 0
 

@@ -29,6 +29,20 @@ def invalid_api_key() -> ApiError:
     )  # fmt: skip
 
 
+def internal_token_required(setting: str, given: bool) -> ApiError:
+    """For the platform's internal endpoints (the pool, the replicas, /metrics): an API key is not
+    enough there. ``setting`` names the variable whose value opens them."""
+    if given:
+        return ApiError(
+            f"The bearer token provided is not this platform's {setting}.",
+            status=401, type=AUTHENTICATION, code="invalid_internal_token",
+        )  # fmt: skip
+    return ApiError(
+        f"This endpoint is internal: send the header 'Authorization: Bearer <{setting}>'.",
+        status=401, type=AUTHENTICATION, code="missing_internal_token",
+    )  # fmt: skip
+
+
 def invalid_body(detail: str) -> ApiError:
     return ApiError(f"The request body is not usable: {detail}", code="invalid_request_body")
 
@@ -127,6 +141,8 @@ def from_replica(status: int, raw: bytes) -> ApiError:
         param = error.get("param") if isinstance(error.get("param"), str) else None
     except (ValueError, KeyError, TypeError, AttributeError):
         message, param = raw[:500].decode(errors="replace") or f"HTTP {status}", None
+    if status == 401:  # the replica refused the pool's token: nothing the caller can fix
+        return replica_failed(f"the replica refused the pool's INTERNAL_TOKEN ({message})")
     if status == 400 and _CONTEXT_LENGTH.search(message):
         return ApiError(message, param=param or "messages", code="context_length_exceeded")
     if status < 500:

@@ -168,8 +168,14 @@ class Response:
 class HttpClient:
     """Keep-alive connections per host; ``post`` returns once the response headers are in."""
 
-    def __init__(self, max_idle_per_host: int = 256):
+    def __init__(self, max_idle_per_host: int = 256, headers: dict[str, str] | None = None):
+        """``headers``: sent with every request (the internal token: every destination of one
+        client is the same kind of service), formatted once here rather than per request."""
         self.max_idle_per_host = max_idle_per_host
+        headers = headers or {}
+        if any(char in name + value for name, value in headers.items() for char in "\r\n"):
+            raise ValueError("a header name or value contains a line break")  # it would forge headers
+        self._extra_headers = "".join(f"{name}: {value}\r\n" for name, value in headers.items())
         self._tls = ssl.create_default_context()  # for https:// pools and remote replicas
         self._idle: dict[_Key, deque[_Connection]] = {}
 
@@ -179,7 +185,7 @@ class HttpClient:
         path = parts.path + (f"?{parts.query}" if parts.query else "")
         request = (
             f"POST {path} HTTP/1.1\r\nHost: {parts.netloc}\r\nContent-Type: {content_type}\r\n"
-            f"Content-Length: {len(body)}\r\nConnection: keep-alive\r\n\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: keep-alive\r\n{self._extra_headers}\r\n"
         ).encode("latin-1") + body
         connection = self._idle_connection(key) or await self._connect(key)
         response = Response(self, key, connection)

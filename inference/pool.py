@@ -17,12 +17,12 @@ SUPERVISE_INTERVAL_S = 1.0
 
 
 class Pool:
-    def __init__(self, catalog: Catalog, first_replica_port: int):
+    def __init__(self, catalog: Catalog, first_replica_port: int, internal_token: str):
         self.catalog = catalog
         self.replicas: list[Replica] = []
         port = first_replica_port
         for model in catalog.models:
-            self.replicas += replicas_for(model, port)
+            self.replicas += replicas_for(model, port, internal_token)
             port += model.replicas
 
     def ready(self, model_id: str | None = None) -> list[Replica]:

@@ -17,6 +17,7 @@ import httpx
 from core.catalog import BaseModel
 from core.config import REPO_ROOT
 from inference.adapter_slots import AdapterSlots
+from inference.internal_auth import REPLICA_TOKEN_VARIABLE
 
 log = logging.getLogger("inference.replica")
 
@@ -32,6 +33,8 @@ def vllm_command(model: BaseModel, port: int, server_module: str = "inference.vl
 
     ``inference.vllm_server`` is vLLM's own OpenAI server plus faster CPU LoRA kernels; pass
     ``vllm.entrypoints.openai.api_server`` for vLLM exactly as shipped (the benchmark compares them).
+    Either way every route needs the internal token (``ReplicaGuard``; the token itself travels in
+    the environment, see ``vllm_environment``), and the server listens on loopback only.
     """
     lora, engine = model.lora, model.engine
     return [
@@ -43,6 +46,7 @@ def vllm_command(model: BaseModel, port: int, server_module: str = "inference.vl
         "--max-loras", str(min(engine.max_loras, lora.max_num_adapters_per_replica)),
         "--max-cpu-loras", str(lora.max_num_adapters_per_replica),
         "--disable-uvicorn-access-log",
+        "--middleware", "inference.internal_auth.ReplicaGuard",
         *engine.extra_args,
     ]  # fmt: skip
 
@@ -58,13 +62,19 @@ def _cpu_build() -> bool:
 CPU_BUILD = _cpu_build()
 
 
-def vllm_environment(model: BaseModel, one_process_engine: bool = CPU_BUILD) -> dict[str, str]:
-    """``one_process_engine``: the CPU engine runs its model in the engine-core process instead of a
+def vllm_environment(model: BaseModel, api_key: str, one_process_engine: bool = CPU_BUILD) -> dict[str, str]:
+    """``api_key``: the internal token the server will require (vLLM's ``--api-key`` reads the same
+    variable), here rather than on the command line, which every user of the machine can read.
+
+    ``one_process_engine``: the CPU engine runs its model in the engine-core process instead of a
     third process of its own. Measured on two cores (``benchmarks/replica_start.py``): ready in
     0.75x the time (one process fewer to start and import vLLM into) and, free of vLLM's "auto" OMP
     binding that pins a CPU worker to one core, 1.4x the tokens/s for one stream, 1.1-1.3x for 32."""
+    if not api_key:
+        raise ValueError("a replica without an API key would let any local process load and unload adapters")
     environment = {
         **os.environ,
+        REPLICA_TOKEN_VARIABLE: api_key,
         "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",  # load_lora_adapter / unload_lora_adapter
         "VLLM_CPU_KVCACHE_SPACE": str(model.engine.kv_cache_space_gib),  # ignored on GPUs
     }
@@ -78,6 +88,7 @@ class Replica:
     model: BaseModel
     url: str
     port: int | None = None  # None: a remote replica we route to but do not start
+    api_key: str = field(default="", repr=False)  # what a managed replica requires: the internal token
     process: subprocess.Popen | None = None
     healthy: bool = False
     restarts: int = 0
@@ -138,7 +149,7 @@ class Replica:
     def start(self) -> None:
         log.info("starting replica %s for %s", self.url, self.model.id)
         self.process = subprocess.Popen(
-            vllm_command(self.model, self.port), env=vllm_environment(self.model), cwd=REPO_ROOT,
+            vllm_command(self.model, self.port), env=vllm_environment(self.model, self.api_key), cwd=REPO_ROOT,
             start_new_session=True,
         )  # fmt: skip
 
@@ -220,8 +231,10 @@ class Replica:
         }
 
 
-def replicas_for(model: BaseModel, first_port: int) -> list[Replica]:
+def replicas_for(model: BaseModel, first_port: int, api_key: str) -> list[Replica]:
+    """Remote replicas are started by someone else, with the same token (see the README)."""
     local = [
-        Replica(model, f"http://127.0.0.1:{port}", port) for port in range(first_port, first_port + model.replicas)
+        Replica(model, f"http://127.0.0.1:{port}", port, api_key)
+        for port in range(first_port, first_port + model.replicas)
     ]
     return local + [Replica(model, url.rstrip("/")) for url in model.remote_replicas]

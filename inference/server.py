@@ -1,4 +1,7 @@
-"""The pool's HTTP face (internal: the gateway in front of it authenticates and authorizes).
+"""The pool's HTTP face (internal: the gateway in front of it authenticates and authorizes callers).
+
+Every route needs the internal token (``inference.internal_auth``); the pool presents the same
+token to its replicas, on the admin client (probes, adapter loads, /v1/models) and the hot path.
 
 - POST /v1/chat/completions, /v1/completions: route, load the adapter, relay (``completions``)
 - GET /health: replicas and their state (200 when at least one is ready)
@@ -12,24 +15,36 @@ import contextlib
 
 import httpx
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from core.internal_token import bearer
 from inference import errors
 from inference.adapters import AdapterManager
 from inference.completions import CompletionsHandler
-from inference.http_client import Poster
+from inference.http_client import HttpClient, Poster
+from inference.internal_auth import RequireInternalToken
 from inference.metrics import CONTENT_TYPE, Metrics
 from inference.pool import Pool
 
 
-def admin_client() -> httpx.AsyncClient:
-    """For adapter loads and unloads (completions go through ``inference.http_client``)."""
-    return httpx.AsyncClient(timeout=httpx.Timeout(connect=5.0, read=120.0, write=60.0, pool=60.0))
+def admin_client(internal_token: str, transport: httpx.AsyncBaseTransport | None = None) -> httpx.AsyncClient:
+    """For health probes, adapter loads and unloads (completions go through ``replica_client``)."""
+    return httpx.AsyncClient(
+        timeout=httpx.Timeout(connect=5.0, read=120.0, write=60.0, pool=60.0),
+        headers={"Authorization": bearer(internal_token)},
+        transport=transport,
+    )
 
 
-def create_app(pool: Pool, adapters: AdapterManager, http: Poster, metrics: Metrics) -> Starlette:
+def replica_client(internal_token: str) -> HttpClient:
+    """The hot path to the replicas."""
+    return HttpClient(headers={"Authorization": bearer(internal_token)})
+
+
+def create_app(pool: Pool, adapters: AdapterManager, http: Poster, metrics: Metrics, internal_token: str) -> Starlette:
     handler = CompletionsHandler(pool, pool.catalog, adapters, http, metrics)
     adapters.replicas = pool.replicas
     metrics.watch_replicas(lambda: pool.replicas)
@@ -74,5 +89,6 @@ def create_app(pool: Pool, adapters: AdapterManager, http: Poster, metrics: Metr
             Route("/metrics", prometheus),
         ],
         exception_handlers={errors.ApiError: api_error},
+        middleware=[Middleware(RequireInternalToken, token=internal_token)],
         lifespan=lifespan,
     )

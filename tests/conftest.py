@@ -10,7 +10,7 @@ from urllib.parse import quote
 import pytest
 from django.db import connection
 
-from tests.inference_fixtures import pool_environment
+from tests.inference_fixtures import internal_headers, pool_environment
 from tests.processes import answers, celery_worker_command, running, wait_until
 from server.celery import app as celery_app
 
@@ -90,7 +90,8 @@ def inference_pool():
     from django.conf import settings
 
     with running("pool", [sys.executable, "-m", "inference"], pool_environment()) as process:
-        wait_until(lambda: answers(f"{settings.INFERENCE_POOL_URL}/health"), 300, "inference pool", process)
+        health = f"{settings.INFERENCE_POOL_URL}/health"
+        wait_until(lambda: answers(health, headers=internal_headers()), 300, "inference pool", process)
         yield settings.INFERENCE_POOL_URL
 
 

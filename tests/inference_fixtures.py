@@ -46,6 +46,20 @@ def pool_environment() -> dict[str, str]:
     return {"MODEL_CATALOG": str(TEST_CATALOG)}
 
 
+def internal_headers() -> dict[str, str]:
+    """What the pool and its replicas require; the test processes derive the same internal token."""
+    from django.conf import settings
+
+    return {"Authorization": f"Bearer {settings.INTERNAL_TOKEN}"}
+
+
+def monitoring_headers() -> dict[str, str]:
+    """What opens /metrics and the detail of /healthz."""
+    from django.conf import settings
+
+    return {"Authorization": f"Bearer {settings.MONITORING_TOKEN}"}
+
+
 @pytest.fixture(scope="session")
 def gateway(test_database_url, inference_pool) -> str:
     """The web process (Django under uvicorn, ASGI) on the test database, in front of the pool."""

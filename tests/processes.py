@@ -17,10 +17,11 @@ ROOT = Path(__file__).resolve().parent.parent
 LOGS = ROOT / "data" / "test" / "logs"
 
 
-def answers(url: str, below: int = 300) -> bool:
-    """Whether a GET of ``url`` answers within a second with a status under ``below`` (ready: 2xx)."""
+def answers(url: str, below: int = 300, headers: dict[str, str] | None = None) -> bool:
+    """Whether a GET of ``url`` answers within a second with a status under ``below`` (ready: 2xx).
+    The pool and its replicas answer only with the internal token in ``headers``."""
     try:
-        return httpx.get(url, timeout=1).status_code < below
+        return httpx.get(url, headers=headers, timeout=1).status_code < below
     except httpx.HTTPError:
         return False
 

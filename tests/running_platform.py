@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import os
 import re
+import secrets
 import subprocess
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+
+import httpx
 
 from tests.processes import LOGS, ROOT, answers, free_port, stop, wait_until
 
@@ -32,9 +35,14 @@ class RunningPlatform:
     url: str
     api_key: str
     pool_url: str  # the inference pool's internal address (its /health lists what replicas hold)
+    internal_token: str  # what the pool answers to: this run's INTERNAL_TOKEN
     data_dir: Path
     redis_url: str
     process: subprocess.Popen
+
+    def pool_health(self) -> dict:
+        headers = {"Authorization": f"Bearer {self.internal_token}"}
+        return httpx.get(f"{self.pool_url}/health", headers=headers, timeout=10).json()
 
 
 def _environment(data_dir: Path, redis_url: str, settings: dict[str, str]) -> dict[str, str]:
@@ -45,6 +53,7 @@ def _environment(data_dir: Path, redis_url: str, settings: dict[str, str]) -> di
         WEB_PORT=str(free_port()),
         INFERENCE_POOL_URL=f"http://127.0.0.1:{free_port()}",
         FIRST_REPLICA_PORT=str(free_port()),
+        INTERNAL_TOKEN=secrets.token_hex(32),  # as a deployment sets it; the test reads the pool with it
         **settings,
     )
     return env
@@ -85,6 +94,8 @@ def bin_run(
     try:
         wait_until(key_found.is_set, 300, "bin/run's API key banner", process)
         wait_until(lambda: answers(f"{url}/healthz"), ready_timeout_s, "bin/run's /healthz", process)
-        yield RunningPlatform(url, found["key"], env["INFERENCE_POOL_URL"], data_dir, redis_url, process)
+        yield RunningPlatform(
+            url, found["key"], env["INFERENCE_POOL_URL"], env["INTERNAL_TOKEN"], data_dir, redis_url, process
+        )
     finally:
         stop(process, grace_s=30)

@@ -85,3 +85,28 @@ def test_a_model_without_weights_stops_the_pool_and_set_up_with_one_line(tmp_pat
         result = _start(command, MODEL_CATALOG=str(catalog))
         assert result.returncode == 2
         assert result.stderr.strip() == "configuration error: model 'acme/missing-7b': no weights at /nowhere/missing-7b"
+
+
+def test_it_derives_the_same_internal_token_from_the_same_secret_key(monkeypatch):
+    monkeypatch.delenv("INTERNAL_TOKEN", raising=False)
+    monkeypatch.setenv("SECRET_KEY", "one deployment's secret")
+    first = load_config().internal_token
+    assert load_config().internal_token == first  # web, pool and replicas start separately and agree
+    assert len(first) == 64 and "secret" not in first
+    monkeypatch.setenv("SECRET_KEY", "another deployment's secret")
+    assert load_config().internal_token != first
+
+
+def test_it_takes_internal_and_monitoring_tokens_from_the_environment(monkeypatch):
+    monkeypatch.setenv("INTERNAL_TOKEN", "i" * 40)
+    monkeypatch.delenv("MONITORING_TOKEN", raising=False)
+    assert load_config().monitoring_token == load_config().internal_token == "i" * 40
+    monkeypatch.setenv("MONITORING_TOKEN", "m" * 40)
+    assert (load_config().internal_token, load_config().monitoring_token) == ("i" * 40, "m" * 40)
+
+
+@pytest.mark.parametrize("value", ["short", "x" * 40 + " y", "x" * 40 + "\n"])
+def test_it_refuses_a_short_or_header_breaking_internal_token(monkeypatch, value):
+    monkeypatch.setenv("INTERNAL_TOKEN", value)
+    with pytest.raises(ConfigError, match="INTERNAL_TOKEN must be at least 32 visible ASCII characters"):
+        load_config()

@@ -28,7 +28,9 @@ from tests.inference_fixtures import (  # noqa: F401 (fixtures)
     alice,
     charlie,
     gateway,
+    internal_headers,
     make_adapter,
+    monitoring_headers,
     publish_fine_tuned_model,
     register_fine_tuned_model,
 )
@@ -176,7 +178,7 @@ def test_it_evicts_the_least_recently_used_adapter_and_answers_every_request(ali
     assert _metric(gateway, "fineserve_adapter_evictions_total", 'reason="lru"') >= evictions_before + 2
 
     def within_capacity() -> bool:  # adapters still answering are evicted once idle
-        return len(httpx.get(f"{settings.INFERENCE_POOL_URL}/health").json()["replicas"][0]["adapters"]) <= 3
+        return len(_replica()["adapters"]) <= 3
 
     wait_until(within_capacity, 10, "eviction back to capacity")
 
@@ -279,9 +281,14 @@ def test_it_reloads_a_republished_adapter_and_stops_serving_a_deleted_one(alice,
     assert error.status_code == 404 and error.body["code"] == "model_not_found"
 
 
-def test_it_exposes_prometheus_metrics(alice, gateway):
+def test_it_exposes_prometheus_metrics_to_monitoring_only(alice, make_adapter, gateway):
+    name = publish_fine_tuned_model(alice, _suffix("counted"), make_adapter(seed=42))
     _ask(alice.client, BASE, max_tokens=2)
-    text = httpx.get(f"{gateway}/metrics").text
+    _ask(alice.client, name, max_tokens=2)
+    refused = httpx.get(f"{gateway}/metrics")
+    assert refused.status_code == 401 and BASE not in refused.text and name not in refused.text
+    text = httpx.get(f"{gateway}/metrics", headers=monitoring_headers()).text
+    assert f'model="{name}"' in text
     assert f'fineserve_inference_requests_total{{endpoint="chat/completions",model="{BASE}",status="200"}}' in text
     assert "fineserve_inference_request_seconds_bucket" in text
     assert 'fineserve_gateway_requests_total{endpoint="chat/completions",status="200"}' in text
@@ -295,17 +302,48 @@ def test_it_exposes_prometheus_metrics(alice, gateway):
 
 
 def _metric(gateway: str, name: str, label: str) -> float:
-    text = httpx.get(f"{gateway}/metrics").text
+    text = httpx.get(f"{gateway}/metrics", headers=monitoring_headers()).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name) and label in line)
 
 
+def _pool_health() -> httpx.Response:
+    return httpx.get(f"{settings.INFERENCE_POOL_URL}/health", headers=internal_headers())
+
+
 def _replica() -> dict:
-    return httpx.get(f"{settings.INFERENCE_POOL_URL}/health").json()["replicas"][0]
+    return _pool_health().json()["replicas"][0]
 
 
 def _loaded_in_vllm(replica_url: str) -> set[str]:
-    cards = httpx.get(f"{replica_url}/v1/models").json()["data"]
+    cards = httpx.get(f"{replica_url}/v1/models", headers=internal_headers()).json()["data"]
     return {card["id"] for card in cards if card.get("parent")}
+
+
+def test_a_replica_and_the_pool_refuse_whoever_lacks_the_internal_token(alice, make_adapter):
+    name = publish_fine_tuned_model(alice, _suffix("guarded"), make_adapter(seed=43))
+    answer = _ask(alice.client, name)  # loaded on the replica through the pool, with the token
+    replica_url = _replica()["url"]
+    stranger = {"Authorization": "Bearer a-local-process-guessing"}
+    elsewhere = str(make_adapter(seed=44))
+    refused = [
+        ("POST", "/v1/load_lora_adapter", {"lora_name": f"{BASE}:planted", "lora_path": elsewhere}),
+        ("POST", "/v1/unload_lora_adapter", {"lora_name": name}),
+        ("GET", "/v1/models", None),
+        # Open under vLLM's own --api-key; closed by ours (inference.internal_auth.ReplicaGuard):
+        ("POST", "/adapters", {"name": f"{BASE}:planted", "src": elsewhere}),
+        ("DELETE", f"/adapters/{name}", None),
+        ("POST", "/invocations", {"model": name, "prompt": "Hi", "max_tokens": 1}),
+        ("GET", "/metrics", None),
+    ]
+    for method, path, body in refused:
+        for headers in ({}, stranger):
+            response = httpx.request(method, f"{replica_url}{path}", json=body, headers=headers, timeout=30)
+            assert response.status_code == 401, (method, path, response.text)
+    assert httpx.get(f"{settings.INFERENCE_POOL_URL}/health").status_code == 401
+    pool_chat = {"model": name, "messages": QUESTION, "max_tokens": 4}
+    assert httpx.post(f"{settings.INFERENCE_POOL_URL}/v1/chat/completions", json=pool_chat).status_code == 401
+    assert _loaded_in_vllm(replica_url) >= {name} and f"{BASE}:planted" not in _loaded_in_vllm(replica_url)
+    assert _ask(alice.client, name) == answer  # the platform itself still gets through
 
 
 def test_deleting_a_model_lets_its_stream_finish_then_unloads_it_everywhere_within_seconds(alice, make_adapter):
@@ -334,7 +372,7 @@ def test_a_new_pool_reads_back_what_a_running_replica_already_holds(alice, make_
     fresh = Replica(settings.MODEL_CATALOG.get(BASE), _replica()["url"])  # as a restarted pool sees it
 
     async def read_back() -> None:
-        async with httpx.AsyncClient() as client:
+        async with httpx.AsyncClient(headers=internal_headers()) as client:
             await fresh.read_back_adapters(client)
 
     asyncio.run(read_back())
@@ -346,13 +384,13 @@ def test_it_restarts_a_killed_replica_and_answers_503_meanwhile(alice, make_adap
     pool_url = settings.INFERENCE_POOL_URL
     name = publish_fine_tuned_model(alice, _suffix("survivor"), make_adapter(seed=30))
     before = _ask(alice.client, name)
-    replica = httpx.get(f"{pool_url}/health").json()["replicas"][0]
+    replica = _replica()
     os.killpg(replica["pid"], signal.SIGKILL)
     error = _error(lambda: _ask(alice.client, BASE))
     # No replica, or (the kill raced this request) the one that had it: refused cleanly either way.
     assert error.status_code == 503 and error.body["code"] in ("no_replica_available", "replica_unavailable")
     assert "Retry" in error.body["message"] and int(error.retry_after) > 0
-    wait_until(lambda: httpx.get(f"{pool_url}/health").status_code == 200, 300, "replica restart")
-    restarted = httpx.get(f"{pool_url}/health").json()["replicas"][0]
+    wait_until(lambda: _pool_health().status_code == 200, 300, "replica restart")
+    restarted = _replica()
     assert restarted["restarts"] == replica["restarts"] + 1 and restarted["pid"] != replica["pid"]
     assert _ask(alice.client, name) == before  # the adapter is loaded again on the new engine

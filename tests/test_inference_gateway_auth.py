@@ -7,10 +7,12 @@ a request the gateway accepts ends in a 503 from the unreachable pool.
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 import pytest
 
-from tests.inference_fixtures import BASE, register_fine_tuned_model
+from tests.inference_fixtures import BASE, monitoring_headers, register_fine_tuned_model
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.anyio]
 
@@ -65,6 +67,57 @@ async def test_it_answers_401_without_a_key_or_with_a_wrong_one(web, keys):
     assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
     broken_body = await web.post("/v1/chat/completions", content=b"{", headers=_bearer("sk-wrong"))
     assert broken_body.status_code == 401  # the key is checked before the body
+
+
+class PoolMetrics:
+    """A stand-in for the pool's /metrics: one fine-tuned model's counter, for the internal token only."""
+
+    SECRET_MODEL = f"{BASE}:alices-unreleased-bot"
+
+    def __init__(self, token: str):
+        self.token, self.authorizations = token, []
+
+    async def answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        lines = (await reader.readuntil(b"\r\n\r\n")).decode().split("\r\n")
+        headers = {name.lower(): value for name, _, value in (line.partition(": ") for line in lines[1:])}
+        authorization = headers.get("authorization", "")
+        self.authorizations.append(authorization)
+        if authorization == f"Bearer {self.token}":
+            body = f'fineserve_inference_requests_total{{model="{self.SECRET_MODEL}"}} 3.0\n'.encode()
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+        else:
+            writer.write(b"HTTP/1.1 401 Unauthorized\r\ncontent-length: 0\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+
+async def test_it_shows_metrics_only_to_the_monitoring_token_and_names_no_model_without_it(web, keys, settings):
+    pool = PoolMetrics(settings.INTERNAL_TOKEN)
+    server = await asyncio.start_server(pool.answer, "127.0.0.1", 0)
+    settings.INFERENCE_POOL_URL = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    try:
+        for headers, code in (({}, "missing_internal_token"), (_bearer(keys["alice"]), "invalid_internal_token")):
+            refused = await web.get("/metrics", headers=headers)  # an API key is not enough
+            assert refused.status_code == 401 and refused.json()["error"]["code"] == code
+            assert "fineserve" not in refused.text and BASE not in refused.text
+        assert pool.authorizations == []  # refused before the pool was asked
+        scraped = await web.get("/metrics", headers=monitoring_headers())
+    finally:
+        server.close()
+    assert scraped.status_code == 200 and "fineserve_gateway_requests_total" in scraped.text
+    assert PoolMetrics.SECRET_MODEL in scraped.text  # the web asked the pool with the internal token
+
+
+async def test_it_keeps_metrics_readable_when_the_pool_refuses_the_webs_token(web, settings):
+    pool = PoolMetrics("x" * 64)  # a pool started with another INTERNAL_TOKEN (or SECRET_KEY)
+    server = await asyncio.start_server(pool.answer, "127.0.0.1", 0)
+    settings.INFERENCE_POOL_URL = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    try:
+        scraped = await web.get("/metrics", headers=monitoring_headers())
+    finally:
+        server.close()
+    assert scraped.status_code == 200 and "fineserve_gateway_requests_total" in scraped.text
+    assert "# the inference pool's metrics are unavailable" in scraped.text and "401" in scraped.text
 
 
 async def test_it_answers_404_for_another_organizations_model_and_unknown_ones(web, keys):

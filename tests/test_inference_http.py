@@ -77,6 +77,18 @@ async def test_it_posts_and_reads_a_body_reusing_one_connection():
         await client.aclose()
 
 
+async def test_it_sends_its_headers_with_every_request_and_refuses_a_line_break_in_them():
+    server = TinyServer([_ok(b"{}"), _ok(b"{}")])
+    async with server as url:
+        client = HttpClient(headers={"Authorization": "Bearer internal"})
+        for _ in range(2):
+            await (await client.post(f"{url}/v1/completions", b"{}")).read()
+        assert all(b"\r\nAuthorization: Bearer internal\r\n" in request for request in server.requests)
+        await client.aclose()
+    with pytest.raises(ValueError, match="line break"):
+        HttpClient(headers={"Authorization": "Bearer x\r\nX-Forged: yes"})
+
+
 async def test_it_streams_a_chunked_body_as_it_arrives():
     events = [b"data: one\n\n", b"data: two\n\n", b"data: [DONE]\n\n"]
     chunked = [b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"]

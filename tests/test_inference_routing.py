@@ -23,12 +23,16 @@ from inference.adapter_source import AdapterSource
 from inference.adapters import AdapterManager
 from inference.http_client import UpstreamBroken, UpstreamUnavailable
 from inference.metrics import Metrics
+from inference.internal_auth import ReplicaGuard
 from inference.pool import Pool
+from inference.replica import vllm_command, vllm_environment
 from inference.router import HOT_ADAPTER_INFLIGHT, choose_replica, rendezvous_order
-from inference.server import create_app
+from inference.server import admin_client, create_app
 from tests.s3 import running_s3_server, s3_server
 
 BASE = "HuggingFaceTB/SmolLM2-135M-Instruct"
+TOKEN = "internal-token-for-these-tests-0123456789"
+INTERNAL = {"Authorization": f"Bearer {TOKEN}"}
 
 
 @pytest.fixture
@@ -71,11 +75,14 @@ class FakeVllm:
     too_busy_to_probe: set = field(default_factory=set)  # urls whose health check times out
     calls: list = field(default_factory=list)
     max_rank: int = 16
+    api_keys: dict = field(default_factory=dict)  # url -> the key it requires, when not TOKEN (--api-key)
 
     def handler(self, request: httpx.Request) -> httpx.Response:
         url = f"{request.url.scheme}://{request.url.netloc.decode()}"
         if url in self.down:
             raise httpx.ConnectError("connection refused", request=request)
+        if request.headers.get("authorization") != f"Bearer {self.api_keys.get(url, TOKEN)}":
+            return httpx.Response(401, json={"error": "Unauthorized"})  # as vLLM's --api-key answers
         body = json.loads(request.content or b"{}")
         held = self.loaded.setdefault(url, {})
         path = request.url.path
@@ -178,16 +185,18 @@ class PoolUnderTest:
         self.tmp = tmp_path
         urls = tuple(f"http://replica-{i}" for i in range(replicas))
         self.model = _base_model(self.dynamic, urls, max_adapters)
-        self.pool = Pool(Catalog((self.model,)), first_replica_port=1)
+        self.pool = Pool(Catalog((self.model,)), first_replica_port=1, internal_token=TOKEN)
         for replica in self.pool.replicas:
             replica.healthy = True
         self.vllm = FakeVllm()
         self.metrics = Metrics()
-        self.client = httpx.AsyncClient(transport=httpx.MockTransport(self.vllm.handler))
+        self.client = admin_client(TOKEN, transport=httpx.MockTransport(self.vllm.handler))
         source = AdapterSource(self.store, tmp_path / "cache", self.metrics, BASE)
         self.adapters = AdapterManager({BASE: source}, self.client, self.metrics)
-        self.app = create_app(self.pool, self.adapters, HttpxPoster(self.client), self.metrics)
-        self.http = httpx.AsyncClient(transport=httpx.ASGITransport(app=self.app), base_url="http://pool")
+        self.app = create_app(self.pool, self.adapters, HttpxPoster(self.client), self.metrics, TOKEN)
+        self.http = httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=self.app), base_url="http://pool", headers=INTERNAL
+        )  # as the gateway calls it
 
     def publish(self, suffix: str, rank: int = 8, config: str | None = None) -> str:
         name = f"{BASE}:{suffix}"
@@ -477,6 +486,78 @@ async def test_it_counts_requests_adapter_loads_and_replica_health_in_metrics(tm
     assert f'fineserve_adapter_loads_total{{base_model="{BASE}",outcome="loaded"}} 1.0' in text
     assert "fineserve_adapter_load_seconds_count" in text
     assert f'fineserve_replica_healthy{{model="{BASE}",replica="http://replica-0"}} 1.0' in text
+
+
+# --- closed to everyone but the platform ---------------------------------------------------------
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(("method", "path"), [
+    ("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("GET", "/health"), ("GET", "/metrics"),
+])  # fmt: skip
+async def test_it_refuses_a_request_without_the_internal_token(tmp_path, method, path):
+    pool = PoolUnderTest(tmp_path, replicas=1)
+    name = pool.publish("support")
+    body = {"model": name, "messages": [{"role": "user", "content": "hi"}]}
+    a_users_key = {"Authorization": "Bearer sk-a-users-api-key"}
+    for headers, code in (({}, "missing_internal_token"), (a_users_key, "invalid_internal_token")):
+        transport = httpx.ASGITransport(app=pool.app)
+        outsider = httpx.AsyncClient(transport=transport, base_url="http://pool", headers=headers)
+        response = await outsider.request(method, path, json=body if method == "POST" else None)
+        assert response.status_code == 401
+        assert response.json()["error"]["code"] == code and response.json()["error"]["type"] == "authentication_error"
+        assert name not in response.text and BASE not in response.text
+    assert pool.vllm.calls == []  # nothing reached a replica: no adapter loaded, no completion run
+    assert (await pool.http.request(method, path, json=body if method == "POST" else None)).status_code == 200
+
+
+@pytest.mark.anyio
+async def test_it_keeps_a_replica_that_refuses_the_internal_token_out_of_routing(tmp_path):
+    pool = PoolUnderTest(tmp_path, replicas=2)
+    misconfigured = pool.pool.replicas[1]
+    pool.vllm.api_keys[misconfigured.url] = "a remote vLLM started with another --api-key"
+    for replica in pool.pool.replicas:
+        replica.healthy = False
+    await pool.pool.supervise_once(pool.client)
+    await pool.pool.supervise_once(pool.client)
+    assert [replica.healthy for replica in pool.pool.replicas] == [True, False]
+    for suffix in ("a", "b", "c", "d"):
+        response = await pool.chat(pool.publish(suffix))
+        assert response.status_code == 200 and response.json()["replica"] == pool.pool.replicas[0].url
+
+
+def test_it_starts_replicas_that_require_the_token_without_showing_it_on_their_command_line():
+    model = _base_model("unused", ())
+    command = vllm_command(model, 8200)
+    assert TOKEN not in " ".join(command)  # ps shows every user of the machine each command line
+    assert vllm_environment(model, TOKEN)["VLLM_API_KEY"] == TOKEN  # vLLM's --api-key reads it too
+    assert command[command.index("--middleware") + 1] == "inference.internal_auth.ReplicaGuard"
+    assert command[command.index("--host") + 1] == "127.0.0.1"
+    with pytest.raises(ValueError, match="without an API key"):
+        vllm_environment(model, "")
+
+
+@pytest.mark.anyio
+async def test_it_guards_every_route_of_a_replica_not_only_vllms_v1(monkeypatch):
+    from starlette.applications import Starlette
+    from starlette.responses import PlainTextResponse
+    from starlette.routing import Route
+
+    async def answer(request):
+        return PlainTextResponse("done")
+
+    # vLLM's --api-key leaves these open: SageMaker's LoRA routes, /invocations, /metrics, /health.
+    paths = ["/adapters", "/adapters/someone-elses", "/invocations", "/metrics", "/health", "/v1/models"]
+    app = Starlette(routes=[Route(path, answer, methods=["GET", "POST", "DELETE"]) for path in paths])
+    monkeypatch.setenv("VLLM_API_KEY", TOKEN)
+    guarded = httpx.AsyncClient(transport=httpx.ASGITransport(app=ReplicaGuard(app)), base_url="http://replica")
+    for path in paths:
+        assert (await guarded.post(path)).status_code == 401
+        assert (await guarded.delete(path, headers={"Authorization": "Bearer guess"})).status_code == 401
+        assert (await guarded.post(path, headers=INTERNAL)).text == "done"
+    monkeypatch.delenv("VLLM_API_KEY")
+    with pytest.raises(ValueError, match="no internal token"):
+        ReplicaGuard(app)  # a replica started without a key does not start at all
 
 
 # --- keeping itself alive ------------------------------------------------------------------------

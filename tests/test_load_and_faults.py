@@ -24,6 +24,7 @@ from tests.inference_fixtures import (  # noqa: F401 (fixtures)
     adapter_store,
     alice,
     gateway,
+    internal_headers,
     make_adapter,
     publish_fine_tuned_model,
 )
@@ -35,7 +36,7 @@ pytestmark = [pytest.mark.engine, pytest.mark.fault, pytest.mark.django_db(trans
 
 
 def _replica() -> dict:
-    return httpx.get(f"{settings.INFERENCE_POOL_URL}/health").json()["replicas"][0]
+    return httpx.get(f"{settings.INFERENCE_POOL_URL}/health", headers=internal_headers()).json()["replicas"][0]
 
 
 def test_under_load_every_request_is_answered_or_refused_cleanly_through_a_republish_and_a_replica_kill(

@@ -13,7 +13,13 @@ import httpx
 import pytest
 from django.test import Client
 
-from tests.inference_fixtures import BASE, gateway, make_adapter, publish_fine_tuned_model  # noqa: F401 (fixtures)
+from tests.inference_fixtures import (  # noqa: F401 (fixtures)
+    BASE,
+    gateway,
+    make_adapter,
+    monitoring_headers,
+    publish_fine_tuned_model,
+)
 
 pytestmark = [pytest.mark.engine, pytest.mark.django_db(transaction=True)]
 
@@ -52,7 +58,8 @@ def test_a_fine_tuned_models_answer_streams_into_the_playground(gateway, alice, 
     pieces, events = stream_chat(session, model, "Name three colours.")
 
     assert len(pieces) >= 2 and "".join(pieces).strip()
-    assert 'fineserve_gateway_requests_total{endpoint="playground",status="200"}' in session.get("/metrics").text
+    metrics = session.get("/metrics", headers=monitoring_headers()).text
+    assert 'fineserve_gateway_requests_total{endpoint="playground",status="200"}' in metrics
     assert {event["model"] for event in events} == {model}
     assert events[-1]["usage"]["completion_tokens"] >= len(pieces)  # the page shows tokens/s from this
 

@@ -48,7 +48,7 @@ def wait_for_status(client: openai.OpenAI, job_id: str, statuses: tuple[str, ...
 
 
 def pool_replicas(platform) -> list[dict]:
-    return httpx.get(f"{platform.pool_url}/health", timeout=10).json()["replicas"]
+    return platform.pool_health()["replicas"]
 
 
 def test_a_job_created_with_the_openai_client_trains_and_its_model_streams_then_deletes(platform):

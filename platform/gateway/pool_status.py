@@ -6,7 +6,7 @@ from collections import Counter
 
 import httpx
 
-from gateway.pool_client import pool_url
+from gateway.pool_client import pool_headers, pool_url
 
 TIMEOUT_S = 1.0
 
@@ -19,7 +19,7 @@ def pool_health() -> tuple[int, dict]:
     """The status code and body of the pool's health document."""
     url = pool_url("/health")
     try:
-        response = httpx.get(url, timeout=TIMEOUT_S)
+        response = httpx.get(url, headers=pool_headers(), timeout=TIMEOUT_S)
         return response.status_code, response.json()
     except (httpx.HTTPError, ValueError) as exc:
         raise PoolUnavailable(f"{url}: {exc}") from None

@@ -14,6 +14,7 @@ from gateway.completions import STREAM_HEADERS, PoolAnswer, bearer_key, complete
 from gateway.pool_client import pool_client, pool_url
 from inference import errors
 from inference.protocol import ModelCard, ModelList
+from server.monitoring import from_monitoring
 
 
 def openai_endpoint(name: str, *methods: str):
@@ -89,10 +90,15 @@ async def model(request: HttpRequest, model: str) -> HttpResponse:
 
 
 async def metrics(request: HttpRequest) -> HttpResponse:
-    """The gateway's counters, then the pool's metrics (per model, adapters, replicas)."""
+    """The gateway's counters, then the pool's metrics (per model, adapters, replicas): for the
+    operator's scraper only, as they name every organization's models."""
+    if not from_monitoring(request):
+        given = "Authorization" in request.headers
+        return error_response(errors.internal_token_required("MONITORING_TOKEN", given=given))
     text = gateway_metrics.render()
     try:
         response = await pool_client().get(pool_url("/metrics"), timeout=2.0)
+        response.raise_for_status()  # a refusal (say, INTERNAL_TOKEN differs from the pool's) is not metrics text
         text += response.content
     except httpx.HTTPError as exc:
         text += f"# the inference pool's metrics are unavailable: {exc!r}\n".encode()

@@ -381,7 +381,6 @@ def test_a_new_pool_reads_back_what_a_running_replica_already_holds(alice, make_
 
 # Last: it restarts the session's engine.
 def test_it_restarts_a_killed_replica_and_answers_503_meanwhile(alice, make_adapter):
-    pool_url = settings.INFERENCE_POOL_URL
     name = publish_fine_tuned_model(alice, _suffix("survivor"), make_adapter(seed=30))
     before = _ask(alice.client, name)
     replica = _replica()

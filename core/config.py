@@ -7,7 +7,7 @@ variable has one name, one default and one parser. ``.env.example`` lists them a
 from __future__ import annotations
 
 import shlex
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -18,26 +18,36 @@ from core.internal_token import derive_internal_token
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
-# Only for local development; a deployment sets SECRET_KEY (checked in load_config).
+# Only for local development; a deployment sets SECRET_KEY (checked in _secret_key).
 _DEV_SECRET_KEY = "dev-only-insecure-secret-key-change-me"
+# Django's own bar for a secret key (its deployment check, security.W009), so production mode
+# passes `manage.py check --deploy`.
+_MIN_SECRET_KEY_CHARS = 50
+_MIN_SECRET_KEY_DISTINCT_CHARS = 5
+_INSECURE_SECRET_KEY_PREFIX = "django-insecure-"
+_HSTS_ONE_YEAR_S = 365 * 24 * 3600
 
 
+# In both dataclasses, fields with repr=False hold secrets, or a URL or dict that may embed a password:
+# a Config printed in a log line, a shell or an error page must not show them.
 @dataclass(frozen=True)
 class S3Settings:
     endpoint_url: str | None  # None: AWS itself; set for MinIO, moto and other S3-compatible stores
     access_key_id: str | None
-    secret_access_key: str | None
+    secret_access_key: str | None = field(repr=False)
     region: str
 
 
 @dataclass(frozen=True)
 class Config:
-    debug: bool
-    secret_key: str
+    debug: bool  # development mode; false (production) unless DEBUG asks for it
+    secret_key: str = field(repr=False)
     allowed_hosts: list[str]
+    csrf_trusted_origins: list[str]  # origins (scheme://host) allowed to POST forms from another host
+    hsts_seconds: int  # Strict-Transport-Security max-age in production; 0 in development
     data_dir: Path
-    database: dict
-    redis_url: str
+    database: dict = field(repr=False)
+    redis_url: str = field(repr=False)
     model_catalog: Path
     dynamic_lora_path: str  # a local folder or s3://bucket/prefix
     files_path: str  # uploaded datasets and checkpoints: a local folder or s3://bucket/prefix
@@ -47,8 +57,9 @@ class Config:
     inference_pool_url: str
     # What the web, the pool and the vLLM replicas present to each other (core.internal_token):
     # INTERNAL_TOKEN, or derived from SECRET_KEY so separately started processes agree on it.
-    internal_token: str
-    monitoring_token: str  # opens /metrics and the detail of /healthz; the internal token unless set
+    internal_token: str = field(repr=False)
+    # Opens /metrics and the detail of /healthz; the internal token unless set.
+    monitoring_token: str = field(repr=False)
     first_replica_port: int  # local vLLM replicas listen on consecutive ports from here
     web_port: int
     job_heartbeat_s: int  # how often a running job says its worker is alive
@@ -86,18 +97,58 @@ def _job_liveness() -> tuple[int, int]:
     return heartbeat, stale_after
 
 
-def load_config() -> Config:
-    debug = env_bool("DEBUG", True)
+def _secret_key(debug: bool) -> str:
+    """Everything signed (sessions, CSRF tokens, the derived internal token) is only as safe as this."""
     secret_key = env_str("SECRET_KEY", _DEV_SECRET_KEY)
-    if not debug and secret_key == _DEV_SECRET_KEY:
-        raise ConfigError("SECRET_KEY must be set when DEBUG is false")
+    if debug:
+        return secret_key
+    if secret_key == _DEV_SECRET_KEY:
+        raise ConfigError("SECRET_KEY must be set when DEBUG is false (for example: openssl rand -hex 32)")
+    if (
+        len(secret_key) < _MIN_SECRET_KEY_CHARS
+        or len(set(secret_key)) < _MIN_SECRET_KEY_DISTINCT_CHARS
+        or secret_key.startswith(_INSECURE_SECRET_KEY_PREFIX)
+    ):
+        raise ConfigError(
+            f"SECRET_KEY is too weak for DEBUG=false: use at least {_MIN_SECRET_KEY_CHARS} random characters "
+            "(for example: openssl rand -hex 32)"
+        )
+    return secret_key
+
+
+def _allowed_hosts(debug: bool) -> list[str]:
+    """The host names the web answers to; '*' would let a forged Host header into links and redirects."""
+    hosts = env_list("ALLOWED_HOSTS", "localhost,127.0.0.1,[::1],testserver")
+    if not debug and (not hosts or "*" in hosts):
+        raise ConfigError("ALLOWED_HOSTS must list this server's host names when DEBUG is false (not '*', not empty)")
+    return hosts
+
+
+def _csrf_trusted_origins(debug: bool) -> list[str]:
+    origins = env_list("CSRF_TRUSTED_ORIGINS", "")
+    schemes = ("http://", "https://") if debug else ("https://",)  # production cookies travel over HTTPS only
+    for origin in origins:
+        if not origin.startswith(schemes) or not origin.split("://", 1)[1]:
+            raise ConfigError(
+                f"CSRF_TRUSTED_ORIGINS: {origin!r} must be an origin starting with {' or '.join(schemes)} "
+                "(for example: https://platform.example.com)"
+            )
+    return origins
+
+
+def load_config() -> Config:
+    debug = env_bool("DEBUG", False)
+    secret_key = _secret_key(debug)
     data_dir = env_path("DATA_DIR", REPO_ROOT / "data")
     job_heartbeat_s, job_stale_after_s = _job_liveness()
     internal_token = env_token("INTERNAL_TOKEN") or derive_internal_token(secret_key)
+    hsts_seconds = env_int("HSTS_SECONDS", _HSTS_ONE_YEAR_S, minimum=0)
     return Config(
         debug=debug,
         secret_key=secret_key,
-        allowed_hosts=env_list("ALLOWED_HOSTS", "localhost,127.0.0.1,[::1],testserver"),
+        allowed_hosts=_allowed_hosts(debug),
+        csrf_trusted_origins=_csrf_trusted_origins(debug),
+        hsts_seconds=0 if debug else hsts_seconds,  # development runs on plain http://localhost
         data_dir=data_dir,
         database=_database(data_dir),
         redis_url=env_url("REDIS_URL", "redis://127.0.0.1:6379/0", schemes=("redis", "rediss")),
@@ -133,6 +184,7 @@ def shell_exports() -> str:
         "REDIS_PORT": redis.port or 6379,
         "REDIS_IS_LOCAL": int(redis.hostname in ("127.0.0.1", "localhost", "::1")),
         "DATA_DIR": config.data_dir,
+        "DEV_MODE": int(config.debug),  # bin/run bootstraps the demo user only then
     }
     return "\n".join(f"export {name}={shlex.quote(str(value))}" for name, value in values.items())
 

@@ -11,6 +11,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 TEST_DATA = ROOT / "data" / "test"
 
+# The suite tests the platform as bin/run starts it for local use, whatever the caller's shell says
+# (production mode would redirect the test client's plain-http requests); tests of production mode
+# set DEBUG=false themselves.
+os.environ["DEBUG"] = "true"
 os.environ.setdefault("REDIS_URL", "redis://127.0.0.1:6379/15")
 os.environ.setdefault("DYNAMIC_LORA_PATH", str(TEST_DATA / "adapters"))
 os.environ.setdefault("INFERENCE_POOL_URL", "http://127.0.0.1:18100")

@@ -1,3 +1,4 @@
+import secrets
 import subprocess
 import sys
 
@@ -6,6 +7,21 @@ import pytest
 from core.config import load_config
 from core.env import ConfigError
 from tests.processes import ROOT
+
+STRONG_SECRET_KEY = secrets.token_hex(32)
+# What a deployment sets: tests/environment.py puts the suite itself in development mode.
+PRODUCTION = {
+    "DEBUG": "false",
+    "SECRET_KEY": STRONG_SECRET_KEY,
+    "ALLOWED_HOSTS": "platform.example.com",
+    "CSRF_TRUSTED_ORIGINS": "https://platform.example.com",
+}
+
+
+@pytest.fixture
+def production(monkeypatch):
+    for name, value in PRODUCTION.items():
+        monkeypatch.setenv(name, value)
 
 
 def test_it_defaults_to_sqlite_under_the_data_folder(monkeypatch, tmp_path):
@@ -58,6 +74,45 @@ def test_it_refuses_the_development_secret_outside_debug(monkeypatch):
         load_config()
 
 
+def test_it_is_in_production_mode_unless_debug_is_asked_for(production, monkeypatch):
+    monkeypatch.delenv("DEBUG")
+    config = load_config()
+    assert not config.debug and config.hsts_seconds == 365 * 24 * 3600
+    monkeypatch.setenv("DEBUG", "true")
+    assert load_config().debug and load_config().hsts_seconds == 0  # development is plain http
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "message"),
+    [
+        ("SECRET_KEY", "short-but-set", "SECRET_KEY is too weak for DEBUG=false"),
+        ("SECRET_KEY", "ab" * 40, "SECRET_KEY is too weak"),  # long, but two characters
+        ("SECRET_KEY", "django-insecure-" + STRONG_SECRET_KEY, "SECRET_KEY is too weak"),
+        ("ALLOWED_HOSTS", "*", "ALLOWED_HOSTS must list this server's host names when DEBUG is false"),
+        ("ALLOWED_HOSTS", "platform.example.com,*", "ALLOWED_HOSTS must list"),
+        ("ALLOWED_HOSTS", "", "ALLOWED_HOSTS must list"),
+        ("CSRF_TRUSTED_ORIGINS", "http://platform.example.com", "must be an origin starting with https://"),
+        ("CSRF_TRUSTED_ORIGINS", "platform.example.com", "CSRF_TRUSTED_ORIGINS: 'platform.example.com' must be"),
+        ("HSTS_SECONDS", "-1", "HSTS_SECONDS=-1 is too small"),
+    ],
+)
+def test_production_mode_refuses_unsafe_values(production, monkeypatch, variable, value, message):
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ConfigError, match=message):
+        load_config()
+
+
+def test_it_keeps_secrets_out_of_the_configurations_repr(production, monkeypatch):
+    secret = secrets.token_hex(20)
+    for name in ("INTERNAL_TOKEN", "MONITORING_TOKEN", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.setenv(name, f"{name}-{secret}")
+    monkeypatch.setenv("DATABASE_URL", f"postgres://platform:{secret}@db.internal:5432/platform")
+    monkeypatch.setenv("REDIS_URL", f"redis://:{secret}@redis.internal:6379/0")
+    text = repr(load_config())
+    assert secret not in text and STRONG_SECRET_KEY not in text
+    assert "allowed_hosts=['platform.example.com']" in text  # the rest is still there to read
+
+
 def _start(command: list[str], **env: str) -> subprocess.CompletedProcess:
     import os
 
@@ -69,6 +124,8 @@ def _start(command: list[str], **env: str) -> subprocess.CompletedProcess:
     [
         ({"DATABASE_URL": "postgres://u:p@host:port/db"}, "configuration error: DATABASE_URL="),
         ({"DEBUG": "perhaps"}, "configuration error: DEBUG='perhaps' is not a boolean"),
+        ({**PRODUCTION, "ALLOWED_HOSTS": "*"}, "configuration error: ALLOWED_HOSTS must list"),
+        ({**PRODUCTION, "SECRET_KEY": "short-but-set"}, "configuration error: SECRET_KEY is too weak"),
     ],
 )
 def test_bad_configuration_stops_the_web_process_with_one_line(env, expected):
@@ -76,6 +133,11 @@ def test_bad_configuration_stops_the_web_process_with_one_line(env, expected):
     assert result.returncode != 0
     assert result.stderr.strip().splitlines() == [result.stderr.strip()]
     assert result.stderr.startswith(expected)
+
+
+def test_production_mode_passes_djangos_deployment_checks():
+    result = _start([sys.executable, "manage.py", "check", "--deploy", "--fail-level", "WARNING"], **PRODUCTION)
+    assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_a_model_without_weights_stops_the_pool_and_set_up_with_one_line(tmp_path):

@@ -45,14 +45,15 @@ class OrganizationScoped:
         return row
 
 
-# The schema: OpenAI's objects are plain JSON here (see finetuning.representations).
+# The schema: OpenAI's objects are plain JSON here (see finetuning.representations). A list answering
+# a plain object does not look like a list to drf-spectacular, so the list views name their operation.
 _ID = OpenApiParameter("id", str, OpenApiParameter.PATH)
 _PAGE = [OpenApiParameter("after", str), OpenApiParameter("limit", int)]
 _documented = extend_schema(responses=OpenApiTypes.OBJECT, parameters=[_ID])
 
 
 @extend_schema_view(
-    list=extend_schema(responses=OpenApiTypes.OBJECT, parameters=_PAGE),
+    list=extend_schema(operation_id="v1_files_list", responses=OpenApiTypes.OBJECT, parameters=_PAGE),
     create=extend_schema(request={"multipart/form-data": FileUploadSerializer}, responses=OpenApiTypes.OBJECT),
     retrieve=_documented, destroy=_documented, content=_documented,
 )
@@ -89,7 +90,7 @@ class FileViewSet(OrganizationScoped, viewsets.ViewSet):
 
 
 @extend_schema_view(
-    list=extend_schema(responses=OpenApiTypes.OBJECT, parameters=_PAGE),
+    list=extend_schema(operation_id="v1_fine_tuning_jobs_list", responses=OpenApiTypes.OBJECT, parameters=_PAGE),
     create=extend_schema(request=JobCreateSerializer, responses=OpenApiTypes.OBJECT),
     retrieve=_documented, cancel=extend_schema(request=None, responses=OpenApiTypes.OBJECT, parameters=[_ID]),
     events=extend_schema(responses=OpenApiTypes.OBJECT, parameters=[_ID, *_PAGE]),

@@ -9,7 +9,21 @@ MODEL_CATALOG = load_catalog(CONFIG.model_catalog, CONFIG.data_dir, CONFIG.dynam
 DEBUG = CONFIG.debug
 SECRET_KEY = CONFIG.secret_key
 ALLOWED_HOSTS = CONFIG.allowed_hosts
+CSRF_TRUSTED_ORIGINS = CONFIG.csrf_trusted_origins
 DATA_DIR = CONFIG.data_dir
+
+# Production (DEBUG=false) is HTTPS only; development runs on plain http://127.0.0.1. Behind a
+# TLS-terminating proxy the web process (uvicorn) takes the scheme from the proxy's X-Forwarded-Proto
+# (uvicorn trusts it from 127.0.0.1 by default), so these see the request as the browser made it.
+SECURE_SSL_REDIRECT = not DEBUG
+SECURE_REDIRECT_EXEMPT = [r"^healthz$"]  # a load balancer's plain-http probe; it shows nothing private
+SESSION_COOKIE_SECURE = not DEBUG
+CSRF_COOKIE_SECURE = not DEBUG
+SECURE_HSTS_SECONDS = CONFIG.hsts_seconds
+SECURE_HSTS_INCLUDE_SUBDOMAINS = True
+# Preloading (security.W021) puts the domain in browsers' built-in HTTPS list for good: a decision
+# for the domain's owner at hstspreload.org, not a default of this application.
+SILENCED_SYSTEM_CHECKS = ["security.W021"]
 
 INSTALLED_APPS = [
     "django.contrib.admin",

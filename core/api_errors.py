@@ -50,3 +50,12 @@ class ApiError(Exception):
 
 def error_body(message: str, *, type: str, param: str | None = None, code: str | None = None, **extra) -> dict:
     return {"error": {"message": message, "type": type, "param": param, "code": code, **extra}}
+
+
+def internal_error() -> ApiError:
+    """What a client learns of a bug: that it happened, never its traceback or the settings (those
+    go to the server's log)."""
+    return ApiError(
+        "The server had an error while processing your request; it has been logged.",
+        status=500, type=SERVER, code="internal_error",
+    )  # fmt: skip

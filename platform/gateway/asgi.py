@@ -16,9 +16,15 @@ about 6 ms slower a request.
 
 from __future__ import annotations
 
+import logging
+
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
+
+from core.api_errors import ApiError, internal_error
+
+log = logging.getLogger(__name__)
 
 ENDPOINTS = {"/v1/chat/completions": "chat/completions", "/v1/completions": "completions"}
 
@@ -33,7 +39,10 @@ def with_fast_path(django_application: ASGIApp) -> ASGIApp:
         try:
             result = await complete(request.headers.get("authorization"), await request.body(), endpoint)
         except errors.ApiError as exc:
-            return Response(exc.json_bytes(), exc.status, exc.headers(), media_type="application/json")
+            return _error(exc)
+        except Exception:  # a bug: the client gets the API's 500, the log gets the traceback
+            log.exception("Internal Server Error: %s", request.url.path)
+            return _error(internal_error())
         if result.stream is not None:
             return StreamingResponse(
                 result.stream, status_code=result.status, media_type=result.content_type, headers=STREAM_HEADERS
@@ -50,3 +59,7 @@ def with_fast_path(django_application: ASGIApp) -> ASGIApp:
         await response(scope, receive, send)
 
     return application
+
+
+def _error(error: ApiError) -> Response:
+    return Response(error.json_bytes(), error.status, error.headers(), media_type="application/json")

@@ -2,7 +2,7 @@
 outage, not a bug: callers get a 503 that says to retry, with ``Retry-After``, never a 500.
 
 The translation is ``as_api_error``, here once. Three doors use it: the DRF exception handler (API
-views see their exceptions there first), ``server.middleware.DatabaseOutageMiddleware`` (every other
+views see their exceptions there first), ``server.middleware.ViewExceptionMiddleware`` (every other
 Django view: JSON under /v1/, a page for people elsewhere), and the gateway's ORM calls
 (``gateway.access``: the ASGI fast path serves completions outside Django's middleware).
 

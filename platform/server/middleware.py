@@ -2,19 +2,46 @@
 
 from __future__ import annotations
 
-from django.http import HttpRequest, HttpResponse
+from django.core.exceptions import BadRequest, PermissionDenied, SuspiciousOperation
+from django.http import Http404, HttpRequest, HttpResponse
+from django.http.multipartparser import MultiPartParserError
 from django.utils.deprecation import MiddlewareMixin
+from django.utils.log import log_response
 
 from server.database_outage import as_api_error
-from server.errors import unavailable
+from server.errors import bad_request, for_api, not_found, permission_denied, server_error, unavailable
 
 
-class DatabaseOutageMiddleware(MiddlewareMixin):
-    """A view that hit a database outage answers 503 (``server.database_outage``), not 500.
+class ViewExceptionMiddleware(MiddlewareMixin):
+    """What a view's exception answers, in every mode: a database outage is a 503
+    (``server.database_outage``), not a 500; under /v1/ anything else is JSON in the API's shape,
+    even with DEBUG=true, where Django would show an API client its HTML debug page (with the
+    traceback and the settings). The DRF views' own exceptions are shaped by ``server.api_errors``
+    first; what it leaves, a bug, arrives here.
 
     Only ``process_exception``: MiddlewareMixin then serves async views (the gateway's) without a
     hop to a thread."""
 
     def process_exception(self, request: HttpRequest, exception: Exception) -> HttpResponse | None:
         error = as_api_error(exception)
-        return None if error is None else unavailable(request, error)
+        if error is not None:
+            return unavailable(request, error)
+        if not for_api(request):
+            return None  # Django's own handling: its debug pages in development, server.errors in production
+        response = _api_answer(request, exception)
+        # Logged as Django logs the exceptions it handles itself: with the traceback and the request.
+        log_response(
+            "%s: %s", response.reason_phrase, request.path, response=response, request=request, exception=exception
+        )
+        return response
+
+
+def _api_answer(request: HttpRequest, exception: Exception) -> HttpResponse:
+    """The status Django would give the exception, with the API's body."""
+    if isinstance(exception, Http404):
+        return not_found(request, exception)
+    if isinstance(exception, PermissionDenied):
+        return permission_denied(request, exception)
+    if isinstance(exception, (BadRequest, SuspiciousOperation, MultiPartParserError)):
+        return bad_request(request, exception)
+    return server_error(request)

@@ -24,6 +24,9 @@ SECURE_HSTS_INCLUDE_SUBDOMAINS = True
 # Preloading (security.W021) puts the domain in browsers' built-in HTTPS list for good: a decision
 # for the domain's owner at hstspreload.org, not a default of this application.
 SILENCED_SYSTEM_CHECKS = ["security.W021"]
+# Debug pages hide settings named like secrets (TOKEN, KEY, SECRET, ...); ours also hides URLs and
+# backends, which may embed a password (CELERY_BROKER_URL, CELERY_RESULT_BACKEND).
+DEFAULT_EXCEPTION_REPORTER_FILTER = "server.errors.SecretsHidingFilter"
 
 INSTALLED_APPS = [
     "django.contrib.admin",
@@ -55,7 +58,8 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
-    "server.middleware.DatabaseOutageMiddleware",  # a database outage answers 503, not 500
+    # A view's exception: a database outage answers 503, anything else under /v1/ a JSON 500.
+    "server.middleware.ViewExceptionMiddleware",
 ]
 
 ROOT_URLCONF = "server.urls"

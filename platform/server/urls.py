@@ -1,15 +1,21 @@
-from django.urls import include, path
+from django.urls import include, path, re_path
 from drf_spectacular.views import SpectacularAPIView, SpectacularRedocView
 
 from health.views import healthz
+from server.errors import unknown_api_path
 
 urlpatterns = [
     path("healthz", healthz, name="healthz"),
     path("", include("gateway.urls")),
     path("v1/", include("finetuning.urls")),
+    # Any other /v1/ path is a JSON 404 in every mode (with DEBUG=true Django would not use handler404).
+    re_path(r"^v1/", unknown_api_path),
     path("api/schema", SpectacularAPIView.as_view(), name="openapi-schema"),
     path("api/docs", SpectacularRedocView.as_view(url_name="openapi-schema"), name="api-docs"),
     path("", include("dashboard.urls")),
 ]
 
+handler400 = "server.errors.bad_request"
+handler403 = "server.errors.permission_denied"
 handler404 = "server.errors.not_found"
+handler500 = "server.errors.server_error"

@@ -1,6 +1,6 @@
 import pytest
 from django.contrib.auth.models import User
-from django.core.management import call_command
+from django.core.management import CommandError, call_command
 from rest_framework.exceptions import AuthenticationFailed
 from rest_framework.test import APIRequestFactory
 
@@ -56,6 +56,7 @@ def test_organization_slugs_stay_unique(alice):
 
 
 def test_the_demo_bootstrap_is_idempotent_and_prints_a_working_key(capsys, settings, tmp_path):
+    settings.DEBUG = True  # development mode, as bin/run starts it for local use
     settings.DATA_DIR = tmp_path
     call_command("bootstrap_demo")
     first = capsys.readouterr().out.strip()
@@ -69,3 +70,20 @@ def test_the_demo_bootstrap_is_idempotent_and_prints_a_working_key(capsys, setti
     call_command("bootstrap_demo")
     replacement = capsys.readouterr().out.strip()
     assert replacement != first and _authenticate(f"Bearer {replacement}")[0] == user
+
+
+def test_the_demo_bootstrap_refuses_in_production_mode(capsys, settings, tmp_path):
+    settings.DEBUG = False
+    settings.DATA_DIR = tmp_path
+    with pytest.raises(CommandError, match="createsuperuser"):
+        call_command("bootstrap_demo")
+    assert not User.objects.filter(username="demo").exists() and not ApiKey.objects.exists()
+    assert capsys.readouterr().out == "" and not list(tmp_path.iterdir())  # no key printed or kept
+
+
+def test_an_organization_is_created_for_an_existing_owner(alice):
+    call_command("create_organization", "Acme Research", owner="alice")
+    organization = Organization.objects.get(memberships__user=alice)
+    assert organization.name == "Acme Research" and organization.memberships.get().role == "owner"
+    with pytest.raises(CommandError, match="No user named 'nobody'"):
+        call_command("create_organization", "Globex", owner="nobody")

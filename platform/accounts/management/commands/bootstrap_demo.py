@@ -1,4 +1,8 @@
-"""Create the demo user, organization and API key (idempotent); print the key for the run command."""
+"""Create the demo user, organization and API key (idempotent); print the key for the run command.
+
+Development only: a user whose password is "demo" has no place on a deployed platform, so with
+DEBUG=false the command refuses (bin/run then says how to create real users and keys).
+"""
 
 from __future__ import annotations
 
@@ -6,7 +10,7 @@ from pathlib import Path
 
 from django.conf import settings
 from django.contrib.auth.models import User
-from django.core.management.base import BaseCommand
+from django.core.management.base import BaseCommand, CommandError
 
 from accounts.models import ApiKey, Organization, hash_key
 from accounts.services import create_api_key, create_organization
@@ -19,6 +23,11 @@ class Command(BaseCommand):
     help = "Create the demo user (password 'demo') with an API key, and print the key."
 
     def handle(self, *args, **options) -> None:
+        if not settings.DEBUG:
+            raise CommandError(
+                "The demo user exists only in development (DEBUG=true). Create users with "
+                "'manage.py createsuperuser' and 'manage.py create_organization', and API keys on the dashboard."
+            )
         user, created = User.objects.get_or_create(username=DEMO_USERNAME)
         if created:
             user.set_password(DEMO_PASSWORD)

@@ -37,6 +37,7 @@ os.environ.setdefault("FIRST_REPLICA_PORT", "38200")
 os.environ["DATABASE_URL"] = f"sqlite:///{SCRATCH / 'bench.sqlite3'}"
 os.environ["DYNAMIC_LORA_PATH"] = str(SCRATCH / "adapters")
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "server.settings")
+os.environ.setdefault("DEBUG", "true")  # a local measurement: development mode, as bin/run starts it locally
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 

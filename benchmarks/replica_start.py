@@ -13,6 +13,7 @@ Prints the medians over rounds and the ratios of ours to vLLM's default, measure
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -23,6 +24,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT)]  # the repository's packages, for the imports below
+os.environ.setdefault("DEBUG", "true")  # a local measurement: development mode, as bin/run starts it locally
 
 from core.catalog import load_catalog
 from core.config import load_config

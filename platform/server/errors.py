@@ -44,7 +44,7 @@ def unknown_api_path(request: HttpRequest) -> JsonResponse:
 
 
 def bad_request(request, exception=None):
-    """A request Django refused before any view (e.g. a Host header not in ALLOWED_HOSTS)."""
+    """A request Django refuses (a Host header not in ALLOWED_HOSTS, a body over its size limit, ...)."""
     if for_api(request):
         return JsonResponse(error_body("Bad request.", type="invalid_request_error", code="bad_request"), status=400)
     return defaults.bad_request(request, exception)

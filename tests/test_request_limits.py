@@ -1,0 +1,154 @@
+"""Limits before work: a request's size, a completion's fields and caps, checked before the web
+process does anything for it, and each tenant's own prefix cache in vLLM (``cache_salt``).
+
+The web application is built as ``server/asgi.py`` builds it (the body limits outermost), through
+both of the gateway's entry points. The pool is a stand-in that records the bodies it receives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import io
+import json
+
+import httpx
+import pytest
+
+from core.config import Limit
+from tests.inference_fixtures import BASE
+from tests.personas import good_dataset
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.anyio]
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+class RecordingPool:
+    """Answers every completion with ``{}`` and keeps the bodies it was sent."""
+
+    def __init__(self):
+        self.bodies: list[bytes] = []
+
+    async def answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = (await reader.readuntil(b"\r\n\r\n")).decode()
+                lines = head.lower().split("\r\n")
+                length = next(int(line.split(":")[1]) for line in lines if line.startswith("content-length"))
+                self.bodies.append(await reader.readexactly(length))
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}")
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()  # the client closed its keep-alive connection
+
+
+@pytest.fixture
+async def pool(settings):
+    recording = RecordingPool()
+    server = await asyncio.start_server(recording.answer, "127.0.0.1", 0)
+    settings.INFERENCE_POOL_URL = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    yield recording
+    server.close()
+
+
+@pytest.fixture(params=["fast path", "django views"])
+def web(request, pool):
+    from django.core.asgi import get_asgi_application
+    from gateway.asgi import with_fast_path
+    from server.body_limits import with_body_limits
+
+    application = get_asgi_application()
+    if request.param == "fast path":
+        application = with_fast_path(application)
+    application = with_body_limits(application)
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=application), base_url="http://testserver")
+
+
+def _limits(settings, **caps: int) -> None:
+    """Lower some of ``settings.CONFIG.limits`` for one test (``caps``: field name -> value)."""
+    limits = settings.CONFIG.limits
+    lowered = {name: Limit(value, getattr(limits, name).setting) for name, value in caps.items()}
+    settings.CONFIG = dataclasses.replace(settings.CONFIG, limits=dataclasses.replace(limits, **lowered))
+
+
+def _bearer(persona) -> dict:
+    return {"Authorization": f"Bearer {persona.key}"}
+
+
+def _user(content) -> list[dict]:
+    return [{"role": "user", "content": content}]
+
+
+def _chat(**fields) -> dict:
+    return {"model": BASE, "messages": _user("hi"), **fields}
+
+
+def _error(response: httpx.Response) -> dict:
+    return response.json()["error"]
+
+
+async def _chunks(pieces: int, size: int, pulled: list[int]):
+    for _ in range(pieces):
+        pulled.append(size)
+        yield b"x" * size
+
+
+# --- the size of a body ------------------------------------------------------------------------
+
+
+async def test_it_answers_413_for_an_oversized_completion_before_looking_at_the_key(web, pool, settings):
+    _limits(settings, completion_body_bytes=1000)
+    body = json.dumps(_chat(messages=_user("x" * 2000))).encode()
+    for headers in ({}, {"Authorization": "Bearer sk-wrong"}):
+        response = await web.post("/v1/chat/completions", content=body, headers=headers)
+        assert response.status_code == 413  # not 401: the key is not even looked at
+        error = _error(response)
+        assert error["type"] == "invalid_request_error" and error["code"] == "request_too_large"
+        assert "1,000 bytes" in error["message"] and "MAX_COMPLETION_BODY_BYTES" in error["message"]
+    assert pool.bodies == []
+
+
+async def test_it_stops_a_chunked_body_once_it_passes_the_cap(web, pool, settings):
+    _limits(settings, completion_body_bytes=1000)
+    pulled: list[int] = []
+    response = await web.post("/v1/completions", content=_chunks(100, 300, pulled))
+    assert response.status_code == 413 and "MAX_COMPLETION_BODY_BYTES" in _error(response)["message"]
+    assert sum(pulled) < 100 * 300  # refused while the body was still arriving, not after all of it
+    assert pool.bodies == []
+
+
+async def test_it_caps_other_requests_with_the_default_limit(web, settings):
+    _limits(settings, request_body_bytes=1000)
+    response = await web.post("/v1/fine_tuning/jobs", content=b"{" + b" " * 2000 + b"}")
+    assert response.status_code == 413 and "MAX_REQUEST_BODY_BYTES" in _error(response)["message"]
+
+
+def _multipart(data: bytes) -> dict:
+    return {"files": {"file": ("train.jsonl", io.BytesIO(data))}, "data": {"purpose": "fine-tune"}}
+
+
+async def test_it_refuses_an_oversized_upload_and_stores_nothing(web, alice, settings, monkeypatch):
+    from asgiref.sync import sync_to_async
+    from finetuning import storage
+    from finetuning.models import File
+
+    stored: list[str] = []
+    monkeypatch.setattr(storage.files(), "put", lambda key, data: stored.append(key))
+    settings.CONFIG = dataclasses.replace(settings.CONFIG, max_upload_bytes=1024)
+    dataset = good_dataset(2000)  # about 150 kB: over the cap and its allowance for the form around the file
+    for path in ("/v1/files", "/datasets"):  # the API, and the dashboard's upload form
+        response = await web.post(path, headers=_bearer(alice), **_multipart(dataset))
+        assert response.status_code == 413 and "MAX_UPLOAD_MB" in _error(response)["message"]
+    pulled: list[int] = []
+    chunked = await web.post("/v1/files", headers=_bearer(alice), content=_chunks(100, 4096, pulled))
+    assert chunked.status_code == 413 and sum(pulled) < 100 * 4096
+    assert stored == [] and not await sync_to_async(File.objects.exists)()
+
+
+async def test_it_still_accepts_an_upload_under_the_cap(web, alice):
+    response = await web.post("/v1/files", headers=_bearer(alice), **_multipart(good_dataset(12)))
+    assert response.status_code == 200, response.text

@@ -152,3 +152,72 @@ async def test_it_refuses_an_oversized_upload_and_stores_nothing(web, alice, set
 async def test_it_still_accepts_an_upload_under_the_cap(web, alice):
     response = await web.post("/v1/files", headers=_bearer(alice), **_multipart(good_dataset(12)))
     assert response.status_code == 200, response.text
+
+
+# --- the fields of a completion ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "body", "field"),
+    [
+        ("chat/completions", _chat(guided_json={"type": "object"}), "guided_json"),  # removed from vLLM: ignored there
+        ("chat/completions", _chat(kv_transfer_params={}), "kv_transfer_params"),  # vLLM's, for its operator only
+        ("completions", {"model": BASE, "prompt": "hi", "messages": []}, "messages"),  # a chat field
+    ],
+)
+async def test_it_answers_400_naming_an_unknown_field(web, pool, alice, endpoint, body, field):
+    response = await web.post(f"/v1/{endpoint}", json=body, headers=_bearer(alice))
+    error = _error(response)
+    assert response.status_code == 400 and error["param"] == field and error["code"] == "unknown_parameter"
+    assert f"'{field}'" in error["message"]
+    assert pool.bodies == []
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "body", "param", "setting"),
+    [
+        ("chat/completions", _chat(n=9), "n", "MAX_COMPLETION_N"),
+        ("chat/completions", _chat(n=1e9), "n", "MAX_COMPLETION_N"),  # a float vLLM would take as an int
+        ("chat/completions", _chat(max_tokens=4097), "max_tokens", "MAX_COMPLETION_TOKENS"),
+        ("chat/completions", _chat(max_completion_tokens=4097), "max_completion_tokens", "MAX_COMPLETION_TOKENS"),
+        ("completions", {"model": BASE, "prompt": "hi", "min_tokens": 4097}, "min_tokens", "MAX_COMPLETION_TOKENS"),
+        ("chat/completions", _chat(logprobs=True, top_logprobs=21), "top_logprobs", "MAX_LOGPROBS"),
+        ("completions", {"model": BASE, "prompt": "hi", "logprobs": 21}, "logprobs", "MAX_LOGPROBS"),
+        ("completions", {"model": BASE, "prompt": "hi", "prompt_logprobs": 21}, "prompt_logprobs", "MAX_LOGPROBS"),
+        ("chat/completions", _chat(messages=_user("hi") * 257), "messages", "MAX_MESSAGES"),
+        ("chat/completions", _chat(messages=_user("x" * 270_000)), "messages", "MAX_PROMPT_CHARS"),
+        (
+            "chat/completions",
+            _chat(messages=_user([{"type": "text", "text": "x" * 140_000}] * 2)),
+            "messages", "MAX_PROMPT_CHARS",
+        ),  # fmt: skip
+        ("completions", {"model": BASE, "prompt": ["x" * 200_000, "y" * 100_000]}, "prompt", "MAX_PROMPT_CHARS"),
+    ],
+)
+async def test_it_answers_400_naming_the_limit_a_completion_passes(web, pool, alice, endpoint, body, param, setting):
+    response = await web.post(f"/v1/{endpoint}", json=body, headers=_bearer(alice))
+    error = _error(response)
+    assert response.status_code == 400 and error["param"] == param and error["code"] == "limit_exceeded"
+    assert setting in error["message"]
+    assert pool.bodies == []
+
+
+async def test_it_answers_400_for_a_capped_field_that_is_not_a_number(web, alice):
+    response = await web.post("/v1/chat/completions", json=_chat(n="9"), headers=_bearer(alice))
+    assert response.status_code == 400 and _error(response)["param"] == "n"
+
+
+async def test_it_checks_the_key_before_the_fields(web):
+    response = await web.post("/v1/chat/completions", json=_chat(n=1000), headers={"Authorization": "Bearer sk-wrong"})
+    assert response.status_code == 401
+
+
+async def test_it_forwards_a_request_within_the_limits_with_the_fields_it_was_sent(web, pool, alice):
+    sent = _chat(
+        max_tokens=16, temperature=0, n=2, stream_options={"include_usage": True}, ignore_eos=True, min_tokens=4,
+        response_format={"type": "json_object"}, logprobs=True, top_logprobs=5, seed=7, stop=["\n"],
+    )  # fmt: skip
+    response = await web.post("/v1/chat/completions", json=sent, headers=_bearer(alice))
+    assert response.status_code == 200 and response.json() == {}
+    forwarded = json.loads(pool.bodies[0])
+    assert {name: value for name, value in forwarded.items() if name != "cache_salt"} == sent

@@ -221,3 +221,30 @@ async def test_it_forwards_a_request_within_the_limits_with_the_fields_it_was_se
     assert response.status_code == 200 and response.json() == {}
     forwarded = json.loads(pool.bodies[0])
     assert {name: value for name, value in forwarded.items() if name != "cache_salt"} == sent
+
+
+# --- each tenant's own prefix cache --------------------------------------------------------------
+
+
+async def test_it_forwards_the_organizations_cache_salt_and_not_the_callers(web, pool, alice, bob, charlie):
+    from gateway.cache_salt import cache_salt
+
+    for persona in (alice, bob, charlie):
+        await web.post("/v1/chat/completions", json=_chat(), headers=_bearer(persona))
+        guessing = {"model": BASE, "prompt": "hi", "cache_salt": "guessed"}
+        await web.post("/v1/completions", json=guessing, headers=_bearer(persona))
+    salts = [json.loads(body)["cache_salt"] for body in pool.bodies]
+    alices, charlies = cache_salt(alice.organization.pk), cache_salt(charlie.organization.pk)
+    assert salts == [alices] * 4 + [charlies] * 2  # bob shares alice's organization, so her cache
+    assert alices != charlies and "guessed" not in salts
+    assert pool.bodies[1].count(b'"cache_salt"') == 1  # the caller's is replaced, not followed by ours
+
+
+async def test_it_salts_the_playgrounds_requests_with_the_organization(pool, alice):
+    from dashboard.playground import completion_body
+    from gateway.cache_salt import cache_salt
+    from gateway.completions import complete_for_organization
+
+    body = completion_body(json.dumps(_chat()).encode())
+    await complete_for_organization(alice.organization, body, "chat/completions")
+    assert json.loads(pool.bodies[0])["cache_salt"] == cache_salt(alice.organization.pk)

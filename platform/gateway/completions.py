@@ -4,8 +4,8 @@ the dashboard's playground.
 Find out who is calling (an API key here, a signed-in session in the playground), check the
 request's fields and caps (``gateway.request_limits``) and that they may use the model
 (``finetuning.registry``, through ``gateway.access``), then hand the body to the inference pool
-byte for byte and give back its answer the same way (a stream stays a stream). The body is parsed
-once, here.
+with their organization's ``cache_salt`` (``gateway.cache_salt``), otherwise as it came, and give
+back its answer the same way (a stream stays a stream). The body is parsed once, here.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from accounts.models import Organization
 from django.conf import settings
 from gateway.access import authorize, organization_model
+from gateway.cache_salt import cache_salt, with_cache_salt
 from gateway.pool_client import pool_http, pool_url
 from gateway.request_limits import check_request
 from inference import errors
@@ -58,7 +59,7 @@ async def complete(authorization: str | None, body: bytes, endpoint: str) -> Poo
     access = await authorize(raw_key, request.routed.model)
     if access.model is None:
         raise errors.model_not_found(request.routed.model)
-    return await _forward(body, request.routed.stream, endpoint)
+    return await _forward(_salted(body, request, access.api_key.organization_id), request.routed.stream, endpoint)
 
 
 async def complete_for_organization(organization: Organization, body: bytes, endpoint: str) -> PoolAnswer:
@@ -66,7 +67,11 @@ async def complete_for_organization(organization: Organization, body: bytes, end
     request = checked_request(body, endpoint)
     if await organization_model(organization, request.routed.model) is None:
         raise errors.model_not_found(request.routed.model)
-    return await _forward(body, request.routed.stream, endpoint)
+    return await _forward(_salted(body, request, organization.pk), request.routed.stream, endpoint)
+
+
+def _salted(body: bytes, request: ParsedRequest, organization_id: int) -> bytes:
+    return with_cache_salt(body, request.data, cache_salt(organization_id))
 
 
 async def _forward(body: bytes, stream: bool, endpoint: str) -> PoolAnswer:

@@ -39,6 +39,45 @@ class S3Settings:
 
 
 @dataclass(frozen=True)
+class Limit:
+    value: int
+    setting: str  # the environment variable that sets it: every refusal names it, so it can be raised
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What one request may ask of the web process, checked before any work is done for it (the
+    body's size in ``server.body_limits``, a completion's fields in ``gateway.request_limits``)."""
+
+    completion_body_bytes: Limit  # the body of POST /v1/chat/completions and /v1/completions
+    request_body_bytes: Limit  # the body of any other request, uploads excepted (MAX_UPLOAD_MB)
+    completion_n: Limit  # n: choices generated for one request
+    completion_tokens: Limit  # max_tokens, max_completion_tokens and min_tokens
+    logprobs: Limit  # logprobs (completions), top_logprobs (chat) and prompt_logprobs
+    messages: Limit  # messages in one chat request
+    prompt_chars: Limit  # characters of prompt or message text, a tokenizer-free bound on the prompt
+
+
+def _limit(name: str, default: int) -> Limit:
+    return Limit(env_int(name, default, minimum=1), name)
+
+
+def _request_limits() -> RequestLimits:
+    return RequestLimits(
+        completion_body_bytes=_limit("MAX_COMPLETION_BODY_BYTES", 1024 * 1024),
+        request_body_bytes=_limit("MAX_REQUEST_BODY_BYTES", 1024 * 1024),
+        completion_n=_limit("MAX_COMPLETION_N", 8),
+        completion_tokens=_limit("MAX_COMPLETION_TOKENS", 4096),
+        logprobs=_limit("MAX_LOGPROBS", 20),
+        messages=_limit("MAX_MESSAGES", 256),
+        prompt_chars=_limit("MAX_PROMPT_CHARS", 256 * 1024),
+    )
+
+
+UPLOAD_LIMIT_SETTING = "MAX_UPLOAD_MB"
+
+
+@dataclass(frozen=True)
 class Config:
     debug: bool  # development mode; false (production) unless DEBUG asks for it
     secret_key: str = field(repr=False)
@@ -51,7 +90,8 @@ class Config:
     model_catalog: Path
     dynamic_lora_path: str  # a local folder or s3://bucket/prefix
     files_path: str  # uploaded datasets and checkpoints: a local folder or s3://bucket/prefix
-    max_upload_bytes: int
+    max_upload_bytes: int  # in bytes; UPLOAD_LIMIT_SETTING gives it in MiB
+    limits: RequestLimits
     min_training_examples: int
     s3: S3Settings
     inference_pool_url: str
@@ -155,7 +195,8 @@ def load_config() -> Config:
         model_catalog=env_path("MODEL_CATALOG", REPO_ROOT / "models.toml"),
         dynamic_lora_path=_storage_location("DYNAMIC_LORA_PATH", data_dir / "adapters"),
         files_path=_storage_location("FILES_PATH", data_dir / "files"),
-        max_upload_bytes=env_int("MAX_UPLOAD_MB", 100, minimum=1) * 1024 * 1024,
+        max_upload_bytes=env_int(UPLOAD_LIMIT_SETTING, 100, minimum=1) * 1024 * 1024,
+        limits=_request_limits(),
         min_training_examples=env_int("MIN_TRAINING_EXAMPLES", 10, minimum=1),
         s3=S3Settings(
             endpoint_url=env_str("S3_ENDPOINT_URL", "") or None,

@@ -54,6 +54,29 @@ def invalid_fields(exc: ValidationError, hint: str = "") -> ApiError:
     return invalid_body(f"{where}: {problem['msg']}{hint}")
 
 
+def unknown_field(name: str, endpoint: str) -> ApiError:
+    # OpenAI's words for it. vLLM itself would ignore the field, and the caller would never learn
+    # that it did nothing (``guided_json``, gone from vLLM, is the usual one).
+    return ApiError(
+        f"Unrecognized request argument supplied: '{name}'. /v1/{endpoint} takes OpenAI's fields and "
+        "vLLM's sampling extensions (see the README's Limits); for constrained output use response_format "
+        "or structured_outputs.",
+        param=name, code="unknown_parameter",
+    )  # fmt: skip
+
+
+def over_limit(param: str, what: str, value: int | float, limit: int, setting: str, unit: str = "") -> ApiError:
+    """``what`` names what was counted (``"'n'"``, ``"The number of messages"``), in ``unit``."""
+    return ApiError(
+        f"{what} is {value:,}{unit}; this platform allows at most {limit:,}{unit} ({setting}).",
+        param=param, code="limit_exceeded",
+    )  # fmt: skip
+
+
+def not_a_number(param: str) -> ApiError:
+    return ApiError(f"'{param}' must be a number.", param=param, code="invalid_type")
+
+
 def model_not_found(name: str) -> ApiError:
     # The same answer whether the model does not exist or belongs to someone else.
     return ApiError(

@@ -1,14 +1,18 @@
 """The parts of the OpenAI protocol this platform reads or writes itself.
 
-Request bodies are forwarded to vLLM byte for byte (sampling parameters, ``response_format``,
-``stream_options``, ...: vLLM validates them); the gateway and the pool only read the two fields
-they route on. Responses they build themselves (model lists) are defined here.
+Request bodies go to vLLM as they came (vLLM validates sampling parameters, ``response_format``,
+``stream_options``, ...), bar the organization's ``cache_salt`` the gateway sets. The gateway
+reads the field names (``REQUEST_FIELDS``), the caps of ``gateway.request_limits`` and the two
+fields it routes on; the pool only the routed ones. Responses they build themselves (model lists)
+are defined here.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from dataclasses import dataclass
+from typing import Any, Literal
 
+import pydantic_core
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from inference import errors
@@ -23,11 +27,60 @@ class RoutedFields(BaseModel):
     stream: bool = False
 
 
+_HINT = " (send a JSON object with a string 'model')"
+
+
 def routed_fields(body: bytes) -> RoutedFields:
     try:
         return RoutedFields.model_validate_json(body)
     except ValidationError as exc:
-        raise errors.invalid_fields(exc, " (send a JSON object with a string 'model')") from None
+        raise errors.invalid_fields(exc, _HINT) from None
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    routed: RoutedFields
+    data: dict[str, Any]  # the whole body, parsed once, for the checks that need more than routing
+
+
+def parse_request(body: bytes) -> ParsedRequest:
+    """The body parsed once. pydantic's JSON parser, as ``routed_fields``: the gateway that checks a
+    request and the pool that routes it must read it the same way (both take the last of
+    duplicated keys, as vLLM's ``json.loads`` does)."""
+    try:
+        data = pydantic_core.from_json(body)
+    except ValueError as exc:
+        raise errors.invalid_body(f"body: Invalid JSON: {exc}{_HINT}") from None
+    try:
+        return ParsedRequest(RoutedFields.model_validate(data), data)
+    except ValidationError as exc:
+        raise errors.invalid_fields(exc, _HINT) from None
+
+
+# What a caller may send: OpenAI's request fields that vLLM implements, and the vLLM extensions
+# (sampling parameters, structured output) documented in its "Extra parameters". Left out, so a
+# 400 names them: OpenAI fields vLLM ignores (``store``, ``audio``, ``metadata``, ...: a caller
+# would think they worked), fields vLLM removed (``guided_json``, ``best_of``: ignored too), and
+# vLLM's operator-side fields (``kv_transfer_params``, ``priority``, ``request_id``,
+# ``chat_template``, ``prompt_embeds``, ``vllm_xargs``, ...). ``cache_salt`` is accepted and
+# replaced by the organization's own (``gateway.cache_salt``).
+_SHARED_FIELDS = frozenset({
+    # OpenAI
+    "model", "stream", "stream_options", "n", "max_tokens", "temperature", "top_p", "frequency_penalty",
+    "presence_penalty", "stop", "seed", "logit_bias", "user", "response_format",
+    # vLLM
+    "top_k", "min_p", "repetition_penalty", "length_penalty", "use_beam_search", "min_tokens", "ignore_eos",
+    "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
+    "allowed_token_ids", "bad_words", "prompt_logprobs", "truncate_prompt_tokens", "add_special_tokens",
+    "structured_outputs", "cache_salt",
+})  # fmt: skip
+REQUEST_FIELDS: dict[str, frozenset[str]] = {
+    "chat/completions": _SHARED_FIELDS | {
+        "messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice",
+        "parallel_tool_calls", "reasoning_effort", "echo", "add_generation_prompt", "continue_final_message",
+    },
+    "completions": _SHARED_FIELDS | {"prompt", "suffix", "echo", "logprobs"},
+}  # fmt: skip
 
 
 class ModelCard(BaseModel):

@@ -52,6 +52,7 @@ def test_it_reads_postgresql_from_database_url(monkeypatch):
         ("WEB_PORT", "eighty", "WEB_PORT='eighty' is not a whole number"),
         ("JOB_TIME_LIMIT_SECONDS", "0", "JOB_TIME_LIMIT_SECONDS=0 is too small"),
         ("JOB_DATABASE_WAIT_SECONDS", "-1", "JOB_DATABASE_WAIT_SECONDS=-1 is too small"),
+        ("MAX_COMPLETION_N", "0", "MAX_COMPLETION_N=0 is too small"),
         ("DYNAMIC_LORA_PATH", "s3://", "names no bucket"),
         ("DYNAMIC_LORA_PATH", "gs://bucket/x", "use a local folder or s3://bucket/prefix"),
     ],

@@ -10,6 +10,7 @@ from django.db.models import Q
 
 from accounts.models import Organization
 from core.api_errors import ApiError
+from core.config import UPLOAD_LIMIT_SETTING
 from core.datasets import Dataset, Example, parse_dataset
 from finetuning import storage
 from finetuning.models import FINISHED_STATUSES, File, FineTuningJob
@@ -67,7 +68,7 @@ def _size(n: int) -> str:
 def upload_too_large(size: int) -> ApiError:
     limit = settings.CONFIG.max_upload_bytes
     return ApiError(
-        f"The file is {_size(size)}; the limit is {_size(limit)} (MAX_UPLOAD_MB).",
+        f"The file is {_size(size)}; the limit is {_size(limit)} ({UPLOAD_LIMIT_SETTING}).",
         status=413, param="file", code="file_too_large",
     )  # fmt: skip
 

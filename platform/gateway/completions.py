@@ -1,9 +1,11 @@
 """The completions handler, shared by the Django views, the ASGI fast path (``gateway.asgi``) and
 the dashboard's playground.
 
-Find out who is calling (an API key here, a signed-in session in the playground), check they may
-use the model (``finetuning.registry``, through ``gateway.access``), then hand the body to the
-inference pool byte for byte and give back its answer the same way (a stream stays a stream).
+Find out who is calling (an API key here, a signed-in session in the playground), check the
+request's fields and caps (``gateway.request_limits``) and that they may use the model
+(``finetuning.registry``, through ``gateway.access``), then hand the body to the inference pool
+with their organization's ``cache_salt`` (``gateway.cache_salt``), otherwise as it came, and give
+back its answer the same way (a stream stays a stream). The body is parsed once, here.
 """
 
 from __future__ import annotations
@@ -12,11 +14,14 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from accounts.models import Organization
+from django.conf import settings
 from gateway.access import authorize, organization_model
+from gateway.cache_salt import cache_salt, with_cache_salt
 from gateway.pool_client import pool_http, pool_url
+from gateway.request_limits import check_request
 from inference import errors
 from inference.http_client import UpstreamError, UpstreamResponse, UpstreamTimeout
-from inference.protocol import routed_fields
+from inference.protocol import ParsedRequest, parse_request
 
 JSON = "application/json"
 STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -38,25 +43,35 @@ def bearer_key(authorization: str | None) -> str:
     return raw_key.strip()
 
 
+def checked_request(body: bytes, endpoint: str) -> ParsedRequest:
+    request = parse_request(body)
+    check_request(request.data, endpoint, settings.CONFIG.limits)
+    return request
+
+
 async def complete(authorization: str | None, body: bytes, endpoint: str) -> PoolAnswer:
     raw_key = bearer_key(authorization)
     try:
-        fields = routed_fields(body)
+        request = checked_request(body, endpoint)
     except errors.ApiError:
         await authorize(raw_key, None)  # a bad key is a 401 even when the body is also wrong
         raise
-    access = await authorize(raw_key, fields.model)
+    access = await authorize(raw_key, request.routed.model)
     if access.model is None:
-        raise errors.model_not_found(fields.model)
-    return await _forward(body, fields.stream, endpoint)
+        raise errors.model_not_found(request.routed.model)
+    return await _forward(_salted(body, request, access.api_key.organization_id), request.routed.stream, endpoint)
 
 
 async def complete_for_organization(organization: Organization, body: bytes, endpoint: str) -> PoolAnswer:
     """For a caller the dashboard has already signed in: the organization stands in for a key."""
-    fields = routed_fields(body)
-    if await organization_model(organization, fields.model) is None:
-        raise errors.model_not_found(fields.model)
-    return await _forward(body, fields.stream, endpoint)
+    request = checked_request(body, endpoint)
+    if await organization_model(organization, request.routed.model) is None:
+        raise errors.model_not_found(request.routed.model)
+    return await _forward(_salted(body, request, organization.pk), request.routed.stream, endpoint)
+
+
+def _salted(body: bytes, request: ParsedRequest, organization_id: int) -> bytes:
+    return with_cache_salt(body, request.data, cache_salt(organization_id))
 
 
 async def _forward(body: bytes, stream: bool, endpoint: str) -> PoolAnswer:

@@ -137,6 +137,13 @@ INFERENCE_POOL_URL = CONFIG.inference_pool_url
 INTERNAL_TOKEN = CONFIG.internal_token  # sent to the pool with every call (gateway.pool_client)
 MONITORING_TOKEN = CONFIG.monitoring_token  # opens /metrics and the detail of /healthz
 
+# Bodies are capped by server.body_limits before Django reads them. Django's own caps must not
+# refuse what those allow (it would answer a bare 400), and under WSGI or the test client they are
+# the only ones. An uploaded file larger than FILE_UPLOAD_MAX_MEMORY_SIZE (Django's default, said
+# here) goes to a temporary file on disk, not memory; under ASGI Django spools the raw body the same way.
+DATA_UPLOAD_MAX_MEMORY_SIZE = max(CONFIG.limits.completion_body_bytes.value, CONFIG.limits.request_body_bytes.value)
+FILE_UPLOAD_MAX_MEMORY_SIZE = 2_621_440
+
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,

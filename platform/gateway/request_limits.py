@@ -1,0 +1,77 @@
+"""What a completion request may ask for, checked before it costs the pool anything.
+
+One tenant must not be able to occupy the engine for everyone: generating many choices, many
+tokens or many logprobs, or sending a prompt the tokenizer chews on for seconds. Each cap is a
+setting (``core.config.RequestLimits``); a refusal is a 400 naming the field and the setting.
+The check reads the body the gateway has already parsed (``inference.protocol.parse_request``)
+and counts characters, not tokens: no tokenizer on the hot path. vLLM still refuses, exactly, a
+prompt longer than the model's context.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from core.config import Limit, RequestLimits
+from inference import errors
+from inference.protocol import REQUEST_FIELDS
+
+
+def _numeric_caps(endpoint: str, limits: RequestLimits) -> dict[str, Limit]:
+    caps = {
+        "n": limits.completion_n,
+        "max_tokens": limits.completion_tokens,
+        "min_tokens": limits.completion_tokens,
+        "prompt_logprobs": limits.logprobs,
+    }
+    if endpoint == "chat/completions":  # there ``logprobs`` is a yes/no and ``top_logprobs`` the count
+        return caps | {"max_completion_tokens": limits.completion_tokens, "top_logprobs": limits.logprobs}
+    return caps | {"logprobs": limits.logprobs}
+
+
+def check_request(data: dict[str, Any], endpoint: str, limits: RequestLimits) -> None:
+    """Raise a 400 ``ApiError`` for the first field that is unknown or over its cap."""
+    allowed = REQUEST_FIELDS[endpoint]
+    for name in data:
+        if name not in allowed:
+            raise errors.unknown_field(name, endpoint)
+    for name, limit in _numeric_caps(endpoint, limits).items():
+        value = data.get(name)
+        if value is None:
+            continue
+        # vLLM's models are lax: they would take "9" or 9e9 as a count, so a string is refused
+        # here and a float is compared as the number it is.
+        if not isinstance(value, int | float):
+            raise errors.not_a_number(name)
+        if value > limit.value:
+            raise errors.over_limit(name, f"'{name}'", value, limit.value, limit.setting)
+    prompt_field = "messages" if endpoint == "chat/completions" else "prompt"
+    prompt = data.get(prompt_field)
+    if endpoint == "chat/completions" and isinstance(prompt, list) and len(prompt) > limits.messages.value:
+        limit = limits.messages
+        raise errors.over_limit("messages", "The number of messages", len(prompt), limit.value, limit.setting)
+    chars = prompt_chars(prompt)
+    if chars > limits.prompt_chars.value:
+        limit = limits.prompt_chars
+        what = f"The text of '{prompt_field}'"
+        raise errors.over_limit(prompt_field, what, chars, limit.value, limit.setting, unit=" characters")
+
+
+def prompt_chars(value: Any) -> int:
+    """The characters of every string in a prompt or message list, a token id counting as one.
+
+    Walks the parsed JSON with a list, not recursion: a deeply nested body must not exhaust the
+    stack. Role names count too; against a cap of many thousands they change nothing.
+    """
+    total, pending = 0, [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, str):
+            total += len(item)
+        elif isinstance(item, list):
+            pending.extend(item)
+        elif isinstance(item, dict):
+            pending.extend(item.values())
+        elif isinstance(item, int) and not isinstance(item, bool):
+            total += 1
+    return total

@@ -1,0 +1,113 @@
+"""The size of a request body, capped before anything reads it: the outermost ASGI layer.
+
+A body is refused before the API key is looked up, before Django spools it to a temporary file
+and before the gateway parses it, so an anonymous caller cannot make the web process read, store
+or parse more than the cap. The cap depends on the path (``RequestLimits``): completions, uploads
+(a dataset, ``MAX_UPLOAD_MB``, plus room for the multipart form around it; ``finetuning.files``
+then checks the file itself), and everything else. A declared ``Content-Length`` over the cap is
+a 413 at once; a body without one (chunked) is counted as it arrives, and refused as soon as it
+passes the cap.
+"""
+
+from __future__ import annotations
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from core.api_errors import ApiError
+from core.config import UPLOAD_LIMIT_SETTING, Limit
+
+# The multipart envelope around an uploaded file: boundaries, part headers, the purpose field, the
+# dashboard's CSRF token. A few hundred bytes in practice; generous, as the file's own size is
+# checked exactly afterwards.
+MULTIPART_ALLOWANCE_BYTES = 64 * 1024
+
+
+class _TooLarge(Exception):
+    """Raised from ``receive`` into the application, which never sees the rest of the body."""
+
+
+def body_too_large(path: str, limit: Limit, size: int | None) -> ApiError:
+    """``size`` is None for a body of unknown length (chunked), refused once it passed the limit."""
+    told = "is larger than" if size is None else f"is {size:,} bytes; more than"
+    return ApiError(
+        f"The request body {told} the {limit.value:,} bytes allowed for {path} ({limit.setting}).",
+        status=413, code="request_too_large",
+    )  # fmt: skip
+
+
+def with_body_limits(application: ASGIApp) -> ASGIApp:
+    """Call once Django is set up: the paths come from its URL configuration."""
+    from django.conf import settings
+    from django.urls import reverse
+    from gateway.asgi import ENDPOINTS
+
+    kinds = dict.fromkeys(ENDPOINTS, "completion") | dict.fromkeys(
+        (reverse("file-list"), reverse("dashboard:datasets")), "upload"
+    )
+
+    def limit_for(path: str) -> Limit:
+        # Read per request, as every setting, so a changed setting (a test's) applies at once.
+        config = settings.CONFIG
+        kind = kinds.get(path)
+        if kind == "completion":
+            return config.limits.completion_body_bytes
+        if kind == "upload":
+            return Limit(config.max_upload_bytes + MULTIPART_ALLOWANCE_BYTES, UPLOAD_LIMIT_SETTING)
+        return config.limits.request_body_bytes
+
+    async def limited(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await application(scope, receive, send)
+            return
+        path = scope["path"]
+        limit = limit_for(path)
+        declared = _content_length(scope)
+        if declared is not None and declared > limit.value:
+            await _refuse(send, body_too_large(path, limit, declared))
+            return
+        received, started, refused = 0, False, False
+
+        async def counting_receive() -> Message:
+            nonlocal received, refused
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit.value:
+                    refused = True
+                    raise _TooLarge
+            return message
+
+        async def guarded_send(message: Message) -> None:
+            nonlocal started
+            if refused:  # whatever the application answers to _TooLarge (a 500, say), ours is the answer
+                return
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await application(scope, counting_receive, guarded_send)
+        except Exception:
+            if not refused:  # _TooLarge, or whatever the application made of it
+                raise
+        if refused and not started:
+            await _refuse(send, body_too_large(path, limit, None))
+
+    return limited
+
+
+def _content_length(scope: Scope) -> int | None:
+    for name, value in scope["headers"]:
+        if name == b"content-length":
+            return int(value) if value.isdigit() else None  # the server refuses a malformed one
+    return None
+
+
+async def _refuse(send: Send, error: ApiError) -> None:
+    body = error.json_bytes()
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        (b"connection", b"close"),  # the rest of the body is not read: this connection cannot carry another request
+    ]
+    await send({"type": "http.response.start", "status": error.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,250 @@
+"""Limits before work: a request's size, a completion's fields and caps, checked before the web
+process does anything for it, and each tenant's own prefix cache in vLLM (``cache_salt``).
+
+The web application is built as ``server/asgi.py`` builds it (the body limits outermost), through
+both of the gateway's entry points. The pool is a stand-in that records the bodies it receives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import io
+import json
+
+import httpx
+import pytest
+
+from core.config import Limit
+from tests.inference_fixtures import BASE
+from tests.personas import good_dataset
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.anyio]
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+class RecordingPool:
+    """Answers every completion with ``{}`` and keeps the bodies it was sent."""
+
+    def __init__(self):
+        self.bodies: list[bytes] = []
+
+    async def answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = (await reader.readuntil(b"\r\n\r\n")).decode()
+                lines = head.lower().split("\r\n")
+                length = next(int(line.split(":")[1]) for line in lines if line.startswith("content-length"))
+                self.bodies.append(await reader.readexactly(length))
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}")
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()  # the client closed its keep-alive connection
+
+
+@pytest.fixture
+async def pool(settings):
+    recording = RecordingPool()
+    server = await asyncio.start_server(recording.answer, "127.0.0.1", 0)
+    settings.INFERENCE_POOL_URL = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    yield recording
+    server.close()
+
+
+@pytest.fixture(params=["fast path", "django views"])
+def web(request, pool):
+    from django.core.asgi import get_asgi_application
+    from gateway.asgi import with_fast_path
+    from server.body_limits import with_body_limits
+
+    application = get_asgi_application()
+    if request.param == "fast path":
+        application = with_fast_path(application)
+    application = with_body_limits(application)
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=application), base_url="http://testserver")
+
+
+def _limits(settings, **caps: int) -> None:
+    """Lower some of ``settings.CONFIG.limits`` for one test (``caps``: field name -> value)."""
+    limits = settings.CONFIG.limits
+    lowered = {name: Limit(value, getattr(limits, name).setting) for name, value in caps.items()}
+    settings.CONFIG = dataclasses.replace(settings.CONFIG, limits=dataclasses.replace(limits, **lowered))
+
+
+def _bearer(persona) -> dict:
+    return {"Authorization": f"Bearer {persona.key}"}
+
+
+def _user(content) -> list[dict]:
+    return [{"role": "user", "content": content}]
+
+
+def _chat(**fields) -> dict:
+    return {"model": BASE, "messages": _user("hi"), **fields}
+
+
+def _error(response: httpx.Response) -> dict:
+    return response.json()["error"]
+
+
+async def _chunks(pieces: int, size: int, pulled: list[int]):
+    for _ in range(pieces):
+        pulled.append(size)
+        yield b"x" * size
+
+
+# --- the size of a body ------------------------------------------------------------------------
+
+
+async def test_it_answers_413_for_an_oversized_completion_before_looking_at_the_key(web, pool, settings):
+    _limits(settings, completion_body_bytes=1000)
+    body = json.dumps(_chat(messages=_user("x" * 2000))).encode()
+    for headers in ({}, {"Authorization": "Bearer sk-wrong"}):
+        response = await web.post("/v1/chat/completions", content=body, headers=headers)
+        assert response.status_code == 413  # not 401: the key is not even looked at
+        error = _error(response)
+        assert error["type"] == "invalid_request_error" and error["code"] == "request_too_large"
+        assert "1,000 bytes" in error["message"] and "MAX_COMPLETION_BODY_BYTES" in error["message"]
+    assert pool.bodies == []
+
+
+async def test_it_stops_a_chunked_body_once_it_passes_the_cap(web, pool, settings):
+    _limits(settings, completion_body_bytes=1000)
+    pulled: list[int] = []
+    response = await web.post("/v1/completions", content=_chunks(100, 300, pulled))
+    assert response.status_code == 413 and "MAX_COMPLETION_BODY_BYTES" in _error(response)["message"]
+    assert sum(pulled) < 100 * 300  # refused while the body was still arriving, not after all of it
+    assert pool.bodies == []
+
+
+async def test_it_caps_other_requests_with_the_default_limit(web, settings):
+    _limits(settings, request_body_bytes=1000)
+    response = await web.post("/v1/fine_tuning/jobs", content=b"{" + b" " * 2000 + b"}")
+    assert response.status_code == 413 and "MAX_REQUEST_BODY_BYTES" in _error(response)["message"]
+
+
+def _multipart(data: bytes) -> dict:
+    return {"files": {"file": ("train.jsonl", io.BytesIO(data))}, "data": {"purpose": "fine-tune"}}
+
+
+async def test_it_refuses_an_oversized_upload_and_stores_nothing(web, alice, settings, monkeypatch):
+    from asgiref.sync import sync_to_async
+    from finetuning import storage
+    from finetuning.models import File
+
+    stored: list[str] = []
+    monkeypatch.setattr(storage.files(), "put", lambda key, data: stored.append(key))
+    settings.CONFIG = dataclasses.replace(settings.CONFIG, max_upload_bytes=1024)
+    dataset = good_dataset(2000)  # about 150 kB: over the cap and its allowance for the form around the file
+    for path in ("/v1/files", "/datasets"):  # the API, and the dashboard's upload form
+        response = await web.post(path, headers=_bearer(alice), **_multipart(dataset))
+        assert response.status_code == 413 and "MAX_UPLOAD_MB" in _error(response)["message"]
+    pulled: list[int] = []
+    chunked = await web.post("/v1/files", headers=_bearer(alice), content=_chunks(100, 4096, pulled))
+    assert chunked.status_code == 413 and sum(pulled) < 100 * 4096
+    assert stored == [] and not await sync_to_async(File.objects.exists)()
+
+
+async def test_it_still_accepts_an_upload_under_the_cap(web, alice):
+    response = await web.post("/v1/files", headers=_bearer(alice), **_multipart(good_dataset(12)))
+    assert response.status_code == 200, response.text
+
+
+# --- the fields of a completion ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "body", "field"),
+    [
+        ("chat/completions", _chat(guided_json={"type": "object"}), "guided_json"),  # removed from vLLM: ignored there
+        ("chat/completions", _chat(kv_transfer_params={}), "kv_transfer_params"),  # vLLM's, for its operator only
+        ("completions", {"model": BASE, "prompt": "hi", "messages": []}, "messages"),  # a chat field
+    ],
+)
+async def test_it_answers_400_naming_an_unknown_field(web, pool, alice, endpoint, body, field):
+    response = await web.post(f"/v1/{endpoint}", json=body, headers=_bearer(alice))
+    error = _error(response)
+    assert response.status_code == 400 and error["param"] == field and error["code"] == "unknown_parameter"
+    assert f"'{field}'" in error["message"]
+    assert pool.bodies == []
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "body", "param", "setting"),
+    [
+        ("chat/completions", _chat(n=9), "n", "MAX_COMPLETION_N"),
+        ("chat/completions", _chat(n=1e9), "n", "MAX_COMPLETION_N"),  # a float vLLM would take as an int
+        ("chat/completions", _chat(max_tokens=4097), "max_tokens", "MAX_COMPLETION_TOKENS"),
+        ("chat/completions", _chat(max_completion_tokens=4097), "max_completion_tokens", "MAX_COMPLETION_TOKENS"),
+        ("completions", {"model": BASE, "prompt": "hi", "min_tokens": 4097}, "min_tokens", "MAX_COMPLETION_TOKENS"),
+        ("chat/completions", _chat(logprobs=True, top_logprobs=21), "top_logprobs", "MAX_LOGPROBS"),
+        ("completions", {"model": BASE, "prompt": "hi", "logprobs": 21}, "logprobs", "MAX_LOGPROBS"),
+        ("completions", {"model": BASE, "prompt": "hi", "prompt_logprobs": 21}, "prompt_logprobs", "MAX_LOGPROBS"),
+        ("chat/completions", _chat(messages=_user("hi") * 257), "messages", "MAX_MESSAGES"),
+        ("chat/completions", _chat(messages=_user("x" * 270_000)), "messages", "MAX_PROMPT_CHARS"),
+        (
+            "chat/completions",
+            _chat(messages=_user([{"type": "text", "text": "x" * 140_000}] * 2)),
+            "messages", "MAX_PROMPT_CHARS",
+        ),  # fmt: skip
+        ("completions", {"model": BASE, "prompt": ["x" * 200_000, "y" * 100_000]}, "prompt", "MAX_PROMPT_CHARS"),
+    ],
+)
+async def test_it_answers_400_naming_the_limit_a_completion_passes(web, pool, alice, endpoint, body, param, setting):
+    response = await web.post(f"/v1/{endpoint}", json=body, headers=_bearer(alice))
+    error = _error(response)
+    assert response.status_code == 400 and error["param"] == param and error["code"] == "limit_exceeded"
+    assert setting in error["message"]
+    assert pool.bodies == []
+
+
+async def test_it_answers_400_for_a_capped_field_that_is_not_a_number(web, alice):
+    response = await web.post("/v1/chat/completions", json=_chat(n="9"), headers=_bearer(alice))
+    assert response.status_code == 400 and _error(response)["param"] == "n"
+
+
+async def test_it_checks_the_key_before_the_fields(web):
+    response = await web.post("/v1/chat/completions", json=_chat(n=1000), headers={"Authorization": "Bearer sk-wrong"})
+    assert response.status_code == 401
+
+
+async def test_it_forwards_a_request_within_the_limits_with_the_fields_it_was_sent(web, pool, alice):
+    sent = _chat(
+        max_tokens=16, temperature=0, n=2, stream_options={"include_usage": True}, ignore_eos=True, min_tokens=4,
+        response_format={"type": "json_object"}, logprobs=True, top_logprobs=5, seed=7, stop=["\n"],
+    )  # fmt: skip
+    response = await web.post("/v1/chat/completions", json=sent, headers=_bearer(alice))
+    assert response.status_code == 200 and response.json() == {}
+    forwarded = json.loads(pool.bodies[0])
+    assert {name: value for name, value in forwarded.items() if name != "cache_salt"} == sent
+
+
+# --- each tenant's own prefix cache --------------------------------------------------------------
+
+
+async def test_it_forwards_the_organizations_cache_salt_and_not_the_callers(web, pool, alice, bob, charlie):
+    from gateway.cache_salt import cache_salt
+
+    for persona in (alice, bob, charlie):
+        await web.post("/v1/chat/completions", json=_chat(), headers=_bearer(persona))
+        guessing = {"model": BASE, "prompt": "hi", "cache_salt": "guessed"}
+        await web.post("/v1/completions", json=guessing, headers=_bearer(persona))
+    salts = [json.loads(body)["cache_salt"] for body in pool.bodies]
+    alices, charlies = cache_salt(alice.organization.pk), cache_salt(charlie.organization.pk)
+    assert salts == [alices] * 4 + [charlies] * 2  # bob shares alice's organization, so her cache
+    assert alices != charlies and "guessed" not in salts
+    assert pool.bodies[1].count(b'"cache_salt"') == 1  # the caller's is replaced, not followed by ours
+
+
+async def test_it_salts_the_playgrounds_requests_with_the_organization(pool, alice):
+    from dashboard.playground import completion_body
+    from gateway.cache_salt import cache_salt
+    from gateway.completions import complete_for_organization
+
+    body = completion_body(json.dumps(_chat()).encode())
+    await complete_for_organization(alice.organization, body, "chat/completions")
+    assert json.loads(pool.bodies[0])["cache_salt"] == cache_salt(alice.organization.pk)

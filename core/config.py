@@ -31,6 +31,48 @@ class S3Settings:
 
 
 @dataclass(frozen=True)
+class Limits:
+    """What one tenant may use, so it cannot exhaust the service for the others (README: Limits).
+    Each field's message to a refused caller names its variable, from ``LIMIT_SETTINGS``."""
+
+    completions_per_minute_per_key: int
+    completions_per_minute_per_organization: int
+    uploads_per_hour_per_organization: int
+    storage_bytes_per_organization: int
+    running_jobs_per_organization: int  # more wait, queued, while other organizations' jobs start
+    queued_jobs_per_organization: int  # creating one more is refused (429)
+    sign_in_failures: int  # per username and per client address, within sign_in_window_s
+    sign_in_window_s: int
+
+
+# The variable behind each limit: error messages name it, so an operator knows what to raise.
+LIMIT_SETTINGS = {
+    "completions_per_minute_per_key": "COMPLETIONS_PER_MINUTE_PER_KEY",
+    "completions_per_minute_per_organization": "COMPLETIONS_PER_MINUTE_PER_ORGANIZATION",
+    "uploads_per_hour_per_organization": "UPLOADS_PER_HOUR_PER_ORGANIZATION",
+    "storage_bytes_per_organization": "STORAGE_MB_PER_ORGANIZATION",
+    "running_jobs_per_organization": "RUNNING_JOBS_PER_ORGANIZATION",
+    "queued_jobs_per_organization": "QUEUED_JOBS_PER_ORGANIZATION",
+    "sign_in_failures": "SIGN_IN_FAILURES",
+    "sign_in_window_s": "SIGN_IN_WINDOW_SECONDS",
+}
+
+
+def _limits() -> Limits:
+    names = LIMIT_SETTINGS
+    return Limits(
+        completions_per_minute_per_key=env_int(names["completions_per_minute_per_key"], 600, minimum=1),
+        completions_per_minute_per_organization=env_int(names["completions_per_minute_per_organization"], 1200, minimum=1),
+        uploads_per_hour_per_organization=env_int(names["uploads_per_hour_per_organization"], 60, minimum=1),
+        storage_bytes_per_organization=env_int(names["storage_bytes_per_organization"], 10 * 1024, minimum=1) * 1024 * 1024,
+        running_jobs_per_organization=env_int(names["running_jobs_per_organization"], 2, minimum=1),
+        queued_jobs_per_organization=env_int(names["queued_jobs_per_organization"], 100, minimum=1),
+        sign_in_failures=env_int(names["sign_in_failures"], 10, minimum=1),
+        sign_in_window_s=env_int(names["sign_in_window_s"], 15 * 60, minimum=1),
+    )
+
+
+@dataclass(frozen=True)
 class Config:
     debug: bool
     secret_key: str
@@ -55,6 +97,7 @@ class Config:
     job_stale_after_s: int  # a running job silent this long has lost its worker: it is queued again
     job_database_wait_s: int  # how long a trainer's database call waits out an unreachable database
     job_time_limit_s: int  # a job still training after this long fails (a hung trainer frees its queue)
+    limits: Limits
 
 
 def _database(data_dir: Path) -> dict:
@@ -121,6 +164,7 @@ def load_config() -> Config:
         job_stale_after_s=job_stale_after_s,
         job_database_wait_s=env_int("JOB_DATABASE_WAIT_SECONDS", 120, minimum=0),
         job_time_limit_s=env_int("JOB_TIME_LIMIT_SECONDS", 6 * 3600, minimum=1),
+        limits=_limits(),
     )
 
 

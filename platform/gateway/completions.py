@@ -1,9 +1,10 @@
 """The completions handler, shared by the Django views, the ASGI fast path (``gateway.asgi``) and
 the dashboard's playground.
 
-Find out who is calling (an API key here, a signed-in session in the playground), check they may
-use the model (``finetuning.registry``, through ``gateway.access``), then hand the body to the
-inference pool byte for byte and give back its answer the same way (a stream stays a stream).
+Find out who is calling (an API key here, a signed-in session in the playground), hold them to
+their completions per minute (``gateway.limits``), check they may use the model
+(``finetuning.registry``, through ``gateway.access``), then hand the body to the inference pool
+byte for byte and give back its answer the same way (a stream stays a stream).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass, field
 
 from accounts.models import Organization
 from gateway.access import authorize, organization_model
+from gateway.limits import check_completion_rate
 from gateway.pool_client import pool_http, pool_url
 from inference import errors
 from inference.http_client import UpstreamError, UpstreamResponse, UpstreamTimeout
@@ -46,6 +48,7 @@ async def complete(authorization: str | None, body: bytes, endpoint: str) -> Poo
         await authorize(raw_key, None)  # a bad key is a 401 even when the body is also wrong
         raise
     access = await authorize(raw_key, fields.model)
+    await check_completion_rate(access.api_key.organization_id, access.api_key.pk)
     if access.model is None:
         raise errors.model_not_found(fields.model)
     return await _forward(body, fields.stream, endpoint)
@@ -54,6 +57,7 @@ async def complete(authorization: str | None, body: bytes, endpoint: str) -> Poo
 async def complete_for_organization(organization: Organization, body: bytes, endpoint: str) -> PoolAnswer:
     """For a caller the dashboard has already signed in: the organization stands in for a key."""
     fields = routed_fields(body)
+    await check_completion_rate(organization.pk)
     if await organization_model(organization, fields.model) is None:
         raise errors.model_not_found(fields.model)
     return await _forward(body, fields.stream, endpoint)

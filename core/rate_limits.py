@@ -74,12 +74,12 @@ class Exceeded:
     limit: Limit
     retry_after_s: int
 
-    def error(self) -> ApiError:
+    def error(self, param: str | None = None) -> ApiError:
         """OpenAI's shape for a rate limit: 429, type ``requests``, code ``rate_limit_exceeded``."""
         return ApiError(
             f"Rate limit reached: {self.limit.describe} ({self.limit.setting}). "
             f"Try again in {self.retry_after_s} s.",
-            status=429, type=RATE_LIMIT_TYPE, code=RATE_LIMIT_CODE, retry_after_s=self.retry_after_s,
+            status=429, type=RATE_LIMIT_TYPE, param=param, code=RATE_LIMIT_CODE, retry_after_s=self.retry_after_s,
         )  # fmt: skip
 
 

@@ -1,4 +1,5 @@
-"""Training files: checked line by line, then stored; nothing is kept from a file that fails."""
+"""Training files: checked line by line, then stored; nothing is kept from a file that fails, or
+from one over the organization's upload rate or storage quota (``finetuning.quotas``)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from django.db.models import Q
 from accounts.models import Organization
 from core.api_errors import ApiError
 from core.datasets import Dataset, Example, parse_dataset
-from finetuning import storage
+from finetuning import quotas, storage
 from finetuning.models import FINISHED_STATUSES, File, FineTuningJob
 from finetuning.tokens import default_model, token_counter
 
@@ -44,11 +45,13 @@ def upload_file(organization: Organization, user: User | None, upload: UploadedF
         raise ApiError(f"purpose must be '{PURPOSE}', not '{purpose}'", param="purpose", code="invalid_purpose")
     if upload.size > settings.CONFIG.max_upload_bytes:
         raise upload_too_large(upload.size)  # before reading it into memory
+    quotas.charge_upload(organization)
     data = upload.read()
     dataset, counts = check_dataset(data)
     if not dataset.ok:
         raise dataset_error(dataset)
     with transaction.atomic():
+        quotas.reserve_storage(organization, len(data))
         file = File(
             organization=organization, created_by=user, filename=(upload.name or "upload.jsonl")[:255], purpose=purpose, bytes=len(data),
             example_count=len(dataset.examples), token_count=sum(counts), max_example_tokens=max(counts),

@@ -1,0 +1,55 @@
+"""What an organization may upload: files per hour (a rate, in Redis) and bytes kept (a quota, in
+the database).
+
+The hourly rate counts every upload that gets as far as being read and validated, accepted or not:
+it protects the platform's time as much as its disk. Like the completion rates it is not enforced
+while Redis is down (``core.rate_limits``). The storage quota is the sum of the organization's
+files' sizes, read under the organization's lock in the transaction that adds the file, so two
+uploads at once cannot both take the last of it; it is refused with 403, not 429, because waiting
+does not help: only deleting files does.
+"""
+
+from __future__ import annotations
+
+from django.conf import settings
+from django.db.models import Sum
+
+from accounts.locks import lock_organization
+from accounts.models import Organization
+from core.api_errors import ApiError
+from core.config import LIMIT_SETTINGS
+from core.rate_limits import Limit, charge
+from finetuning.models import File
+
+HOUR_S = 3600
+
+
+def charge_upload(organization: Organization) -> None:
+    """Count one upload against the organization's hourly rate; the 429 when it is used up."""
+    per_hour = settings.CONFIG.limits.uploads_per_hour_per_organization
+    limit = Limit(
+        f"uploads:org:{organization.pk}", per_hour, HOUR_S, f"{per_hour} uploads per hour for this organization",
+        LIMIT_SETTINGS["uploads_per_hour_per_organization"],
+    )  # fmt: skip
+    exceeded = charge(settings.CONFIG.redis_url, [limit])
+    if exceeded is not None:
+        raise exceeded.error(param="file")
+
+
+def reserve_storage(organization: Organization, size: int) -> None:
+    """Inside the transaction that stores a file of ``size`` bytes: the 403 when the organization's
+    files would pass its quota. Holds the organization's lock until the transaction ends."""
+    lock_organization(organization.pk)
+    quota = settings.CONFIG.limits.storage_bytes_per_organization
+    kept = File.objects.for_org(organization).aggregate(total=Sum("bytes"))["total"] or 0
+    if kept + size > quota:
+        raise ApiError(
+            f"Storing this file ({_size(size)}) would take {organization.name} past its storage quota of "
+            f"{_size(quota)} (STORAGE_MB_PER_ORGANIZATION); its files take {_size(kept)}. Delete files it no "
+            "longer needs, or ask the platform's operators to raise the quota.",
+            status=403, param="file", code="storage_quota_exceeded",
+        )  # fmt: skip
+
+
+def _size(n: int) -> str:
+    return f"{n / 1024 / 1024:.1f} MB" if n >= 1024 * 1024 else f"{n} bytes"

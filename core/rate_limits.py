@@ -109,6 +109,7 @@ def _warn_unavailable(exc: Exception) -> None:
         log.warning("rate limits are not enforced: Redis does not answer (%s)", exc)
 
 
+_sync_clients: dict[str, redis.Redis] = {}
 _sync_scripts: dict[str, redis.commands.core.Script] = {}
 # An asyncio client's connections belong to the loop that opened them (a server runs one loop,
 # tests may run several one after another), as in gateway.pool_client.
@@ -118,11 +119,18 @@ _async_scripts: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, r
 _CLIENT_OPTIONS = {"socket_timeout": _TIMEOUT_S, "socket_connect_timeout": _TIMEOUT_S}
 
 
+def _sync_redis(url: str) -> redis.Redis:
+    client = _sync_clients.get(url)
+    if client is None:
+        client = _sync_clients[url] = redis.Redis.from_url(url, **_CLIENT_OPTIONS)
+    return client
+
+
 def _sync_script(url: str) -> redis.commands.core.Script:
     """The script on a client of ``url``: run by its digest (EVALSHA), sent whole only the first time."""
     script = _sync_scripts.get(url)
     if script is None:
-        script = _sync_scripts[url] = redis.Redis.from_url(url, **_CLIENT_OPTIONS).register_script(_CHECK_AND_CHARGE)
+        script = _sync_scripts[url] = _sync_redis(url).register_script(_CHECK_AND_CHARGE)
     return script
 
 
@@ -156,3 +164,29 @@ async def charge_async(redis_url: str, limits: Sequence[Limit], cost: int = 1) -
         _warn_unavailable(exc)
         return None
     return _refusal(limits, answer)
+
+
+# Only counters that still exist: one whose window ended meanwhile must not come back negative
+# and without an expiry.
+_REFUND = """
+for _, key in ipairs(KEYS) do
+  if redis.call('EXISTS', key) == 1 then redis.call('DECRBY', key, ARGV[1]) end
+end
+"""
+
+
+def refund(redis_url: str, limits: Sequence[Limit], cost: int = 1) -> None:
+    """Give back what ``charge`` took, for something that turned out not to count (a successful
+    sign-in is not a failure)."""
+    try:
+        _sync_redis(redis_url).eval(_REFUND, len(limits), *(KEY_PREFIX + limit.counter for limit in limits), cost)
+    except redis.RedisError as exc:
+        _warn_unavailable(exc)
+
+
+def reset(redis_url: str, limits: Sequence[Limit]) -> None:
+    """Start the limits' windows over (a successful sign-in clears its username's failures)."""
+    try:
+        _sync_redis(redis_url).delete(*(KEY_PREFIX + limit.counter for limit in limits))
+    except redis.RedisError as exc:
+        _warn_unavailable(exc)

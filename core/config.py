@@ -59,16 +59,18 @@ LIMIT_SETTINGS = {
 
 
 def _limits() -> Limits:
-    names = LIMIT_SETTINGS
+    def setting(field: str, default: int) -> int:
+        return env_int(LIMIT_SETTINGS[field], default, minimum=1)
+
     return Limits(
-        completions_per_minute_per_key=env_int(names["completions_per_minute_per_key"], 600, minimum=1),
-        completions_per_minute_per_organization=env_int(names["completions_per_minute_per_organization"], 1200, minimum=1),
-        uploads_per_hour_per_organization=env_int(names["uploads_per_hour_per_organization"], 60, minimum=1),
-        storage_bytes_per_organization=env_int(names["storage_bytes_per_organization"], 10 * 1024, minimum=1) * 1024 * 1024,
-        running_jobs_per_organization=env_int(names["running_jobs_per_organization"], 2, minimum=1),
-        queued_jobs_per_organization=env_int(names["queued_jobs_per_organization"], 100, minimum=1),
-        sign_in_failures=env_int(names["sign_in_failures"], 10, minimum=1),
-        sign_in_window_s=env_int(names["sign_in_window_s"], 15 * 60, minimum=1),
+        completions_per_minute_per_key=setting("completions_per_minute_per_key", 600),
+        completions_per_minute_per_organization=setting("completions_per_minute_per_organization", 1200),
+        uploads_per_hour_per_organization=setting("uploads_per_hour_per_organization", 60),
+        storage_bytes_per_organization=setting("storage_bytes_per_organization", 10 * 1024) * 1024 * 1024,  # MB
+        running_jobs_per_organization=setting("running_jobs_per_organization", 2),
+        queued_jobs_per_organization=setting("queued_jobs_per_organization", 100),
+        sign_in_failures=setting("sign_in_failures", 10),
+        sign_in_window_s=setting("sign_in_window_s", 15 * 60),
     )
 
 

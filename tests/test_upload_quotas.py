@@ -14,7 +14,9 @@ from tests.test_files_api import error_of, stored_keys, upload  # noqa: F401 (a 
 pytestmark = pytest.mark.django_db
 
 
-def test_it_refuses_an_upload_past_the_hourly_rate_with_retry_after_and_stores_nothing(alice, charlie, stored_keys, settings):
+def test_it_refuses_an_upload_past_the_hourly_rate_with_retry_after_and_stores_nothing(
+    alice, charlie, stored_keys, settings
+):
     lower_limits(settings, uploads_per_hour_per_organization=2)
     assert [upload(alice, good_dataset()).status_code for _ in range(2)] == [200, 200]
 

@@ -26,10 +26,8 @@ def _limits(username: str, address: str) -> list[Limit]:
     limits = settings.CONFIG.limits
     describe = f"{limits.sign_in_failures} sign-in attempts in {_duration(limits.sign_in_window_s)}"
     setting = LIMIT_SETTINGS["sign_in_failures"]
-    return [
-        Limit(f"sign-in:user:{_digest(username.strip().lower())}", limits.sign_in_failures, limits.sign_in_window_s, describe, setting),
-        Limit(f"sign-in:address:{_digest(address)}", limits.sign_in_failures, limits.sign_in_window_s, describe, setting),
-    ]  # fmt: skip
+    counters = (f"sign-in:user:{_digest(username.strip().lower())}", f"sign-in:address:{_digest(address)}")
+    return [Limit(counter, limits.sign_in_failures, limits.sign_in_window_s, describe, setting) for counter in counters]
 
 
 def _digest(text: str) -> str:

@@ -63,14 +63,10 @@ def upload_file(organization: Organization, user: User | None, upload: UploadedF
     return file
 
 
-def _size(n: int) -> str:
-    return f"{n / 1024 / 1024:.1f} MB" if n >= 1024 * 1024 else f"{n} bytes"
-
-
 def upload_too_large(size: int) -> ApiError:
     limit = settings.CONFIG.max_upload_bytes
     return ApiError(
-        f"The file is {_size(size)}; the limit is {_size(limit)} (MAX_UPLOAD_MB).",
+        f"The file is {quotas.human_size(size)}; the limit is {quotas.human_size(limit)} (MAX_UPLOAD_MB).",
         status=413, param="file", code="file_too_large",
     )  # fmt: skip
 

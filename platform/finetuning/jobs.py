@@ -279,9 +279,9 @@ def send_waiting(organization_id: int) -> list[str]:
     """Send the organization's oldest queued jobs, as many as it has free slots: for a trainer that
     has just finished one of its jobs. A job whose message is still in the broker is sent twice,
     which is harmless (one ``claim`` wins); a send that fails leaves the job to the sweeper."""
-    waiting = FineTuningJob.objects.filter(organization_id=organization_id, status=JobStatus.QUEUED).order_by("queued_at")
+    waiting = FineTuningJob.objects.filter(organization_id=organization_id, status=JobStatus.QUEUED)
     sent = []
-    for job_id in waiting.values_list("pk", flat=True)[: free_slots(organization_id)]:
+    for job_id in waiting.order_by("queued_at").values_list("pk", flat=True)[: free_slots(organization_id)]:
         try:
             send_to_trainer(job_id)
         except OperationalError as exc:

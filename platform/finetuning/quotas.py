@@ -43,13 +43,15 @@ def reserve_storage(organization: Organization, size: int) -> None:
     quota = settings.CONFIG.limits.storage_bytes_per_organization
     kept = File.objects.for_org(organization).aggregate(total=Sum("bytes"))["total"] or 0
     if kept + size > quota:
+        setting = LIMIT_SETTINGS["storage_bytes_per_organization"]
         raise ApiError(
-            f"Storing this file ({_size(size)}) would take {organization.name} past its storage quota of "
-            f"{_size(quota)} (STORAGE_MB_PER_ORGANIZATION); its files take {_size(kept)}. Delete files it no "
-            "longer needs, or ask the platform's operators to raise the quota.",
+            f"Storing this file ({human_size(size)}) would take {organization.name} past its storage quota of "
+            f"{human_size(quota)} ({setting}); its files take {human_size(kept)}. Delete files it no longer "
+            "needs, or ask the platform's operators to raise the quota.",
             status=403, param="file", code="storage_quota_exceeded",
         )  # fmt: skip
 
 
-def _size(n: int) -> str:
+def human_size(n: int) -> str:
+    """A size as people read it in an error message."""
     return f"{n / 1024 / 1024:.1f} MB" if n >= 1024 * 1024 else f"{n} bytes"

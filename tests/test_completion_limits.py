@@ -7,6 +7,9 @@ pool, one it refuses is a 429, so counting the two tells what the limiter did.
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import pytest
 
 from accounts.services import create_api_key
@@ -51,3 +54,11 @@ async def test_it_holds_all_of_an_organizations_keys_to_the_organizations_rate(w
     second = await _answers(web, alices_second_key, 2)
     assert [response.status_code for response in second] == [503, 429]
     assert "COMPLETIONS_PER_MINUTE_PER_ORGANIZATION" in second[1].json()["error"]["message"]
+
+
+async def test_it_lets_requests_through_and_warns_while_redis_is_down(web, keys, settings, caplog, monkeypatch):
+    lower_limits(settings, completions_per_minute_per_key=1)
+    settings.CONFIG = dataclasses.replace(settings.CONFIG, redis_url="redis://127.0.0.1:9/0")  # nothing listens
+    monkeypatch.setattr("core.rate_limits._last_warning", -math.inf)  # an earlier test may have warned already
+    assert [response.status_code for response in await _answers(web, keys["alice"], 3)] == [503, 503, 503]
+    assert "rate limits are not enforced" in caplog.text

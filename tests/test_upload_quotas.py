@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from core.object_store import ObjectNotFound
+from finetuning import quotas, storage
 from finetuning.models import File
 from tests.limits import lower_limits, own_counters  # noqa: F401 (a fixture)
 from tests.personas import good_dataset
@@ -45,3 +47,18 @@ def test_it_refuses_a_file_that_would_pass_the_storage_quota_and_stores_nothing(
     assert upload(charlie, good_dataset()).status_code == 200  # its own quota
     alice.api.delete(f"/v1/files/{first.json()['id']}")
     assert upload(alice, good_dataset()).status_code == 200  # deleting files frees the quota
+
+
+def test_it_deletes_the_bytes_of_a_file_whose_quota_another_upload_took_meanwhile(
+    alice, stored_keys, settings, monkeypatch
+):
+    lower_limits(settings, storage_bytes_per_organization=len(good_dataset()) * 3 // 2)
+    assert upload(alice, good_dataset()).status_code == 200
+    check = quotas.check_storage
+    # As if the other upload committed between this one's first check and its locked one.
+    monkeypatch.setattr(quotas, "check_storage", lambda org, size, locked=False: locked and check(org, size, locked))
+
+    assert upload(alice, good_dataset()).status_code == 403
+    assert File.objects.for_org(alice.organization).count() == 1 and len(stored_keys) == 2
+    with pytest.raises(ObjectNotFound):
+        storage.files().get(stored_keys[1])

@@ -50,16 +50,23 @@ def upload_file(organization: Organization, user: User | None, upload: UploadedF
     dataset, counts = check_dataset(data)
     if not dataset.ok:
         raise dataset_error(dataset)
-    with transaction.atomic():
-        quotas.reserve_storage(organization, len(data))
-        file = File(
-            organization=organization, created_by=user, filename=(upload.name or "upload.jsonl")[:255], purpose=purpose, bytes=len(data),
-            example_count=len(dataset.examples), token_count=sum(counts), max_example_tokens=max(counts),
-        )  # fmt: skip
-        file.storage_key = f"files/{organization.pk}/{file.id}.jsonl"
-        # Bytes first, row second: a crash between leaves an orphan object, never a row without data.
-        storage.files().put(file.storage_key, data)
-        file.save()
+    quotas.check_storage(organization, len(data))  # before anything is stored
+    file = File(
+        organization=organization, created_by=user, filename=(upload.name or "upload.jsonl")[:255], purpose=purpose, bytes=len(data),
+        example_count=len(dataset.examples), token_count=sum(counts), max_example_tokens=max(counts),
+    )  # fmt: skip
+    file.storage_key = f"files/{organization.pk}/{file.id}.jsonl"
+    # Bytes first, row second: a crash between leaves an orphan object, never a row without data.
+    storage.files().put(file.storage_key, data)
+    try:
+        with transaction.atomic():
+            # Again, under the organization's lock (held only this long, not while the bytes are
+            # written): another upload may have taken the quota meanwhile.
+            quotas.check_storage(organization, len(data), locked=True)
+            file.save()
+    except ApiError:
+        storage.files().delete_prefix(file.storage_key)
+        raise
     return file
 
 

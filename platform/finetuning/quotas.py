@@ -4,9 +4,10 @@ the database).
 The hourly rate counts every upload that gets as far as being read and validated, accepted or not:
 it protects the platform's time as much as its disk. Like the completion rates it is not enforced
 while Redis is down (``core.rate_limits``). The storage quota is the sum of the organization's
-files' sizes, read under the organization's lock in the transaction that adds the file, so two
-uploads at once cannot both take the last of it; it is refused with 403, not 429, because waiting
-does not help: only deleting files does.
+files' sizes, checked before the file is stored and again under the organization's lock in the
+transaction that adds its row, so two uploads at once cannot both take the last of it (the loser's
+bytes are deleted again); it is refused with 403, not 429, because waiting does not help: only
+deleting files does.
 """
 
 from __future__ import annotations
@@ -36,10 +37,12 @@ def charge_upload(organization: Organization) -> None:
         raise exceeded.error(param="file")
 
 
-def reserve_storage(organization: Organization, size: int) -> None:
-    """Inside the transaction that stores a file of ``size`` bytes: the 403 when the organization's
-    files would pass its quota. Holds the organization's lock until the transaction ends."""
-    lock_organization(organization.pk)
+def check_storage(organization: Organization, size: int, locked: bool = False) -> None:
+    """The 403 when a file of ``size`` bytes would take the organization's files past its quota.
+    ``locked``: inside the transaction that adds the file, under the organization's lock until it
+    ends, so two uploads at once cannot both take the last of the quota."""
+    if locked:
+        lock_organization(organization.pk)
     quota = settings.CONFIG.limits.storage_bytes_per_organization
     kept = File.objects.for_org(organization).aggregate(total=Sum("bytes"))["total"] or 0
     if kept + size > quota:

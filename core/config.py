@@ -78,6 +78,50 @@ UPLOAD_LIMIT_SETTING = "MAX_UPLOAD_MB"
 
 
 @dataclass(frozen=True)
+class TenantLimits:
+    """What one tenant may use, so it cannot exhaust the service for the others (README: Limits per tenant).
+    Each field's message to a refused caller names its variable, from ``LIMIT_SETTINGS``."""
+
+    completions_per_minute_per_key: int
+    completions_per_minute_per_organization: int
+    uploads_per_hour_per_organization: int
+    storage_bytes_per_organization: int
+    running_jobs_per_organization: int  # more wait, queued, while other organizations' jobs start
+    queued_jobs_per_organization: int  # creating one more is refused (429)
+    sign_in_failures: int  # per username and per client address, within sign_in_window_s
+    sign_in_window_s: int
+
+
+# The variable behind each limit: error messages name it, so an operator knows what to raise.
+LIMIT_SETTINGS = {
+    "completions_per_minute_per_key": "COMPLETIONS_PER_MINUTE_PER_KEY",
+    "completions_per_minute_per_organization": "COMPLETIONS_PER_MINUTE_PER_ORGANIZATION",
+    "uploads_per_hour_per_organization": "UPLOADS_PER_HOUR_PER_ORGANIZATION",
+    "storage_bytes_per_organization": "STORAGE_MB_PER_ORGANIZATION",
+    "running_jobs_per_organization": "RUNNING_JOBS_PER_ORGANIZATION",
+    "queued_jobs_per_organization": "QUEUED_JOBS_PER_ORGANIZATION",
+    "sign_in_failures": "SIGN_IN_FAILURES",
+    "sign_in_window_s": "SIGN_IN_WINDOW_SECONDS",
+}
+
+
+def _limits() -> TenantLimits:
+    def setting(field: str, default: int) -> int:
+        return env_int(LIMIT_SETTINGS[field], default, minimum=1)
+
+    return TenantLimits(
+        completions_per_minute_per_key=setting("completions_per_minute_per_key", 600),
+        completions_per_minute_per_organization=setting("completions_per_minute_per_organization", 1200),
+        uploads_per_hour_per_organization=setting("uploads_per_hour_per_organization", 60),
+        storage_bytes_per_organization=setting("storage_bytes_per_organization", 10 * 1024) * 1024 * 1024,  # MB
+        running_jobs_per_organization=setting("running_jobs_per_organization", 2),
+        queued_jobs_per_organization=setting("queued_jobs_per_organization", 100),
+        sign_in_failures=setting("sign_in_failures", 10),
+        sign_in_window_s=setting("sign_in_window_s", 15 * 60),
+    )
+
+
+@dataclass(frozen=True)
 class Config:
     debug: bool  # development mode; false (production) unless DEBUG asks for it
     secret_key: str = field(repr=False)
@@ -91,7 +135,7 @@ class Config:
     dynamic_lora_path: str  # a local folder or s3://bucket/prefix
     files_path: str  # uploaded datasets and checkpoints: a local folder or s3://bucket/prefix
     max_upload_bytes: int  # in bytes; UPLOAD_LIMIT_SETTING gives it in MiB
-    limits: RequestLimits
+    request_limits: RequestLimits
     min_training_examples: int
     s3: S3Settings
     inference_pool_url: str
@@ -106,6 +150,7 @@ class Config:
     job_stale_after_s: int  # a running job silent this long has lost its worker: it is queued again
     job_database_wait_s: int  # how long a trainer's database call waits out an unreachable database
     job_time_limit_s: int  # a job still training after this long fails (a hung trainer frees its queue)
+    limits: TenantLimits  # what one organization may use
 
 
 def _database(data_dir: Path) -> dict:
@@ -196,7 +241,7 @@ def load_config() -> Config:
         dynamic_lora_path=_storage_location("DYNAMIC_LORA_PATH", data_dir / "adapters"),
         files_path=_storage_location("FILES_PATH", data_dir / "files"),
         max_upload_bytes=env_int(UPLOAD_LIMIT_SETTING, 100, minimum=1) * 1024 * 1024,
-        limits=_request_limits(),
+        request_limits=_request_limits(),
         min_training_examples=env_int("MIN_TRAINING_EXAMPLES", 10, minimum=1),
         s3=S3Settings(
             endpoint_url=env_str("S3_ENDPOINT_URL", "") or None,
@@ -213,6 +258,7 @@ def load_config() -> Config:
         job_stale_after_s=job_stale_after_s,
         job_database_wait_s=env_int("JOB_DATABASE_WAIT_SECONDS", 120, minimum=0),
         job_time_limit_s=env_int("JOB_TIME_LIMIT_SECONDS", 6 * 3600, minimum=1),
+        limits=_limits(),
     )
 
 

@@ -69,10 +69,10 @@ def web(request, pool):
 
 
 def _limits(settings, **caps: int) -> None:
-    """Lower some of ``settings.CONFIG.limits`` for one test (``caps``: field name -> value)."""
-    limits = settings.CONFIG.limits
+    """Lower some of ``settings.CONFIG.request_limits`` for one test (``caps``: field name -> value)."""
+    limits = settings.CONFIG.request_limits
     lowered = {name: Limit(value, getattr(limits, name).setting) for name, value in caps.items()}
-    settings.CONFIG = dataclasses.replace(settings.CONFIG, limits=dataclasses.replace(limits, **lowered))
+    settings.CONFIG = dataclasses.replace(settings.CONFIG, request_limits=dataclasses.replace(limits, **lowered))
 
 
 def _bearer(persona) -> dict:

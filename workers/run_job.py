@@ -232,6 +232,7 @@ def run_job(job_id: str, worker: str) -> str:
             retrying(jobs.fail, job_id, attempt, failure.code, failure.message)
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
+    retrying(jobs.send_waiting, job.organization_id)  # this job's slot is free: the organization's next one
     status = retrying(jobs.status_of, job_id)
     if status in FINISHED_STATUSES:
         retrying(drop_training_states, job_id)  # no attempt will resume it

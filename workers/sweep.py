@@ -3,8 +3,9 @@
 The database says which jobs wait; a broker message only wakes a trainer for one. So every pass:
 - running jobs whose worker stopped sending heartbeats are queued again (or failed) and sent;
 - queued jobs whose message the broker no longer holds (a broker restart without persistence, an
-  enqueue that failed while it was down) are sent again; a duplicate is harmless, as only one
-  ``claim`` wins;
+  enqueue that failed while it was down, a job refused for its organization's running-job cap whose
+  hand-off never came) are sent again, oldest first and no more per organization than it has free
+  slots (``finetuning.jobs``: fair share); a duplicate is harmless, as only one ``claim`` wins;
 - each queued job's events say what it waits for, when that changes.
 """
 
@@ -49,7 +50,17 @@ def _resend_lost(lost_after: timedelta) -> list[str]:
     if not overdue.exists():
         return []  # the common case: no need to read the broker's queue
     held = waiting_task_args(settings.CELERY_BROKER_URL, TRAIN_JOB)
-    return [job.pk for job in overdue if job.pk not in held and jobs.mark_sent_again(job)]
+    free: dict[int, int] = {}  # per organization, the slots not yet given to a job sent in this pass
+    resent = []
+    for job in overdue.order_by("queued_at"):
+        if job.pk in held:
+            continue
+        if job.organization_id not in free:
+            free[job.organization_id] = jobs.free_slots(job.organization_id)
+        if free[job.organization_id] > 0 and jobs.mark_sent_again(job):
+            free[job.organization_id] -= 1
+            resent.append(job.pk)
+    return resent
 
 
 def _send(job_id: str) -> None:

@@ -3,12 +3,13 @@ from django.urls import path
 from django.views.generic import RedirectView
 
 from dashboard import views
+from dashboard.sign_in import SignInView
 
 app_name = "dashboard"
 
 urlpatterns = [
     path("", RedirectView.as_view(pattern_name="dashboard:jobs"), name="home"),
-    path("login", auth_views.LoginView.as_view(), name="login"),
+    path("login", SignInView.as_view(), name="login"),
     path("logout", auth_views.LogoutView.as_view(), name="logout"),
     path("organization", views.switch, name="switch"),
     path("datasets", views.datasets, name="datasets"),

@@ -1,4 +1,5 @@
-"""Training files: checked line by line, then stored; nothing is kept from a file that fails."""
+"""Training files: checked line by line, then stored; nothing is kept from a file that fails, or
+from one over the organization's upload rate or storage quota (``finetuning.quotas``)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from accounts.models import Organization
 from core.api_errors import ApiError
 from core.config import UPLOAD_LIMIT_SETTING
 from core.datasets import Dataset, Example, parse_dataset
-from finetuning import storage
+from finetuning import quotas, storage
 from finetuning.models import FINISHED_STATUSES, File, FineTuningJob
 from finetuning.tokens import default_model, token_counter
 
@@ -45,30 +46,35 @@ def upload_file(organization: Organization, user: User | None, upload: UploadedF
         raise ApiError(f"purpose must be '{PURPOSE}', not '{purpose}'", param="purpose", code="invalid_purpose")
     if upload.size > settings.CONFIG.max_upload_bytes:
         raise upload_too_large(upload.size)  # before reading it into memory
+    quotas.charge_upload(organization)
     data = upload.read()
     dataset, counts = check_dataset(data)
     if not dataset.ok:
         raise dataset_error(dataset)
-    with transaction.atomic():
-        file = File(
-            organization=organization, created_by=user, filename=(upload.name or "upload.jsonl")[:255], purpose=purpose, bytes=len(data),
-            example_count=len(dataset.examples), token_count=sum(counts), max_example_tokens=max(counts),
-        )  # fmt: skip
-        file.storage_key = f"files/{organization.pk}/{file.id}.jsonl"
-        # Bytes first, row second: a crash between leaves an orphan object, never a row without data.
-        storage.files().put(file.storage_key, data)
-        file.save()
+    quotas.check_storage(organization, len(data))  # before anything is stored
+    file = File(
+        organization=organization, created_by=user, filename=(upload.name or "upload.jsonl")[:255], purpose=purpose, bytes=len(data),
+        example_count=len(dataset.examples), token_count=sum(counts), max_example_tokens=max(counts),
+    )  # fmt: skip
+    file.storage_key = f"files/{organization.pk}/{file.id}.jsonl"
+    # Bytes first, row second: a crash between leaves an orphan object, never a row without data.
+    storage.files().put(file.storage_key, data)
+    try:
+        with transaction.atomic():
+            # Again, under the organization's lock (held only this long, not while the bytes are
+            # written): another upload may have taken the quota meanwhile.
+            quotas.check_storage(organization, len(data), locked=True)
+            file.save()
+    except ApiError:
+        storage.files().delete_prefix(file.storage_key)
+        raise
     return file
-
-
-def _size(n: int) -> str:
-    return f"{n / 1024 / 1024:.1f} MB" if n >= 1024 * 1024 else f"{n} bytes"
 
 
 def upload_too_large(size: int) -> ApiError:
     limit = settings.CONFIG.max_upload_bytes
     return ApiError(
-        f"The file is {_size(size)}; the limit is {_size(limit)} ({UPLOAD_LIMIT_SETTING}).",
+        f"The file is {quotas.human_size(size)}; the limit is {quotas.human_size(limit)} ({UPLOAD_LIMIT_SETTING}).",
         status=413, param="file", code="file_too_large",
     )  # fmt: skip
 

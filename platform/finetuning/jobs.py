@@ -8,7 +8,17 @@ cancelled (``cancel_job``); running with a stale heartbeat -> queued again (``re
 ``claim`` returns the attempt number, a fencing token: every later write of that run (heartbeat,
 events, checkpoints, success, failure) is conditional on the job still running *that* attempt, so a
 worker that was given up on but is still alive cannot overwrite what the next attempt does.
-How a queued job reaches a trainer is ``finetuning.dispatch``.
+
+Fair share: an organization trains at most RUNNING_JOBS_PER_ORGANIZATION jobs at once, so its 50
+jobs cannot hold every trainer while another organization's one waits. Every job is still sent to
+the ``training`` queue when created, in order; ``claim`` counts the organization's running jobs
+under its lock (``accounts.locks``, so two trainers cannot both take its last slot) and refuses a
+job over the cap. The trainer drops that message at once and takes the next one, so other
+organizations' jobs behind it start. The refused job stays queued, with no message, until a slot
+frees: the trainer that finishes one of the organization's jobs sends its oldest waiting jobs
+(``send_waiting``), and the sweeper sends any the hand-off missed (a trainer that died) once the
+organization has a free slot. A sent job rejoins the back of the line. With fewer trainers than
+the cap this is first come, first served.
 """
 
 from __future__ import annotations
@@ -25,9 +35,12 @@ from django.db.models import F
 from django.utils import timezone
 from kombu.exceptions import OperationalError
 
+from accounts.locks import lock_organization
 from accounts.models import Organization
 from core.api_errors import ApiError
 from core.catalog import BaseModel
+from core.config import LIMIT_SETTINGS
+from core.rate_limits import RATE_LIMIT_TYPE
 from core.model_names import ModelName, is_valid_suffix
 from finetuning.events import record_event
 from finetuning.models import File, FineTunedModel, FineTuningJob, JobStatus
@@ -120,7 +133,18 @@ def resolve_hyperparameters(requested: dict, examples: int, model: BaseModel) ->
     }
 
 
+def _check_queued_cap(organization: Organization) -> None:
+    cap = settings.CONFIG.limits.queued_jobs_per_organization
+    if FineTuningJob.objects.for_org(organization).filter(status=JobStatus.QUEUED).count() >= cap:
+        raise ApiError(
+            f"{organization.name} already has {cap} queued fine-tuning jobs, its limit "
+            f"({LIMIT_SETTINGS['queued_jobs_per_organization']}); create more once some have started.",
+            status=429, type=RATE_LIMIT_TYPE, code="too_many_queued_jobs",
+        )  # fmt: skip
+
+
 def create_job(organization: Organization, user: User | None, request: JobRequest) -> FineTuningJob:
+    _check_queued_cap(organization)  # a soft cap: two requests at once may both pass it
     model = _base_model(request.model)
     training = _file(organization, request.training_file, "training_file", model)
     validation = _file(organization, request.validation_file, "validation_file", model) if request.validation_file else None
@@ -180,8 +204,22 @@ def _jobs_ahead_phrase(job: FineTuningJob) -> str:
     return "no job ahead" if ahead == 0 else f"{ahead} job{'s' if ahead > 1 else ''} ahead"
 
 
+def _running_count(organization_id: int) -> int:
+    return FineTuningJob.objects.filter(organization_id=organization_id, status=JobStatus.RUNNING).count()
+
+
+def _cap_note(running: int) -> str:
+    return (
+        f"Waiting: the organization already runs {running} job{'s' if running > 1 else ''}, its limit "
+        f"({LIMIT_SETTINGS['running_jobs_per_organization']}); the job starts when one of them finishes"
+    )
+
+
 def waiting_note(job: FineTuningJob, trainers: int) -> str:
     """What a queued job waits for, as its events say it."""
+    running = _running_count(job.organization_id)
+    if running >= settings.CONFIG.limits.running_jobs_per_organization:
+        return _cap_note(running)
     if trainers == 0:
         return f"No trainer is connected to the '{TRAINING_QUEUE}' queue; the job starts when one connects"
     return f"Waiting for a trainer: {_jobs_ahead_phrase(job)}"
@@ -202,14 +240,55 @@ def cancel_job(job: FineTuningJob) -> FineTuningJob:
 
 def claim(job_id: str, worker: str) -> int | None:
     """queued -> running, for exactly one worker: its attempt number, or None when another worker
-    has the job or it is no longer queued."""
-    now = timezone.now()
-    claimed = FineTuningJob.objects.filter(pk=job_id, status=JobStatus.QUEUED).update(
-        status=JobStatus.RUNNING, worker=worker, started_at=now, heartbeat_at=now, attempts=F("attempts") + 1
-    )
+    has the job, it is no longer queued, or its organization already runs its cap of jobs (then it
+    stays queued, and says so, until ``send_waiting`` or the sweeper sends it again)."""
+    organization_id = FineTuningJob.objects.filter(pk=job_id).values_list("organization_id", flat=True).first()
+    if organization_id is None:
+        return None
+    with transaction.atomic():
+        lock_organization(organization_id)  # until the commit: the count below stays true
+        running = _running_count(organization_id)
+        if running >= settings.CONFIG.limits.running_jobs_per_organization:
+            claimed = 0
+        else:
+            now = timezone.now()
+            claimed = FineTuningJob.objects.filter(pk=job_id, status=JobStatus.QUEUED).update(
+                status=JobStatus.RUNNING, worker=worker, started_at=now, heartbeat_at=now, attempts=F("attempts") + 1
+            )
     if not claimed:
+        _note_waiting_for_a_slot(job_id, running)
         return None
     return FineTuningJob.objects.filter(pk=job_id).values_list("attempts", flat=True).get()
+
+
+def _note_waiting_for_a_slot(job_id: str, running: int) -> None:
+    job = FineTuningJob.objects.filter(pk=job_id, status=JobStatus.QUEUED).first()
+    if job is None or running < settings.CONFIG.limits.running_jobs_per_organization:
+        return  # claimed by another worker, or no longer queued: nothing to say
+    note = _cap_note(running)
+    if job.events.filter(type="message").values_list("message", flat=True).first() != note:
+        record_event(job, note)  # once, however many times it is refused
+
+
+def free_slots(organization_id: int) -> int:
+    """How many more of the organization's jobs may run now."""
+    return max(0, settings.CONFIG.limits.running_jobs_per_organization - _running_count(organization_id))
+
+
+def send_waiting(organization_id: int) -> list[str]:
+    """Send the organization's oldest queued jobs, as many as it has free slots: for a trainer that
+    has just finished one of its jobs. A job whose message is still in the broker is sent twice,
+    which is harmless (one ``claim`` wins); a send that fails leaves the job to the sweeper."""
+    waiting = FineTuningJob.objects.filter(organization_id=organization_id, status=JobStatus.QUEUED)
+    sent = []
+    for job_id in waiting.order_by("queued_at").values_list("pk", flat=True)[: free_slots(organization_id)]:
+        try:
+            send_to_trainer(job_id)
+        except OperationalError as exc:
+            log.warning("could not send waiting job %s to a trainer: %s", job_id, exc)
+            continue
+        sent.append(job_id)
+    return sent
 
 
 def _this_attempt(job_id: str, attempt: int):

@@ -50,10 +50,10 @@ def with_body_limits(application: ASGIApp) -> ASGIApp:
         config = settings.CONFIG
         kind = kinds.get(path)
         if kind == "completion":
-            return config.limits.completion_body_bytes
+            return config.request_limits.completion_body_bytes
         if kind == "upload":
             return Limit(config.max_upload_bytes + MULTIPART_ALLOWANCE_BYTES, UPLOAD_LIMIT_SETTING)
-        return config.limits.request_body_bytes
+        return config.request_limits.request_body_bytes
 
     async def limited(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":

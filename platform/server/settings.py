@@ -141,7 +141,7 @@ MONITORING_TOKEN = CONFIG.monitoring_token  # opens /metrics and the detail of /
 # refuse what those allow (it would answer a bare 400), and under WSGI or the test client they are
 # the only ones. An uploaded file larger than FILE_UPLOAD_MAX_MEMORY_SIZE (Django's default, said
 # here) goes to a temporary file on disk, not memory; under ASGI Django spools the raw body the same way.
-DATA_UPLOAD_MAX_MEMORY_SIZE = max(CONFIG.limits.completion_body_bytes.value, CONFIG.limits.request_body_bytes.value)
+DATA_UPLOAD_MAX_MEMORY_SIZE = max(CONFIG.request_limits.completion_body_bytes.value, CONFIG.request_limits.request_body_bytes.value)
 FILE_UPLOAD_MAX_MEMORY_SIZE = 2_621_440
 
 LOGGING = {

@@ -1,0 +1,23 @@
+"""The sign-in page: Django's, with attempts limited (``accounts.sign_in_attempts``)."""
+
+from __future__ import annotations
+
+from django.contrib.auth.views import LoginView
+from django.http import HttpRequest, HttpResponse
+
+from accounts import sign_in_attempts
+
+
+class SignInView(LoginView):
+    def post(self, request: HttpRequest, *args, **kwargs) -> HttpResponse:
+        exceeded = sign_in_attempts.attempt(request.POST.get("username", ""), request.META.get("REMOTE_ADDR", ""))
+        if exceeded is None:
+            return super().post(request, *args, **kwargs)
+        # An unbound form: a bound one would check the password, which is what is being refused.
+        form = self.form_class(request=request, initial={"username": request.POST.get("username", "")})
+        context = self.get_context_data(form=form, refused=sign_in_attempts.refusal_message(exceeded))
+        return self.render_to_response(context, status=429, headers={"Retry-After": str(exceeded.retry_after_s)})
+
+    def form_valid(self, form) -> HttpResponse:
+        sign_in_attempts.succeeded(self.request.POST.get("username", ""), self.request.META.get("REMOTE_ADDR", ""))
+        return super().form_valid(form)

@@ -1,0 +1,60 @@
+"""What an organization may upload: files per hour (a rate, in Redis) and bytes kept (a quota, in
+the database).
+
+The hourly rate counts every upload that gets as far as being read and validated, accepted or not:
+it protects the platform's time as much as its disk. Like the completion rates it is not enforced
+while Redis is down (``core.rate_limits``). The storage quota is the sum of the organization's
+files' sizes, checked before the file is stored and again under the organization's lock in the
+transaction that adds its row, so two uploads at once cannot both take the last of it (the loser's
+bytes are deleted again); it is refused with 403, not 429, because waiting does not help: only
+deleting files does.
+"""
+
+from __future__ import annotations
+
+from django.conf import settings
+from django.db.models import Sum
+
+from accounts.locks import lock_organization
+from accounts.models import Organization
+from core.api_errors import ApiError
+from core.config import LIMIT_SETTINGS
+from core.rate_limits import Limit, charge
+from finetuning.models import File
+
+HOUR_S = 3600
+
+
+def charge_upload(organization: Organization) -> None:
+    """Count one upload against the organization's hourly rate; the 429 when it is used up."""
+    per_hour = settings.CONFIG.limits.uploads_per_hour_per_organization
+    limit = Limit(
+        f"uploads:org:{organization.pk}", per_hour, HOUR_S, f"{per_hour} uploads per hour for this organization",
+        LIMIT_SETTINGS["uploads_per_hour_per_organization"],
+    )  # fmt: skip
+    exceeded = charge(settings.CONFIG.redis_url, [limit])
+    if exceeded is not None:
+        raise exceeded.error(param="file")
+
+
+def check_storage(organization: Organization, size: int, locked: bool = False) -> None:
+    """The 403 when a file of ``size`` bytes would take the organization's files past its quota.
+    ``locked``: inside the transaction that adds the file, under the organization's lock until it
+    ends, so two uploads at once cannot both take the last of the quota."""
+    if locked:
+        lock_organization(organization.pk)
+    quota = settings.CONFIG.limits.storage_bytes_per_organization
+    kept = File.objects.for_org(organization).aggregate(total=Sum("bytes"))["total"] or 0
+    if kept + size > quota:
+        setting = LIMIT_SETTINGS["storage_bytes_per_organization"]
+        raise ApiError(
+            f"Storing this file ({human_size(size)}) would take {organization.name} past its storage quota of "
+            f"{human_size(quota)} ({setting}); its files take {human_size(kept)}. Delete files it no longer "
+            "needs, or ask the platform's operators to raise the quota.",
+            status=403, param="file", code="storage_quota_exceeded",
+        )  # fmt: skip
+
+
+def human_size(n: int) -> str:
+    """A size as people read it in an error message."""
+    return f"{n / 1024 / 1024:.1f} MB" if n >= 1024 * 1024 else f"{n} bytes"

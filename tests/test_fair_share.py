@@ -1,0 +1,68 @@
+# ruff: noqa: F811 (pytest fixtures are imported, then named as arguments)
+"""An organization trains at most its cap of jobs at once: its next job waits, queued, while another
+organization's job is claimed first, and is sent again once a slot frees. The domain functions are
+called directly, as a trainer and the sweeper call them; nothing trains."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+
+from finetuning import jobs
+from finetuning.models import FineTuningJob, JobStatus
+from tests.limits import lower_limits
+from tests.test_training_jobs import BASE, ONE_STEP, launch, not_queued  # noqa: F401 (a fixture)
+from workers.sweep import sweep
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture
+def sent(not_queued, monkeypatch) -> list[str]:
+    """The jobs sent to the trainers, recorded instead of sent."""
+    recorded: list[str] = []
+    monkeypatch.setattr("finetuning.jobs.send_to_trainer", recorded.append)
+    return recorded
+
+
+def test_it_keeps_a_job_over_its_organizations_running_cap_waiting_and_claims_another_organizations_first(
+    alice, charlie, sent, settings
+):
+    lower_limits(settings, running_jobs_per_organization=1)
+    first, second = launch(alice, ONE_STEP, "first"), launch(alice, ONE_STEP, "second")
+    others = launch(charlie, ONE_STEP, "others")
+    sent.clear()
+
+    assert jobs.claim(first, "trainer-1") == 1
+    assert jobs.claim(second, "trainer-2") is None  # Acme already runs its one job
+    waiting = FineTuningJob.objects.get(pk=second)
+    assert waiting.status == JobStatus.QUEUED
+    assert waiting.events.filter(message__contains="RUNNING_JOBS_PER_ORGANIZATION").count() == 1
+    assert jobs.claim(others, "trainer-2") == 1  # Globex's job goes ahead
+
+    jobs.fail(first, 1, "test", "finished")  # its trainer then hands the slot on
+    assert jobs.send_waiting(alice.organization.pk) == [second] and sent == [second]
+    assert jobs.claim(second, "trainer-1") == 1
+
+
+def test_the_sweeper_sends_a_waiting_job_again_only_once_its_organization_has_a_free_slot(alice, sent, settings):
+    lower_limits(settings, running_jobs_per_organization=1)
+    first, second = launch(alice, ONE_STEP, "first"), launch(alice, ONE_STEP, "second")
+    assert jobs.claim(first, "trainer-1") == 1 and jobs.claim(second, "trainer-2") is None
+    sent.clear()
+
+    assert sweep(lost_after=timedelta(0))["resent"] == [] and sent == []  # no slot: sending would only churn
+    jobs.fail(first, 1, "test", "finished")  # and its trainer died before handing the slot on
+    assert sweep(lost_after=timedelta(0))["resent"] == [second] and sent == [second]
+
+
+def test_it_refuses_a_job_past_the_organizations_cap_of_queued_jobs(alice, not_queued, settings):
+    lower_limits(settings, queued_jobs_per_organization=1)
+    launch(alice, ONE_STEP, "first")
+    file_id = FineTuningJob.objects.get(suffix="first").training_file
+    refused = alice.api.post("/v1/fine_tuning/jobs", {"model": BASE, "training_file": file_id}, format="json")
+    assert refused.status_code == 429
+    error = refused.json()["error"]
+    assert error["code"] == "too_many_queued_jobs" and "QUEUED_JOBS_PER_ORGANIZATION" in error["message"]
+    assert FineTuningJob.objects.for_org(alice.organization).count() == 1

@@ -5,7 +5,7 @@ from rest_framework.exceptions import AuthenticationFailed
 from rest_framework.test import APIRequestFactory
 
 from accounts.authentication import BearerKeyAuthentication
-from accounts.models import ApiKey, Organization
+from accounts.models import ApiKey, Membership, Organization
 from accounts.services import create_api_key, create_organization, revoke_api_key
 
 pytestmark = pytest.mark.django_db
@@ -48,6 +48,30 @@ def test_a_revoked_key_stops_working(alice):
     revoke_api_key(api_key)
     with pytest.raises(AuthenticationFailed, match="revoked"):
         _authenticate(f"Bearer {raw}")
+
+
+def test_a_key_stops_working_when_its_maker_leaves_the_organization(alice):
+    org = create_organization("Acme", owner=alice)
+    _, raw = create_api_key(org, alice, "laptop")
+    Membership.objects.filter(user=alice, organization=org).delete()
+    with pytest.raises(AuthenticationFailed):
+        _authenticate(f"Bearer {raw}")
+
+
+def test_a_key_stops_working_when_its_maker_is_deactivated(alice):
+    org = create_organization("Acme", owner=alice)
+    _, raw = create_api_key(org, alice, "laptop")
+    alice.is_active = False
+    alice.save()
+    with pytest.raises(AuthenticationFailed):
+        _authenticate(f"Bearer {raw}")
+
+
+def test_a_key_of_a_member_of_two_organizations_acts_only_for_its_own(alice):
+    acme, globex = create_organization("Acme", owner=alice), create_organization("Globex", owner=alice)
+    api_key, raw = create_api_key(acme, alice, "laptop")
+    Membership.objects.filter(user=alice, organization=globex).delete()
+    assert _authenticate(f"Bearer {raw}")[1] == api_key  # leaving another organization changes nothing
 
 
 def test_organization_slugs_stay_unique(alice):

@@ -6,3 +6,6 @@ class AccountsConfig(AppConfig):
 
     def ready(self) -> None:
         from accounts import schema  # noqa: F401  (registers the OpenAPI security scheme)
+        from accounts import signals
+
+        signals.connect()

@@ -7,10 +7,12 @@ from datetime import timedelta
 
 from django.contrib.auth.models import User
 from django.db import transaction
+from django.db.models import F
 from django.utils import timezone
 from django.utils.text import slugify
 
 from accounts.models import ApiKey, Membership, Organization, hash_key
+from accounts.signals import access_withdrawn
 
 KEY_PREFIX = "sk-"
 # Writing last_used_at on every request would turn every read into a write; a minute is precise enough.
@@ -40,13 +42,22 @@ def create_api_key(organization: Organization, user: User, name: str) -> tuple[A
 
 def revoke_api_key(api_key: ApiKey) -> None:
     ApiKey.objects.filter(pk=api_key.pk, revoked_at__isnull=True).update(revoked_at=timezone.now())
+    access_withdrawn.send(sender=ApiKey)  # update() sends no model signal
+
+
+def _usable_keys():
+    """Keys that may act: not revoked, made by an active user who still belongs to the key's
+    organization (a key acts for its organization on its maker's behalf, so it goes with them)."""
+    return ApiKey.objects.active().filter(
+        created_by__is_active=True, created_by__memberships__organization=F("organization")
+    )
 
 
 def authenticate_key(raw_key: str) -> ApiKey | None:
     if not raw_key.startswith(KEY_PREFIX):
         return None
     api_key = (
-        ApiKey.objects.active().select_related("organization", "created_by").filter(hashed_key=hash_key(raw_key)).first()
+        _usable_keys().select_related("organization", "created_by").filter(hashed_key=hash_key(raw_key)).first()
     )
     if api_key is None:
         return None

@@ -5,7 +5,8 @@ Both are ORM reads, about 1.5 ms each on a 2-core machine, plus a hop to a worke
 the gateway's budget. So a *granted* access is remembered for ``GRANT_TTL_S``: a burst of requests
 with one key and model pays once. A refusal is never remembered (a model published a moment ago
 is found on the first request that names it), and a revoked key or deleted model stops working
-within ``GRANT_TTL_S``.
+within ``GRANT_TTL_S`` in another process; in this one at once (``forget_grants``, on
+``accounts.signals.access_withdrawn``: a revoked key, a removed member, a deactivated user).
 
 The reads run with ``thread_sensitive=False``: in the shared thread pool, whose threads keep their
 database connections between requests, instead of a fresh thread (and connection) per request.
@@ -110,6 +111,12 @@ async def authorize(raw_key: str, model_name: str | None) -> Access:
             _grants.clear()
         _grants[grant_key] = (access, now)
     return access
+
+
+def forget_grants(**_signal) -> None:
+    """Forget every remembered grant: access was withdrawn somewhere (rare, so no bookkeeping of
+    which grants it touched; the next request of each caller pays one check again)."""
+    _grants.clear()
 
 
 async def delete_model(organization: Organization, model: UsableModel) -> None:

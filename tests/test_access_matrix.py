@@ -1,0 +1,279 @@
+"""Who may reach what: one table of every endpoint and page against every kind of caller.
+
+Each cell is what that caller must get for an object of alice's organization (Acme). An outsider
+gets 404 for Acme's objects, never 403 and never the data; a revoked key, a removed member's key
+and a deactivated user's key stop working at once, the gateway's grant cache included. The pool
+and its replicas answer no API key at all: only the internal token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import httpx
+import pytest
+from django.contrib.auth.models import User
+from django.test import Client
+
+from accounts.models import ApiKey, Membership
+from accounts.services import create_api_key, revoke_api_key
+from finetuning import files, jobs
+from finetuning.models import FineTunedModel, FineTuningJob, JobStatus
+from inference.internal_auth import ReplicaGuard
+from tests.inference_fixtures import BASE, register_fine_tuned_model
+from tests.personas import Persona, good_dataset
+from tests.test_inference_routing import TOKEN, PoolUnderTest
+
+pytestmark = pytest.mark.django_db(transaction=True)  # the gateway reads the database in other threads
+
+DEAD_POOL = "http://127.0.0.1:9"  # the discard port: an allowed completion ends in a 503
+LOGIN = "login"  # a 302 to the sign-in page
+COLUMNS = ("owner", "member", "outsider", "no key", "revoked key", "removed member", "deactivated user")
+
+# Expected answers, one per column. REST: the key decides. Dashboard: the session decides (a removed
+# member is signed in but belongs to no organization: 403; a deactivated user is signed out).
+API = (200, 200, 404, 401, 401, 401, 401)
+API_OWN_LIST = (200, 200, 200, 401, 401, 401, 401)  # an outsider lists his own (empty) collection
+COMPLETION = (503, 503, 404, 401, 401, 401, 401)
+PAGE = (200, 200, 404, LOGIN, LOGIN, 403, LOGIN)
+PAGE_OWN_LIST = (200, 200, 200, LOGIN, LOGIN, 403, LOGIN)
+PAGE_ACTION = (302, 302, 404, LOGIN, LOGIN, 403, LOGIN)
+PLAYGROUND_CHAT = (503, 503, 404, LOGIN, LOGIN, 403, LOGIN)
+SWITCH = (302, 302, 403, LOGIN, LOGIN, 403, LOGIN)  # "not a member of that organization"
+OPERATOR_ONLY = (401,) * 7  # an API key is not the monitoring or the internal token
+UP_OR_DOWN = (200,) * 7  # /healthz: up or down for anyone, no detail
+
+# (surface, method, path, body, expected): {file}, {job}, {model}, {model_id}, {key_id}, {org_id}
+# name a fresh object of Acme's, made for the one cell (so a delete does not spoil the next cell).
+ROWS = [
+    ("api", "GET", "/v1/files", None, API_OWN_LIST),
+    ("api", "POST", "/v1/files", "upload", API_OWN_LIST),
+    ("api", "GET", "/v1/files/{file}", None, API),
+    ("api", "GET", "/v1/files/{file}/content", None, API),
+    ("api", "DELETE", "/v1/files/{file}", None, API),
+    ("api", "GET", "/v1/fine_tuning/jobs", None, API_OWN_LIST),
+    ("api", "POST", "/v1/fine_tuning/jobs", {"model": BASE, "training_file": "{file}"}, API),
+    ("api", "GET", "/v1/fine_tuning/jobs/{job}", None, API),
+    ("api", "GET", "/v1/fine_tuning/jobs/{job}/events", None, API),
+    ("api", "GET", "/v1/fine_tuning/jobs/{job}/checkpoints", None, API),
+    ("api", "POST", "/v1/fine_tuning/jobs/{job}/cancel", None, API),
+    ("api", "GET", "/v1/models", None, API_OWN_LIST),
+    ("api", "GET", "/v1/models/{model}", None, API),
+    ("api", "DELETE", "/v1/models/{model}", None, API),
+    ("api", "POST", "/v1/chat/completions", {"model": "{model}", "messages": [{"role": "user", "content": "hi"}]}, COMPLETION),
+    ("api", "GET", "/metrics", None, OPERATOR_ONLY),
+    ("api", "GET", "/healthz", None, UP_OR_DOWN),
+    ("page", "GET", "/datasets", None, PAGE_OWN_LIST),
+    ("page", "GET", "/datasets/{file}", None, PAGE),
+    ("page", "POST", "/datasets/{file}/delete", None, PAGE_ACTION),
+    ("page", "GET", "/jobs", None, PAGE_OWN_LIST),
+    ("page", "GET", "/jobs/new", None, PAGE_OWN_LIST),
+    ("page", "GET", "/jobs/{job}", None, PAGE),
+    ("page", "GET", "/jobs/{job}/progress", None, PAGE),
+    ("page", "POST", "/jobs/{job}/cancel", None, PAGE_ACTION),
+    ("page", "GET", "/models", None, PAGE_OWN_LIST),
+    ("page", "POST", "/models/{model_id}/delete", None, PAGE_ACTION),
+    ("page", "GET", "/playground", None, PAGE_OWN_LIST),
+    ("page", "POST", "/playground/chat", {"model": "{model}", "messages": [{"role": "user", "content": "hi"}]}, PLAYGROUND_CHAT),
+    ("page", "GET", "/keys", None, PAGE_OWN_LIST),
+    ("page", "POST", "/keys/{key_id}/revoke", None, PAGE_ACTION),
+    ("page", "POST", "/organization", {"organization": "{org_id}"}, SWITCH),
+    ("pool", "GET", "/health", None, OPERATOR_ONLY),
+    ("pool", "GET", "/metrics", None, OPERATOR_ONLY),
+    ("pool", "POST", "/v1/chat/completions", {"model": "{model}", "messages": []}, OPERATOR_ONLY),
+    ("replica", "GET", "/v1/models", None, OPERATOR_ONLY),
+    ("replica", "POST", "/v1/load_lora_adapter", {"lora_name": "{model}", "lora_path": "/tmp"}, OPERATOR_ONLY),
+    ("replica", "GET", "/metrics", None, OPERATOR_ONLY),
+]
+
+
+@dataclass
+class Caller:
+    column: str
+    authorization: str | None  # what goes in the Authorization header (API, gateway, pool, replica)
+    browser: Client  # the dashboard session (signed in or not)
+
+
+class AcmeObjects(dict):
+    """``str.format_map`` source: each placeholder makes a fresh object of alice's organization,
+    remembered so the leak check can look for every Acme id and model name in other callers' answers."""
+
+    def __init__(self, alice: Persona):
+        super().__init__()
+        self.alice, self.numbers, self.secrets = alice, itertools.count(), set()
+
+    def __missing__(self, name: str) -> str:
+        alice, n = self.alice, next(self.numbers)
+        if name == "file":
+            value = files.upload_file(alice.organization, alice.user, _upload(), files.PURPOSE).id
+        elif name == "job":
+            value = _job(alice, n).id
+        elif name in ("model", "model_id"):
+            model_name = register_fine_tuned_model(alice, f"acme-secret-{n}")
+            self.secrets.add(model_name)
+            model = FineTunedModel.objects.get(name=model_name)
+            value = model_name if name == "model" else str(model.pk)
+        elif name == "key_id":
+            value = str(create_api_key(alice.organization, alice.user, f"spare {n}")[0].pk)
+        elif name == "org_id":
+            return str(alice.organization.pk)
+        else:
+            raise KeyError(name)
+        if not value.isdigit():  # a number shows up in any page; names and ids are what would leak
+            self.secrets.add(value)
+        return value  # not stored: the next cell gets its own
+
+
+def _upload():
+    from django.core.files.uploadedfile import SimpleUploadedFile
+
+    return SimpleUploadedFile("train.jsonl", good_dataset(12), content_type="application/jsonl")
+
+
+def _job(alice: Persona, n: int) -> FineTuningJob:
+    training = files.upload_file(alice.organization, alice.user, _upload(), files.PURPOSE)
+    return FineTuningJob.objects.create(
+        organization=alice.organization, model=BASE, training_file=training.id, suffix=f"acme-job-{n}", seed=0,
+        hyperparameters={"n_epochs": 1, "batch_size": 1, "learning_rate_multiplier": 1.0}, status=JobStatus.QUEUED,
+    )  # fmt: skip
+
+
+def _fill(template, objects: AcmeObjects):
+    if isinstance(template, str):
+        return template.format_map(objects)
+    if isinstance(template, dict):
+        return {key: _fill(value, objects) for key, value in template.items()}
+    if isinstance(template, list):
+        return [_fill(value, objects) for value in template]
+    return template
+
+
+class Doors:
+    """The four ways in: the web (REST, gateway, dashboard), the pool, and a replica."""
+
+    def __init__(self, tmp_path):
+        self.pool = PoolUnderTest(tmp_path, replicas=1).app
+
+        async def replica_route(scope, receive, send):  # stands in for vLLM behind its guard
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"served"})
+
+        self.replica = ReplicaGuard(replica_route)
+
+    def call(self, surface: str, method: str, path: str, body, caller: Caller):
+        headers = {"Authorization": caller.authorization} if caller.authorization else {}
+        if surface in ("pool", "replica"):
+            return asyncio.run(self._asgi(self.pool if surface == "pool" else self.replica, method, path, body, headers))
+        web = caller.browser if surface == "page" else Client()
+        if body == "upload":
+            return web.post(path, {"file": _upload(), "purpose": "fine-tune"}, headers=headers)
+        if surface == "page" and path == "/organization":
+            return web.post(path, body, headers=headers)
+        if body is None:
+            return web.generic(method, path, headers=headers)
+        return web.generic(method, path, json.dumps(body), content_type="application/json", headers=headers)
+
+    @staticmethod
+    async def _asgi(app, method: str, path: str, body, headers: dict):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://internal") as client:
+            return await client.request(method, path, json=body, headers=headers)
+
+
+def _answer(response) -> int | str:
+    status = response.status_code
+    if status == 302 and "/login" in response.headers.get("Location", ""):
+        return LOGIN
+    return status
+
+
+def _signed_in(user: User | None) -> Client:
+    browser = Client()
+    if user is not None:
+        browser.force_login(user)
+    return browser
+
+
+@pytest.fixture
+def doors(tmp_path, settings, monkeypatch) -> Doors:
+    settings.INFERENCE_POOL_URL = DEAD_POOL
+    monkeypatch.setattr("health.views.ALL_CHECKS", {})  # /healthz's checks are test_healthz's subject
+    monkeypatch.setattr(jobs, "_send_or_503", lambda job: None)  # no broker: the job stays queued
+    monkeypatch.setenv("VLLM_API_KEY", TOKEN)
+    return Doors(tmp_path)
+
+
+def test_every_caller_gets_exactly_its_cell_for_every_endpoint_and_nothing_leaks(alice, bob, charlie, doors):
+    objects = AcmeObjects(alice)
+    revoked, revoked_raw = create_api_key(alice.organization, alice.user, "revoked")
+    revoke_api_key(revoked)
+    bob_session, alice_session = _signed_in(bob.user), _signed_in(alice.user)
+    callers: dict[str, Callable[[], Caller]] = {
+        "owner": lambda: Caller("owner", f"Bearer {alice.key}", alice_session),
+        "member": lambda: Caller("member", f"Bearer {bob.key}", bob_session),
+        "outsider": lambda: Caller("outsider", f"Bearer {charlie.key}", _signed_in(charlie.user)),
+        "no key": lambda: Caller("no key", None, _signed_in(None)),
+        "revoked key": lambda: Caller("revoked key", f"Bearer {revoked_raw}", _signed_in(None)),
+        "removed member": lambda: _withdrawn(doors, objects, bob, bob_session, _remove_membership),
+        "deactivated user": lambda: _withdrawn(doors, objects, alice, alice_session, _deactivate),
+    }
+    surprises, cells = [], 0
+    for column_index, column in enumerate(COLUMNS):
+        caller = callers[column]()
+        for surface, method, template, body, expected in ROWS:
+            path, filled = _fill(template, objects), _fill(body, objects)
+            response = doors.call(surface, method, path, filled, caller)
+            cells += 1
+            got, want = _answer(response), expected[column_index]
+            if got != want:
+                surprises.append(f"{column:16} {surface:7} {method:6} {template}: {got}, expected {want}")
+            if column != "owner" and column != "member":
+                text = response.content.decode(errors="replace")
+                asked = f"{path} {json.dumps(filled)}"  # a 404 may name what the caller asked for
+                if leaked := [secret for secret in objects.secrets if secret in text and secret not in asked]:
+                    surprises.append(f"LEAK {column} {method} {template}: {leaked}")
+            if surface == "api" and template == "/healthz" and "checks" in response.json():
+                surprises.append(f"LEAK {column} /healthz shows its checks")
+    print(f"\naccess matrix: {len(ROWS)} endpoints x {len(COLUMNS)} callers = {cells} cells, {len(surprises)} surprises")
+    assert cells == len(ROWS) * len(COLUMNS)
+    assert not surprises, "\n".join(surprises)
+
+
+def _remove_membership(persona: Persona) -> None:
+    Membership.objects.filter(user=persona.user, organization=persona.organization).delete()
+
+
+def _deactivate(persona: Persona) -> None:
+    persona.user.is_active = False
+    persona.user.save()
+
+
+def _withdrawn(doors: Doors, objects: AcmeObjects, persona: Persona, session: Client, withdraw) -> Caller:
+    """The persona's key, used a moment ago (so the gateway remembers its grant), then withdrawn:
+    the very next request must already be refused."""
+    caller = Caller("", f"Bearer {persona.key}", session)
+    model = objects["model"]
+    warm = doors.call("api", "GET", f"/v1/models/{model}", None, caller)
+    assert warm.status_code == 200, warm.content
+    withdraw(persona)
+    after = doors.call("api", "GET", f"/v1/models/{model}", None, caller)
+    assert after.status_code == 401, f"the gateway still grants {persona.user.username}'s key: {after.content!r}"
+    return caller
+
+
+def test_a_key_stops_working_at_once_after_its_revocation_even_through_the_grant_cache(alice, doors):
+    spare, raw = create_api_key(alice.organization, alice.user, "spare")
+    caller = Caller("owner", f"Bearer {raw}", Client())
+    model = register_fine_tuned_model(alice, "cached")
+    assert doors.call("api", "GET", f"/v1/models/{model}", None, caller).status_code == 200
+    revoke_api_key(ApiKey.objects.get(pk=spare.pk))
+    assert doors.call("api", "GET", f"/v1/models/{model}", None, caller).status_code == 401
+
+
+def test_the_pool_and_a_replica_answer_the_internal_token(doors):
+    caller = Caller("platform", f"Bearer {TOKEN}", Client())
+    assert doors.call("replica", "GET", "/v1/models", None, caller).status_code == 200
+    assert doors.call("pool", "GET", "/metrics", None, caller).status_code == 200

@@ -1,0 +1,136 @@
+"""The REST API fuzzed against its own OpenAPI schema (schemathesis), in-process through Django.
+
+Every operation of ``/api/schema`` gets a fixed number of generated requests, valid and invalid,
+with alice's key, and some without a key or with a wrong one. Whatever comes in, the API must
+never answer 5xx, must answer every error in OpenAI's shape, and must write nothing when it refuses.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+
+import pytest
+import schemathesis
+from django.apps import apps
+from django.core.files.uploadedfile import SimpleUploadedFile
+from django.test.client import ClientHandler
+from hypothesis import HealthCheck, given, settings, strategies as st
+from schemathesis import GenerationMode
+
+from finetuning import files, jobs
+from finetuning.registry import list_usable_models
+from finetuning.serializers import JobCreateSerializer
+from tests.personas import good_dataset
+
+pytestmark = [pytest.mark.django_db, pytest.mark.fault]
+
+EXAMPLES_PER_MODE = 50  # per operation, once valid (positive) and once invalid (negative) by the schema
+WRITES = {"POST", "PUT", "PATCH", "DELETE"}
+ERROR_FIELDS = {"message", "type", "param", "code"}
+WRONG_KEY = "sk-" + "x" * 43
+
+
+def django_wsgi(environ: dict, start_response):
+    """Django's test-client handler as a WSGI app: unlike ``WSGIHandler`` it does not close the
+    database connection at the end of a request, which would end the test's transaction."""
+    response = ClientHandler(enforce_csrf_checks=False)(environ)
+    cookies = [("Set-Cookie", morsel.OutputString()) for morsel in response.cookies.values()]
+    start_response(f"{response.status_code} {response.reason_phrase}", [*response.items(), *cookies])
+    return [b"".join(response)] if response.streaming else [response.content]
+
+
+def _rows() -> int:
+    """Rows of every table a tenant's request could write to."""
+    labels = ("finetuning", "accounts", "auth")
+    return sum(model.objects.count() for label in labels for model in apps.get_app_config(label).get_models())
+
+
+@dataclass
+class Findings:
+    calls: Counter = field(default_factory=Counter)  # by status
+    credentials: Counter = field(default_factory=Counter)
+    problems: list[str] = field(default_factory=list)
+
+    def note(self, case, credential: str, status: int, problem: str) -> None:
+        body = case.body if not isinstance(case.body, dict | list) else json.dumps(case.body, default=repr)[:200]
+        self.problems.append(
+            f"{case.method} {case.formatted_path} query={case.query} body={body!r} [{credential}] -> {status}: {problem}"
+        )
+
+
+def _error_shape_problem(response) -> str | None:
+    try:
+        error = response.json()["error"]
+    except (ValueError, KeyError, TypeError):
+        return f"not an OpenAI-shaped error: {response.text[:200]!r}"
+    if not isinstance(error, dict) or not ERROR_FIELDS <= error.keys():
+        return f"error without {sorted(ERROR_FIELDS)}: {error!r}"
+    return None
+
+
+def _check(case, credential: str, headers: dict, findings: Findings) -> None:
+    before = _rows() if case.method.upper() in WRITES else None
+    response = case.call()
+    status = response.status_code
+    findings.calls[status] += 1
+    findings.credentials[credential] += 1
+    if status >= 500:
+        findings.note(case, credential, status, response.text[:300])
+    if status >= 400 and (problem := _error_shape_problem(response)):
+        findings.note(case, credential, status, problem)
+    if credential != "alice" and status < 400:
+        findings.note(case, credential, status, "answered without a valid key")
+    if before is not None and 400 <= status < 500 and _rows() != before:
+        findings.note(case, credential, status, f"refused, yet rows changed ({before} -> {_rows()})")
+
+
+@pytest.fixture
+def objects(alice, charlie) -> dict[str, str]:
+    """Real ids for the path parameters, so that requests get past "no such file" too; charlie's
+    must stay invisible to alice (404)."""
+    upload = _named(good_dataset(12))
+    alice_file = files.upload_file(alice.organization, alice.user, upload, files.PURPOSE)
+    request = JobCreateSerializer(data={"model": list_usable_models(alice.organization)[0].name, "training_file": alice_file.id})
+    request.is_valid(raise_exception=True)
+    alice_job = jobs.create_job(alice.organization, alice.user, request.to_job_request())
+    charlie_file = files.upload_file(charlie.organization, charlie.user, _named(good_dataset(12)), files.PURPOSE)
+    return {"alice_file": alice_file.id, "alice_job": alice_job.id, "charlie_file": charlie_file.id}
+
+
+def _named(data: bytes) -> SimpleUploadedFile:
+    return SimpleUploadedFile("train.jsonl", data, content_type="application/jsonl")
+
+
+def test_no_generated_request_gets_a_5xx_an_unshaped_error_or_a_write_on_refusal(alice, objects):
+    schema = schemathesis.openapi.from_wsgi("/api/schema", django_wsgi, headers={"Accept": "application/json"})
+    findings, operations = Findings(), 0
+    real_ids = st.sampled_from([None, *objects.values()])  # None: keep the generated id
+    credentials = st.sampled_from(["alice"] * 6 + ["no key", "wrong key"])
+    for result in schema.get_all_operations():
+        operation = result.ok()
+        operations += 1
+        for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
+
+            @settings(
+                max_examples=EXAMPLES_PER_MODE, derandomize=True, database=None, deadline=None,
+                suppress_health_check=list(HealthCheck), phases=["explicit", "generate"],
+            )  # fmt: skip
+            @given(case=operation.as_strategy(generation_mode=mode), real_id=real_ids, credential=credentials)
+            def fuzz(case, real_id, credential):
+                if real_id is not None and "id" in (case.path_parameters or {}):
+                    case.path_parameters["id"] = real_id
+                headers = {"Authorization": f"Bearer {alice.key}"} if credential == "alice" else {}
+                if credential == "wrong key":
+                    headers["Authorization"] = f"Bearer {WRONG_KEY}"
+                # On the case itself: schemathesis drops call(headers=...)'s Authorization for cases it
+                # generated to test a missing one.
+                case.headers = {k: v for k, v in (case.headers or {}).items() if k.lower() != "authorization"} | headers
+                _check(case, credential, headers, findings)
+
+            fuzz()
+    cases = sum(findings.calls.values())
+    print(f"\nfuzzed {operations} operations with {cases} requests: {dict(sorted(findings.calls.items()))} {dict(findings.credentials)}")
+    assert operations >= 11 and cases >= operations * EXAMPLES_PER_MODE
+    assert not findings.problems, "\n".join(findings.problems[:40])

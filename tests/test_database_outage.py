@@ -18,6 +18,7 @@ from django.db import connection
 from django.test import Client
 
 from finetuning.models import JobStatus
+from tests.inference_fixtures import monitoring_headers
 from tests.personas import good_dataset
 from tests.processes import celery_worker_command, free_port, running, running_web
 from tests.tcp_proxy import TcpProxy, tcp_proxy
@@ -72,14 +73,14 @@ def test_it_answers_503_to_retry_while_the_database_is_unreachable_and_200_once_
         assert_database_unavailable(api.post("/v1/chat/completions", json={"model": "any", "messages": []}))
         page = signed_in.get("/jobs")
         assert page.status_code == 503 and "Retry-After" in page.headers and "retry" in page.text, page.text
-        health = httpx.get(f"{url}/healthz", timeout=30)
+        health = httpx.get(f"{url}/healthz", headers=monitoring_headers(), timeout=30)
         assert health.status_code == 503 and "database" in health.json()["down"], health.text
 
         proxied_database.proxy.restore()
         for path in API_READS:
             assert api.get(path).status_code == 200, path
         assert signed_in.get("/jobs").status_code == 200
-        assert "database" not in httpx.get(f"{url}/healthz", timeout=30).json()["down"]
+        assert "database" not in httpx.get(f"{url}/healthz", headers=monitoring_headers(), timeout=30).json()["down"]
 
 
 def test_a_trainer_cut_off_from_the_database_mid_training_waits_for_it_and_the_job_succeeds(

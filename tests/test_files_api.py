@@ -238,3 +238,10 @@ def test_it_refuses_requests_without_a_valid_key(client):
     assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
     response = client.get("/v1/files", HTTP_AUTHORIZATION="Bearer sk-wrong")
     assert response.status_code == 401 and "Incorrect API key" in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("path", ["/v1/files", "/v1/fine_tuning/jobs"])
+def test_a_nul_character_in_a_list_cursor_is_a_400_on_every_database(alice, path):
+    # PostgreSQL refuses NUL in text (a DataError): found by the schema fuzzer as a 500.
+    response = alice.api.get(f"{path}?after=file-%00x")
+    assert response.status_code == 400 and response.json()["error"]["param"] in ("after", None), response.json()

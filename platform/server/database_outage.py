@@ -6,6 +6,10 @@ views see their exceptions there first), ``server.middleware.ViewExceptionMiddle
 Django view: JSON under /v1/, a page for people elsewhere), and the gateway's ORM calls
 (``gateway.access``: the ASGI fast path serves completions outside Django's middleware).
 
+A value the database refuses to hold or compare (``DataError``: a NUL character in PostgreSQL text,
+a number out of range) is the caller's to fix: a 400 saying so, never a 500. It is translated here
+too, so the same three doors answer it.
+
 Recovery needs nothing here: a request's connection that failed is closed by Django at the next
 request (``close_old_connections`` with ``CONN_HEALTH_CHECKS``), and the next query connects again.
 """
@@ -16,7 +20,7 @@ import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from django.db import InterfaceError, OperationalError
+from django.db import DataError, InterfaceError, OperationalError
 
 from core.api_errors import UNAVAILABLE, ApiError
 
@@ -29,7 +33,12 @@ RETRY_AFTER_S = 5
 
 
 def as_api_error(exc: BaseException) -> ApiError | None:
-    """The 503 a database outage answers; None for any other exception."""
+    """The 503 a database outage answers, the 400 a value the database refuses; None for anything else."""
+    if isinstance(exc, DataError):
+        return ApiError(
+            "A value in this request cannot be stored or looked up: it holds a character or a number the "
+            f"database does not accept (such as a NUL character) ({str(exc).splitlines()[0]}). Remove it and retry.",
+        )
     if not isinstance(exc, DATABASE_ERRORS):
         return None
     log.warning("the database is unreachable: %s", exc)

@@ -42,6 +42,9 @@ COMPLETION = (503, 503, 404, 401, 401, 401, 401)
 PAGE = (200, 200, 404, LOGIN, LOGIN, 403, LOGIN)
 PAGE_OWN_LIST = (200, 200, 200, LOGIN, LOGIN, 403, LOGIN)
 PAGE_ACTION = (302, 302, 404, LOGIN, LOGIN, 403, LOGIN)
+# Managing (deleting a model, revoking another's key) is for owners unless an owner lets members.
+API_OWNER_ONLY = (200, 403, 404, 401, 401, 401, 401)
+PAGE_OWNER_ONLY = (302, 403, 404, LOGIN, LOGIN, 403, LOGIN)
 PLAYGROUND_CHAT = (503, 503, 404, LOGIN, LOGIN, 403, LOGIN)
 SWITCH = (302, 302, 403, LOGIN, LOGIN, 403, LOGIN)  # "not a member of that organization"
 OPERATOR_ONLY = (401,) * 7  # an API key is not the monitoring or the internal token
@@ -63,7 +66,7 @@ ROWS = [
     ("api", "POST", "/v1/fine_tuning/jobs/{job}/cancel", None, API),
     ("api", "GET", "/v1/models", None, API_OWN_LIST),
     ("api", "GET", "/v1/models/{model}", None, API),
-    ("api", "DELETE", "/v1/models/{model}", None, API),
+    ("api", "DELETE", "/v1/models/{model}", None, API_OWNER_ONLY),
     ("api", "POST", "/v1/chat/completions", {"model": "{model}", "messages": [{"role": "user", "content": "hi"}]}, COMPLETION),
     ("api", "GET", "/metrics", None, OPERATOR_ONLY),
     ("api", "GET", "/healthz", None, UP_OR_DOWN),
@@ -76,11 +79,11 @@ ROWS = [
     ("page", "GET", "/jobs/{job}/progress", None, PAGE),
     ("page", "POST", "/jobs/{job}/cancel", None, PAGE_ACTION),
     ("page", "GET", "/models", None, PAGE_OWN_LIST),
-    ("page", "POST", "/models/{model_id}/delete", None, PAGE_ACTION),
+    ("page", "POST", "/models/{model_id}/delete", None, PAGE_OWNER_ONLY),
     ("page", "GET", "/playground", None, PAGE_OWN_LIST),
     ("page", "POST", "/playground/chat", {"model": "{model}", "messages": [{"role": "user", "content": "hi"}]}, PLAYGROUND_CHAT),
     ("page", "GET", "/keys", None, PAGE_OWN_LIST),
-    ("page", "POST", "/keys/{key_id}/revoke", None, PAGE_ACTION),
+    ("page", "POST", "/keys/{key_id}/revoke", None, PAGE_OWNER_ONLY),
     ("page", "POST", "/organization", {"organization": "{org_id}"}, SWITCH),
     ("pool", "GET", "/health", None, OPERATOR_ONLY),
     ("pool", "GET", "/metrics", None, OPERATOR_ONLY),

@@ -17,6 +17,8 @@ class Organization(models.Model):
     name = models.CharField(max_length=100)
     slug = models.SlugField(max_length=100, unique=True)
     created_at = models.DateTimeField(auto_now_add=True)
+    # Members (not only owners) may revoke anyone's API keys and delete models: an owner's choice.
+    members_may_manage = models.BooleanField(default=False)
 
     def __str__(self) -> str:
         return self.name

@@ -26,4 +26,5 @@ urlpatterns = [
     path("playground/chat", views.playground_chat, name="playground_chat"),
     path("keys", views.api_keys, name="api_keys"),
     path("keys/<int:key_id>/revoke", views.api_key_revoke, name="api_key_revoke"),
+    path("organization/members", views.members_may_manage, name="members_may_manage"),
 ]

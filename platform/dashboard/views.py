@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from django.contrib import messages
+from django.core.exceptions import PermissionDenied
 from django.core.paginator import Page, Paginator
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_POST
 
 from accounts.models import ApiKey
+from accounts.permissions import allow_members_to_manage, is_owner, may_manage, may_revoke
 from accounts.services import create_api_key, revoke_api_key
 from core.api_errors import ApiError
 from dashboard.forms import ApiKeyForm, JobForm, UploadForm, show_api_error
@@ -156,6 +158,8 @@ def models(request: HttpRequest) -> HttpResponse:
 @with_organization
 def model_delete(request: HttpRequest, model_id: int) -> HttpResponse:
     model = get_object_or_404(FineTunedModel.objects.for_org(request.organization), pk=model_id)
+    if not may_manage(request.organization, request.user):
+        raise PermissionDenied("Only an owner of the organization can delete its models, unless an owner allows members to.")
     delete_fine_tuned_model(model)
     messages.success(request, f"Deleted {model.name}; it is no longer served.")
     return redirect("dashboard:models")
@@ -194,13 +198,25 @@ def api_keys(request: HttpRequest) -> HttpResponse:
         _, new_key = create_api_key(request.organization, request.user, form.cleaned_data["name"])
         form = ApiKeyForm()
     listing = ApiKey.objects.filter(organization=request.organization).order_by("-created_at")
-    return render(request, "dashboard/api_keys.html", {"form": form, "keys": listing, "new_key": new_key})
+    context = {"form": form, "keys": listing, "new_key": new_key, "is_owner": is_owner(request.organization, request.user)}
+    return render(request, "dashboard/api_keys.html", context)
 
 
 @require_POST
 @with_organization
 def api_key_revoke(request: HttpRequest, key_id: int) -> HttpResponse:
     api_key = get_object_or_404(ApiKey.objects.filter(organization=request.organization), pk=key_id)
+    if not may_revoke(api_key, request.user):
+        raise PermissionDenied("Members revoke their own keys; only an owner can revoke another's, unless an owner allows members to.")
     revoke_api_key(api_key)
     messages.success(request, f"Revoked key {api_key.name} ({api_key.prefix}…).")
+    return redirect("dashboard:api_keys")
+
+
+@require_POST
+@with_organization
+def members_may_manage(request: HttpRequest) -> HttpResponse:
+    allowed = request.POST.get("allowed") == "on"
+    allow_members_to_manage(request.organization, request.user, allowed)
+    messages.success(request, "Members may now revoke any key and delete models." if allowed else "Only owners may now revoke others' keys and delete models.")
     return redirect("dashboard:api_keys")

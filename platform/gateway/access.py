@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from accounts.models import ApiKey, Organization, hash_key
+from accounts.permissions import may_manage
 from accounts.services import authenticate_key
 from asgiref.sync import sync_to_async
 from django.db import close_old_connections
@@ -69,13 +70,20 @@ def _organization_model(organization: Organization, model_name: str) -> UsableMo
     return resolve_model(organization, model_name)
 
 
-def _delete_model(organization: Organization, model: UsableModel) -> None:
+def _delete_model(api_key: ApiKey, model: UsableModel) -> None:
     if model.suffix is None:
         raise ApiError(
             f"{model.name} is a base model of the platform; only fine-tuned models can be deleted.",
             status=403, param="model", code="model_not_deletable",
         )  # fmt: skip
     close_old_connections()
+    organization = api_key.organization
+    if not may_manage(organization, api_key.created_by):
+        raise ApiError(
+            f"Only an owner of {organization.name} can delete its models (an owner can let members do it on the "
+            "dashboard's API keys page), and this key was made by a member.",
+            status=403, param="model", code="permission_denied",
+        )  # fmt: skip
     fine_tuned = FineTunedModel.objects.for_org(organization).filter(name=model.name).first()
     if fine_tuned is None:  # deleted a moment ago by another request
         raise errors.model_not_found(model.name)
@@ -119,8 +127,8 @@ def forget_grants(**_signal) -> None:
     _grants.clear()
 
 
-async def delete_model(organization: Organization, model: UsableModel) -> None:
+async def delete_model(api_key: ApiKey, model: UsableModel) -> None:
     """Delete a fine-tuned model; this process forgets its grants at once (others within GRANT_TTL_S)."""
-    await _in_thread(_delete_model)(organization, model)
+    await _in_thread(_delete_model)(api_key, model)
     for grant_key in [key for key in _grants if key[1] == model.name]:
         _grants.pop(grant_key, None)

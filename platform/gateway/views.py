@@ -84,7 +84,7 @@ async def model(request: HttpRequest, model: str) -> HttpResponse:
     if access.model is None:
         raise errors.model_not_found(model)
     if request.method == "DELETE":
-        await delete_model(access.api_key.organization, access.model)
+        await delete_model(access.api_key, access.model)
         return JsonResponse({"id": model, "object": "model", "deleted": True})
     return JsonResponse(_card(access.model).model_dump())
 

@@ -24,6 +24,7 @@ from inference import adapter_slots, errors
 from inference.adapter_slots import AdapterSlots, HeldAdapter
 from inference.adapter_source import AdapterSource, check_adapter
 from inference.metrics import Metrics
+from inference.periodic import every
 
 if TYPE_CHECKING:
     from inference.replica import Replica
@@ -135,12 +136,7 @@ class AdapterManager:
             slots.trim_scheduled = False
 
     async def watch_forever(self) -> None:
-        while True:
-            await asyncio.sleep(RECHECK_HELD_S)
-            try:
-                await self.retire_deleted()
-            except Exception:
-                log.exception("checking the held adapters against the store failed; again in %.0f s", RECHECK_HELD_S)
+        await every(RECHECK_HELD_S, self.retire_deleted, "checking the held adapters against the store")
 
     async def retire_deleted(self) -> None:
         """Unload, everywhere, the held adapters the store no longer has."""

@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 
 import httpx
 
 from core.catalog import Catalog
+from inference.periodic import every
 from inference.replica import Replica, replicas_for
-
-log = logging.getLogger("inference.pool")
 
 SUPERVISE_INTERVAL_S = 1.0
 
@@ -29,15 +27,8 @@ class Pool:
         return [r for r in self.replicas if r.healthy and (model_id is None or r.model.id == model_id)]
 
     async def supervise_forever(self, client: httpx.AsyncClient) -> None:
-        """Start what is not running and probe every replica, each second, whatever goes wrong:
-        an error in one round is logged and the next round runs (without this loop nothing
-        restarts a crashed replica or brings a recovered one back into routing)."""
-        while True:
-            try:
-                await self.supervise_once(client)
-            except Exception:
-                log.exception("supervising the replicas failed; trying again in %.0f s", SUPERVISE_INTERVAL_S)
-            await asyncio.sleep(SUPERVISE_INTERVAL_S)
+        """Start what is not running and probe every replica, each second, whatever goes wrong."""
+        await every(SUPERVISE_INTERVAL_S, lambda: self.supervise_once(client), "supervising the replicas")
 
     async def supervise_once(self, client: httpx.AsyncClient) -> None:
         now = time.monotonic()

@@ -48,6 +48,19 @@ class ApiError(Exception):
         return f"{self.status} {self.code or self.type}: {self.message}"
 
 
+async def send_asgi(error: ApiError, send, close_connection: bool = False) -> None:
+    """Answer ``error`` on a raw ASGI connection, for the layers that stand in front of any
+    framework (the body-size cap, the internal-token guard). ``close_connection``: the request's
+    body was left unread, so the connection cannot carry another request."""
+    body = error.json_bytes()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    headers += [(name.lower().encode("latin-1"), value.encode("latin-1")) for name, value in error.headers().items()]
+    if close_connection:
+        headers.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": error.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
 def error_body(message: str, *, type: str, param: str | None = None, code: str | None = None, **extra) -> dict:
     return {"error": {"message": message, "type": type, "param": param, "code": code, **extra}}
 

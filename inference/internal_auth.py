@@ -14,6 +14,7 @@ import os
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from core.api_errors import send_asgi
 from core.internal_token import presents
 from inference import errors
 
@@ -42,11 +43,7 @@ class RequireInternalToken:
         if scope["type"] == "websocket":
             await send({"type": "websocket.close", "code": 1008})
             return
-        error = errors.internal_token_required(self.setting, given=authorization is not None)
-        body = error.json_bytes()
-        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-        await send({"type": "http.response.start", "status": error.status, "headers": headers})
-        await send({"type": "http.response.body", "body": body})
+        await send_asgi(errors.internal_token_required(self.setting, given=authorization is not None), send)
 
 
 class ReplicaGuard(RequireInternalToken):

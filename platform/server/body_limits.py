@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from core.api_errors import ApiError
+from core.api_errors import ApiError, send_asgi
 from core.config import UPLOAD_LIMIT_SETTING, Limit
 
 # The multipart envelope around an uploaded file: boundaries, part headers, the purpose field, the
@@ -63,7 +63,7 @@ def with_body_limits(application: ASGIApp) -> ASGIApp:
         limit = limit_for(path)
         declared = _content_length(scope)
         if declared is not None and declared > limit.value:
-            await _refuse(send, body_too_large(path, limit, declared))
+            await send_asgi(body_too_large(path, limit, declared), send, close_connection=True)
             return
         received, started, refused = 0, False, False
 
@@ -90,7 +90,7 @@ def with_body_limits(application: ASGIApp) -> ASGIApp:
             if not refused:  # _TooLarge, or whatever the application made of it
                 raise
         if refused and not started:
-            await _refuse(send, body_too_large(path, limit, None))
+            await send_asgi(body_too_large(path, limit, None), send, close_connection=True)
 
     return limited
 
@@ -100,14 +100,3 @@ def _content_length(scope: Scope) -> int | None:
         if name == b"content-length":
             return int(value) if value.isdigit() else None  # the server refuses a malformed one
     return None
-
-
-async def _refuse(send: Send, error: ApiError) -> None:
-    body = error.json_bytes()
-    headers = [
-        (b"content-type", b"application/json"),
-        (b"content-length", str(len(body)).encode()),
-        (b"connection", b"close"),  # the rest of the body is not read: this connection cannot carry another request
-    ]
-    await send({"type": "http.response.start", "status": error.status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})

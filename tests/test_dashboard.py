@@ -101,9 +101,25 @@ def test_a_new_api_key_is_shown_once_and_can_be_revoked(alice_web, alice):
     key = ApiKey.objects.get(name="ci")
     assert 'id="new-key-value"' in page and key.prefix in page
     assert 'id="new-key-value"' not in alice_web.get(reverse("dashboard:api_keys")).content.decode()
-    alice_web.post(reverse("dashboard:api_key_revoke", args=[key.pk]))
+    alice_web.post(reverse("dashboard:api_key_revoke", args=[key.prefix]))
     key.refresh_from_db()
     assert not key.is_active
+
+
+def test_models_and_keys_are_named_in_dashboard_urls_as_people_see_them(alice_web, alice):
+    name = register_fine_tuned_model(alice, "support-bot")
+    model = FineTunedModel.objects.get(name=name)
+    key, _ = create_api_key(alice.organization, alice.user, "laptop")
+    delete_url, revoke_url = f"/models/{name}/delete", f"/keys/{key.prefix}/revoke"
+    assert reverse("dashboard:model_delete", args=[name]) == delete_url
+    assert f'action="{delete_url}"' in alice_web.get(reverse("dashboard:models")).content.decode()
+    assert f'action="{revoke_url}"' in alice_web.get(reverse("dashboard:api_keys")).content.decode()
+    # The database ids are no names, and unknown names are as absent as another organization's.
+    for unknown in (f"/models/{model.pk}/delete", f"/models/{BASE}:nothing/delete", f"/keys/{key.pk}/revoke", "/keys/sk-nothing/revoke"):
+        assert alice_web.post(unknown).status_code == 404, unknown
+    assert alice_web.post(delete_url)["Location"] == reverse("dashboard:models")
+    assert alice_web.post(revoke_url)["Location"] == reverse("dashboard:api_keys")
+    assert not FineTunedModel.objects.exists() and not ApiKey.objects.get(pk=key.pk).is_active
 
 
 def test_a_user_in_two_organizations_can_switch(alice_web, alice, charlie):
@@ -133,7 +149,7 @@ def test_an_outsider_can_neither_see_nor_touch_anything_of_another_organization(
     for name, args in [("dashboard:dataset", [file.id]), ("dashboard:job", [job.id]), ("dashboard:job_progress", [job.id])]:
         assert charlie_web.get(reverse(name, args=args)).status_code == 404, name
     for name, args in [("dashboard:dataset_delete", [file.id]), ("dashboard:job_cancel", [job.id]),
-                       ("dashboard:model_delete", [model.pk]), ("dashboard:api_key_revoke", [key.pk])]:
+                       ("dashboard:model_delete", [model.name]), ("dashboard:api_key_revoke", [key.prefix])]:
         assert charlie_web.post(reverse(name, args=args)).status_code == 404, name
     listings = "".join(charlie_web.get(reverse(name)).content.decode()
                        for name in ("dashboard:datasets", "dashboard:jobs", "dashboard:models", "dashboard:api_keys"))

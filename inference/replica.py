@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 
 from core.catalog import BaseModel
-from core.config import REPO_ROOT
+from core.config import LORA_KERNELS_SETTING, REPO_ROOT
 from inference.adapter_slots import AdapterSlots
 from inference.internal_auth import REPLICA_TOKEN_VARIABLE
 from inference.lora_kernels_report import REPORT_PATH
@@ -67,7 +67,7 @@ CPU_BUILD = _cpu_build()
 # platform's secrets (SECRET_KEY, the database's and Redis's URLs with their passwords, S3 keys, the
 # monitoring token), which it never uses, and which an engine bug or a dependency's code must not
 # be able to read.
-REPLICA_INHERITS = {"PATH", "HOME", "USER", "LANG", "TZ", "TMPDIR"}
+REPLICA_INHERITS = {"PATH", "HOME", "USER", "LANG", "TZ", "TMPDIR", LORA_KERNELS_SETTING}
 REPLICA_INHERITS_PREFIXES = (
     "LC_", "LD_", "PYTHON", "VLLM_", "HF_", "TRANSFORMERS_", "TOKENIZERS_", "TORCH", "OMP_", "KMP_", "MKL_",
     "OPENBLAS_", "CUDA_", "NVIDIA_", "NCCL_", "XDG_",

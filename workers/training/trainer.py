@@ -68,7 +68,7 @@ class TrainingCallbacks(Protocol):
 
 @dataclass(frozen=True)
 class _Optimization:
-    """What moves the adapter, besides its weights; an epoch checkpoint's training state keeps all three."""
+    """What a run carries from step to step besides the adapter's weights: an epoch checkpoint keeps all three."""
 
     optimizer: torch.optim.Optimizer  # AdamW on the adapter only
     schedule: torch.optim.lr_scheduler.LRScheduler  # linear warm-up, then linear decay to zero at the last step

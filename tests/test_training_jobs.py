@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from django.conf import settings
+from safetensors import safe_open
 
 from core.object_store import ObjectNotFound
 from finetuning import storage
@@ -147,6 +148,29 @@ def test_checkpoints_and_metrics_are_reported_per_epoch(alice, not_queued):
     assert json.loads(store.get(f"{checkpoint.storage_key}/adapter_config.json"))["r"] == 8
     with pytest.raises(ObjectNotFound):
         store.get(f"{checkpoint.storage_key}/{TRAINING_STATE_FILE}")
+
+
+def test_the_lora_hyperparameters_a_job_asks_for_shape_the_published_adapter(alice, not_queued):
+    # None of them the default (rank 8, alpha 2 x rank, dropout 0.05, every linear projection), so
+    # an adapter trained with the defaults instead cannot pass.
+    lora = {"lora_r": 4, "lora_alpha": 12, "lora_dropout": 0.2, "target_modules": ["v_proj", "down_proj"]}
+    job_id = launch(alice, ONE_STEP | lora, "lora-shape")
+    assert run_job(job_id, worker="in-test") == "succeeded"
+
+    adapter = Path(settings.CONFIG.dynamic_lora_path) / f"{BASE}:lora-shape"
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], config["lora_dropout"]) == (4, 12, 0.2)
+    assert sorted(config["target_modules"]) == ["down_proj", "v_proj"]
+    with safe_open(adapter / "adapter_model.safetensors", "pt") as weights:
+        shapes = {name: tuple(weights.get_slice(name).get_shape()) for name in weights.keys()}  # noqa: SIM118
+    # SmolLM2-135M: 30 layers, hidden size 576, 3 key/value heads of 64 (v_proj: 576 -> 192), MLP 1536 -> 576.
+    expected = {
+        "v_proj.lora_A.weight": (4, 576), "v_proj.lora_B.weight": (192, 4),
+        "down_proj.lora_A.weight": (4, 1536), "down_proj.lora_B.weight": (576, 4),
+    }  # fmt: skip
+    assert len(shapes) == 30 * len(expected)
+    for name, shape in shapes.items():  # e.g. base_model.model.model.layers.0.mlp.down_proj.lora_A.weight
+        assert shape == expected[".".join(name.split(".")[-3:])], name
 
 
 def test_a_diverging_job_fails_with_what_to_change_and_writes_no_nan(alice, not_queued):

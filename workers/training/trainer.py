@@ -1,7 +1,8 @@
 """The training loop: seed, model, data, train, save. It reads top to bottom on purpose.
 
 ``train()`` is all the job runner calls. It reports through ``TrainingCallbacks`` (progress,
-checkpoints, cancellation) and knows nothing about jobs, databases or queues.
+checkpoints, cancellation) and knows nothing about jobs, databases or queues. ``train()`` is the
+loop; each of its steps is a small function below it, in the order the loop calls them.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import math
 import random
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -16,6 +18,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 from peft import PeftModel
+from transformers import PreTrainedTokenizerBase
 
 from core.chat_tokens import load_tokenizer
 from workers.training.config import TrainingConfig
@@ -50,7 +53,7 @@ class TrainingResult:
 class TrainingDiverged(Exception):
     """The loss stopped being a number: training further cannot recover, and nothing is worth saving."""
 
-    def __init__(self, step: int, loss: float, which: str = "training"):
+    def __init__(self, step: int, loss: float, which: str = "training") -> None:
         super().__init__(f"the {which} loss became {loss} at step {step}")
         self.step, self.loss, self.which = step, loss, which
 
@@ -61,6 +64,26 @@ class TrainingCallbacks(Protocol):
     def on_checkpoint(self, epoch: int, step: int, adapter_dir: Path, metrics: StepMetrics) -> None: ...
 
     def should_stop(self) -> bool: ...
+
+
+@dataclass(frozen=True)
+class _Optimization:
+    """What a run carries from step to step besides the adapter's weights: an epoch checkpoint keeps all three."""
+
+    optimizer: torch.optim.Optimizer  # AdamW on the adapter only
+    schedule: torch.optim.lr_scheduler.LRScheduler  # linear warm-up, then linear decay to zero at the last step
+    shuffler: torch.Generator  # each epoch's order of the examples: a generator of our own, so a resume can restore it
+
+
+@dataclass
+class _ThroughputWindow:
+    """Training tokens and the seconds their steps took, since the previous report (validation excluded)."""
+
+    tokens: int = 0
+    seconds: float = 0.0
+
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
 
 
 def train(
@@ -85,87 +108,60 @@ def train(
     output_dir = Path(output_dir)
     if not train_examples:
         raise ValueError("no training examples")
+    _seed_and_threads(config)
 
-    # Seed and threads: the same seed gives the same adapter (on the same thread count).
-    random.seed(config.seed)
-    torch.manual_seed(config.seed)
-    if config.num_threads:
-        torch.set_num_threads(config.num_threads)
-
-    # Model.
+    # Model and data: the adapter starts from the seed; the examples are tokenized once.
     tokenizer = load_tokenizer(config.base_model_path)  # as the upload check loads it, so counts agree
     model = load_model_with_lora(config)
-
-    # Data: tokenized once; shuffled per epoch by a generator of our own.
-    train_set = [truncate(tokenize_example(tokenizer, e), config.max_seq_len) for e in train_examples]
+    train_set = _tokenized(tokenizer, train_examples, config)
     valid_set = _validation_sample(tokenizer, validation_examples or [], config)
-    steps_per_epoch = math.ceil(len(train_set) / config.batch_size)
-    total_steps = config.n_epochs * steps_per_epoch
-    if config.max_steps is not None:
-        total_steps = min(total_steps, config.max_steps)
+    total_steps = _count_steps(len(train_set), config)
     report_every = max(config.log_every_steps, math.ceil(total_steps / config.max_step_reports))
-    shuffler = torch.Generator().manual_seed(config.seed)
-
-    # Optimizer: AdamW on the adapter only, linear warm-up then linear decay to zero.
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=config.learning_rate, weight_decay=config.weight_decay)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _lr_factor(s, config.warmup_steps, total_steps))
+    optimization = _build_optimization(model, config, total_steps)
 
     # Train, from the start or from where an earlier run's checkpoint left off.
-    done = Progress(epoch=0, step=0, trained_tokens=0, train_loss=None)
-    if resume_from is not None:
-        done = restore_training_state(resume_from, model, optimizer, schedule, shuffler)
+    done = _resume(resume_from, model, optimization)
     step, trained_tokens, train_loss = done.step, done.trained_tokens, done.train_loss
     valid_loss: float | None = None
-    window_tokens, window_seconds = 0, 0.0  # for tokens_per_second between reports
+    window = _ThroughputWindow()
     for epoch in range(done.epoch + 1, config.n_epochs + 1):
-        order = torch.randperm(len(train_set), generator=shuffler).tolist()
-        for first in range(0, len(order), config.batch_size):
+        for batch, epoch_done in _epoch_batches(train_set, config.batch_size, optimization.shuffler):
             if step == total_steps:
                 break
             if callbacks.should_stop():
                 return TrainingResult(None, trained_tokens, step, train_loss, valid_loss, cancelled=True)
-            batch = [train_set[i] for i in order[first : first + config.batch_size]]
 
             step_started = time.perf_counter()
-            model.train()
-            train_loss = _train_step(model, optimizer, batch, config)
-            schedule.step()
+            train_loss = _optimization_step(model, optimization, batch, config)
             step += 1
             if not math.isfinite(train_loss):
                 raise TrainingDiverged(step, train_loss)
             batch_tokens = sum(len(e.input_ids) for e in batch)
             trained_tokens += batch_tokens
-            window_tokens += batch_tokens
-            window_seconds += time.perf_counter() - step_started
+            window.tokens += batch_tokens
+            window.seconds += time.perf_counter() - step_started
 
-            epoch_done = first + config.batch_size >= len(order)
-            validate_now = bool(valid_set) and (
-                epoch_done or step == total_steps or _every(step, config.eval_every_steps)
-            )
-            step_valid_loss = _validation_loss(model, valid_set, config) if validate_now else None
-            if step_valid_loss is not None:
-                if not math.isfinite(step_valid_loss):
-                    raise TrainingDiverged(step, step_valid_loss, "validation")
-                valid_loss = step_valid_loss
+            step_valid_loss: float | None = None
+            if valid_set and (epoch_done or step == total_steps or _every(step, config.eval_every_steps)):
+                step_valid_loss = valid_loss = _evaluate(model, valid_set, config, step)
+
             metrics = StepMetrics(
                 step=step,
                 total_steps=total_steps,
                 epoch=epoch,
                 train_loss=train_loss,
                 valid_loss=step_valid_loss,
-                tokens_per_second=window_tokens / window_seconds if window_seconds else 0.0,
+                tokens_per_second=window.tokens_per_second(),
                 trained_tokens=trained_tokens,
                 elapsed_s=time.perf_counter() - started,
                 resumed_at_step=done.step,
             )
             if _every(step, report_every) or step_valid_loss is not None or step == total_steps:
                 callbacks.on_step(metrics)
-                window_tokens, window_seconds = 0, 0.0
+                window = _ThroughputWindow()
             if epoch_done:
-                checkpoint = save_adapter(model, output_dir / "checkpoints" / f"epoch-{epoch}")
                 progress = Progress(epoch, step, trained_tokens, train_loss)
-                save_training_state(checkpoint, progress, optimizer, schedule, shuffler)
+                checkpoint = _save_checkpoint(model, optimization, progress, output_dir)
                 callbacks.on_checkpoint(epoch, step, checkpoint, metrics)
 
     # Save: unless cancelled while the last step ran, the final adapter is the result.
@@ -175,11 +171,68 @@ def train(
     return TrainingResult(adapter_dir, trained_tokens, step, train_loss, valid_loss, cancelled=False)
 
 
-def _train_step(
-    model: PeftModel, optimizer: torch.optim.Optimizer, batch: list[TokenizedExample], config: TrainingConfig
+def _seed_and_threads(config: TrainingConfig) -> None:
+    """The same seed gives the same adapter (on the same thread count): LoRA init, dropout, shuffling."""
+    random.seed(config.seed)
+    torch.manual_seed(config.seed)
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+
+
+def _validation_sample(
+    tokenizer: PreTrainedTokenizerBase, examples: list[Example], config: TrainingConfig
+) -> list[TokenizedExample]:
+    """At most ``max_valid_examples`` of them, always the same ones for a seed, each with a reply to score."""
+    if len(examples) > config.max_valid_examples:
+        examples = random.Random(config.seed).sample(examples, config.max_valid_examples)
+    return [e for e in _tokenized(tokenizer, examples, config) if e.n_trained > 0]
+
+
+def _tokenized(
+    tokenizer: PreTrainedTokenizerBase, examples: list[Example], config: TrainingConfig
+) -> list[TokenizedExample]:
+    return [truncate(tokenize_example(tokenizer, e), config.max_seq_len) for e in examples]
+
+
+def _count_steps(n_examples: int, config: TrainingConfig) -> int:
+    steps_per_epoch = math.ceil(n_examples / config.batch_size)
+    total_steps = config.n_epochs * steps_per_epoch
+    if config.max_steps is not None:
+        total_steps = min(total_steps, config.max_steps)
+    return total_steps
+
+
+def _build_optimization(model: PeftModel, config: TrainingConfig, total_steps: int) -> _Optimization:
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=config.learning_rate, weight_decay=config.weight_decay)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _lr_factor(s, config.warmup_steps, total_steps))
+    return _Optimization(optimizer, schedule, shuffler=torch.Generator().manual_seed(config.seed))
+
+
+def _resume(checkpoint_dir: Path | None, model: PeftModel, optimization: _Optimization) -> Progress:
+    """Where training starts: nothing done, or an earlier run's checkpoint put back into the model and optimizer."""
+    if checkpoint_dir is None:
+        return Progress(epoch=0, step=0, trained_tokens=0, train_loss=None)
+    return restore_training_state(
+        checkpoint_dir, model, optimization.optimizer, optimization.schedule, optimization.shuffler
+    )
+
+
+def _epoch_batches(
+    train_set: list[TokenizedExample], batch_size: int, shuffler: torch.Generator
+) -> Iterator[tuple[list[TokenizedExample], bool]]:
+    """One epoch's batches in a fresh shuffled order, each with whether it is the epoch's last."""
+    order = torch.randperm(len(train_set), generator=shuffler).tolist()
+    for first in range(0, len(order), batch_size):
+        yield [train_set[i] for i in order[first : first + batch_size]], first + batch_size >= len(order)
+
+
+def _optimization_step(
+    model: PeftModel, optimization: _Optimization, batch: list[TokenizedExample], config: TrainingConfig
 ) -> float:
-    """One optimizer step over one batch, row by row: the rows' gradients add up to the batch's."""
-    optimizer.zero_grad(set_to_none=True)
+    """One optimizer step over one batch, row by row: the rows' gradients add up to the batch's. Returns its loss."""
+    model.train()
+    optimization.optimizer.zero_grad(set_to_none=True)
     total = 0.0
     for row in pack(batch, config.max_row_tokens):
         if len(row.targets) == 0:
@@ -188,7 +241,8 @@ def _train_step(
         loss.backward()
         total += loss.item()
     torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], config.max_grad_norm)
-    optimizer.step()
+    optimization.optimizer.step()
+    optimization.schedule.step()
     return total
 
 
@@ -210,6 +264,14 @@ def row_loss(model: torch.nn.Module, row: PackedRow) -> torch.Tensor:
     return (token_losses * row.weights).sum()
 
 
+def _evaluate(model: PeftModel, valid_set: list[TokenizedExample], config: TrainingConfig, step: int) -> float:
+    """The validation loss after ``step``; one that stopped being a number ends the run."""
+    loss = _validation_loss(model, valid_set, config)
+    if not math.isfinite(loss):
+        raise TrainingDiverged(step, loss, "validation")
+    return loss
+
+
 @torch.no_grad()
 def _validation_loss(model: PeftModel, valid_set: list[TokenizedExample], config: TrainingConfig) -> float:
     """Mean over the validation examples of each one's mean token loss (the train loss's definition)."""
@@ -219,11 +281,11 @@ def _validation_loss(model: PeftModel, valid_set: list[TokenizedExample], config
     return total
 
 
-def _validation_sample(tokenizer, examples: list[Example], config: TrainingConfig) -> list[TokenizedExample]:
-    if len(examples) > config.max_valid_examples:
-        examples = random.Random(config.seed).sample(examples, config.max_valid_examples)
-    tokenized = [truncate(tokenize_example(tokenizer, e), config.max_seq_len) for e in examples]
-    return [e for e in tokenized if e.n_trained > 0]
+def _save_checkpoint(model: PeftModel, optimization: _Optimization, progress: Progress, output_dir: Path) -> Path:
+    """The epoch's adapter, and beside it what a resumed run needs to go on from there."""
+    checkpoint = save_adapter(model, output_dir / "checkpoints" / f"epoch-{progress.epoch}")
+    save_training_state(checkpoint, progress, optimization.optimizer, optimization.schedule, optimization.shuffler)
+    return checkpoint
 
 
 def _lr_factor(step: int, warmup_steps: int, total_steps: int) -> float:
@@ -233,4 +295,6 @@ def _lr_factor(step: int, warmup_steps: int, total_steps: int) -> float:
 
 
 def _every(step: int, interval: int | None) -> bool:
-    return bool(interval) and step % interval == 0
+    if not interval:
+        return False
+    return step % interval == 0

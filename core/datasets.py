@@ -143,7 +143,7 @@ def _chat_example(record: dict, max_tokens: int | None) -> tuple[Example | None,
     messages = []
     for index, raw in enumerate(raw_messages):
         message, error = _message(raw, index)
-        if error:
+        if message is None:
             return None, error
         messages.append(message)
     # A reply is trained after the prompt the conversation before it makes, and a conversation that opens
@@ -234,7 +234,7 @@ def parse_dataset(
 ) -> Dataset:
     """Check every line; report up to MAX_REPORTED_ERRORS problems with their line numbers."""
     text, problem = _decode(data)
-    if problem:
+    if text is None:
         return Dataset(problem=problem)
     if not text.strip():
         return Dataset(problem="the file is empty")
@@ -243,13 +243,14 @@ def parse_dataset(
         if not line.strip():
             continue  # blank lines (a trailing newline, say) are harmless
         example, error = parse_example(line, max_tokens)
-        if error is None and count_tokens is not None and max_tokens is not None:
+        if example is not None and count_tokens is not None and max_tokens is not None:
             error = _token_problem(example, count_tokens, max_tokens)
         if error:
             bad_lines += 1
             if len(dataset.errors) < MAX_REPORTED_ERRORS:
                 dataset.errors.append(LineError(number, error))
             continue
+        assert example is not None  # parse_example gives an example or an error, never neither
         dataset.examples.append(example)
         dataset.lines.append(number)
     if bad_lines > len(dataset.errors):

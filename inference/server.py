@@ -88,7 +88,8 @@ def create_app(pool: Pool, adapters: AdapterManager, http: Poster, metrics: Metr
             Route("/health", health),
             Route("/metrics", prometheus),
         ],
-        exception_handlers={errors.ApiError: api_error},
+        # Starlette types every handler as taking any Exception, though it calls this one only with an ApiError.
+        exception_handlers={errors.ApiError: api_error},  # type: ignore[dict-item]
         middleware=[Middleware(RequireInternalToken, token=internal_token)],
         lifespan=lifespan,
     )

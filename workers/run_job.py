@@ -21,6 +21,8 @@ from django.conf import settings
 from django.utils import timezone
 
 from core.adapter_store import StoreUnavailable
+from core.catalog import BaseModel
+from core.datasets import Example
 from core.model_names import ModelName
 from core.object_store import ObjectNotFound
 from finetuning import jobs, storage
@@ -97,9 +99,14 @@ def _metrics_data(metrics) -> dict:
     }
 
 
-def _examples(job: FineTuningJob, file_id: str | None, what: str) -> list | None:
-    if file_id is None:
-        return None
+def _catalog_model(job: FineTuningJob) -> BaseModel:
+    model = settings.MODEL_CATALOG.get(job.model)
+    if model is None:
+        raise JobFailed("model_not_available", f"Model {job.model} is no longer in the catalog.")
+    return model
+
+
+def _examples(job: FineTuningJob, file_id: str, what: str) -> list[Example]:
     file = retrying(File.objects.filter(pk=file_id).first)
     if file is None:
         raise JobFailed("invalid_file", f"The {what} file {file_id} was deleted before the job started.")
@@ -109,9 +116,7 @@ def _examples(job: FineTuningJob, file_id: str | None, what: str) -> list | None
 def _train(job: FineTuningJob, workdir: Path, callbacks: JobCallbacks):
     from workers.training import TrainingConfig, TrainingDiverged, train  # deferred: torch is only for workers
 
-    model = settings.MODEL_CATALOG.get(job.model)
-    if model is None:
-        raise JobFailed("model_not_available", f"Model {job.model} is no longer in the catalog.")
+    model = _catalog_model(job)
     hp = job.hyperparameters
     config = TrainingConfig(
         base_model_path=model.weights, base_model_id=model.id, n_epochs=hp["n_epochs"], batch_size=hp["batch_size"],
@@ -120,7 +125,7 @@ def _train(job: FineTuningJob, workdir: Path, callbacks: JobCallbacks):
         seed=job.seed, max_seq_len=model.engine.max_model_len,
     )  # fmt: skip
     training = _examples(job, job.training_file, "training")
-    validation = _examples(job, job.validation_file, "validation")
+    validation = None if job.validation_file is None else _examples(job, job.validation_file, "validation")
     resume_from = _resume_point(job, workdir / "resume")
     retrying(record_event, job, f"Training started on {len(training)} examples")
     try:
@@ -159,7 +164,7 @@ def _resume_point(job: FineTuningJob, folder: Path) -> Path | None:
 def _publish(job: FineTuningJob, heartbeat: Heartbeat, result) -> None:
     if not heartbeat.beat():
         return  # the job is no longer this attempt's: publish nothing
-    model = settings.MODEL_CATALOG.get(job.model)
+    model = _catalog_model(job)  # removed from the catalog while training: the job fails with that reason
     name = str(ModelName(job.model, job.suffix))
     store = storage.adapters(model.lora.dynamic_lora_loading_path)
     store.publish(name, result.adapter_dir)

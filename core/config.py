@@ -84,6 +84,8 @@ class TenantLimits:
 
     completions_per_minute_per_key: int
     completions_per_minute_per_organization: int
+    tokens_per_minute_per_key: int  # each request's prompt and the most it may generate, estimated up front
+    tokens_per_minute_per_organization: int
     uploads_per_hour_per_organization: int
     storage_bytes_per_organization: int
     running_jobs_per_organization: int  # more wait, queued, while other organizations' jobs start
@@ -96,6 +98,8 @@ class TenantLimits:
 LIMIT_SETTINGS = {
     "completions_per_minute_per_key": "COMPLETIONS_PER_MINUTE_PER_KEY",
     "completions_per_minute_per_organization": "COMPLETIONS_PER_MINUTE_PER_ORGANIZATION",
+    "tokens_per_minute_per_key": "TOKENS_PER_MINUTE_PER_KEY",
+    "tokens_per_minute_per_organization": "TOKENS_PER_MINUTE_PER_ORGANIZATION",
     "uploads_per_hour_per_organization": "UPLOADS_PER_HOUR_PER_ORGANIZATION",
     "storage_bytes_per_organization": "STORAGE_MB_PER_ORGANIZATION",
     "running_jobs_per_organization": "RUNNING_JOBS_PER_ORGANIZATION",
@@ -112,6 +116,8 @@ def _limits() -> TenantLimits:
     return TenantLimits(
         completions_per_minute_per_key=setting("completions_per_minute_per_key", 600),
         completions_per_minute_per_organization=setting("completions_per_minute_per_organization", 1200),
+        tokens_per_minute_per_key=setting("tokens_per_minute_per_key", 200_000),
+        tokens_per_minute_per_organization=setting("tokens_per_minute_per_organization", 400_000),
         uploads_per_hour_per_organization=setting("uploads_per_hour_per_organization", 60),
         storage_bytes_per_organization=setting("storage_bytes_per_organization", 10 * 1024) * 1024 * 1024,  # MB
         running_jobs_per_organization=setting("running_jobs_per_organization", 2),

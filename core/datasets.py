@@ -6,15 +6,19 @@ Two line shapes are accepted, as in OpenAI's fine-tuning API:
   assistant turn.
 Every problem names its line, so a person can fix the file in one pass. Whatever the bytes, a line
 gets an example or an error, never an exception: the upload answers 400 with the line, not 500.
+The file is read a line at a time, and a line longer than the model's context could hold is skipped
+unread, so checking a file takes memory for one line, not for the file.
 """
 
 from __future__ import annotations
 
+import io
 import itertools
 import json
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import BinaryIO
 
 ROLES = ("system", "user", "assistant")
 MAX_REPORTED_ERRORS = 20
@@ -27,6 +31,8 @@ MAX_NESTING_DEPTH = 32
 # model with a longer one gets longer lines, and they are loose on purpose: no line that fits is refused.
 MAX_CHARS_PER_TOKEN = 128  # of the JSON line; SmolLM2's longest token is 82 characters, real text is 3-12
 MIN_TOKENS_PER_MESSAGE = 2  # any chat template spends at least a role marker and an end-of-turn on a message
+MAX_UTF8_BYTES_PER_CHAR = 4
+_SKIP_CHUNK_BYTES = 1024 * 1024  # the rest of a line too long to read is skipped this much at a time
 
 Message = dict  # {"role": str, "content": str, "weight": int}
 Example = list[Message]
@@ -56,10 +62,11 @@ class LineError:
 
 @dataclass
 class Dataset:
-    examples: list[Example] = field(default_factory=list)
-    lines: list[int] = field(default_factory=list)  # the file line of each example
+    examples: list[Example] = field(default_factory=list)  # empty when parsed with keep_examples=False
+    lines: list[int] = field(default_factory=list)  # the file line of each example kept
     errors: list[LineError] = field(default_factory=list)
     problem: str | None = None  # a whole-file problem (empty, not UTF-8, too few examples)
+    example_count: int = 0
 
     @property
     def ok(self) -> bool:
@@ -82,13 +89,17 @@ def _nesting_depth(line: str) -> int:
     return max(itertools.accumulate(map(_DEPTH_STEP.get, outside_strings, itertools.repeat(0))), default=0)
 
 
+def _too_long(length: str, max_tokens: int) -> str:
+    return (
+        f"the line is {length} long, more than the {max_line_chars(max_tokens):,} characters allowed "
+        f"for the model's context of {max_tokens} tokens: split the conversation over several lines"
+    )
+
+
 def _line_problem(line: str, max_tokens: int | None) -> str | None:
     """What is wrong with a line before it is even parsed."""
     if max_tokens is not None and len(line) > max_line_chars(max_tokens):
-        return (
-            f"the line is {len(line):,} characters long, more than the {max_line_chars(max_tokens):,} allowed "
-            f"for the model's context of {max_tokens} tokens: split the conversation over several lines"
-        )
+        return _too_long(f"{len(line):,} characters", max_tokens)
     if "\x00" in line:
         return "contains NUL bytes (0x00), so the file looks binary or UTF-16: save it as UTF-8 text"
     depth = _nesting_depth(line)
@@ -201,19 +212,27 @@ def parse_example(line: str, max_tokens: int | None = None) -> tuple[Example | N
     return None, 'must have "messages", or "prompt" and "completion"'
 
 
-def _decode(data: bytes) -> tuple[str | None, str | None]:
-    try:
-        return data.decode("utf-8-sig"), None
-    except UnicodeDecodeError as exc:
-        line = data[: exc.start].count(b"\n") + 1
-        return None, f"the file is not UTF-8 text (line {line} has the byte 0x{data[exc.start]:02x})"
-
-
-def _numbered_lines(text: str) -> Iterator[tuple[int, str]]:
+def _numbered_lines(source: BinaryIO, max_bytes: int | None) -> Iterator[tuple[int, bytes | None]]:
     r"""JSONL lines end with "\n", optionally "\r\n". Not str.splitlines(): it also splits at U+2028, U+0085
-    and other characters a JSON string may hold as they are, cutting a valid line in two."""
-    for number, line in enumerate(text.split("\n"), start=1):
-        yield number, line.removesuffix("\r")
+    and other characters a JSON string may hold as they are, cutting a valid line in two. A line over
+    ``max_bytes`` comes as None, its bytes skipped, not read into memory."""
+    number = 0
+    while line := source.readline(-1 if max_bytes is None else max_bytes + 1):
+        number += 1
+        if not line.endswith(b"\n") and max_bytes is not None and len(line) > max_bytes:
+            while (rest := source.readline(_SKIP_CHUNK_BYTES)) and not rest.endswith(b"\n"):
+                pass
+            yield number, None
+            continue
+        yield number, line.removesuffix(b"\n").removesuffix(b"\r")
+
+
+def _decoded(line: bytes, number: int) -> tuple[str | None, str | None]:
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return None, f"the file is not UTF-8 text (line {number} has the byte 0x{line[exc.start]:02x})"
+    return (text.removeprefix("\ufeff") if number == 1 else text), None
 
 
 def _token_problem(example: Example, count_tokens: Callable[[Example], int], max_tokens: int) -> str | None:
@@ -227,34 +246,45 @@ def _token_problem(example: Example, count_tokens: Callable[[Example], int], max
 
 
 def parse_dataset(
-    data: bytes,
+    source: bytes | BinaryIO,
     min_examples: int,
     count_tokens: Callable[[Example], int] | None = None,
     max_tokens: int | None = None,
+    keep_examples: bool = True,
 ) -> Dataset:
-    """Check every line; report up to MAX_REPORTED_ERRORS problems with their line numbers."""
-    text, problem = _decode(data)
-    if text is None:
-        return Dataset(problem=problem)
-    if not text.strip():
-        return Dataset(problem="the file is empty")
-    dataset, bad_lines = Dataset(), 0
-    for number, line in _numbered_lines(text):
-        if not line.strip():
-            continue  # blank lines (a trailing newline, say) are harmless
-        example, error = parse_example(line, max_tokens)
-        if example is not None and count_tokens is not None and max_tokens is not None:
-            error = _token_problem(example, count_tokens, max_tokens)
+    """Check every line; report up to MAX_REPORTED_ERRORS problems with their line numbers.
+    ``keep_examples=False`` only counts them (an upload's check, which must not hold a large file in memory)."""
+    stream = io.BytesIO(source) if isinstance(source, bytes) else source
+    max_bytes = None if max_tokens is None else max_line_chars(max_tokens) * MAX_UTF8_BYTES_PER_CHAR
+    dataset, bad_lines, blank = Dataset(), 0, True
+    for number, raw in _numbered_lines(stream, max_bytes):
+        if raw is None:
+            assert max_tokens is not None and max_bytes is not None  # lines are cut only for a known context
+            error: str | None = _too_long(f"over {max_bytes:,} bytes", max_tokens)
+        else:
+            line, problem = _decoded(raw, number)
+            if line is None:
+                return Dataset(problem=problem)
+            if not line.strip():
+                continue  # blank lines (a trailing newline, say) are harmless
+            example, error = parse_example(line, max_tokens)
+            if example is not None and count_tokens is not None and max_tokens is not None:
+                error = _token_problem(example, count_tokens, max_tokens)
+        blank = False
         if error:
             bad_lines += 1
             if len(dataset.errors) < MAX_REPORTED_ERRORS:
                 dataset.errors.append(LineError(number, error))
             continue
         assert example is not None  # parse_example gives an example or an error, never neither
-        dataset.examples.append(example)
-        dataset.lines.append(number)
+        dataset.example_count += 1
+        if keep_examples:
+            dataset.examples.append(example)
+            dataset.lines.append(number)
+    if blank:
+        return Dataset(problem="the file is empty")
     if bad_lines > len(dataset.errors):
         dataset.problem = f"{bad_lines} lines have problems; the first {len(dataset.errors)} are listed"
-    elif not dataset.errors and len(dataset.examples) < min_examples:
-        dataset.problem = f"needs at least {min_examples} examples, found {len(dataset.examples)}"
+    elif not dataset.errors and dataset.example_count < min_examples:
+        dataset.problem = f"needs at least {min_examples} examples, found {dataset.example_count}"
     return dataset

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import io
 import os
+import shutil
 import tempfile
 from pathlib import Path
-from typing import Protocol
+from typing import BinaryIO, Protocol
 
 from core.config import S3Settings
 from core.s3 import s3_client, split_s3_url
@@ -17,6 +19,7 @@ class ObjectNotFound(KeyError):
 
 class ObjectStore(Protocol):
     def put(self, key: str, data: bytes) -> None: ...
+    def put_stream(self, key: str, stream: BinaryIO) -> None: ...  # read to its end, a chunk at a time
     def put_file(self, key: str, path: Path) -> None: ...
     def get(self, key: str) -> bytes: ...
     def delete_prefix(self, prefix: str) -> None: ...
@@ -33,14 +36,18 @@ class LocalObjectStore:
         return path
 
     def put(self, key: str, data: bytes) -> None:
+        self.put_stream(key, io.BytesIO(data))
+
+    def put_stream(self, key: str, stream: BinaryIO) -> None:
         path = self._path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=path.parent, delete=False) as handle:
-            handle.write(data)
+            shutil.copyfileobj(stream, handle)
         os.replace(handle.name, path)  # readers see the old object or the new one, never half
 
     def put_file(self, key: str, path: Path) -> None:
-        self.put(key, path.read_bytes())
+        with path.open("rb") as stream:
+            self.put_stream(key, stream)
 
     def get(self, key: str) -> bytes:
         try:
@@ -68,6 +75,9 @@ class S3ObjectStore:
 
     def put(self, key: str, data: bytes) -> None:
         self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data)
+
+    def put_stream(self, key: str, stream: BinaryIO) -> None:
+        self.client.upload_fileobj(stream, self.bucket, self._key(key))  # in parts, for a large one
 
     def put_file(self, key: str, path: Path) -> None:
         self.client.upload_file(str(path), self.bucket, self._key(key))

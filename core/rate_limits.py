@@ -2,7 +2,7 @@
 the current window, checked and charged in one round trip.
 
 A Lua script first checks every counter a request is subject to, then charges all of them only if
-none is full: a request refused by its organization's limit does not use up its key's allowance,
+none would overflow (each by its own cost: 1 for a request, the estimated tokens for a token rate): a request refused by its organization's limit does not use up its key's allowance,
 and two processes cannot both take the last slot (Redis runs a script alone). A counter lives
 until its window ends (PEXPIRE at the first charge); its time to live is the ``Retry-After``.
 
@@ -35,26 +35,27 @@ from core.api_errors import ApiError
 log = logging.getLogger(__name__)
 
 KEY_PREFIX = "limits:"  # every counter's Redis key starts with this (tests use a prefix of their own)
-RATE_LIMIT_TYPE = "requests"  # OpenAI's error type for a request-rate limit (it uses "tokens" for token rates)
+RATE_LIMIT_TYPE = "requests"  # OpenAI's error type for a request-rate limit
+TOKEN_LIMIT_TYPE = "tokens"  # and for a token-rate limit
 RATE_LIMIT_CODE = "rate_limit_exceeded"  # OpenAI's code for both
 _TIMEOUT_S = 0.5  # a Redis that does not answer costs a request at most this, then the limit is skipped
 _WARN_EVERY_S = 60.0
 
-# KEYS: the counters. ARGV: the cost, then limit and window (ms) of each counter in turn.
+# KEYS: the counters. ARGV: cost, limit and window (ms) of each counter in turn.
 # Returns {0, 0} when charged, else {the first full counter's place (from 1), ms until its window ends}.
 _CHECK_AND_CHARGE = """
-local cost = tonumber(ARGV[1])
 for i, key in ipairs(KEYS) do
   local used = tonumber(redis.call('GET', key) or '0')
-  if used + cost > tonumber(ARGV[2 * i]) then
+  if used + tonumber(ARGV[3 * i - 2]) > tonumber(ARGV[3 * i - 1]) then
     local ttl = redis.call('PTTL', key)
-    if ttl < 0 then ttl = tonumber(ARGV[2 * i + 1]) end
+    if ttl < 0 then ttl = tonumber(ARGV[3 * i]) end
     return {i, ttl}
   end
 end
 for i, key in ipairs(KEYS) do
+  local cost = tonumber(ARGV[3 * i - 2])
   if redis.call('INCRBY', key, cost) == cost then
-    redis.call('PEXPIRE', key, ARGV[2 * i + 1])
+    redis.call('PEXPIRE', key, ARGV[3 * i])
   end
 end
 return {0, 0}
@@ -68,6 +69,8 @@ class Limit:
     window_s: int
     describe: str  # for the refusal: "600 requests per minute for this API key"
     setting: str  # the variable that sets it, so the message says what an operator can raise
+    cost: int = 1  # what one charge counts: a request, or its estimated tokens
+    unit: str = RATE_LIMIT_TYPE  # what is counted, as OpenAI's error type names it
 
 
 @dataclass(frozen=True)
@@ -76,19 +79,19 @@ class Exceeded:
     retry_after_s: int
 
     def error(self, param: str | None = None) -> ApiError:
-        """OpenAI's shape for a rate limit: 429, type ``requests``, code ``rate_limit_exceeded``."""
+        """OpenAI's shape for a rate limit: 429, type ``requests`` or ``tokens``, code ``rate_limit_exceeded``."""
         return ApiError(
             f"Rate limit reached: {self.limit.describe} ({self.limit.setting}). "
             f"Try again in {self.retry_after_s} s.",
-            status=429, type=RATE_LIMIT_TYPE, param=param, code=RATE_LIMIT_CODE, retry_after_s=self.retry_after_s,
+            status=429, type=self.limit.unit, param=param, code=RATE_LIMIT_CODE, retry_after_s=self.retry_after_s,
         )  # fmt: skip
 
 
-def _arguments(limits: Sequence[Limit], cost: int) -> tuple[list[str], list[int]]:
+def _arguments(limits: Sequence[Limit]) -> tuple[list[str], list[int]]:
     keys = [KEY_PREFIX + limit.counter for limit in limits]
-    argv = [cost]
+    argv: list[int] = []
     for limit in limits:
-        argv += [limit.limit, limit.window_s * 1000]
+        argv += [limit.cost, limit.limit, limit.window_s * 1000]
     return keys, argv
 
 
@@ -145,10 +148,10 @@ def _async_script(url: str) -> redis.commands.core.AsyncScript:
     return script
 
 
-def charge(redis_url: str, limits: Sequence[Limit], cost: int = 1) -> Exceeded | None:
-    """Count ``cost`` against every limit, or none of them when one is full (then: which, and when
-    to retry). None also when Redis does not answer (logged): the request goes ahead."""
-    keys, argv = _arguments(limits, cost)
+def charge(redis_url: str, limits: Sequence[Limit]) -> Exceeded | None:
+    """Count each limit's cost against it, or nothing when one would overflow (then: which, and
+    when to retry). None also when Redis does not answer (logged): the request goes ahead."""
+    keys, argv = _arguments(limits)
     try:
         answer = _sync_script(redis_url)(keys=keys, args=argv)
     except redis.RedisError as exc:
@@ -157,9 +160,9 @@ def charge(redis_url: str, limits: Sequence[Limit], cost: int = 1) -> Exceeded |
     return _refusal(limits, answer)
 
 
-async def charge_async(redis_url: str, limits: Sequence[Limit], cost: int = 1) -> Exceeded | None:
+async def charge_async(redis_url: str, limits: Sequence[Limit]) -> Exceeded | None:
     """``charge`` for an event loop (the gateway), with no thread hop."""
-    keys, argv = _arguments(limits, cost)
+    keys, argv = _arguments(limits)
     try:
         answer = await _async_script(redis_url)(keys=keys, args=argv)
     except redis.RedisError as exc:
@@ -171,17 +174,18 @@ async def charge_async(redis_url: str, limits: Sequence[Limit], cost: int = 1) -
 # Only counters that still exist: one whose window ended meanwhile must not come back negative
 # and without an expiry.
 _REFUND = """
-for _, key in ipairs(KEYS) do
-  if redis.call('EXISTS', key) == 1 then redis.call('DECRBY', key, ARGV[1]) end
+for i, key in ipairs(KEYS) do
+  if redis.call('EXISTS', key) == 1 then redis.call('DECRBY', key, ARGV[i]) end
 end
 """
 
 
-def refund(redis_url: str, limits: Sequence[Limit], cost: int = 1) -> None:
+def refund(redis_url: str, limits: Sequence[Limit]) -> None:
     """Give back what ``charge`` took, for something that turned out not to count (a successful
     sign-in is not a failure)."""
     try:
-        _sync_redis(redis_url).eval(_REFUND, len(limits), *(KEY_PREFIX + limit.counter for limit in limits), cost)
+        counters = [KEY_PREFIX + limit.counter for limit in limits]
+        _sync_redis(redis_url).eval(_REFUND, len(limits), *counters, *(limit.cost for limit in limits))
     except redis.RedisError as exc:
         _warn_unavailable(exc)
 

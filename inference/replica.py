@@ -62,8 +62,23 @@ def _cpu_build() -> bool:
 CPU_BUILD = _cpu_build()
 
 
+# What a vLLM server needs of the pool's environment. Nothing else reaches a replica: not the
+# platform's secrets (SECRET_KEY, the database's and Redis's URLs with their passwords, S3 keys, the
+# monitoring token), which it never uses, and which an engine bug or a dependency's code must not
+# be able to read.
+REPLICA_INHERITS = {"PATH", "HOME", "USER", "LANG", "TZ", "TMPDIR"}
+REPLICA_INHERITS_PREFIXES = (
+    "LC_", "LD_", "PYTHON", "VLLM_", "HF_", "TRANSFORMERS_", "TOKENIZERS_", "TORCH", "OMP_", "KMP_", "MKL_",
+    "OPENBLAS_", "CUDA_", "NVIDIA_", "NCCL_", "XDG_",
+)  # fmt: skip
+
+
+def _inherited() -> dict[str, str]:
+    return {name: value for name, value in os.environ.items() if name in REPLICA_INHERITS or name.startswith(REPLICA_INHERITS_PREFIXES)}
+
+
 def vllm_environment(model: BaseModel, api_key: str, one_process_engine: bool = CPU_BUILD) -> dict[str, str]:
-    """``api_key``: the internal token the server will require (vLLM's ``--api-key`` reads the same
+    """Of the pool's environment only what ``REPLICA_INHERITS`` names. ``api_key``: the internal token the server will require (vLLM's ``--api-key`` reads the same
     variable), here rather than on the command line, which every user of the machine can read.
 
     ``one_process_engine``: the CPU engine runs its model in the engine-core process instead of a
@@ -73,7 +88,7 @@ def vllm_environment(model: BaseModel, api_key: str, one_process_engine: bool = 
     if not api_key:
         raise ValueError("a replica without an API key would let any local process load and unload adapters")
     environment = {
-        **os.environ,
+        **_inherited(),
         REPLICA_TOKEN_VARIABLE: api_key,
         "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",  # load_lora_adapter / unload_lora_adapter
         "VLLM_CPU_KVCACHE_SPACE": str(model.engine.kv_cache_space_gib),  # ignored on GPUs

@@ -32,5 +32,7 @@ for _limit in (
     "SIGN_IN_FAILURES",
 ):  # fmt: skip
     os.environ.setdefault(_limit, "1000000")
+for _limit in ("TOKENS_PER_MINUTE_PER_KEY", "TOKENS_PER_MINUTE_PER_ORGANIZATION"):
+    os.environ.setdefault(_limit, "1000000000")  # a request without max_tokens costs a whole context
 # Hypothesis keeps its example database and caches here rather than in .hypothesis/ of the checkout.
 os.environ.setdefault("HYPOTHESIS_STORAGE_DIRECTORY", str(TEST_DATA / "hypothesis"))

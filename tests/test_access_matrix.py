@@ -22,7 +22,7 @@ from django.test import Client
 from accounts.models import ApiKey, Membership
 from accounts.services import create_api_key, revoke_api_key
 from finetuning import files, jobs
-from finetuning.models import FineTunedModel, FineTuningJob, JobStatus
+from finetuning.models import FineTuningJob, JobStatus
 from inference.internal_auth import ReplicaGuard
 from tests.inference_fixtures import BASE, register_fine_tuned_model
 from tests.personas import Persona, good_dataset
@@ -49,8 +49,9 @@ PLAYGROUND_CHAT = (503, 503, 404, LOGIN, LOGIN, 403, LOGIN)
 SWITCH = (302, 302, 403, LOGIN, LOGIN, 403, LOGIN)  # "not a member of that organization"
 OPERATOR_ONLY = (401,) * 7  # an API key is not the monitoring or the internal token
 UP_OR_DOWN = (200,) * 7  # /healthz: up or down for anyone, no detail
+SLASHED = (301,) * 7  # to the address without the slash, for anyone: it tells nothing of the object
 
-# (surface, method, path, body, expected): {file}, {job}, {model}, {model_id}, {key_id}, {org_id}
+# (surface, method, path, body, expected): {file}, {job}, {model}, {key} (its prefix), {org_id}
 # name a fresh object of Acme's, made for the one cell (so a delete does not spoil the next cell).
 ROWS = [
     ("api", "GET", "/v1/files", None, API_OWN_LIST),
@@ -76,14 +77,15 @@ ROWS = [
     ("page", "GET", "/jobs", None, PAGE_OWN_LIST),
     ("page", "GET", "/jobs/new", None, PAGE_OWN_LIST),
     ("page", "GET", "/jobs/{job}", None, PAGE),
+    ("page", "GET", "/jobs/{job}/", None, SLASHED),
     ("page", "GET", "/jobs/{job}/progress", None, PAGE),
     ("page", "POST", "/jobs/{job}/cancel", None, PAGE_ACTION),
     ("page", "GET", "/models", None, PAGE_OWN_LIST),
-    ("page", "POST", "/models/{model_id}/delete", None, PAGE_OWNER_ONLY),
+    ("page", "POST", "/models/{model}/delete", None, PAGE_OWNER_ONLY),
     ("page", "GET", "/playground", None, PAGE_OWN_LIST),
     ("page", "POST", "/playground/chat", {"model": "{model}", "messages": [{"role": "user", "content": "hi"}]}, PLAYGROUND_CHAT),
     ("page", "GET", "/keys", None, PAGE_OWN_LIST),
-    ("page", "POST", "/keys/{key_id}/revoke", None, PAGE_OWNER_ONLY),
+    ("page", "POST", "/keys/{key}/revoke", None, PAGE_OWNER_ONLY),
     ("page", "POST", "/organization", {"organization": "{org_id}"}, SWITCH),
     ("pool", "GET", "/health", None, OPERATOR_ONLY),
     ("pool", "GET", "/metrics", None, OPERATOR_ONLY),
@@ -115,13 +117,10 @@ class AcmeObjects(dict):
             value = files.upload_file(alice.organization, alice.user, _upload(), files.PURPOSE).id
         elif name == "job":
             value = _job(alice, n).id
-        elif name in ("model", "model_id"):
-            model_name = register_fine_tuned_model(alice, f"acme-secret-{n}")
-            self.secrets.add(model_name)
-            model = FineTunedModel.objects.get(name=model_name)
-            value = model_name if name == "model" else str(model.pk)
-        elif name == "key_id":
-            value = str(create_api_key(alice.organization, alice.user, f"spare {n}")[0].pk)
+        elif name == "model":
+            value = register_fine_tuned_model(alice, f"acme-secret-{n}")
+        elif name == "key":
+            value = create_api_key(alice.organization, alice.user, f"spare {n}")[0].prefix
         elif name == "org_id":
             return str(alice.organization.pk)
         else:

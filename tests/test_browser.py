@@ -6,11 +6,13 @@ each page land in test-artifacts/screenshots/ for a person to look at.
 """
 
 # ruff: noqa: F811 (pytest fixtures are imported from tests.inference_fixtures, then named as arguments)
+import dataclasses
 import re
 
 import pytest
 
 from accounts.models import ApiKey
+from finetuning.models import File
 from tests.browser import screenshot
 from tests.inference_fixtures import gateway  # noqa: F401 (a fixture)
 from tests.personas import good_dataset
@@ -121,3 +123,29 @@ def test_the_dashboard_fits_a_phone_screen(browser, live_server, alice):
         screenshot(page, f"12-phone-{name}")
     context.close()
     assert all(overflow <= 0 for overflow in overflows.values()), overflows
+
+
+def test_a_file_over_the_upload_cap_is_refused_on_the_page_before_it_is_sent(page, live_server, alice, settings, tmp_path):
+    from dashboard.forms import file_too_large_message
+
+    small = good_dataset(12)
+    settings.CONFIG = dataclasses.replace(settings.CONFIG, max_upload_bytes=len(small) + 100)
+    sign_in(page, live_server.url, alice)
+    page.goto(f"{live_server.url}/datasets")
+    posts: list[str] = []
+    page.on("request", lambda request: request.method == "POST" and posts.append(request.url))
+
+    (tmp_path / "large.jsonl").write_bytes(good_dataset(200))
+    page.set_input_files("#id_file", str(tmp_path / "large.jsonl"))
+    assert page.inner_text("#id_file-too-large") == file_too_large_message()
+    page.click("#upload-form button[type=submit]")
+    page.wait_for_timeout(500)  # time for a request to start, had the form been sent
+    screenshot(page, "13-upload-too-large")
+    assert posts == [] and not File.objects.exists()
+
+    (tmp_path / "small.jsonl").write_bytes(small)  # another choice clears the refusal, and is sent
+    page.set_input_files("#id_file", str(tmp_path / "small.jsonl"))
+    assert not page.is_visible("#id_file-too-large")
+    page.click("#upload-form button[type=submit]")
+    page.wait_for_selector(".conversation")
+    assert len(posts) == 1 and File.objects.count() == 1

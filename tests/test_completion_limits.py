@@ -1,5 +1,5 @@
 # ruff: noqa: F811 (pytest fixtures are imported, then named as arguments)
-"""Completions per minute, per API key and per organization, through both gateway entry points.
+"""Completions and tokens per minute, per API key and per organization, through both gateway entry points.
 
 The pool is not running: a request the limiter lets through ends in a 503 from the unreachable
 pool, one it refuses is a 429, so counting the two tells what the limiter did.
@@ -21,12 +21,13 @@ from tests.test_inference_gateway_auth import anyio_backend, keys, web  # noqa: 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.anyio]
 
 
-async def _answers(web, key: str, n: int) -> list:
-    return [
-        await web.post("/v1/chat/completions", json={"model": BASE, "messages": [{"role": "user", "content": "hi"}]},
-                       headers={"Authorization": f"Bearer {key}"})
-        for _ in range(n)
-    ]  # fmt: skip
+async def _answers(web, key: str, times: int, **fields) -> list:
+    body = {"model": BASE, "messages": [{"role": "user", "content": "hi"}], **fields}
+    return [await web.post("/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}) for _ in range(times)]
+
+
+def _statuses(responses) -> list[int]:
+    return [response.status_code for response in responses]
 
 
 async def test_it_answers_429_with_retry_after_past_a_keys_rate_and_other_organizations_go_on(web, keys, settings):
@@ -62,3 +63,32 @@ async def test_it_lets_requests_through_and_warns_while_redis_is_down(web, keys,
     monkeypatch.setattr("core.rate_limits._last_warning", -math.inf)  # an earlier test may have warned already
     assert [response.status_code for response in await _answers(web, keys["alice"], 3)] == [503, 503, 503]
     assert "rate limits are not enforced" in caplog.text
+
+
+# "user" and "hi": 6 characters, 2 tokens by the estimate, beside what the request may generate.
+async def test_it_charges_each_request_its_prompt_and_max_tokens_against_the_tokens_per_minute(web, keys, settings):
+    lower_limits(settings, tokens_per_minute_per_key=1000)
+    assert _statuses(await _answers(web, keys["alice"], 4, max_tokens=300)) == [503, 503, 503, 429]  # 3 x 302 tokens
+    refused = (await _answers(web, keys["alice"], 1, max_tokens=300))[0]
+    error = refused.json()["error"]
+    assert error["type"] == "tokens" and error["code"] == "rate_limit_exceeded" and 1 <= int(refused.headers["Retry-After"]) <= 60
+    assert "TOKENS_PER_MINUTE_PER_KEY" in error["message"] and "1,000 tokens per minute" in error["message"]
+    assert _statuses(await _answers(web, keys["alice"], 1, max_tokens=50)) == [503]  # 52 more still fit: tokens, not requests
+    assert _statuses(await _answers(web, keys["charlie"], 1, max_tokens=300)) == [503]
+
+
+async def test_a_request_without_max_tokens_costs_the_models_whole_context_and_n_multiplies_it(web, keys, settings):
+    lower_limits(settings, tokens_per_minute_per_key=5000)  # the base model's context is 2,048 tokens
+    assert _statuses(await _answers(web, keys["alice"], 3)) == [503, 503, 429]
+    assert _statuses(await _answers(web, keys["charlie"], 2, max_tokens=1500, n=2)) == [503, 429]  # 3,002 each
+
+
+async def test_a_request_alone_over_the_tokens_per_minute_is_a_400_that_says_to_lower_max_tokens_and_costs_nothing(
+    web, keys, settings
+):
+    lower_limits(settings, tokens_per_minute_per_key=1000)
+    refused = (await _answers(web, keys["alice"], 1))[0]  # up to the whole context: 2,050 tokens
+    assert refused.status_code == 400
+    error = refused.json()["error"]
+    assert error["code"] == "request_too_large" and "max_tokens" in error["message"] and "2,050 tokens" in error["message"]
+    assert _statuses(await _answers(web, keys["alice"], 3, max_tokens=300)) == [503, 503, 503]

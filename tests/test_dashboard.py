@@ -1,5 +1,6 @@
 """Dashboard pages through Django's test client: each person sees only their organization's things."""
 
+import dataclasses
 import io
 import json
 
@@ -10,6 +11,7 @@ from accounts.models import ApiKey
 from accounts.services import create_api_key
 from finetuning.models import File, FineTunedModel, FineTuningJob
 from tests.inference_fixtures import register_fine_tuned_model
+from tests.limits import lower_limits, own_counters  # noqa: F401 (a fixture)
 from tests.personas import good_dataset
 
 pytestmark = pytest.mark.django_db
@@ -77,6 +79,48 @@ def test_form_errors_from_the_service_appear_next_to_their_field(alice_web):
     assert not FineTuningJob.objects.exists()
 
 
+def field_block(page: str, name: str) -> str:
+    block = page[page.index(f'id="field-{name}"'):]
+    return block[: block.index("</div>")]
+
+
+def test_an_upload_over_the_hourly_rate_is_refused_on_the_page_saying_when_to_try_again(alice_web, settings):
+    lower_limits(settings, uploads_per_hour_per_organization=1)
+    assert upload(alice_web, good_dataset(12)).status_code == 302
+    refused = upload(alice_web, good_dataset(12))
+    field = field_block(refused.content.decode(), "file")
+    assert "Rate limit reached" in field and "UPLOADS_PER_HOUR_PER_ORGANIZATION" in field and "Try again in" in field
+    assert File.objects.count() == 1
+
+
+def test_an_upload_over_the_storage_quota_is_refused_on_the_page(alice_web, settings):
+    lower_limits(settings, storage_bytes_per_organization=len(good_dataset(12)) * 3 // 2)
+    assert upload(alice_web, good_dataset(12)).status_code == 302
+    field = field_block(upload(alice_web, good_dataset(12)).content.decode(), "file")
+    assert "storage quota" in field and "STORAGE_MB_PER_ORGANIZATION" in field and "Delete files" in field
+    assert File.objects.count() == 1
+
+
+def test_a_fine_tune_over_the_queued_jobs_cap_is_refused_on_the_page(alice_web, settings):
+    upload(alice_web, good_dataset(12))
+    lower_limits(settings, queued_jobs_per_organization=1)
+    form = {"model": BASE, "training_file": File.objects.get().id, "lora_r": 8, "lora_alpha": 16, "lora_dropout": 0.05,
+            "target_modules": ["q_proj"]}
+    assert alice_web.post(reverse("dashboard:job_new"), form).status_code == 302
+    page = alice_web.post(reverse("dashboard:job_new"), form).content.decode()
+    refusal = page[page.index('class="errors"'):]
+    assert "already has 1 queued fine-tuning jobs" in refusal[: refusal.index("</div>")]
+    assert FineTuningJob.objects.count() == 1
+
+
+def test_the_upload_form_carries_the_size_cap_and_its_sentence_for_the_page_to_check_first(alice_web, settings):
+    from dashboard.forms import file_too_large_message
+
+    settings.CONFIG = dataclasses.replace(settings.CONFIG, max_upload_bytes=2048)
+    field = field_block(alice_web.get(reverse("dashboard:datasets")).content.decode(), "file")
+    assert 'data-max-bytes="2048"' in field and f'data-too-large="{file_too_large_message()}"' in field
+
+
 def test_the_progress_feed_sends_only_the_metrics_reports_the_page_has_not_seen(alice_web):
     upload(alice_web, good_dataset(12))
     alice_web.post(reverse("dashboard:job_new"), {"model": BASE, "training_file": File.objects.get().id, "lora_r": 8,
@@ -101,9 +145,25 @@ def test_a_new_api_key_is_shown_once_and_can_be_revoked(alice_web, alice):
     key = ApiKey.objects.get(name="ci")
     assert 'id="new-key-value"' in page and key.prefix in page
     assert 'id="new-key-value"' not in alice_web.get(reverse("dashboard:api_keys")).content.decode()
-    alice_web.post(reverse("dashboard:api_key_revoke", args=[key.pk]))
+    alice_web.post(reverse("dashboard:api_key_revoke", args=[key.prefix]))
     key.refresh_from_db()
     assert not key.is_active
+
+
+def test_models_and_keys_are_named_in_dashboard_urls_as_people_see_them(alice_web, alice):
+    name = register_fine_tuned_model(alice, "support-bot")
+    model = FineTunedModel.objects.get(name=name)
+    key, _ = create_api_key(alice.organization, alice.user, "laptop")
+    delete_url, revoke_url = f"/models/{name}/delete", f"/keys/{key.prefix}/revoke"
+    assert reverse("dashboard:model_delete", args=[name]) == delete_url
+    assert f'action="{delete_url}"' in alice_web.get(reverse("dashboard:models")).content.decode()
+    assert f'action="{revoke_url}"' in alice_web.get(reverse("dashboard:api_keys")).content.decode()
+    # The database ids are no names, and unknown names are as absent as another organization's.
+    for unknown in (f"/models/{model.pk}/delete", f"/models/{BASE}:nothing/delete", f"/keys/{key.pk}/revoke", "/keys/sk-nothing/revoke"):
+        assert alice_web.post(unknown).status_code == 404, unknown
+    assert alice_web.post(delete_url)["Location"] == reverse("dashboard:models")
+    assert alice_web.post(revoke_url)["Location"] == reverse("dashboard:api_keys")
+    assert not FineTunedModel.objects.exists() and not ApiKey.objects.get(pk=key.pk).is_active
 
 
 def test_a_user_in_two_organizations_can_switch(alice_web, alice, charlie):
@@ -133,7 +193,7 @@ def test_an_outsider_can_neither_see_nor_touch_anything_of_another_organization(
     for name, args in [("dashboard:dataset", [file.id]), ("dashboard:job", [job.id]), ("dashboard:job_progress", [job.id])]:
         assert charlie_web.get(reverse(name, args=args)).status_code == 404, name
     for name, args in [("dashboard:dataset_delete", [file.id]), ("dashboard:job_cancel", [job.id]),
-                       ("dashboard:model_delete", [model.pk]), ("dashboard:api_key_revoke", [key.pk])]:
+                       ("dashboard:model_delete", [model.name]), ("dashboard:api_key_revoke", [key.prefix])]:
         assert charlie_web.post(reverse(name, args=args)).status_code == 404, name
     listings = "".join(charlie_web.get(reverse(name)).content.decode()
                        for name in ("dashboard:datasets", "dashboard:jobs", "dashboard:models", "dashboard:api_keys"))
@@ -251,3 +311,36 @@ def test_the_playground_opens_on_the_newest_fine_tune_beside_its_base_model(clie
     first_pane, second_pane = page[page.index('id="pane-1"'): page.index('id="pane-2"')], page[page.index('id="pane-2"'):]
     assert f'<option value="{newest}" selected' in first_pane
     assert f'<option value="{BASE}" selected' in second_pane
+
+
+# --- addresses: one form for each page, without a trailing slash ---
+
+
+def test_a_page_typed_with_a_trailing_slash_is_a_permanent_redirect_keeping_the_query(alice_web):
+    for typed, canonical in [("/datasets/", "/datasets"), ("/jobs/ftjob-abc/?page=2&x=%2F", "/jobs/ftjob-abc?page=2&x=%2F"),
+                             ("/keys//", "/keys"), (f"/models/{BASE}:bot/delete/", f"/models/{BASE}:bot/delete")]:
+        response = alice_web.get(typed)
+        assert (response.status_code, response["Location"]) == (301, canonical), typed
+    assert alice_web.head("/datasets/")["Location"] == "/datasets"
+    assert alice_web.get("/datasets/", follow=True).status_code == 200
+
+
+def test_a_post_to_a_slashed_address_is_a_404_naming_the_right_one_and_stores_nothing(alice_web):
+    handle = io.BytesIO(good_dataset(12))
+    handle.name = "train.jsonl"
+    response = alice_web.post("/datasets/", {"file": handle})
+    assert response.status_code == 404 and 'href="/datasets"' in response.content.decode()
+    assert not File.objects.exists()
+
+
+def test_a_slashed_address_of_no_page_is_a_404_and_never_a_redirect_to_another_site(alice_web):
+    # %2F: the test client would read "//evil.example/" as a host; a browser's request line can hold it.
+    for typed in ("/nothing-here/", "/%2Fevil.example/", "/%2F%2Fevil.example//", "/jobs/new/extra/"):
+        assert alice_web.get(typed).status_code == 404, typed
+
+
+def test_api_paths_are_not_redirected(client, alice):
+    headers = {"Authorization": f"Bearer {alice.key}"}
+    assert client.get("/v1/files", headers=headers).status_code == 200  # as the OpenAI client asks
+    slashed = client.get("/v1/files/", headers=headers)
+    assert slashed.status_code == 404 and slashed.json()["error"]["code"]  # the API's JSON 404, as before

@@ -46,6 +46,34 @@ def test_it_keeps_a_job_over_its_organizations_running_cap_waiting_and_claims_an
     assert jobs.claim(second, "trainer-1") == 1
 
 
+def test_with_one_trainer_another_organizations_job_starts_before_the_backlog_queued_ahead_of_it(alice, charlie, sent):
+    backlog = [launch(alice, ONE_STEP, f"backlog-{i}") for i in range(4)]
+    others = launch(charlie, ONE_STEP, "others")
+    assert "1 job ahead" in FineTuningJob.objects.get(pk=others).events.values_list("message", flat=True).first()
+
+    # One trainer takes the messages in the order they were sent, each job to its end.
+    started = []
+    while sent:
+        claimed = jobs.claim_next(sent.pop(0), "the-only-trainer")
+        if claimed is not None:
+            started.append(claimed.job_id)
+            jobs.fail(claimed.job_id, claimed.attempt, "test", "finished")
+    assert started == [backlog[0], others, *backlog[1:]]  # Globex waited for one job, not for four
+    assert FineTuningJob.objects.filter(status=JobStatus.QUEUED).count() == 0  # no job was left without a message
+
+
+def test_a_passed_over_job_is_sent_again_so_it_keeps_a_message(alice, charlie, sent):
+    first, second = launch(alice, ONE_STEP, "first"), launch(alice, ONE_STEP, "second")
+    others = launch(charlie, ONE_STEP, "others")
+    assert jobs.claim(first, "trainer-1") == 1
+    sent.clear()
+
+    claimed = jobs.claim_next(second, "trainer-2")  # Acme started a job more recently than Globex
+    assert claimed is not None and claimed.job_id == others
+    assert sent == [second] and FineTuningJob.objects.get(pk=second).status == JobStatus.QUEUED
+    assert jobs.claim_next(others, "trainer-3") is None and sent == [second]  # a spent message wakes no one
+
+
 def test_the_sweeper_sends_a_waiting_job_again_only_once_its_organization_has_a_free_slot(alice, sent, settings):
     lower_limits(settings, running_jobs_per_organization=1)
     first, second = launch(alice, ONE_STEP, "first"), launch(alice, ONE_STEP, "second")

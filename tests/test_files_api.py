@@ -1,10 +1,14 @@
 import dataclasses
 import io
 import json
+import tracemalloc
 
 import pytest
 
-from finetuning import storage
+from django.core.files.uploadedfile import TemporaryUploadedFile
+
+from core.api_errors import ApiError
+from finetuning import files, storage
 from finetuning.models import File
 from tests.personas import chat_example, good_dataset, jsonl
 
@@ -29,13 +33,13 @@ def error_of(response) -> dict:
 def stored_keys(monkeypatch) -> list[str]:
     """The keys written to the file store during the test."""
     store, keys = storage.files(), []
-    put = store.put
+    put_stream = store.put_stream  # what put and put_file call too
 
-    def recording_put(key: str, data: bytes) -> None:
+    def recording_put_stream(key: str, stream) -> None:
         keys.append(key)
-        put(key, data)
+        put_stream(key, stream)
 
-    monkeypatch.setattr(store, "put", recording_put)
+    monkeypatch.setattr(store, "put_stream", recording_put_stream)
     return keys
 
 
@@ -120,7 +124,7 @@ def test_it_names_the_line_and_the_problem_of_a_bad_example(alice, lines, expect
          "line 10: 4,000 messages, more than the 1,024 allowed for the model's context of 2048 tokens: "
          "split the conversation over several lines"),
         (11, json.dumps(chat_example("word " * 60_000, "a")),
-         "line 11: the line is 300,086 characters long, more than the 262,144 allowed for the model's context of "
+         "line 11: the line is 300,086 characters long, more than the 262,144 characters allowed for the model's context of "
          "2048 tokens: split the conversation over several lines"),
     ],
     ids=["deep-nesting", "assistant-first", "lone-surrogate", "lone-surrogate-completion", "nul-escape",
@@ -245,3 +249,47 @@ def test_a_nul_character_in_a_list_cursor_is_a_400_on_every_database(alice, path
     # PostgreSQL refuses NUL in text (a DataError): found by the schema fuzzer as a 500.
     response = alice.api.get(f"{path}?after=file-%00x")
     assert response.status_code == 400 and response.json()["error"]["param"] in ("after", None), response.json()
+
+
+def _spooled(data: bytes) -> TemporaryUploadedFile:
+    """An upload as Django hands over a large one: in a temporary file on disk."""
+    upload = TemporaryUploadedFile("big.jsonl", "application/jsonl", len(data), None)
+    upload.write(data)
+    upload.seek(0)
+    return upload
+
+
+def _peak_bytes(call) -> int:
+    tracemalloc.start()
+    try:
+        call()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def test_an_upload_is_checked_and_stored_a_line_at_a_time_never_whole_in_memory(alice):
+    line = json.dumps(chat_example("Tell me about the weather. " * 40, "It is mild and dry today. " * 40)) + "\n"
+    data = (line * (4 * 1024 * 1024 // len(line))).encode()  # 4 MB of 2 KB lines
+    files.check_dataset(line.encode() * 10)  # the tokenizer is loaded once per process: not this test's cost
+    spooled, created = _spooled(data), []
+    peak = _peak_bytes(lambda: created.append(files.upload_file(alice.organization, alice.user, spooled, files.PURPOSE)))
+    assert created[0].bytes == len(data) and created[0].example_count == data.count(b"\n")
+    assert files.file_content(created[0]) == data
+    assert peak < len(data) / 4, f"{peak:,} bytes at the peak for a {len(data):,}-byte file"
+
+
+def test_a_line_too_long_for_the_context_is_refused_by_number_without_being_read_whole(alice, stored_keys):
+    good = jsonl([chat_example("q", "a")] * 12)
+    endless = b'{"messages": [{"role": "user", "content": "' + b"x" * (32 * 1024 * 1024) + b'"}]}\n'
+    files.check_dataset(good)
+    spooled, refusals = _spooled(good + endless + good), []
+
+    def upload_it() -> None:
+        with pytest.raises(ApiError) as refused:
+            files.upload_file(alice.organization, alice.user, spooled, files.PURPOSE)
+        refusals.append(refused.value)
+
+    peak = _peak_bytes(upload_it)
+    assert [(error["line"], "over 1,048,576 bytes" in error["message"]) for error in refusals[0].extra["errors"]] == [(13, True)]
+    assert peak < 8 * 1024 * 1024 and stored_keys == [] and not File.objects.exists()

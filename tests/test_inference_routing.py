@@ -537,6 +537,19 @@ def test_it_starts_replicas_that_require_the_token_without_showing_it_on_their_c
         vllm_environment(model, "")
 
 
+def test_a_replica_inherits_what_vllm_needs_and_none_of_the_platforms_secrets(monkeypatch):
+    secrets = {
+        "SECRET_KEY": "s" * 50, "DATABASE_URL": "postgres://app:pw@db/app", "REDIS_URL": "redis://:pw@cache/0",
+        "AWS_SECRET_ACCESS_KEY": "aws", "AWS_ACCESS_KEY_ID": "id", "MONITORING_TOKEN": "m", "INTERNAL_TOKEN": "i",
+    }  # fmt: skip
+    needed = {"PATH": "/usr/bin", "HOME": "/home/app", "HF_HUB_OFFLINE": "1", "VLLM_LOGGING_LEVEL": "INFO", "OMP_NUM_THREADS": "2"}
+    for name, value in {**secrets, **needed}.items():
+        monkeypatch.setenv(name, value)
+    environment = vllm_environment(_base_model("unused", ()), TOKEN)
+    assert set(secrets).isdisjoint(environment)
+    assert {name: environment.get(name) for name in needed} == needed and environment["VLLM_API_KEY"] == TOKEN
+
+
 @pytest.mark.anyio
 async def test_it_guards_every_route_of_a_replica_not_only_vllms_v1(monkeypatch):
     from starlette.applications import Starlette

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import html
 import io
 import json
 
@@ -147,6 +148,28 @@ async def test_it_refuses_an_oversized_upload_and_stores_nothing(web, alice, set
     chunked = await web.post("/v1/files", headers=_bearer(alice), content=_chunks(100, 4096, pulled))
     assert chunked.status_code == 413 and sum(pulled) < 100 * 4096
     assert stored == [] and not await sync_to_async(File.objects.exists)()
+
+
+BROWSER = {"Accept": "text/html,application/xhtml+xml,application/xml;q=0.9,*/*;q=0.8"}  # Chromium's, for a form
+
+
+async def test_it_answers_a_browsers_dashboard_form_with_a_page_and_the_api_with_json(web, alice, settings):
+    from dashboard.forms import file_too_large_message
+
+    settings.CONFIG = dataclasses.replace(settings.CONFIG, max_upload_bytes=1024)
+    pulled: list[int] = []
+    for body in (_multipart(good_dataset(2000)), {"content": _chunks(100, 4096, pulled)}):  # declared, then chunked
+        page = await web.post("/datasets", headers=BROWSER, **body)
+        assert page.status_code == 413 and page.headers["content-type"].startswith("text/html")
+        assert html.escape(file_too_large_message()) in page.text and "1024 bytes" in file_too_large_message()
+        assert '<a href="/datasets">' in page.text
+    other = await web.post("/keys", headers=BROWSER, content=b"x" * 2_000_000)  # any other form: the generic sentence
+    assert other.status_code == 413 and "MAX_REQUEST_BODY_BYTES" in other.text and '<a href="/">' in other.text
+    # The API is answered in its own shape whatever the client accepts; so are the dashboard's scripts.
+    api = await web.post("/v1/files", headers=_bearer(alice) | BROWSER, **_multipart(good_dataset(2000)))
+    script = await web.post("/playground/chat", headers={"Accept": "*/*"}, content=b"x" * 2_000_000)
+    for response in (api, script):
+        assert response.status_code == 413 and _error(response)["code"] == "request_too_large"
 
 
 async def test_it_still_accepts_an_upload_under_the_cap(web, alice):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 
+import httpx
 import pytest
 from django.urls import reverse
 
@@ -26,8 +27,9 @@ def strict(settings):
 
 
 def test_it_refuses_sign_in_after_too_many_failures_and_allows_it_again_after_the_window(client, alice, strict):
-    started = time.monotonic()
-    assert [_sign_in(client, "alice", "wrong").status_code for _ in range(3)] == [200, 200, 200]
+    assert _sign_in(client, "alice", "wrong").status_code == 200
+    started = time.monotonic()  # the window started during that first failure: it ends before started + WINDOW_S
+    assert [_sign_in(client, "alice", "wrong").status_code for _ in range(2)] == [200, 200]
 
     refused = _sign_in(client, "alice", "pw", address="192.0.2.2")  # the right password, from elsewhere
     assert refused.status_code == 429 and int(refused["Retry-After"]) <= WINDOW_S
@@ -54,3 +56,44 @@ def test_it_clears_a_usernames_failures_when_its_sign_in_succeeds(client, alice,
     for _ in range(3):  # a fresh count: three more failures before a refusal
         assert _sign_in(client, "alice", "wrong", address="192.0.2.5").status_code == 200
     assert _sign_in(client, "alice", "pw", address="192.0.2.6").status_code == 429
+
+
+@pytest.fixture
+def behind_a_proxy():
+    """The web application as uvicorn serves it: its proxy-header layer trusts X-Forwarded-For from
+    FORWARDED_ALLOW_IPS (127.0.0.1 by default), a TLS proxy on the same machine."""
+    from django.core.asgi import get_asgi_application
+    from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
+
+    application = ProxyHeadersMiddleware(get_asgi_application(), trusted_hosts="127.0.0.1")
+
+    def client_from(peer: str) -> httpx.AsyncClient:
+        transport = httpx.ASGITransport(app=application, client=(peer, 40000))
+        return httpx.AsyncClient(transport=transport, base_url="http://testserver")
+
+    return client_from
+
+
+async def _sign_in_through(client: httpx.AsyncClient, username: str, forwarded_for: str) -> int:
+    page = await client.get(reverse("dashboard:login"))
+    token = page.cookies["csrftoken"]
+    form = {"username": username, "password": "guess", "csrfmiddlewaretoken": token}
+    response = await client.post(reverse("dashboard:login"), data=form, headers={"X-Forwarded-For": forwarded_for})
+    return response.status_code
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+@pytest.mark.anyio
+@pytest.mark.django_db(transaction=True)
+async def test_behind_a_proxy_on_the_same_machine_each_client_address_has_its_own_count(behind_a_proxy, strict):
+    async with behind_a_proxy("127.0.0.1") as proxy:
+        assert [await _sign_in_through(proxy, name, "198.51.100.7") for name in ("root", "admin", "bob")] == [200] * 3
+        assert await _sign_in_through(proxy, "carol", "198.51.100.7") == 429
+        assert await _sign_in_through(proxy, "carol", "198.51.100.8") == 200  # another client behind the same proxy
+    # A caller that is not the trusted proxy cannot pick its address with the header.
+    async with behind_a_proxy("203.0.113.5") as stranger:
+        assert [await _sign_in_through(stranger, "dave", f"198.51.100.{i}") for i in (20, 21, 22, 23)] == [200] * 3 + [429]

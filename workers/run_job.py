@@ -225,11 +225,13 @@ def drop_training_states(job_id: str) -> None:
         store.delete_prefix(f"{storage_key}/{TRAINING_STATE_FILE}")
 
 
-def run_job(job_id: str, worker: str) -> str:
-    """Train and publish one job; returns what happened, for the worker's log."""
-    attempt = retrying(jobs.claim, job_id, worker)
-    if attempt is None:
-        return "not claimed (another worker has it, or it is no longer queued)"
+def run_job(woken_by: str, worker: str) -> str:
+    """Train and publish the job whose turn it is (``finetuning.jobs.claim_next``: the one the
+    message named, or another organization's); returns what happened, for the worker's log."""
+    claimed = retrying(jobs.claim_next, woken_by, worker)
+    if claimed is None:
+        return f"nothing claimed for {woken_by} (it runs or has finished, or every waiting organization is at its cap)"
+    job_id, attempt = claimed.job_id, claimed.attempt
     job = retrying(FineTuningJob.objects.select_related("organization").get, pk=job_id)
     workdir = settings.DATA_DIR / "work" / job.pk / f"attempt-{attempt}"
     with Heartbeat(job_id, attempt, settings.CONFIG.job_heartbeat_s) as heartbeat:

@@ -15,6 +15,7 @@ from accounts.models import ApiKey, Membership, Organization, hash_key
 from accounts.signals import access_withdrawn
 
 KEY_PREFIX = "sk-"
+SHOWN_CHARS = 10  # of a key, its public prefix: "sk-" and 7 random characters
 # Writing last_used_at on every request would turn every read into a write; a minute is precise enough.
 _LAST_USED_RESOLUTION = timedelta(minutes=1)
 
@@ -33,11 +34,19 @@ def create_organization(name: str, owner: User) -> Organization:
 
 def create_api_key(organization: Organization, user: User, name: str) -> tuple[ApiKey, str]:
     """Return the key and its secret; the secret is shown once and only its hash is kept."""
-    raw_key = KEY_PREFIX + secrets.token_urlsafe(32)
+    raw_key = _new_secret()
+    # The prefix names the key on the dashboard (its revoke URL), so it is unique within the
+    # organization: 42 random bits make a clash all but impossible, and a clash draws again.
+    while ApiKey.objects.filter(organization=organization, prefix=raw_key[:SHOWN_CHARS]).exists():
+        raw_key = _new_secret()
     api_key = ApiKey.objects.create(
-        organization=organization, created_by=user, name=name, prefix=raw_key[:10], hashed_key=hash_key(raw_key)
+        organization=organization, created_by=user, name=name, prefix=raw_key[:SHOWN_CHARS], hashed_key=hash_key(raw_key)
     )
     return api_key, raw_key
+
+
+def _new_secret() -> str:
+    return KEY_PREFIX + secrets.token_urlsafe(32)
 
 
 def revoke_api_key(api_key: ApiKey) -> None:

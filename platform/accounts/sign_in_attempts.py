@@ -9,7 +9,8 @@ from the same address. Like every rate, it is not
 enforced while Redis is down (logged): the dashboard stays usable, and each guess still costs a
 slow password hash.
 
-The address is REMOTE_ADDR: behind a reverse proxy it is the proxy's, shared by everyone.
+The address is REMOTE_ADDR, which the web server (uvicorn) takes from X-Forwarded-For when the
+connection comes from a trusted proxy (FORWARDED_ALLOW_IPS, the same machine by default).
 """
 
 from __future__ import annotations

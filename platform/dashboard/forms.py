@@ -6,8 +6,10 @@ from django import forms
 from django.conf import settings
 
 from core.api_errors import ApiError
+from core.config import UPLOAD_LIMIT_SETTING
 from finetuning.jobs import JobRequest, TARGET_MODULES
 from finetuning.models import File
+from finetuning.quotas import human_size
 
 
 def show_api_error(form: forms.Form, error: ApiError) -> None:
@@ -16,8 +18,24 @@ def show_api_error(form: forms.Form, error: ApiError) -> None:
     form.add_error(field if field in form.fields else None, error.message)
 
 
+def file_too_large_message() -> str:
+    """What a person reads about a dataset over the upload cap, wherever it is refused: next to the
+    form's file field before anything is sent, and on the page the body-size cap answers when a
+    file was sent all the same (``server.body_limits``)."""
+    limit = human_size(settings.CONFIG.max_upload_bytes)
+    return f"This file is larger than {limit}, the most a dataset may be ({UPLOAD_LIMIT_SETTING})."
+
+
 class UploadForm(forms.Form):
     file = forms.FileField(help_text="JSONL: one {\"messages\": [...]} or {\"prompt\", \"completion\"} object per line.")
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # The page checks a chosen file's size before sending it (app.js): a file over the cap
+        # would otherwise travel in full only to be refused.
+        self.fields["file"].widget.attrs |= {
+            "data-max-bytes": settings.CONFIG.max_upload_bytes, "data-too-large": file_too_large_message(),
+        }  # fmt: skip
 
 
 class JobForm(forms.Form):

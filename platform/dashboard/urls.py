@@ -21,10 +21,12 @@ urlpatterns = [
     path("jobs/<str:job_id>/progress", views.job_progress, name="job_progress"),
     path("jobs/<str:job_id>/cancel", views.job_cancel, name="job_cancel"),
     path("models", views.models, name="models"),
-    path("models/<int:model_id>/delete", views.model_delete, name="model_delete"),
+    # A fine-tuned model by its name, <base_model_id>:<suffix>: the base model id holds a slash.
+    path("models/<path:model_name>/delete", views.model_delete, name="model_delete"),
     path("playground", views.playground, name="playground"),
     path("playground/chat", views.playground_chat, name="playground_chat"),
     path("keys", views.api_keys, name="api_keys"),
-    path("keys/<int:key_id>/revoke", views.api_key_revoke, name="api_key_revoke"),
+    # A key by the prefix the page shows (``accounts.services.create_api_key`` keeps it unique in its organization).
+    path("keys/<str:key_prefix>/revoke", views.api_key_revoke, name="api_key_revoke"),
     path("organization/members", views.members_may_manage, name="members_may_manage"),
 ]

@@ -156,8 +156,8 @@ def models(request: HttpRequest) -> HttpResponse:
 
 @require_POST
 @with_organization
-def model_delete(request: HttpRequest, model_id: int) -> HttpResponse:
-    model = get_object_or_404(FineTunedModel.objects.for_org(request.organization), pk=model_id)
+def model_delete(request: HttpRequest, model_name: str) -> HttpResponse:
+    model = get_object_or_404(FineTunedModel.objects.for_org(request.organization), name=model_name)
     if not may_manage(request.organization, request.user):
         raise PermissionDenied("Only an owner of the organization can delete its models, unless an owner allows members to.")
     delete_fine_tuned_model(model)
@@ -204,8 +204,8 @@ def api_keys(request: HttpRequest) -> HttpResponse:
 
 @require_POST
 @with_organization
-def api_key_revoke(request: HttpRequest, key_id: int) -> HttpResponse:
-    api_key = get_object_or_404(ApiKey.objects.filter(organization=request.organization), pk=key_id)
+def api_key_revoke(request: HttpRequest, key_prefix: str) -> HttpResponse:
+    api_key = get_object_or_404(ApiKey.objects.filter(organization=request.organization), prefix=key_prefix)
     if not may_revoke(api_key, request.user):
         raise PermissionDenied("Members revoke their own keys; only an owner can revoke another's, unless an owner allows members to.")
     revoke_api_key(api_key)

@@ -1,7 +1,13 @@
 """Training files: checked line by line, then stored; nothing is kept from a file that fails, or
-from one over the organization's upload rate or storage quota (``finetuning.quotas``)."""
+from one over the organization's upload rate or storage quota (``finetuning.quotas``).
+
+An upload arrives on disk (Django spools any file over FILE_UPLOAD_MAX_MEMORY_SIZE to a temporary
+file, after ``server.body_limits`` capped the body) and is read from there a line at a time, twice:
+to check it, then to store it. The web process never holds a whole file in memory."""
 
 from __future__ import annotations
+
+from typing import BinaryIO
 
 from django.conf import settings
 from django.contrib.auth.models import User
@@ -20,7 +26,7 @@ from finetuning.tokens import default_model, token_counter
 PURPOSE = "fine-tune"
 
 
-def check_dataset(data: bytes) -> tuple[Dataset, list[int]]:
+def check_dataset(source: bytes | BinaryIO, keep_examples: bool = True) -> tuple[Dataset, list[int]]:
     """Parse and check every line; return the dataset and each example's token count."""
     model = default_model()
     count = token_counter(model)
@@ -30,7 +36,9 @@ def check_dataset(data: bytes) -> tuple[Dataset, list[int]]:
         counts.append(count(example))
         return counts[-1]
 
-    dataset = parse_dataset(data, settings.CONFIG.min_training_examples, counted, model.engine.max_model_len)
+    dataset = parse_dataset(
+        source, settings.CONFIG.min_training_examples, counted, model.engine.max_model_len, keep_examples=keep_examples
+    )
     return dataset, counts
 
 
@@ -47,23 +55,25 @@ def upload_file(organization: Organization, user: User | None, upload: UploadedF
     if upload.size > settings.CONFIG.max_upload_bytes:
         raise upload_too_large(upload.size)  # before reading it into memory
     quotas.charge_upload(organization)
-    data = upload.read()
-    dataset, counts = check_dataset(data)
+    upload.seek(0)
+    dataset, counts = check_dataset(upload.file, keep_examples=False)
     if not dataset.ok:
         raise dataset_error(dataset)
-    quotas.check_storage(organization, len(data))  # before anything is stored
+    size = upload.size
+    quotas.check_storage(organization, size)  # before anything is stored
     file = File(
-        organization=organization, created_by=user, filename=(upload.name or "upload.jsonl")[:255], purpose=purpose, bytes=len(data),
-        example_count=len(dataset.examples), token_count=sum(counts), max_example_tokens=max(counts),
+        organization=organization, created_by=user, filename=(upload.name or "upload.jsonl")[:255], purpose=purpose, bytes=size,
+        example_count=dataset.example_count, token_count=sum(counts), max_example_tokens=max(counts),
     )  # fmt: skip
     file.storage_key = f"files/{organization.pk}/{file.id}.jsonl"
     # Bytes first, row second: a crash between leaves an orphan object, never a row without data.
-    storage.files().put(file.storage_key, data)
+    upload.seek(0)
+    storage.files().put_stream(file.storage_key, upload.file)
     try:
         with transaction.atomic():
             # Again, under the organization's lock (held only this long, not while the bytes are
             # written): another upload may have taken the quota meanwhile.
-            quotas.check_storage(organization, len(data), locked=True)
+            quotas.check_storage(organization, size, locked=True)
             file.save()
     except ApiError:
         storage.files().delete_prefix(file.storage_key)

@@ -9,16 +9,17 @@ cancelled (``cancel_job``); running with a stale heartbeat -> queued again (``re
 events, checkpoints, success, failure) is conditional on the job still running *that* attempt, so a
 worker that was given up on but is still alive cannot overwrite what the next attempt does.
 
-Fair share: an organization trains at most RUNNING_JOBS_PER_ORGANIZATION jobs at once, so its 50
-jobs cannot hold every trainer while another organization's one waits. Every job is still sent to
-the ``training`` queue when created, in order; ``claim`` counts the organization's running jobs
-under its lock (``accounts.locks``, so two trainers cannot both take its last slot) and refuses a
-job over the cap. The trainer drops that message at once and takes the next one, so other
-organizations' jobs behind it start. The refused job stays queued, with no message, until a slot
-frees: the trainer that finishes one of the organization's jobs sends its oldest waiting jobs
-(``send_waiting``), and the sweeper sends any the hand-off missed (a trainer that died) once the
-organization has a free slot. A sent job rejoins the back of the line. With fewer trainers than
-the cap this is first come, first served.
+Fair share: organizations take turns at the trainers. A broker message only wakes a trainer;
+``claim_next`` then claims the oldest queued job of the organization whose turn it is (``turn_order``:
+fewest jobs running, then the one that started a job least recently), which need not be the job the
+message names. That job, still queued, is sent again, so every queued job keeps a message and the
+sweeper's accounting holds. So one organization's 50 jobs, queued first, do not make another's one
+wait for all of them, even with a single trainer. An organization also trains at most
+RUNNING_JOBS_PER_ORGANIZATION jobs at once: ``claim`` counts its running jobs under its lock
+(``accounts.locks``, so two trainers cannot both take its last slot) and refuses a job over the cap.
+A job refused for the cap stays queued, with no message, until a slot frees: the trainer that
+finishes one of the organization's jobs sends its oldest waiting jobs (``send_waiting``), and the
+sweeper sends any the hand-off missed (a trainer that died) once the organization has a free slot.
 """
 
 from __future__ import annotations
@@ -26,12 +27,12 @@ from __future__ import annotations
 import logging
 import secrets
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone as dt_timezone
 
 from django.conf import settings
 from django.contrib.auth.models import User
 from django.db import IntegrityError, transaction
-from django.db.models import F
+from django.db.models import Count, F, Max, Min
 from django.utils import timezone
 from kombu.exceptions import OperationalError
 
@@ -192,11 +193,46 @@ def _send_or_503(job: FineTuningJob) -> None:
         ) from None  # fmt: skip
 
 
+_NEVER = datetime.min.replace(tzinfo=dt_timezone.utc)
+
+
+@dataclass(frozen=True)
+class Turn:
+    organization_id: int
+    running: int  # its jobs running now
+    queued: int  # its jobs waiting
+
+
+def turn_order() -> list[Turn]:
+    """Organizations with queued jobs, in the order they get the next free trainer: fewest jobs
+    running first, then the one whose last job started longest ago (one that never started a job
+    first), then the one whose oldest job has waited longest."""
+    queued = FineTuningJob.objects.filter(status=JobStatus.QUEUED).values("organization_id")
+    waiting = {row["organization_id"]: row for row in queued.annotate(count=Count("pk"), oldest=Min("queued_at"))}
+    if not waiting:
+        return []
+    of_them = FineTuningJob.objects.filter(organization_id__in=waiting).values("organization_id")
+    running = dict(of_them.filter(status=JobStatus.RUNNING).annotate(n=Count("pk")).values_list("organization_id", "n"))
+    last_start = dict(of_them.filter(started_at__isnull=False).annotate(last=Max("started_at")).values_list("organization_id", "last"))
+    order = sorted(waiting, key=lambda org: (running.get(org, 0), last_start.get(org) or _NEVER, waiting[org]["oldest"] or _NEVER))
+    return [Turn(org, running.get(org, 0), waiting[org]["count"]) for org in order]
+
+
 def _jobs_ahead(job: FineTuningJob) -> int:
-    """Jobs a trainer takes before this queued one: those running, and those queued before it."""
+    """About how many jobs a trainer takes before this queued one: those running, then, turn by
+    turn (``turn_order``), its organization's earlier jobs and as many of every other
+    organization's (ignoring the running-job caps)."""
     running = FineTuningJob.objects.filter(status=JobStatus.RUNNING).count()
-    earlier = FineTuningJob.objects.filter(status=JobStatus.QUEUED, queued_at__lt=job.queued_at).count()
-    return running + earlier
+    own_earlier = FineTuningJob.objects.filter(
+        organization_id=job.organization_id, status=JobStatus.QUEUED, queued_at__lt=job.queued_at
+    ).count()
+    turns = turn_order()
+    mine = next((i for i, turn in enumerate(turns) if turn.organization_id == job.organization_id), len(turns))
+    others = sum(
+        min(turn.queued, own_earlier + (1 if i < mine else 0))
+        for i, turn in enumerate(turns) if turn.organization_id != job.organization_id
+    )  # fmt: skip
+    return running + own_earlier + others
 
 
 def _jobs_ahead_phrase(job: FineTuningJob) -> str:
@@ -270,6 +306,50 @@ def _note_waiting_for_a_slot(job_id: str, running: int) -> None:
         record_event(job, note)  # once, however many times it is refused
 
 
+@dataclass(frozen=True)
+class Claim:
+    job_id: str
+    attempt: int
+
+
+def claim_next(woken_by: str, worker: str) -> Claim | None:
+    """For a trainer woken by job ``woken_by``'s message: claim the oldest queued job of the
+    organization whose turn it is (fair share; not necessarily ``woken_by``), and send
+    ``woken_by`` again when it was passed over, so it keeps a message. None when ``woken_by`` is
+    no longer queued (its message is spent) or no organization with a waiting job has a free slot."""
+    woken_organization = (
+        FineTuningJob.objects.filter(pk=woken_by, status=JobStatus.QUEUED).values_list("organization_id", flat=True).first()
+    )
+    if woken_organization is None:
+        return None
+    cap = settings.CONFIG.limits.running_jobs_per_organization
+    for turn in turn_order():
+        if turn.running >= cap:
+            continue
+        job_id = (
+            FineTuningJob.objects.filter(organization_id=turn.organization_id, status=JobStatus.QUEUED)
+            .order_by("queued_at").values_list("pk", flat=True).first()
+        )  # fmt: skip
+        attempt = claim(job_id, worker) if job_id else None
+        if attempt is not None:
+            if job_id != woken_by:
+                _send_again(woken_by)
+            return Claim(job_id, attempt)
+    _note_waiting_for_a_slot(woken_by, _running_count(woken_organization))
+    return None
+
+
+def _send_again(job_id: str) -> bool:
+    """Send a queued job to the trainers again; a send that fails (the broker went away) leaves it
+    to the sweeper, which sends a job whose message it finds missing."""
+    try:
+        send_to_trainer(job_id)
+    except OperationalError as exc:
+        log.warning("could not send job %s to a trainer: %s", job_id, exc)
+        return False
+    return True
+
+
 def free_slots(organization_id: int) -> int:
     """How many more of the organization's jobs may run now."""
     return max(0, settings.CONFIG.limits.running_jobs_per_organization - _running_count(organization_id))
@@ -278,17 +358,10 @@ def free_slots(organization_id: int) -> int:
 def send_waiting(organization_id: int) -> list[str]:
     """Send the organization's oldest queued jobs, as many as it has free slots: for a trainer that
     has just finished one of its jobs. A job whose message is still in the broker is sent twice,
-    which is harmless (one ``claim`` wins); a send that fails leaves the job to the sweeper."""
+    which is harmless (one ``claim`` wins)."""
     waiting = FineTuningJob.objects.filter(organization_id=organization_id, status=JobStatus.QUEUED)
-    sent = []
-    for job_id in waiting.order_by("queued_at").values_list("pk", flat=True)[: free_slots(organization_id)]:
-        try:
-            send_to_trainer(job_id)
-        except OperationalError as exc:
-            log.warning("could not send waiting job %s to a trainer: %s", job_id, exc)
-            continue
-        sent.append(job_id)
-    return sent
+    oldest = waiting.order_by("queued_at").values_list("pk", flat=True)[: free_slots(organization_id)]
+    return [job_id for job_id in oldest if _send_again(job_id)]
 
 
 def _this_attempt(job_id: str, attempt: int):

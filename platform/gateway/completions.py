@@ -2,7 +2,7 @@
 the dashboard's playground.
 
 Find out who is calling (an API key here, a signed-in session in the playground), hold them to
-their completions per minute (``gateway.limits``), check the request's fields and caps
+their completions and tokens per minute (``gateway.limits``), check the request's fields and caps
 (``gateway.request_limits``) and that they may use the model (``finetuning.registry``, through
 ``gateway.access``), then hand the body to the inference pool with their organization's
 ``cache_salt`` (``gateway.cache_salt``), otherwise as it came, and give back its answer the same
@@ -18,7 +18,7 @@ from accounts.models import Organization
 from django.conf import settings
 from gateway.access import authorize, organization_model
 from gateway.cache_salt import cache_salt, with_cache_salt
-from gateway.limits import check_completion_rate
+from gateway.limits import check_completion_rate, estimated_tokens
 from gateway.pool_client import pool_http, pool_url
 from gateway.request_limits import check_request
 from inference import errors
@@ -59,7 +59,8 @@ async def complete(authorization: str | None, body: bytes, endpoint: str) -> Poo
         await authorize(raw_key, None)  # a bad key is a 401 even when the body is also wrong
         raise
     access = await authorize(raw_key, request.routed.model)
-    await check_completion_rate(access.api_key.organization_id, access.api_key.pk)
+    tokens = estimated_tokens(request.data, endpoint, access.model)
+    await check_completion_rate(access.api_key.organization_id, access.api_key.pk, tokens)
     if access.model is None:
         raise errors.model_not_found(request.routed.model)
     return await _forward(_salted(body, request, access.api_key.organization_id), request.routed.stream, endpoint)
@@ -68,8 +69,9 @@ async def complete(authorization: str | None, body: bytes, endpoint: str) -> Poo
 async def complete_for_organization(organization: Organization, body: bytes, endpoint: str) -> PoolAnswer:
     """For a caller the dashboard has already signed in: the organization stands in for a key."""
     request = checked_request(body, endpoint)
-    await check_completion_rate(organization.pk)
-    if await organization_model(organization, request.routed.model) is None:
+    model = await organization_model(organization, request.routed.model)
+    await check_completion_rate(organization.pk, tokens=estimated_tokens(request.data, endpoint, model))
+    if model is None:
         raise errors.model_not_found(request.routed.model)
     return await _forward(_salted(body, request, organization.pk), request.routed.stream, endpoint)
 

@@ -45,16 +45,19 @@ def check_request(data: dict[str, Any], endpoint: str, limits: RequestLimits) ->
             raise errors.not_a_number(name)
         if value > limit.value:
             raise errors.over_limit(name, f"'{name}'", value, limit.value, limit.setting)
-    prompt_field = "messages" if endpoint == "chat/completions" else "prompt"
-    prompt = data.get(prompt_field)
+    prompt = data.get(prompt_field(endpoint))
     if endpoint == "chat/completions" and isinstance(prompt, list) and len(prompt) > limits.messages.value:
         limit = limits.messages
         raise errors.over_limit("messages", "The number of messages", len(prompt), limit.value, limit.setting)
     chars = prompt_chars(prompt)
     if chars > limits.prompt_chars.value:
         limit = limits.prompt_chars
-        what = f"The text of '{prompt_field}'"
-        raise errors.over_limit(prompt_field, what, chars, limit.value, limit.setting, unit=" characters")
+        what = f"The text of '{prompt_field(endpoint)}'"
+        raise errors.over_limit(prompt_field(endpoint), what, chars, limit.value, limit.setting, unit=" characters")
+
+
+def prompt_field(endpoint: str) -> str:
+    return "messages" if endpoint == "chat/completions" else "prompt"
 
 
 def prompt_chars(value: Any) -> int:

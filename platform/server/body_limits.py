@@ -7,10 +7,15 @@ or parse more than the cap. The cap depends on the path (``RequestLimits``): com
 then checks the file itself), and everything else. A declared ``Content-Length`` over the cap is
 a 413 at once; a body without one (chunked) is counted as it arrives, and refused as soon as it
 passes the cap.
+
+The refusal is JSON in the API's shape, except for a person: a dashboard form sent by a browser
+(a path outside the API, asking for HTML) gets a small page with the same status, a sentence for
+people and a link back to the form, not a screen of raw JSON.
 """
 
 from __future__ import annotations
 
+from starlette.responses import HTMLResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from core.api_errors import ApiError, send_asgi
@@ -20,6 +25,8 @@ from core.config import UPLOAD_LIMIT_SETTING, Limit
 # dashboard's CSRF token. A few hundred bytes in practice; generous, as the file's own size is
 # checked exactly afterwards.
 MULTIPART_ALLOWANCE_BYTES = 64 * 1024
+# The first segments of the API's paths: their refusals stay JSON, whatever the client accepts.
+API_ROOTS = ("v1", "api")
 
 
 class _TooLarge(Exception):
@@ -39,7 +46,9 @@ def with_body_limits(application: ASGIApp) -> ASGIApp:
     """Call once Django is set up: the paths come from its URL configuration."""
     from django.conf import settings
     from django.urls import reverse
+    from dashboard.forms import file_too_large_message
     from gateway.asgi import ENDPOINTS
+    from server.errors import too_large_page
 
     kinds = dict.fromkeys(ENDPOINTS, "completion") | dict.fromkeys(
         (reverse("file-list"), reverse("dashboard:datasets")), "upload"
@@ -55,15 +64,27 @@ def with_body_limits(application: ASGIApp) -> ASGIApp:
             return Limit(config.max_upload_bytes + MULTIPART_ALLOWANCE_BYTES, UPLOAD_LIMIT_SETTING)
         return config.request_limits.request_body_bytes
 
+    async def refuse(scope: Scope, receive: Receive, send: Send, limit: Limit, size: int | None) -> None:
+        path = scope["path"]
+        error = body_too_large(path, limit, size)
+        if not _wants_a_page(scope):
+            await send_asgi(error, send, close_connection=True)
+            return
+        if kinds.get(path) == "upload":  # the dataset form: back to it
+            message, back = file_too_large_message(), path
+        else:  # any path at all (never put in a link): back to the start
+            message, back = error.message, reverse("dashboard:home")
+        page = HTMLResponse(too_large_page(message, back), status_code=error.status, headers={"connection": "close"})
+        await page(scope, receive, send)  # a plain response: it reads nothing
+
     async def limited(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await application(scope, receive, send)
             return
-        path = scope["path"]
-        limit = limit_for(path)
+        limit = limit_for(scope["path"])
         declared = _content_length(scope)
         if declared is not None and declared > limit.value:
-            await send_asgi(body_too_large(path, limit, declared), send, close_connection=True)
+            await refuse(scope, receive, send, limit, declared)
             return
         received, started, refused = 0, False, False
 
@@ -90,9 +111,18 @@ def with_body_limits(application: ASGIApp) -> ASGIApp:
             if not refused:  # _TooLarge, or whatever the application made of it
                 raise
         if refused and not started:
-            await send_asgi(body_too_large(path, limit, None), send, close_connection=True)
+            await refuse(scope, receive, send, limit, None)
 
     return limited
+
+
+def _wants_a_page(scope: Scope) -> bool:
+    """A browser sending a dashboard form; not the API, nor the dashboard's own scripts (the
+    playground's chat is fetched as JSON and reads the API's error shape)."""
+    if scope["path"].split("/")[1] in API_ROOTS:
+        return False
+    accept = next((value for name, value in scope["headers"] if name == b"accept"), b"")
+    return b"text/html" in accept
 
 
 def _content_length(scope: Scope) -> int | None:

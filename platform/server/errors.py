@@ -77,6 +77,12 @@ def unavailable(request: HttpRequest, error: ApiError) -> HttpResponse:
     return response
 
 
+def too_large_page(message: str, back: str) -> str:
+    """The page for a body refused as too large before Django ran (``server.body_limits``): there is
+    no request, no session and no user to render with, only what to say and where to go back to."""
+    return render_to_string("413.html", {"message": message, "back": back})
+
+
 class SecretsHidingFilter(SafeExceptionReporterFilter):
     """Django's filter for debug pages and error reports, also hiding settings whose value is a URL or
     a backend: they may embed a password (CELERY_BROKER_URL, CELERY_RESULT_BACKEND, ...)."""

@@ -2,6 +2,7 @@ from django.urls import include, path, re_path
 from drf_spectacular.views import SpectacularAPIView, SpectacularRedocView
 
 from health.views import healthz
+from server.canonical_paths import without_trailing_slash
 from server.errors import unknown_api_path
 
 urlpatterns = [
@@ -13,6 +14,8 @@ urlpatterns = [
     path("api/schema", SpectacularAPIView.as_view(), name="openapi-schema"),
     path("api/docs", SpectacularRedocView.as_view(url_name="openapi-schema"), name="api-docs"),
     path("", include("dashboard.urls")),
+    # Last: a path with a trailing slash that matched nothing above (server.canonical_paths).
+    re_path(r"^.+/$", without_trailing_slash),
 ]
 
 handler400 = "server.errors.bad_request"

@@ -76,6 +76,18 @@ def _request_limits() -> RequestLimits:
 
 UPLOAD_LIMIT_SETTING = "MAX_UPLOAD_MB"
 
+LORA_KERNELS_SETTING = "LORA_KERNELS"
+FINESERVE_KERNELS, STOCK_KERNELS = "fineserve", "stock"
+
+
+def lora_kernels() -> str:
+    """Which LoRA kernels a CPU replica runs: ours (``inference.lora_kernels``) or vLLM's own. The
+    replica process reads it too (a remote one has only its own environment)."""
+    raw = env_str(LORA_KERNELS_SETTING, FINESERVE_KERNELS)
+    if raw not in (FINESERVE_KERNELS, STOCK_KERNELS):
+        raise ConfigError(f"{LORA_KERNELS_SETTING}={raw!r} is not one of: {FINESERVE_KERNELS}, {STOCK_KERNELS}")
+    return raw
+
 
 @dataclass(frozen=True)
 class TenantLimits:
@@ -157,6 +169,7 @@ class Config:
     job_database_wait_s: int  # how long a trainer's database call waits out an unreachable database
     job_time_limit_s: int  # a job still training after this long fails (a hung trainer frees its queue)
     limits: TenantLimits  # what one organization may use
+    lora_kernels: str  # FINESERVE_KERNELS or STOCK_KERNELS, for the CPU replicas
 
 
 def _database(data_dir: Path) -> dj_database_url.DBConfig:
@@ -265,6 +278,7 @@ def load_config() -> Config:
         job_database_wait_s=env_int("JOB_DATABASE_WAIT_SECONDS", 120, minimum=0),
         job_time_limit_s=env_int("JOB_TIME_LIMIT_SECONDS", 6 * 3600, minimum=1),
         limits=_limits(),
+        lora_kernels=lora_kernels(),
     )
 
 

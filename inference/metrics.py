@@ -31,13 +31,21 @@ class _ReplicaCollector(Collector):
         restarts = CounterMetricFamily(
             "fineserve_replica_restarts", "Times the pool restarted the replica", labels=labels
         )
+        kernels = GaugeMetricFamily(
+            "fineserve_replica_lora_kernels",
+            "1 for the LoRA kernels the replica runs (fineserve or stock), what LORA_KERNELS asked for, and why",
+            labels=[*labels, "kernels", "requested", "reason"],
+        )
         for replica in self.replicas():
             key = [replica.model.id, replica.url]
             healthy.add_metric(key, 1.0 if replica.healthy else 0.0)
             inflight.add_metric(key, replica.inflight)
             adapters.add_metric(key, len(replica.adapters.held))
             restarts.add_metric(key, replica.restarts)
-        yield from (healthy, inflight, adapters, restarts)
+            if replica.lora_kernels:  # known once the replica has said
+                said = [str(replica.lora_kernels.get(name)) for name in ("active", "requested", "reason")]
+                kernels.add_metric([*key, *said], 1.0)
+        yield from (healthy, inflight, adapters, restarts, kernels)
 
 
 class Metrics:

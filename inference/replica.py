@@ -15,9 +15,10 @@ from pathlib import Path
 import httpx
 
 from core.catalog import BaseModel
-from core.config import REPO_ROOT
+from core.config import LORA_KERNELS_SETTING, REPO_ROOT
 from inference.adapter_slots import AdapterSlots
 from inference.internal_auth import REPLICA_TOKEN_VARIABLE
+from inference.lora_kernels_report import REPORT_PATH
 
 log = logging.getLogger("inference.replica")
 
@@ -66,7 +67,7 @@ CPU_BUILD = _cpu_build()
 # platform's secrets (SECRET_KEY, the database's and Redis's URLs with their passwords, S3 keys, the
 # monitoring token), which it never uses, and which an engine bug or a dependency's code must not
 # be able to read.
-REPLICA_INHERITS = {"PATH", "HOME", "USER", "LANG", "TZ", "TMPDIR"}
+REPLICA_INHERITS = {"PATH", "HOME", "USER", "LANG", "TZ", "TMPDIR", LORA_KERNELS_SETTING}
 REPLICA_INHERITS_PREFIXES = (
     "LC_", "LD_", "PYTHON", "VLLM_", "HF_", "TRANSFORMERS_", "TOKENIZERS_", "TORCH", "OMP_", "KMP_", "MKL_",
     "OPENBLAS_", "CUDA_", "NVIDIA_", "NCCL_", "XDG_",
@@ -114,6 +115,9 @@ class Replica:
     inflight: int = 0
     inflight_by_model: Counter = field(default_factory=Counter)
     adapters: AdapterSlots = field(init=False)
+    # What the replica said about its LoRA kernels when it became ready (inference.lora_kernels_report):
+    # active, requested, reason. None: not asked yet, or a server that does not say (vLLM's own).
+    lora_kernels: dict | None = None
 
     def __post_init__(self) -> None:
         self.adapters = AdapterSlots(self.model.lora.max_num_adapters_per_replica)
@@ -180,6 +184,7 @@ class Replica:
             self.process = None
             self.mark_down(f"exited with {self.last_exit_code}")
             self.adapters.clear()  # a new engine starts empty
+            self.lora_kernels = None  # and decides its kernels again
             self.restarts += 1
             self.next_start_at = now + self.backoff_s
             self.backoff_s = min(self.backoff_s * 2, _RESTART_BACKOFF_S[1])
@@ -216,9 +221,18 @@ class Replica:
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
             log.warning("replica %s answers but its adapter list does not (%r); next probe again", self.url, exc)
             return
+        self.lora_kernels = await self._read_lora_kernels(client)
         log.info("replica %s for %s is ready, holding %d adapter(s)", self.url, self.model.id, len(self.adapters.held))
         self.backoff_s = _RESTART_BACKOFF_S[0]
         self.healthy = True
+
+    async def _read_lora_kernels(self, client: httpx.AsyncClient) -> dict | None:
+        """Only for the report: a replica that does not say still serves."""
+        try:
+            response = await client.get(f"{self.url}{REPORT_PATH}", timeout=_PROBE_TIMEOUT_S)
+            return response.json() if response.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            return None
 
     def stop(self, grace_s: float = 10.0) -> None:
         """Stop the server and the engine processes it started (its own process group)."""
@@ -244,6 +258,7 @@ class Replica:
             "last_exit_code": self.last_exit_code,
             "inflight": self.inflight,
             "adapters": list(self.adapters.held),
+            "lora_kernels": self.lora_kernels,
         }
 
 

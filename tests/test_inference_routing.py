@@ -542,7 +542,10 @@ def test_a_replica_inherits_what_vllm_needs_and_none_of_the_platforms_secrets(mo
         "SECRET_KEY": "s" * 50, "DATABASE_URL": "postgres://app:pw@db/app", "REDIS_URL": "redis://:pw@cache/0",
         "AWS_SECRET_ACCESS_KEY": "aws", "AWS_ACCESS_KEY_ID": "id", "MONITORING_TOKEN": "m", "INTERNAL_TOKEN": "i",
     }  # fmt: skip
-    needed = {"PATH": "/usr/bin", "HOME": "/home/app", "HF_HUB_OFFLINE": "1", "VLLM_LOGGING_LEVEL": "INFO", "OMP_NUM_THREADS": "2"}
+    needed = {
+        "PATH": "/usr/bin", "HOME": "/home/app", "HF_HUB_OFFLINE": "1", "VLLM_LOGGING_LEVEL": "INFO", "OMP_NUM_THREADS": "2",
+        "LORA_KERNELS": "stock",
+    }  # fmt: skip
     for name, value in {**secrets, **needed}.items():
         monkeypatch.setenv(name, value)
     environment = vllm_environment(_base_model("unused", ()), TOKEN)

@@ -69,7 +69,18 @@ def inference_pool() -> CheckResult:
     ready = body.get("ready_replicas", 0)
     if status != 200 or not ready:
         return CheckResult(False, f"inference pool: {body.get('detail', 'no replica is ready')}")
-    return CheckResult(True, f"{ready} replica(s) ready")
+    return CheckResult(True, f"{ready} replica(s) ready{_lora_kernels(body)}")
+
+
+def _lora_kernels(body: dict) -> str:
+    """Which LoRA kernels the ready replicas run; where ours were asked for but vLLM's run, why."""
+    shown = set()
+    for replica in body.get("replicas", []):
+        kernels = replica.get("lora_kernels") if replica.get("healthy") else None
+        if kernels:
+            fell_back = kernels.get("active") != kernels.get("requested")
+            shown.add(f"{kernels.get('active')} ({kernels.get('reason')})" if fell_back else str(kernels.get("active")))
+    return f"; LoRA kernels: {', '.join(sorted(shown))}" if shown else ""
 
 
 ALL_CHECKS = {"database": database, "redis": broker, "workers": workers, "inference_pool": inference_pool}

@@ -113,6 +113,7 @@ SPECTACULAR_SETTINGS = {
     "VERSION": "1",
     "REDOC_DIST": "SIDECAR",
     "SERVE_INCLUDE_SCHEMA": False,
+    "POSTPROCESSING_HOOKS": ["drf_spectacular.hooks.postprocess_schema_enums", "gateway.openapi.add_inference_endpoints"],
 }
 
 # Celery (the app is server/celery.py): JSON only, so a task never unpickles data from the broker.

@@ -1,0 +1,148 @@
+"""Before our CPU LoRA kernels replace vLLM's, check that vLLM is still what they were written for.
+
+A vLLM upgrade could otherwise break them in two ways that nothing else would catch in time: a
+replaced method that now takes other arguments raises on every engine step (the engine dies, its
+model answers 503 for ever), and a changed tensor layout computes wrong tokens without any error.
+So, at a replica's start, before its engine serves (milliseconds, on small tensors):
+
+- signatures: each replaced method takes exactly the parameters (names and kinds) of its
+  replacement;
+- one known answer: a small batch (several adapter slots of different ranks, tokens of mixed slots
+  and without an adapter, three output slices, a scale other than 1) goes through vLLM's own
+  ``update_metadata`` and ``add_lora_linear`` and through ours, as prefill and as decode, and the
+  results must agree.
+
+``refusal`` says why not, or None. It imports nothing of ours: ``inference.lora_kernels`` passes in
+what it would patch.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, MutableMapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True)
+class Replacement:
+    owner: type  # the vLLM class
+    name: str  # the method replaced
+    new: Callable[..., Any]  # ours
+
+
+def refusal(
+    replacements: list[Replacement], stock_wrapper: type, patched_wrapper: type, ranks: MutableMapping[int, int]
+) -> str | None:
+    """Why vLLM's own kernels must stay, or None. ``patched_wrapper``: a subclass of vLLM's punica
+    wrapper with our methods; ``ranks``: where ours look up adapter ranks (seeded for the step)."""
+    return signature_refusal(replacements) or known_answer_refusal(stock_wrapper, patched_wrapper, ranks)
+
+
+# --- signatures ----------------------------------------------------------------------------------
+
+
+def _parameters(function: Callable[..., Any]) -> list[inspect.Parameter]:
+    """Names and kinds, what a call depends on; annotations and defaults aside."""
+    return [inspect.Parameter(p.name, p.kind) for p in inspect.signature(function).parameters.values()]
+
+
+def _shown(parameters: list[inspect.Parameter]) -> str:
+    return str(inspect.Signature(parameters))
+
+
+def signature_refusal(replacements: list[Replacement]) -> str | None:
+    for replacement in replacements:
+        where = f"{replacement.owner.__name__}.{replacement.name}"
+        original = getattr(replacement.owner, replacement.name, None)
+        if original is None:
+            return f"vLLM's {where} is gone"
+        try:
+            theirs, ours = _parameters(original), _parameters(replacement.new)
+        except (TypeError, ValueError) as exc:
+            return f"vLLM's {where} has no readable signature ({exc})"
+        if theirs != ours:
+            return f"vLLM's {where} now takes {_shown(theirs)}, not the {_shown(ours)} our kernels replace"
+    return None
+
+
+# --- one known answer ----------------------------------------------------------------------------
+
+_FAN_IN = 64
+_SLICES = (48, 16, 16)  # output slices, as a fused q/k/v projection has
+_MAX_RANK = 16  # vLLM pads every adapter to max_lora_rank with zeros
+_ADAPTERS = {9001: 8, 9002: 16, 9003: 4}  # vLLM adapter id -> rank, in slots 0, 1 and 2
+# Slot 3 stays empty, as vLLM leaves a free slot zeroed: vLLM 0.32.0's CPU kernel reads the last
+# slot for a token without an adapter, ours reads nothing; the two agree only while it is empty.
+_SLOTS = 4
+_TOKENS = (0, 1, -1, 2, 2, 0, -1, 1, 1, 0)  # each token's slot; -1: no adapter
+_SCALE = 0.5
+_TOLERANCE = 1e-4  # float32; the orders of summation differ, the layout and semantics must not
+
+
+@dataclass(frozen=True)
+class _Batch:
+    x: torch.Tensor
+    y: torch.Tensor  # the base layer's output, which LoRA adds to
+    lora_a: tuple[torch.Tensor, ...]
+    lora_b: tuple[torch.Tensor, ...]
+
+
+def _batch() -> _Batch:
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    lora_a = tuple(torch.zeros(_SLOTS, 1, _MAX_RANK, _FAN_IN) for _ in _SLICES)
+    lora_b = tuple(torch.zeros(_SLOTS, 1, size, _MAX_RANK) for size in _SLICES)
+    for slot, rank in enumerate(_ADAPTERS.values()):
+        for a, b in zip(lora_a, lora_b):
+            a[slot, 0, :rank] = torch.randn(rank, _FAN_IN, generator=generator)
+            b[slot, 0, :, :rank] = torch.randn(b.shape[2], rank, generator=generator)
+    x = torch.randn(len(_TOKENS), _FAN_IN, generator=generator)
+    y = torch.randn(len(_TOKENS), sum(_SLICES), generator=generator)
+    return _Batch(x, y, lora_a, lora_b)
+
+
+def _step(wrapper_class: type, batch: _Batch, is_prefill: bool) -> torch.Tensor:
+    """One layer's LoRA in one engine step, called as vLLM's model manager and linear layers call it."""
+    from vllm.lora.layers import LoRAMapping
+
+    slot_ids: list[int | None] = [*_ADAPTERS, None]
+    lora_ids = tuple((slot_ids[slot] or 0) if slot >= 0 else 0 for slot in _TOKENS)  # 0: no adapter
+    wrapper = wrapper_class(max_num_batched_tokens=len(_TOKENS), max_batches=len(_TOKENS), device="cpu")
+    mapping = LoRAMapping(index_mapping=lora_ids, prompt_mapping=lora_ids, is_prefill=is_prefill)
+    wrapper.update_metadata(mapping, slot_ids, len(slot_ids) + 1, 32)  # max_loras: slots + 1, as vLLM passes it
+    y = batch.y.clone()
+    wrapper.add_lora_linear(y, batch.x, batch.lora_a, batch.lora_b, _SCALE, _SLICES)
+    return y
+
+
+def known_answer_refusal(stock_wrapper: type, patched_wrapper: type, ranks: MutableMapping[int, int]) -> str | None:
+    import torch
+
+    seeded = [lora_id for lora_id in _ADAPTERS if lora_id not in ranks]
+    ranks.update({lora_id: _ADAPTERS[lora_id] for lora_id in seeded})
+    try:
+        batch = _batch()
+        for is_prefill in (True, False):
+            phase = "prefill" if is_prefill else "decode"
+            try:
+                expected = _step(stock_wrapper, batch, is_prefill)
+            except Exception as exc:  # any failure means: not the vLLM we know
+                return f"vLLM's own kernel failed the known-answer step ({phase}): {exc!r}"
+            try:
+                got = _step(patched_wrapper, batch, is_prefill)
+            except Exception as exc:
+                return f"our kernel failed the known-answer step ({phase}) on this vLLM: {exc!r}"
+            if got.shape != expected.shape or not torch.allclose(got, expected, rtol=_TOLERANCE, atol=_TOLERANCE):
+                worst = (got - expected).abs().max().item() if got.shape == expected.shape else float("nan")
+                return f"our kernel's known-answer step ({phase}) differs from vLLM's own by up to {worst:.3g}"
+            if torch.equal(got, batch.y):
+                return f"the known-answer step ({phase}) added nothing: no adapter reached the layer"
+    finally:
+        for lora_id in seeded:
+            ranks.pop(lora_id, None)
+    return None

@@ -1,0 +1,97 @@
+"""The inference endpoints in the OpenAPI schema (``/api/schema``), beside the REST API's.
+
+They are plain Django views (and an ASGI fast path), not DRF views, so drf-spectacular cannot see
+them: this post-processing hook writes their operations. Request bodies list the fields the
+gateway accepts (``inference.protocol.REQUEST_FIELDS``: one source, so the schema and the check
+cannot drift) with the types of the ones it checks itself; vLLM validates the rest. The model
+lists are pydantic models, rendered from their own JSON schema.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from inference.protocol import REQUEST_FIELDS, ModelCard, ModelList
+
+ERROR = {"$ref": "#/components/schemas/InferenceError"}
+BEARER = [{"InferenceKey": []}]
+# The fields the gateway checks (types and caps: ``gateway.request_limits``), and the messages' shape.
+_COUNT = {"type": "integer", "minimum": 0}
+_TYPED_FIELDS: dict[str, dict] = {
+    "model": {"type": "string", "description": "A base model, or a fine-tuned one: <base_model_id>:<suffix>"},
+    "stream": {"type": "boolean"},
+    "n": _COUNT, "max_tokens": _COUNT, "max_completion_tokens": _COUNT, "min_tokens": _COUNT,
+    "top_logprobs": _COUNT, "prompt_logprobs": _COUNT,
+    "temperature": {"type": "number", "minimum": 0}, "top_p": {"type": "number", "minimum": 0, "maximum": 1},
+    "messages": {
+        "type": "array", "minItems": 1,
+        "items": {
+            "type": "object", "required": ["role", "content"],
+            "properties": {"role": {"type": "string", "enum": ["system", "user", "assistant"]}, "content": {"type": "string"}},
+        },
+    },
+    "prompt": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]},
+}  # fmt: skip
+_ERRORS = {
+    "400": "The body is not valid, a field is unknown or over its cap",
+    "401": "No API key, or not a valid one",
+    "404": "No such model for this organization",
+    "429": "Over a rate limit (Retry-After says when to try again)",
+    "503": "No replica is ready, or the pool is unreachable (Retry-After)",
+}
+
+
+def _request_body(endpoint: str) -> dict:
+    required = ["model", "messages" if endpoint == "chat/completions" else "prompt"]
+    properties = {name: _TYPED_FIELDS.get(name, {}) for name in sorted(REQUEST_FIELDS[endpoint] | {"model"})}
+    schema = {"type": "object", "required": required, "properties": properties, "additionalProperties": False}
+    return {"required": True, "content": {"application/json": {"schema": schema}}}
+
+
+def _responses(ok: dict, *errors: str) -> dict:
+    answers = {"200": {"description": "OK", "content": {"application/json": {"schema": ok}}}}
+    for status in errors:
+        answers[status] = {"description": _ERRORS[status], "content": {"application/json": {"schema": ERROR}}}
+    return answers
+
+
+def _operation(operation_id: str, summary: str, responses: dict, **more: Any) -> dict:
+    return {"operationId": operation_id, "summary": summary, "tags": ["inference"], "security": BEARER, "responses": responses, **more}
+
+
+def add_inference_endpoints(result: dict, generator, request, public) -> dict:
+    """drf-spectacular's POSTPROCESSING_HOOKS signature."""
+    completion = {"type": "object", "description": "OpenAI's completion object, or with stream=true a text/event-stream"}
+    card, listing = {"$ref": "#/components/schemas/ModelCard"}, {"$ref": "#/components/schemas/ModelList"}
+    model_path = [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}]
+    result["paths"].update({
+        "/v1/chat/completions": {"post": _operation(
+            "chat_completions_create", "Chat with a base or fine-tuned model", _responses(completion, "400", "401", "404", "429", "503"),
+            requestBody=_request_body("chat/completions"),
+        )},
+        "/v1/completions": {"post": _operation(
+            "completions_create", "Complete a prompt", _responses(completion, "400", "401", "404", "429", "503"),
+            requestBody=_request_body("completions"),
+        )},
+        "/v1/models": {"get": _operation("models_list", "The models this key's organization may use", _responses(listing, "401"))},
+        "/v1/models/{model}": {
+            "get": _operation("models_retrieve", "One model", _responses(card, "401", "404"), parameters=model_path),
+            "delete": _operation(
+                "models_delete", "Delete a fine-tuned model of the organization (owners, or members when allowed)",
+                _responses({"type": "object"}, "401", "404"), parameters=model_path,
+            ),
+        },
+    })  # fmt: skip
+    listing_schema = ModelList.model_json_schema(ref_template="#/components/schemas/{model}")
+    listing_schema.pop("$defs")  # ModelCard is a component of its own
+    components = result.setdefault("components", {})
+    components.setdefault("schemas", {}).update({
+        "ModelCard": ModelCard.model_json_schema(),
+        "ModelList": listing_schema,
+        "InferenceError": {
+            "type": "object", "required": ["error"],
+            "properties": {"error": {"type": "object", "required": ["message", "type", "param", "code"]}},
+        },
+    })  # fmt: skip
+    components.setdefault("securitySchemes", {})["InferenceKey"] = {"type": "http", "scheme": "bearer"}
+    return result

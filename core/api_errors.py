@@ -8,6 +8,10 @@ ones, ``server.api_errors`` translates DRF's own exceptions into it.
 from __future__ import annotations
 
 import json
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from starlette.types import Send
 
 INVALID_REQUEST = "invalid_request_error"
 AUTHENTICATION = "authentication_error"
@@ -28,7 +32,7 @@ class ApiError(Exception):
         param: str | None = None,
         code: str | None = None,
         retry_after_s: int | None = None,
-        **extra,
+        **extra: object,
     ):
         super().__init__(message)
         self.message, self.status, self.type, self.param, self.code, self.extra = message, status, type, param, code, extra
@@ -48,7 +52,7 @@ class ApiError(Exception):
         return f"{self.status} {self.code or self.type}: {self.message}"
 
 
-async def send_asgi(error: ApiError, send, close_connection: bool = False) -> None:
+async def send_asgi(error: ApiError, send: Send, close_connection: bool = False) -> None:
     """Answer ``error`` on a raw ASGI connection, for the layers that stand in front of any
     framework (the body-size cap, the internal-token guard). ``close_connection``: the request's
     body was left unread, so the connection cannot carry another request."""
@@ -61,7 +65,9 @@ async def send_asgi(error: ApiError, send, close_connection: bool = False) -> No
     await send({"type": "http.response.body", "body": body})
 
 
-def error_body(message: str, *, type: str, param: str | None = None, code: str | None = None, **extra) -> dict:
+def error_body(
+    message: str, *, type: str, param: str | None = None, code: str | None = None, **extra: object
+) -> dict:
     return {"error": {"message": message, "type": type, "param": param, "code": code, **extra}}
 
 

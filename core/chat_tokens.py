@@ -15,11 +15,14 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from jinja2 import TemplateError
 
 from core.datasets import Example, ExampleError
+
+if TYPE_CHECKING:  # importing transformers costs seconds: only the type checker reads it here
+    from transformers import PreTrainedTokenizerBase
 
 # Saved tokenizer classes that load as they are, without AutoTokenizer: AutoTokenizer imports torch
 # (through transformers' generation config), seconds and hundreds of MB the web process never needs.
@@ -47,7 +50,7 @@ class ReplySpan(NamedTuple):
     trained: bool
 
 
-def load_tokenizer(weights: Path):
+def load_tokenizer(weights: Path) -> PreTrainedTokenizerBase:
     """The tokenizer saved with a model's weights: the trainer and the upload check load it alike."""
     if _saved_tokenizer_class(Path(weights)) in _PLAIN_TOKENIZER_CLASSES:
         from transformers import PreTrainedTokenizerFast  # the class AutoTokenizer would pick from the config
@@ -63,7 +66,7 @@ def _saved_tokenizer_class(weights: Path) -> str | None:
     return json.loads(config.read_text()).get("tokenizer_class") if config.is_file() else None
 
 
-def _render(tokenizer, messages: Example, add_generation_prompt: bool = False) -> str:
+def _render(tokenizer: PreTrainedTokenizerBase, messages: Example, add_generation_prompt: bool = False) -> str:
     # Only role and content go to the template: "weight" is ours, and some templates choke on extras.
     plain = [{"role": message["role"], "content": message["content"]} for message in messages]
     try:
@@ -72,7 +75,7 @@ def _render(tokenizer, messages: Example, add_generation_prompt: bool = False) -
         raise ExampleError(f"the chat template refuses this conversation: {exc.message}") from exc
 
 
-def tokenize_example(tokenizer, example: Example) -> TokenizedExample:
+def tokenize_example(tokenizer: PreTrainedTokenizerBase, example: Example) -> TokenizedExample:
     """The tokens of one conversation, rendered by the chat template, and which of them are trained.
 
     The text is tokenized piece by piece, cut where replies start and end, so a reply's tokens follow
@@ -102,12 +105,12 @@ def tokenize_example(tokenizer, example: Example) -> TokenizedExample:
     return TokenizedExample(input_ids=input_ids, trained=trained)
 
 
-def example_token_count(tokenizer, example: Example) -> int:
+def example_token_count(tokenizer: PreTrainedTokenizerBase, example: Example) -> int:
     """Tokens of the example as the trainer feeds it to the model (before any max_seq_len cut)."""
     return len(tokenize_example(tokenizer, example).input_ids)
 
 
-def _reply_spans(tokenizer, example: Example, text: str) -> list[ReplySpan]:
+def _reply_spans(tokenizer: PreTrainedTokenizerBase, example: Example, text: str) -> list[ReplySpan]:
     """The character spans of ``text``, the rendered conversation, that hold the assistant replies.
 
     A reply starts where its prompt ends: the conversation before it, rendered with the template's
@@ -129,7 +132,7 @@ def _reply_spans(tokenizer, example: Example, text: str) -> list[ReplySpan]:
     return [ReplySpan(*located[index], example[index].get("weight", 1) != 0) for index in replies]
 
 
-def _span_by_prefixes(tokenizer, example: Example, text: str, index: int) -> tuple[int, int]:
+def _span_by_prefixes(tokenizer: PreTrainedTokenizerBase, example: Example, text: str, index: int) -> tuple[int, int]:
     """Reply ``index``'s span, found by rendering its prompt and the conversation through it."""
     prompt = _render(tokenizer, example[:index], add_generation_prompt=True)
     through = _render(tokenizer, example[: index + 1])
@@ -139,7 +142,12 @@ def _span_by_prefixes(tokenizer, example: Example, text: str, index: int) -> tup
 
 
 def _spans_by_framing(
-    tokenizer, example: Example, text: str, first: int, first_span: tuple[int, int], indices: list[int]
+    tokenizer: PreTrainedTokenizerBase,
+    example: Example,
+    text: str,
+    first: int,
+    first_span: tuple[int, int],
+    indices: list[int],
 ) -> dict[int, tuple[int, int]]:
     """The spans of replies ``indices``, found in ``text`` where their contents are, framed as the first.
 
@@ -169,7 +177,7 @@ def _spans_by_framing(
     return spans
 
 
-def _content_starts(tokenizer, example: Example, text: str) -> list[int]:
+def _content_starts(tokenizer: PreTrainedTokenizerBase, example: Example, text: str) -> list[int]:
     """Where each message's content starts in ``text``.
 
     The conversation is rendered once more with a numbered marker for each content: the text around the

@@ -147,7 +147,7 @@ class Config:
     csrf_trusted_origins: list[str]  # origins (scheme://host) allowed to POST forms from another host
     hsts_seconds: int  # Strict-Transport-Security max-age in production; 0 in development
     data_dir: Path
-    database: dict = field(repr=False)
+    database: dj_database_url.DBConfig = field(repr=False)
     redis_url: str = field(repr=False)
     model_catalog: Path
     dynamic_lora_path: str  # a local folder or s3://bucket/prefix
@@ -172,7 +172,7 @@ class Config:
     lora_kernels: str  # FINESERVE_KERNELS or STOCK_KERNELS, for the CPU replicas
 
 
-def _database(data_dir: Path) -> dict:
+def _database(data_dir: Path) -> dj_database_url.DBConfig:
     default = f"sqlite:///{data_dir / 'platform.sqlite3'}"
     url = env_url("DATABASE_URL", default, schemes=("sqlite", "postgres", "postgresql"))
     try:

@@ -154,7 +154,7 @@ def _chat_example(record: dict, max_tokens: int | None) -> tuple[Example | None,
     messages = []
     for index, raw in enumerate(raw_messages):
         message, error = _message(raw, index)
-        if error:
+        if message is None:
             return None, error
         messages.append(message)
     # A reply is trained after the prompt the conversation before it makes, and a conversation that opens
@@ -260,15 +260,15 @@ def parse_dataset(
     for number, raw in _numbered_lines(stream, max_bytes):
         if raw is None:
             assert max_tokens is not None and max_bytes is not None  # lines are cut only for a known context
-            error = _too_long(f"over {max_bytes:,} bytes", max_tokens)
+            error: str | None = _too_long(f"over {max_bytes:,} bytes", max_tokens)
         else:
             line, problem = _decoded(raw, number)
-            if problem:
+            if line is None:
                 return Dataset(problem=problem)
             if not line.strip():
                 continue  # blank lines (a trailing newline, say) are harmless
             example, error = parse_example(line, max_tokens)
-            if error is None and count_tokens is not None and max_tokens is not None:
+            if example is not None and count_tokens is not None and max_tokens is not None:
                 error = _token_problem(example, count_tokens, max_tokens)
         blank = False
         if error:
@@ -276,6 +276,7 @@ def parse_dataset(
             if len(dataset.errors) < MAX_REPORTED_ERRORS:
                 dataset.errors.append(LineError(number, error))
             continue
+        assert example is not None  # parse_example gives an example or an error, never neither
         dataset.example_count += 1
         if keep_examples:
             dataset.examples.append(example)

@@ -24,6 +24,7 @@ import time
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import redis
 import redis.asyncio
@@ -119,7 +120,8 @@ _sync_scripts: dict[str, redis.commands.core.Script] = {}
 _async_scripts: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, redis.commands.core.AsyncScript]] = (
     weakref.WeakKeyDictionary()
 )
-_CLIENT_OPTIONS = {"socket_timeout": _TIMEOUT_S, "socket_connect_timeout": _TIMEOUT_S}
+# Keyword arguments of both clients' from_url, whose other keywords are not floats: a dict of floats would not fit.
+_CLIENT_OPTIONS: dict[str, Any] = {"socket_timeout": _TIMEOUT_S, "socket_connect_timeout": _TIMEOUT_S}
 
 
 def _sync_redis(url: str) -> redis.Redis:

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from core.config import S3Settings
 
+if TYPE_CHECKING:
+    from botocore.client import BaseClient
 
-def s3_client(s3: S3Settings):
+
+def s3_client(s3: S3Settings) -> BaseClient:
     import boto3  # deferred: processes that never touch S3 do not pay for importing boto3
     from botocore.config import Config
 

@@ -6,6 +6,7 @@ import logging
 import sys
 from urllib.parse import urlsplit
 
+import httpx
 import uvicorn
 
 from core.adapter_store import adapter_store
@@ -21,7 +22,9 @@ from inference.server import admin_client, create_app, replica_client
 ADAPTER_CACHE = "adapter-cache"  # under DATA_DIR: adapters synced from S3
 
 
-def build_adapter_manager(config: Config, catalog: Catalog, client, metrics: Metrics) -> AdapterManager:
+def build_adapter_manager(
+    config: Config, catalog: Catalog, client: httpx.AsyncClient, metrics: Metrics
+) -> AdapterManager:
     sources = {
         model.id: AdapterSource(
             adapter_store(model.lora.dynamic_lora_loading_path, config.s3),
@@ -45,6 +48,9 @@ def main() -> int:
         print(f"configuration error: {exc}", file=sys.stderr)
         return 2
     address = urlsplit(config.inference_pool_url)
+    if address.hostname is None:  # uvicorn would take "no host" as every interface
+        print(f"configuration error: INFERENCE_POOL_URL={config.inference_pool_url!r} names no host", file=sys.stderr)
+        return 2
     metrics = Metrics()
     pool = Pool(catalog, config.first_replica_port, config.internal_token)
     adapters = build_adapter_manager(config, catalog, admin_client(config.internal_token), metrics)

@@ -131,8 +131,9 @@ def check_adapter(name: str, folder: Path, max_rank: int) -> None:
         raise errors.adapter_invalid(name, f"{CONFIG_FILE} is not a JSON object")
     if not (folder / WEIGHTS_FILE).is_file():
         raise errors.adapter_invalid(name, f"{WEIGHTS_FILE} is missing")
-    ranks = [config.get("r")] + list((config.get("rank_pattern") or {}).values())
-    if not all(isinstance(rank, int) and rank > 0 for rank in ranks):
+    raw_ranks = [config.get("r")] + list((config.get("rank_pattern") or {}).values())
+    ranks = [rank for rank in raw_ranks if isinstance(rank, int) and rank > 0]
+    if len(ranks) < len(raw_ranks):
         raise errors.adapter_invalid(name, f"{CONFIG_FILE} has no valid LoRA rank 'r'")
     if max(ranks) > max_rank:
         raise errors.adapter_rank_too_large(name, max(ranks), max_rank)

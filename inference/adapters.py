@@ -13,9 +13,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Coroutine, Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
@@ -199,7 +199,7 @@ class AdapterManager:
     def _held_folders(self) -> set[Path]:
         return {held.folder for replica in self.replicas for held in replica.adapters.held.values()}
 
-    def _spawn(self, work) -> None:
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(work)
         self._background.add(task)  # a reference, so the task is not collected while it runs
         task.add_done_callback(self._background.discard)

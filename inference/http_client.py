@@ -86,7 +86,8 @@ class Response:
     """One response, read incrementally from its connection; ``close`` gives the connection back."""
 
     def __init__(self, client: HttpClient, key: _Key, connection: _Connection):
-        self._client, self._key, self._connection = client, key, connection
+        self._client, self._key = client, key
+        self._connection: _Connection | None = connection  # None once given back or dropped
         self._parser = httptools.HttpResponseParser(self)
         self._chunks: deque[bytes] = deque()
         self._headers_done = self._complete = self._keep_alive = False
@@ -110,6 +111,7 @@ class Response:
         self._keep_alive = self._parser.should_keep_alive()  # only meaningful inside the callback
 
     async def _feed(self) -> None:
+        assert self._connection is not None, "the body is read before the response is closed"
         try:
             async with asyncio.timeout(READ_TIMEOUT_S):
                 data = await self._connection.reader.read(_READ_SIZE)

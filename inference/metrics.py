@@ -6,10 +6,10 @@ stale and the hot path only bumps counters.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -21,7 +21,7 @@ class _ReplicaCollector(Collector):
     def __init__(self, replicas: Callable[[], Iterable]):
         self.replicas = replicas
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         labels = ["model", "replica"]
         healthy = GaugeMetricFamily(
             "fineserve_replica_healthy", "1 when the replica passes its health check", labels=labels

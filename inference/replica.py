@@ -166,6 +166,7 @@ class Replica:
         return self.port is not None
 
     def start(self) -> None:
+        assert self.port is not None, "only a managed replica has a process to start"
         log.info("starting replica %s for %s", self.url, self.model.id)
         self.process = subprocess.Popen(
             vllm_command(self.model, self.port), env=vllm_environment(self.model, self.api_key), cwd=REPO_ROOT,

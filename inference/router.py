@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 HOT_ADAPTER_INFLIGHT = 8  # this many requests of one adapter on a replica: spread it to another
 BUSY_INFLIGHT = 64  # a replica with this many requests in flight takes new adapters only as a last resort
@@ -30,15 +30,19 @@ class Routable(Protocol):
     def holds(self, adapter: str) -> bool: ...
 
 
+# The caller gets back the kind of replica it passed in (a pool's Replica, or a test's stand-in).
+R = TypeVar("R", bound=Routable)
+
+
 def _weight(key: str, url: str) -> int:
     return int.from_bytes(hashlib.blake2b(f"{key}\n{url}".encode(), digest_size=8).digest(), "big")
 
 
-def rendezvous_order(key: str, replicas: Sequence[Routable]) -> list[Routable]:
+def rendezvous_order(key: str, replicas: Sequence[R]) -> list[R]:
     return sorted(replicas, key=lambda replica: _weight(key, replica.url), reverse=True)
 
 
-def choose_replica(replicas: Sequence[Routable], model: str, adapter: bool) -> Routable | None:
+def choose_replica(replicas: Sequence[R], model: str, adapter: bool) -> R | None:
     if not replicas:
         return None
     ranked = rendezvous_order(model, replicas)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import AsyncIterator
 
 import httpx
 from starlette.applications import Starlette
@@ -50,7 +51,7 @@ def create_app(pool: Pool, adapters: AdapterManager, http: Poster, metrics: Metr
     metrics.watch_replicas(lambda: pool.replicas)
 
     @contextlib.asynccontextmanager
-    async def lifespan(app: Starlette):
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
         background = [
             asyncio.create_task(pool.supervise_forever(adapters.client)),
             asyncio.create_task(adapters.watch_forever()),
@@ -88,7 +89,8 @@ def create_app(pool: Pool, adapters: AdapterManager, http: Poster, metrics: Metr
             Route("/health", health),
             Route("/metrics", prometheus),
         ],
-        exception_handlers={errors.ApiError: api_error},
+        # Starlette types every handler as taking any Exception, though it calls this one only with an ApiError.
+        exception_handlers={errors.ApiError: api_error},  # type: ignore[dict-item]
         middleware=[Middleware(RequireInternalToken, token=internal_token)],
         lifespan=lifespan,
     )

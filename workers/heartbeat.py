@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from typing import Any
 
 from django.db import DatabaseError, connection
 
@@ -32,11 +33,11 @@ class Heartbeat:
         self._thread.start()
         return self
 
-    def __exit__(self, *exc_info) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self._done.set()
         self._thread.join()
 
-    def beat(self, **fields) -> bool:
+    def beat(self, **fields: Any) -> bool:
         """Beat now, recording ``fields`` too; False once the job is lost to this attempt."""
         if self.lost.is_set():
             return False

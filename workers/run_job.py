@@ -15,12 +15,15 @@ import shutil
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from celery.exceptions import SoftTimeLimitExceeded
 from django.conf import settings
 from django.utils import timezone
 
 from core.adapter_store import StoreUnavailable
+from core.catalog import BaseModel
+from core.datasets import Example
 from core.model_names import ModelName
 from core.object_store import ObjectNotFound
 from finetuning import jobs, storage
@@ -30,6 +33,9 @@ from finetuning.models import FINISHED_STATUSES, Checkpoint, File, FineTuningJob
 from server.database_outage import DATABASE_ERRORS
 from workers.db_retry import retrying
 from workers.heartbeat import Heartbeat
+
+if TYPE_CHECKING:  # the trainer imports torch: this module imports it only when a job trains
+    from workers.training import StepMetrics, TrainingResult
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +59,7 @@ class JobCallbacks:
         self.store = storage.files()
         self._checked_at = 0.0
 
-    def on_step(self, metrics) -> None:
+    def on_step(self, metrics: StepMetrics) -> None:
         steps_this_run = max(metrics.step - metrics.resumed_at_step, 1)
         remaining_s = metrics.elapsed_s / steps_this_run * (metrics.total_steps - metrics.step)
         message = f"Step {metrics.step}/{metrics.total_steps}: training loss={metrics.train_loss:.4f}"
@@ -62,7 +68,7 @@ class JobCallbacks:
         if self.heartbeat.beat(estimated_finish=timezone.now() + timedelta(seconds=remaining_s)):
             retrying(record_event, self.job, message, data=_metrics_data(metrics))
 
-    def on_checkpoint(self, epoch: int, step: int, adapter_dir: Path, metrics) -> None:
+    def on_checkpoint(self, epoch: int, step: int, adapter_dir: Path, metrics: StepMetrics) -> None:
         # Each attempt writes under its own prefix: an attempt given up on while it uploads can
         # never mix its files into the checkpoint the next attempt resumes from.
         prefix = f"{storage.checkpoints_prefix(self.job.pk)}attempt-{self.heartbeat.attempt}/step-{step}"
@@ -85,7 +91,7 @@ class JobCallbacks:
         return self.heartbeat.lost.is_set()
 
 
-def _metrics_data(metrics) -> dict:
+def _metrics_data(metrics: StepMetrics) -> dict:
     return {
         "step": metrics.step,
         "total_steps": metrics.total_steps,
@@ -97,21 +103,24 @@ def _metrics_data(metrics) -> dict:
     }
 
 
-def _examples(job: FineTuningJob, file_id: str | None, what: str) -> list | None:
-    if file_id is None:
-        return None
+def _catalog_model(job: FineTuningJob) -> BaseModel:
+    model = settings.MODEL_CATALOG.get(job.model)
+    if model is None:
+        raise JobFailed("model_not_available", f"Model {job.model} is no longer in the catalog.")
+    return model
+
+
+def _examples(job: FineTuningJob, file_id: str, what: str) -> list[Example]:
     file = retrying(File.objects.filter(pk=file_id).first)
     if file is None:
         raise JobFailed("invalid_file", f"The {what} file {file_id} was deleted before the job started.")
     return load_examples(file)
 
 
-def _train(job: FineTuningJob, workdir: Path, callbacks: JobCallbacks):
+def _train(job: FineTuningJob, workdir: Path, callbacks: JobCallbacks) -> TrainingResult:
     from workers.training import TrainingConfig, TrainingDiverged, train  # deferred: torch is only for workers
 
-    model = settings.MODEL_CATALOG.get(job.model)
-    if model is None:
-        raise JobFailed("model_not_available", f"Model {job.model} is no longer in the catalog.")
+    model = _catalog_model(job)
     hp = job.hyperparameters
     config = TrainingConfig(
         base_model_path=model.weights, base_model_id=model.id, n_epochs=hp["n_epochs"], batch_size=hp["batch_size"],
@@ -120,7 +129,7 @@ def _train(job: FineTuningJob, workdir: Path, callbacks: JobCallbacks):
         seed=job.seed, max_seq_len=model.engine.max_model_len,
     )  # fmt: skip
     training = _examples(job, job.training_file, "training")
-    validation = _examples(job, job.validation_file, "validation")
+    validation = None if job.validation_file is None else _examples(job, job.validation_file, "validation")
     resume_from = _resume_point(job, workdir / "resume")
     retrying(record_event, job, f"Training started on {len(training)} examples")
     try:
@@ -156,12 +165,13 @@ def _resume_point(job: FineTuningJob, folder: Path) -> Path | None:
     return folder
 
 
-def _publish(job: FineTuningJob, heartbeat: Heartbeat, result) -> None:
+def _publish(job: FineTuningJob, heartbeat: Heartbeat, result: TrainingResult) -> None:
     if not heartbeat.beat():
         return  # the job is no longer this attempt's: publish nothing
-    model = settings.MODEL_CATALOG.get(job.model)
+    model = _catalog_model(job)  # removed from the catalog while training: the job fails with that reason
     name = str(ModelName(job.model, job.suffix))
     store = storage.adapters(model.lora.dynamic_lora_loading_path)
+    assert result.adapter_dir is not None  # None only for a cancelled run, which publishes nothing
     store.publish(name, result.adapter_dir)
     if retrying(jobs.succeed, job, heartbeat.attempt, name, result.trained_tokens, result.final_train_loss):
         return

@@ -6,9 +6,14 @@ senders find them (by name, with their queue).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from django.conf import settings
 
 from server.celery import SWEEP_JOBS, TRAIN_JOB, WORKER_REPORT, app
+
+if TYPE_CHECKING:
+    from celery import Task
 
 # At the soft limit the task is interrupted (SoftTimeLimitExceeded) and fails its job
 # (``workers.run_job``); the hard limit, a minute later, kills a trainer too stuck even for that
@@ -29,7 +34,7 @@ def worker_report() -> dict:
 @app.task(
     name=TRAIN_JOB.name, queue=TRAIN_JOB.queue, bind=True, soft_time_limit=JOB_SOFT_LIMIT_S, time_limit=JOB_HARD_LIMIT_S
 )
-def train_job(self, job_id: str) -> str:
+def train_job(self: Task, job_id: str) -> str:
     from workers.run_job import run_job
 
     return run_job(job_id, worker=self.request.hostname or "unknown")

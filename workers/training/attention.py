@@ -11,6 +11,7 @@ Without row boundaries (generation, a plain forward) it is exactly the stock SDP
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +31,7 @@ def packed_sdpa_attention(
     dropout: float = 0.0,
     scaling: float | None = None,
     cu_seq_lens_q: torch.Tensor | None = None,  # (examples + 1,) where each example starts, then T
-    **kwargs,
+    **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     if cu_seq_lens_q is None:
         return sdpa_attention_forward(

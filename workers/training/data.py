@@ -68,7 +68,11 @@ def pack(examples: list[TokenizedExample], max_row_tokens: int) -> list[PackedRo
 
 
 def _pack_row(examples: list[TokenizedExample], n_counted: int) -> PackedRow:
-    input_ids, position_ids, loss_positions, targets, weights = [], [], [], [], []
+    input_ids: list[int] = []
+    position_ids: list[int] = []
+    loss_positions: list[int] = []
+    targets: list[int] = []
+    weights: list[float] = []
     for example in examples:
         offset = len(input_ids)
         input_ids += example.input_ids

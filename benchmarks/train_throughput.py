@@ -42,7 +42,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch
-from peft import LoraConfig, get_peft_model
+from peft import get_peft_model
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -55,6 +55,7 @@ from transformers import (
 
 from workers.training import StepMetrics, TrainingConfig, train
 from workers.training.data import tokenize_example
+from workers.training.model import lora_config
 
 BASE_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DATASET_SIZE = 200
@@ -107,18 +108,6 @@ def our_config(model_path: Path, args: argparse.Namespace) -> TrainingConfig:
         learning_rate=2e-4,
         max_steps=args.steps,
         seed=args.seed,
-    )
-
-
-def lora_config(config: TrainingConfig) -> LoraConfig:
-    """The adapter ours trains (workers/training/model.py), for PEFT in the Hugging Face runs."""
-    return LoraConfig(
-        r=config.lora_r,
-        lora_alpha=config.lora_alpha,
-        lora_dropout=config.lora_dropout,
-        target_modules=config.target_modules or "all-linear",
-        bias="none",
-        task_type="CAUSAL_LM",
     )
 
 

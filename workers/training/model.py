@@ -28,15 +28,7 @@ def load_model_with_lora(config: TrainingConfig) -> PeftModel:
         config.base_model_path, dtype=torch.float32, attn_implementation=PACKED_SDPA
     )
     base.config.use_cache = False  # training never decodes; a cache would only cost memory
-    lora = LoraConfig(
-        r=config.lora_r,
-        lora_alpha=config.lora_alpha,
-        lora_dropout=config.lora_dropout,
-        target_modules=config.target_modules or "all-linear",
-        bias="none",
-        task_type="CAUSAL_LM",
-    )
-    model = get_peft_model(base, lora)
+    model = get_peft_model(base, lora_config(config))
     # PEFT would record the local folder; readers of the adapter (vLLM's resolver) match the public id.
     model.peft_config["default"].base_model_name_or_path = config.base_model_id
     return model
@@ -60,3 +52,15 @@ def save_adapter(model: PeftModel, adapter_dir: Path) -> Path:
     shutil.rmtree(adapter_dir, ignore_errors=True)  # a retried job overwrites its own earlier output
     staging.rename(adapter_dir)
     return adapter_dir
+
+
+def lora_config(config: TrainingConfig) -> LoraConfig:
+    """The adapter a job trains (also what the benchmarks give PEFT in the other trainers)."""
+    return LoraConfig(
+        r=config.lora_r,
+        lora_alpha=config.lora_alpha,
+        lora_dropout=config.lora_dropout,
+        target_modules=config.target_modules or "all-linear",
+        bias="none",
+        task_type="CAUSAL_LM",
+    )

@@ -1,14 +1,19 @@
-"""The one error a client of this platform sees, in OpenAI's shape, for every API and process.
+"""The one error a client of this platform sees, in OpenAI's shape, for every API and process, and
+every named error, made in this one place.
 
 ``{"error": {"message", "type", "param", "code", ...}}``. Django-free, so the inference pool, the
-gateway and the fine-tuning API raise the same class: ``inference.errors`` makes the inference
-ones, ``server.api_errors`` translates DRF's own exceptions into it.
+gateway and the fine-tuning API raise the same class; ``server.api_errors`` translates DRF's own
+exceptions into it. Errors that come back from a vLLM replica are reshaped by ``from_replica``, so
+clients never see two dialects.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from typing import TYPE_CHECKING
+
+from pydantic import ValidationError
 
 if TYPE_CHECKING:
     from starlette.types import Send
@@ -78,3 +83,165 @@ def internal_error() -> ApiError:
         "The server had an error while processing your request; it has been logged.",
         status=500, type=SERVER, code="internal_error",
     )  # fmt: skip
+
+
+def not_found(what: str, ident: str, param: str | None = None) -> ApiError:
+    return ApiError(f"No such {what}: '{ident}'", status=404, param=param, code=f"{what.replace(' ', '_')}_not_found")
+
+
+def missing_api_key() -> ApiError:
+    return ApiError(
+        "You didn't provide an API key. Use the header 'Authorization: Bearer <your API key>'.",
+        status=401, type=AUTHENTICATION, code="missing_api_key",
+    )  # fmt: skip
+
+
+def invalid_api_key() -> ApiError:
+    return ApiError(
+        "Incorrect API key provided, or the key has been revoked.",
+        status=401, type=AUTHENTICATION, code="invalid_api_key",
+    )  # fmt: skip
+
+
+def internal_token_required(setting: str, given: bool) -> ApiError:
+    """For the platform's internal endpoints (the pool, the replicas, /metrics): an API key is not
+    enough there. ``setting`` names the variable whose value opens them."""
+    if given:
+        return ApiError(
+            f"The bearer token provided is not this platform's {setting}.",
+            status=401, type=AUTHENTICATION, code="invalid_internal_token",
+        )  # fmt: skip
+    return ApiError(
+        f"This endpoint is internal: send the header 'Authorization: Bearer <{setting}>'.",
+        status=401, type=AUTHENTICATION, code="missing_internal_token",
+    )  # fmt: skip
+
+
+def invalid_body(detail: str) -> ApiError:
+    return ApiError(f"The request body is not usable: {detail}", code="invalid_request_body")
+
+
+def invalid_fields(exc: ValidationError, hint: str = "") -> ApiError:
+    """A body that failed a pydantic model: its first problem, with the field's dotted path."""
+    problem = exc.errors()[0]
+    where = ".".join(str(part) for part in problem.get("loc", ())) or "body"
+    return invalid_body(f"{where}: {problem['msg']}{hint}")
+
+
+def unknown_field(name: str, endpoint: str) -> ApiError:
+    # OpenAI's words for it. vLLM itself would ignore the field, and the caller would never learn
+    # that it did nothing (``guided_json``, gone from vLLM, is the usual one).
+    return ApiError(
+        f"Unrecognized request argument supplied: '{name}'. /v1/{endpoint} takes OpenAI's fields and "
+        "vLLM's sampling extensions (see the README's Limits); for constrained output use response_format "
+        "or structured_outputs.",
+        param=name, code="unknown_parameter",
+    )  # fmt: skip
+
+
+def over_limit(param: str, what: str, value: int | float, limit: int, setting: str, unit: str = "") -> ApiError:
+    """``what`` names what was counted (``"'n'"``, ``"The number of messages"``), in ``unit``."""
+    return ApiError(
+        f"{what} is {value:,}{unit}; this platform allows at most {limit:,}{unit} ({setting}).",
+        param=param, code="limit_exceeded",
+    )  # fmt: skip
+
+
+def not_a_number(param: str) -> ApiError:
+    return ApiError(f"'{param}' must be a number.", param=param, code="invalid_type")
+
+
+def model_not_found(name: str) -> ApiError:
+    # The same answer whether the model does not exist or belongs to someone else.
+    return ApiError(
+        f"The model `{name}` does not exist or you do not have access to it.",
+        status=404, param="model", code="model_not_found",
+    )  # fmt: skip
+
+
+def adapter_not_found(name: str) -> ApiError:
+    return ApiError(
+        f"The fine-tuned model `{name}` has no adapter in the dynamic LoRA path (it was deleted, or is not "
+        "published yet).",
+        status=404, param="model", code="adapter_not_found",
+    )  # fmt: skip
+
+
+def adapter_rank_too_large(name: str, rank: int, max_rank: int) -> ApiError:
+    return ApiError(
+        f"The fine-tuned model `{name}` has LoRA rank {rank}, more than this deployment serves "
+        f"(max_lora_rank {max_rank}). Retrain it with a rank of at most {max_rank}.",
+        param="model", code="adapter_rank_too_large",
+    )  # fmt: skip
+
+
+def adapter_invalid(name: str, detail: str) -> ApiError:
+    return ApiError(
+        f"The adapter of `{name}` cannot be loaded: {detail}. Republish it; other models are not affected.",
+        status=500, type=SERVER, param="model", code="adapter_invalid",
+    )  # fmt: skip
+
+
+def no_replica(model_id: str) -> ApiError:
+    return ApiError(
+        f"No replica of `{model_id}` is ready: they are starting or restarting (a CPU engine needs about a "
+        "minute). Retry shortly.",
+        status=503, type=UNAVAILABLE, code="no_replica_available", retry_after_s=5,
+    )  # fmt: skip
+
+
+def pool_unreachable(detail: str) -> ApiError:
+    return ApiError(
+        f"The inference pool cannot be reached ({detail}). Retry shortly.",
+        status=503, type=UNAVAILABLE, code="pool_unavailable", retry_after_s=2,
+    )  # fmt: skip
+
+
+def replica_lost(detail: str) -> ApiError:
+    # Not retried on another replica: the request may have reached this one, and a generation must
+    # never run twice. The client decides (the official clients retry a 503 after Retry-After).
+    return ApiError(
+        f"The model replica stopped answering after it received your request ({detail}). It was not "
+        "sent again, so it cannot have run twice. Retry.",
+        status=503, type=UNAVAILABLE, code="replica_unavailable", retry_after_s=1,
+    )  # fmt: skip
+
+
+def adapter_store_unavailable(name: str, detail: str) -> ApiError:
+    return ApiError(
+        f"The adapter of `{name}` is not on this replica yet and its dynamic LoRA path cannot be read "
+        f"right now ({detail}). Retry shortly; models already loaded keep answering.",
+        status=503, type=UNAVAILABLE, param="model", code="adapter_store_unavailable", retry_after_s=5,
+    )  # fmt: skip
+
+
+def pool_timeout(detail: str) -> ApiError:
+    return ApiError(f"The inference pool did not answer in time: {detail}", status=504, type=SERVER, code="timeout")
+
+
+def replica_failed(detail: str) -> ApiError:
+    return ApiError(f"The model replica failed while answering: {detail}", status=502, type=SERVER, code="replica_error")
+
+
+def method_not_allowed(method: str) -> ApiError:
+    return ApiError(f"Use {method} for this endpoint.", status=405, code="method_not_allowed")
+
+
+_CONTEXT_LENGTH = re.compile(r"maximum context length|max_model_len|exceeds this limit", re.IGNORECASE)
+
+
+def from_replica(status: int, raw: bytes) -> ApiError:
+    """Reshape a vLLM error (``type`` like ``BadRequestError``, ``code`` the HTTP status) into ours."""
+    try:
+        error = json.loads(raw)["error"]
+        message = str(error.get("message") or raw[:500].decode(errors="replace"))
+        param = error.get("param") if isinstance(error.get("param"), str) else None
+    except (ValueError, KeyError, TypeError, AttributeError):
+        message, param = raw[:500].decode(errors="replace") or f"HTTP {status}", None
+    if status == 401:  # the replica refused the pool's token: nothing the caller can fix
+        return replica_failed(f"the replica refused the pool's INTERNAL_TOKEN ({message})")
+    if status == 400 and _CONTEXT_LENGTH.search(message):
+        return ApiError(message, param=param or "messages", code="context_length_exceeded")
+    if status < 500:
+        return ApiError(message, status=status, param=param)
+    return replica_failed(message)

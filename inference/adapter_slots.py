@@ -90,7 +90,7 @@ class AdapterSlots:
     def over_capacity(self) -> bool:
         return len(self.held) > self.capacity
 
-    def victims(self, keep: str | None = None, count_loading: bool = True) -> list[str]:
+    def victims(self, count_loading: bool = True) -> list[str]:
         """Idle adapters to evict, least recently used first, to get back within capacity.
 
         Before a load, adapters being loaded count too (room is made ahead); after one, only held
@@ -100,7 +100,7 @@ class AdapterSlots:
         if excess <= 0:
             return []
         now = time.monotonic()
-        chosen = [name for name in self.held if name != keep and name not in self.loading and self.idle(name, now)]
+        chosen = [name for name in self.held if name not in self.loading and self.idle(name, now)]
         chosen = chosen[:excess]
         for name in chosen:
             del self.held[name]  # at once, so a concurrent load does not pick the same one

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from core.adapter_store import CONFIG_FILE, WEIGHTS_FILE, AdapterStore, LocalAdapterStore, StoreUnavailable
-from inference import errors
+from core import api_errors
 from inference.metrics import Metrics
 
 REMOTE_VERSION_TTL_S = 1.0  # how long an S3 version answer is trusted (a found one; never a missing one)
@@ -53,7 +53,7 @@ class AdapterSource:
             try:
                 return await lookup
             except StoreUnavailable as exc:
-                raise errors.adapter_store_unavailable(name, str(exc)) from None
+                raise api_errors.adapter_store_unavailable(name, str(exc)) from None
         try:
             return await asyncio.wait_for(lookup, 0 if self._store_down else KNOWN_VERSION_WAIT_S)
         except (TimeoutError, StoreUnavailable):
@@ -124,16 +124,16 @@ def check_adapter(name: str, folder: Path, max_rank: int) -> None:
     try:
         config = json.loads(config_path.read_text())
     except FileNotFoundError:
-        raise errors.adapter_invalid(name, f"{CONFIG_FILE} is missing") from None
+        raise api_errors.adapter_invalid(name, f"{CONFIG_FILE} is missing") from None
     except (ValueError, UnicodeDecodeError) as exc:
-        raise errors.adapter_invalid(name, f"{CONFIG_FILE} is not valid JSON ({exc})") from None
+        raise api_errors.adapter_invalid(name, f"{CONFIG_FILE} is not valid JSON ({exc})") from None
     if not isinstance(config, dict):
-        raise errors.adapter_invalid(name, f"{CONFIG_FILE} is not a JSON object")
+        raise api_errors.adapter_invalid(name, f"{CONFIG_FILE} is not a JSON object")
     if not (folder / WEIGHTS_FILE).is_file():
-        raise errors.adapter_invalid(name, f"{WEIGHTS_FILE} is missing")
+        raise api_errors.adapter_invalid(name, f"{WEIGHTS_FILE} is missing")
     raw_ranks = [config.get("r")] + list((config.get("rank_pattern") or {}).values())
     ranks = [rank for rank in raw_ranks if isinstance(rank, int) and rank > 0]
     if len(ranks) < len(raw_ranks):
-        raise errors.adapter_invalid(name, f"{CONFIG_FILE} has no valid LoRA rank 'r'")
+        raise api_errors.adapter_invalid(name, f"{CONFIG_FILE} has no valid LoRA rank 'r'")
     if max(ranks) > max_rank:
-        raise errors.adapter_rank_too_large(name, max(ranks), max_rank)
+        raise api_errors.adapter_rank_too_large(name, max(ranks), max_rank)

@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from core.adapter_store import AdapterNotFound, CorruptAdapter, StoreUnavailable, version_of_folder
-from inference import adapter_slots, errors
+from core import api_errors
+from inference import adapter_slots
 from inference.adapter_slots import AdapterSlots, HeldAdapter
 from inference.adapter_source import AdapterSource, check_adapter
 from inference.metrics import Metrics
@@ -65,7 +66,7 @@ class AdapterManager:
         version = await source.version(name)
         if version is None:
             self.retire_everywhere(name)
-            raise errors.adapter_not_found(name)
+            raise api_errors.adapter_not_found(name)
         slots = replica.adapters
         if slots.version(name) == version:
             slots.touch(name)
@@ -85,15 +86,15 @@ class AdapterManager:
         try:
             folder = await source.folder(name, version)
         except AdapterNotFound:
-            raise errors.adapter_not_found(name) from None
+            raise api_errors.adapter_not_found(name) from None
         except CorruptAdapter as exc:
             self.metrics.adapter_loads.labels(base.id, "failed").inc()
-            raise errors.adapter_invalid(name, f"its files do not match their checksums ({exc})") from None
+            raise api_errors.adapter_invalid(name, f"its files do not match their checksums ({exc})") from None
         except StoreUnavailable as exc:
-            raise errors.adapter_store_unavailable(name, str(exc)) from None
+            raise api_errors.adapter_store_unavailable(name, str(exc)) from None
         try:
             check_adapter(name, folder, base.lora.max_lora_rank)
-        except errors.ApiError:
+        except api_errors.ApiError:
             self.metrics.adapter_loads.labels(base.id, "failed").inc()
             raise
         slots = replica.adapters
@@ -144,7 +145,7 @@ class AdapterManager:
         for base_id, name in held:
             try:
                 deleted = await self.sources[base_id].version(name) is None
-            except errors.ApiError:  # the store cannot say (S3 down): keep it until it can
+            except api_errors.ApiError:  # the store cannot say (S3 down): keep it until it can
                 continue
             if deleted:
                 self.retire_everywhere(name)
@@ -180,10 +181,10 @@ class AdapterManager:
             self.metrics.adapter_loads.labels(replica.model.id, "failed").inc()
             message = _vllm_message(response)
             if "greater than max_lora_rank" in message:
-                raise errors.ApiError(f"`{name}`: {message}", param="model", code="adapter_rank_too_large")
+                raise api_errors.ApiError(f"`{name}`: {message}", param="model", code="adapter_rank_too_large")
             if response.status_code == 404:
                 message = f"the replica at {replica.url} cannot read {folder} ({message})"
-            raise errors.adapter_invalid(name, message)
+            raise api_errors.adapter_invalid(name, message)
         self.metrics.adapter_loads.labels(replica.model.id, "loaded").inc()
         self.metrics.adapter_load_seconds.labels(replica.model.id).observe(time.perf_counter() - started)
         log.info("loaded %s on %s in %.2f s", name, replica.url, time.perf_counter() - started)

@@ -21,7 +21,7 @@ from starlette.responses import Response, StreamingResponse
 
 from core.catalog import Catalog
 from core.model_names import is_valid_suffix, parse_model_name
-from inference import errors
+from core import api_errors
 from inference.adapters import AdapterManager, ReplicaUnavailable
 from inference.http_client import (
     Poster,
@@ -49,7 +49,7 @@ _ENGINE_DEAD = b"EngineCore encountered an issue"  # vLLM's EngineDeadError mess
 class _TryAnother(Exception):
     """This attempt failed in a way another attempt can fix."""
 
-    def __init__(self, failure: errors.ApiError, skip_replica: bool):
+    def __init__(self, failure: api_errors.ApiError, skip_replica: bool):
         self.failure, self.skip_replica = failure, skip_replica
 
 
@@ -63,22 +63,22 @@ class CompletionsHandler:
         name = parse_model_name(fields.model)
         base = self.catalog.get(name.base_model_id)
         if base is None or (name.suffix is not None and not is_valid_suffix(name.suffix)):
-            raise errors.model_not_found(fields.model)
+            raise api_errors.model_not_found(fields.model)
         request = _Request(body, endpoint, str(name), base.id, name.suffix is not None, fields.stream, started)
         try:
             return await self._forward(request)
-        except errors.ApiError as exc:
+        except api_errors.ApiError as exc:
             self._count(request, exc.status)
             raise
 
     async def _forward(self, request: _Request) -> Response:
         skip: set[Replica] = set()
-        failure = errors.no_replica(request.base_id)
+        failure = api_errors.no_replica(request.base_id)
         for _ in range(MAX_ATTEMPTS):
             candidates = [replica for replica in self.pool.ready(request.base_id) if replica not in skip]
             replica = choose_replica(candidates, request.model, request.adapter)
             if replica is None:
-                raise errors.no_replica(request.base_id)
+                raise api_errors.no_replica(request.base_id)
             try:
                 return await self._attempt(replica, request)
             except _TryAnother as retry:
@@ -109,10 +109,10 @@ class CompletionsHandler:
         except UpstreamBroken as exc:
             done()
             replica.mark_down(str(exc))
-            raise errors.replica_lost(str(exc)) from None
+            raise api_errors.replica_lost(str(exc)) from None
         except UpstreamTimeout as exc:
             done()
-            raise errors.replica_failed(str(exc)) from None
+            raise api_errors.replica_failed(str(exc)) from None
         except BaseException:
             done()
             raise
@@ -120,7 +120,7 @@ class CompletionsHandler:
             upstream.close()
             done()
             replica.adapters.forget(model)  # the next attempt loads it again
-            raise _TryAnother(errors.replica_failed(f"{replica.url} does not keep `{model}` loaded"), False)
+            raise _TryAnother(api_errors.replica_failed(f"{replica.url} does not keep `{model}` loaded"), False)
         if request.stream and upstream.status < 400:
             return StreamingResponse(
                 self._relay(upstream, done, request),
@@ -135,14 +135,14 @@ class CompletionsHandler:
             raw = await upstream.read()
         except UpstreamError as exc:
             done.replica.mark_down(str(exc))
-            raise errors.replica_lost(str(exc)) from None
+            raise api_errors.replica_lost(str(exc)) from None
         finally:
             done()
         if upstream.status >= 500 and _ENGINE_DEAD in raw:
             # Its engine process died; the server answers until it notices and exits.
             raise _down(done.replica, "its engine died")
         if upstream.status >= 400:
-            raise errors.from_replica(upstream.status, raw)
+            raise api_errors.from_replica(upstream.status, raw)
         self._count(request, upstream.status, first_byte=True)
         return Response(raw, status_code=upstream.status, media_type=_JSON)
 
@@ -160,7 +160,7 @@ class CompletionsHandler:
             # The headers are sent already: the error travels as one more event, as vLLM does it.
             done.replica.mark_down(str(exc))
             status = 502
-            yield b"data: " + json.dumps(errors.replica_failed(str(exc)).body()).encode() + b"\n\n"
+            yield b"data: " + json.dumps(api_errors.replica_failed(str(exc)).body()).encode() + b"\n\n"
         finally:
             upstream.close()  # a client that went away: the replica sees the connection drop and stops
             done()
@@ -188,7 +188,7 @@ class _Request:
 
 def _down(replica: Replica, reason: str) -> _TryAnother:
     replica.mark_down(reason)
-    return _TryAnother(errors.no_replica(replica.model.id), skip_replica=True)
+    return _TryAnother(api_errors.no_replica(replica.model.id), skip_replica=True)
 
 
 class _Done:

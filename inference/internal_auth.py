@@ -16,7 +16,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from core.api_errors import send_asgi
 from core.internal_token import presents
-from inference import errors
+from core import api_errors
 
 # The variable vLLM itself reads for --api-key: the pool passes the token to a replica this way,
 # in its environment (readable by its own user only), not on its command line (readable by anyone
@@ -43,7 +43,7 @@ class RequireInternalToken:
         if scope["type"] == "websocket":
             await send({"type": "websocket.close", "code": 1008})
             return
-        await send_asgi(errors.internal_token_required(self.setting, given=authorization is not None), send)
+        await send_asgi(api_errors.internal_token_required(self.setting, given=authorization is not None), send)
 
 
 class ReplicaGuard(RequireInternalToken):

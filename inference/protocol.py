@@ -15,7 +15,7 @@ from typing import Any, Literal
 import pydantic_core
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from inference import errors
+from core import api_errors
 
 
 class RoutedFields(BaseModel):
@@ -34,7 +34,7 @@ def routed_fields(body: bytes) -> RoutedFields:
     try:
         return RoutedFields.model_validate_json(body)
     except ValidationError as exc:
-        raise errors.invalid_fields(exc, _HINT) from None
+        raise api_errors.invalid_fields(exc, _HINT) from None
 
 
 @dataclass(frozen=True)
@@ -50,11 +50,11 @@ def parse_request(body: bytes) -> ParsedRequest:
     try:
         data = pydantic_core.from_json(body)
     except ValueError as exc:
-        raise errors.invalid_body(f"body: Invalid JSON: {exc}{_HINT}") from None
+        raise api_errors.invalid_body(f"body: Invalid JSON: {exc}{_HINT}") from None
     try:
         return ParsedRequest(RoutedFields.model_validate(data), data)
     except ValidationError as exc:
-        raise errors.invalid_fields(exc, _HINT) from None
+        raise api_errors.invalid_fields(exc, _HINT) from None
 
 
 # What a caller may send: OpenAI's request fields that vLLM implements, and the vLLM extensions

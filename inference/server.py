@@ -22,7 +22,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from core.internal_token import bearer
-from inference import errors
+from core import api_errors
 from inference.adapters import AdapterManager
 from inference.completions import CompletionsHandler
 from inference.http_client import HttpClient, Poster
@@ -79,7 +79,7 @@ def create_app(pool: Pool, adapters: AdapterManager, http: Poster, metrics: Metr
     async def prometheus(request: Request) -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
-    async def api_error(request: Request, exc: errors.ApiError) -> Response:
+    async def api_error(request: Request, exc: api_errors.ApiError) -> Response:
         return Response(exc.json_bytes(), exc.status, exc.headers(), media_type="application/json")
 
     return Starlette(
@@ -90,7 +90,7 @@ def create_app(pool: Pool, adapters: AdapterManager, http: Poster, metrics: Metr
             Route("/metrics", prometheus),
         ],
         # Starlette types every handler as taking any Exception, though it calls this one only with an ApiError.
-        exception_handlers={errors.ApiError: api_error},  # type: ignore[dict-item]
+        exception_handlers={api_errors.ApiError: api_error},  # type: ignore[dict-item]
         middleware=[Middleware(RequireInternalToken, token=internal_token)],
         lifespan=lifespan,
     )

@@ -27,9 +27,8 @@ from core.datasets import Example
 from core.model_names import ModelName
 from core.object_store import ObjectNotFound
 from finetuning import jobs, storage
-from finetuning.events import record_event
 from finetuning.files import load_examples
-from finetuning.models import FINISHED_STATUSES, Checkpoint, File, FineTuningJob, JobStatus
+from finetuning.models import FINISHED_STATUSES, Checkpoint, File, FineTuningJob, JobStatus, record_event
 from server.database_outage import DATABASE_ERRORS
 from workers.db_retry import retrying
 from workers.heartbeat import Heartbeat

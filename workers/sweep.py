@@ -19,8 +19,7 @@ from django.utils import timezone
 from kombu.exceptions import OperationalError
 
 from finetuning import jobs
-from finetuning.events import record_event
-from finetuning.models import FineTuningJob, JobStatus
+from finetuning.models import FineTuningJob, JobStatus, record_event
 from server.celery import TRAIN_JOB, TRAINING_QUEUE, queue_consumers, waiting_task_args
 from workers.run_job import drop_training_states
 

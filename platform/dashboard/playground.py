@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from inference import errors
+from core import api_errors
 
 MAX_MESSAGES = 100
 MAX_MESSAGE_CHARS = 20_000
@@ -40,6 +40,6 @@ def completion_body(raw: bytes) -> bytes:
     try:
         chat = PlaygroundChat.model_validate_json(raw)
     except ValidationError as exc:
-        raise errors.invalid_fields(exc) from None
+        raise api_errors.invalid_fields(exc) from None
     body = chat.model_dump() | {"stream": True, "stream_options": {"include_usage": True}}
     return json.dumps(body).encode()

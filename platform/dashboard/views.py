@@ -17,14 +17,13 @@ from dashboard.forms import ApiKeyForm, JobForm, UploadForm, show_api_error
 from dashboard.organizations import switch_organization, with_organization
 from dashboard.playground import completion_body
 from finetuning import files, jobs
-from finetuning.fine_tuned_models import delete_fine_tuned_model
 from finetuning.models import File, FineTunedModel, FineTuningJob
-from finetuning.registry import list_usable_models
+from finetuning.registry import delete_fine_tuned_model, list_usable_models
 from finetuning.representations import event_object, job_object
 from gateway import metrics as gateway_metrics
-from gateway.completions import complete_for_organization
-from gateway.pool_status import PoolUnavailable, replicas_serving
-from gateway.views import error_response, pool_response
+from gateway.completions import complete_for_organization, pool_response
+from gateway.pool import PoolUnavailable, replicas_serving
+from server.api_errors import api_error
 
 PREVIEW_EXAMPLES = 5
 PAGE_SIZE = 50
@@ -186,7 +185,7 @@ async def playground_chat(request: HttpRequest) -> HttpResponse:
         answer = await complete_for_organization(request.organization, completion_body(request.body), "chat/completions")
         response = pool_response(answer)
     except ApiError as exc:
-        response = error_response(exc)
+        response = api_error(exc)
     gateway_metrics.REQUESTS.labels("playground", str(response.status_code)).inc()
     return response
 

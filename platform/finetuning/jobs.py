@@ -38,14 +38,12 @@ from kombu.exceptions import OperationalError
 
 from accounts.locks import lock_organization
 from accounts.models import Organization
-from core.api_errors import ApiError
+from core.api_errors import ApiError, not_found
 from core.catalog import BaseModel
 from core.config import LIMIT_SETTINGS
 from core.rate_limits import RATE_LIMIT_TYPE
 from core.model_names import ModelName, is_valid_suffix
-from finetuning.events import record_event
-from finetuning.models import File, FineTunedModel, FineTuningJob, JobStatus
-from server.api_errors import not_found
+from finetuning.models import File, FineTunedModel, FineTuningJob, JobStatus, record_event
 from server.celery import TRAIN_JOB, TRAINING_QUEUE, send
 
 log = logging.getLogger(__name__)

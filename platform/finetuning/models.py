@@ -6,13 +6,21 @@ rows are invisible (they answer 404, as if they did not exist).
 
 from __future__ import annotations
 
+import secrets
+import string
 from functools import partial
 
 from django.conf import settings
 from django.db import models
 
 from accounts.models import Organization
-from finetuning.ids import new_id
+
+_ID_ALPHABET = string.ascii_letters + string.digits
+
+
+def new_id(prefix: str) -> str:
+    """OpenAI-shaped object ids: a type prefix and 24 random characters (``ftjob-abc...``)."""
+    return prefix + "-" + "".join(secrets.choice(_ID_ALPHABET) for _ in range(24))
 
 
 class OrgQuerySet(models.QuerySet):
@@ -40,7 +48,7 @@ class File(models.Model):
 
 
 class JobStatus(models.TextChoices):
-    VALIDATING_FILES = "validating_files"
+    # No "validating_files": a job's files are checked before it is created (``finetuning.jobs``).
     QUEUED = "queued"
     RUNNING = "running"
     SUCCEEDED = "succeeded"
@@ -63,12 +71,11 @@ class FineTuningJob(models.Model):
     seed = models.IntegerField()
     hyperparameters = models.JSONField()  # resolved values: no "auto" left once the job is created
     metadata = models.JSONField(null=True, blank=True)
-    status = models.CharField(max_length=20, choices=JobStatus.choices, default=JobStatus.VALIDATING_FILES)
+    status = models.CharField(max_length=20, choices=JobStatus.choices, default=JobStatus.QUEUED)
     fine_tuned_model = models.CharField(max_length=300, null=True, blank=True)
     trained_tokens = models.BigIntegerField(null=True, blank=True)
     error_code = models.CharField(max_length=64, blank=True, default="")
     error_message = models.TextField(blank=True, default="")
-    error_param = models.CharField(max_length=64, blank=True, default="")
     created_at = models.DateTimeField(auto_now_add=True)
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
@@ -136,3 +143,8 @@ class FineTunedModel(models.Model):
 
     class Meta:
         ordering = ["-created_at"]
+
+
+def record_event(job: FineTuningJob, message: str, *, level: str = "info", data: dict | None = None) -> JobEvent:
+    """What happened to a job, as the user reads it: a message, or (with ``data``) training metrics."""
+    return JobEvent.objects.create(job=job, message=message, level=level, type="metrics" if data else "message", data=data)

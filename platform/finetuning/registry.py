@@ -1,4 +1,5 @@
-"""Which models an organization may use: the catalog's base models and its own fine-tuned ones.
+"""Which models an organization may use: the catalog's base models and its own fine-tuned ones;
+and deleting a fine-tuned one.
 
 The inference gateway asks here before it routes a request, so a model that is not listed for the
 caller is "not found", whether or not it exists for someone else.
@@ -10,10 +11,12 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 
 from django.conf import settings
+from django.db import transaction
 
 from accounts.models import Organization
 from core.model_names import parse_model_name
-from finetuning.models import FineTunedModel
+from finetuning import storage
+from finetuning.models import Checkpoint, FineTunedModel
 
 SYSTEM_OWNER = "system"
 _EPOCH = datetime(2024, 1, 1, tzinfo=timezone.utc)  # catalog models have no creation date of their own
@@ -54,3 +57,21 @@ def resolve_model(organization: Organization, name: str) -> UsableModel | None:
         return _base(parsed.base_model_id)
     model = FineTunedModel.objects.for_org(organization).filter(name=name).first()
     return _fine_tuned(model, organization) if model else None
+
+
+def delete_fine_tuned_model(model: FineTunedModel) -> None:
+    """Take a fine-tuned model out of the registry and the dynamic path.
+
+    Retention: a job's checkpoints (the adapter saved at each epoch end) are kept as long as the model
+    the job made, and go with it: deleting the model deletes its adapter, its checkpoints' files and
+    their rows. The job itself, its events and its training file stay. (Training states, which only
+    served a resume, are dropped as soon as the job finishes.) The inference pool unloads the adapter
+    from every replica and drops its cached copies within seconds."""
+    # Registry first: from this moment the gateway answers "not found", whatever the stores hold.
+    with transaction.atomic():
+        Checkpoint.objects.filter(job_id=model.job_id).delete()
+        model.delete()
+    base = settings.MODEL_CATALOG.get(model.base_model)
+    if base is not None:
+        storage.adapters(base.lora.dynamic_lora_loading_path).delete(model.name)
+    storage.files().delete_prefix(storage.checkpoints_prefix(model.job_id))

@@ -28,7 +28,7 @@ def file_object(file: File) -> dict:
 
 
 def job_object(job: FineTuningJob) -> dict:
-    error = {"code": job.error_code, "message": job.error_message, "param": job.error_param or None} if job.error_code else None
+    error = {"code": job.error_code, "message": job.error_message, "param": None} if job.error_code else None
     hp = job.hyperparameters
     return {
         "id": job.id,

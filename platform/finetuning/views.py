@@ -11,13 +11,12 @@ from rest_framework.renderers import JSONRenderer
 from rest_framework.request import Request
 from rest_framework.response import Response
 
-from core.api_errors import ApiError
+from core.api_errors import ApiError, not_found
 from finetuning import files, jobs
 from finetuning.models import File, FineTuningJob
 from finetuning.pagination import list_page
 from finetuning.representations import checkpoint_object, event_object, file_object, job_object
 from finetuning.serializers import FileUploadSerializer, JobCreateSerializer
-from server.api_errors import not_found
 
 
 class AnyAcceptRenderer(JSONRenderer):

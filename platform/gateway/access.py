@@ -27,12 +27,11 @@ from accounts.services import authenticate_key
 from asgiref.sync import sync_to_async
 from django.db import close_old_connections
 from core.api_errors import ApiError
-from finetuning.fine_tuned_models import delete_fine_tuned_model
 from finetuning.models import FineTunedModel
-from finetuning.registry import UsableModel, list_usable_models, resolve_model
+from finetuning.registry import UsableModel, delete_fine_tuned_model, list_usable_models, resolve_model
 from server.database_outage import outage_as_api_error
 
-from inference import errors
+from core import api_errors
 
 GRANT_TTL_S = 1.0
 _MAX_GRANTS = 10_000  # a bound on memory, far above the callers one process serves in a second
@@ -51,7 +50,7 @@ def _api_key(raw_key: str) -> ApiKey:
     close_old_connections()  # what Django does at each request start, for this thread's connection
     api_key = authenticate_key(raw_key)
     if api_key is None:
-        raise errors.invalid_api_key()
+        raise api_errors.invalid_api_key()
     return api_key
 
 
@@ -86,7 +85,7 @@ def _delete_model(api_key: ApiKey, model: UsableModel) -> None:
         )  # fmt: skip
     fine_tuned = FineTunedModel.objects.for_org(organization).filter(name=model.name).first()
     if fine_tuned is None:  # deleted a moment ago by another request
-        raise errors.model_not_found(model.name)
+        raise api_errors.model_not_found(model.name)
     delete_fine_tuned_model(fine_tuned)
 
 

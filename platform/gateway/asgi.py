@@ -33,12 +33,12 @@ def with_fast_path(django_application: ASGIApp) -> ASGIApp:
     """Call with Django's ASGI application: the handler's imports need Django set up first."""
     from gateway import metrics as gateway_metrics
     from gateway.completions import STREAM_HEADERS, complete
-    from inference import errors
+    from core import api_errors
 
     async def answer(request: Request, endpoint: str) -> Response:
         try:
             result = await complete(request.headers.get("authorization"), await request.body(), endpoint)
-        except errors.ApiError as exc:
+        except api_errors.ApiError as exc:
             return _error(exc)
         except Exception:  # a bug: the client gets the API's 500, the log gets the traceback
             log.exception("Internal Server Error: %s", request.url.path)

@@ -15,13 +15,14 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from accounts.models import Organization
+from django.http import HttpResponse, StreamingHttpResponse
 from django.conf import settings
 from gateway.access import authorize, organization_model
 from gateway.cache_salt import cache_salt, with_cache_salt
 from gateway.limits import check_completion_rate, estimated_tokens
-from gateway.pool_client import pool_http, pool_url
+from gateway.pool import pool_http, pool_url
 from gateway.request_limits import check_request
-from inference import errors
+from core import api_errors
 from inference.http_client import UpstreamError, UpstreamResponse, UpstreamTimeout
 from inference.protocol import ParsedRequest, parse_request
 
@@ -41,7 +42,7 @@ class PoolAnswer:
 def bearer_key(authorization: str | None) -> str:
     scheme, _, raw_key = (authorization or "").partition(" ")
     if scheme != "Bearer" or not raw_key.strip():
-        raise errors.missing_api_key()
+        raise api_errors.missing_api_key()
     return raw_key.strip()
 
 
@@ -55,14 +56,14 @@ async def complete(authorization: str | None, body: bytes, endpoint: str) -> Poo
     raw_key = bearer_key(authorization)
     try:
         request = checked_request(body, endpoint)
-    except errors.ApiError:
+    except api_errors.ApiError:
         await authorize(raw_key, None)  # a bad key is a 401 even when the body is also wrong
         raise
     access = await authorize(raw_key, request.routed.model)
     tokens = estimated_tokens(request.data, endpoint, access.model)
     await check_completion_rate(access.api_key.organization_id, access.api_key.pk, tokens)
     if access.model is None:
-        raise errors.model_not_found(request.routed.model)
+        raise api_errors.model_not_found(request.routed.model)
     return await _forward(_salted(body, request, access.api_key.organization_id), request.routed.stream, endpoint)
 
 
@@ -72,7 +73,7 @@ async def complete_for_organization(organization: Organization, body: bytes, end
     model = await organization_model(organization, request.routed.model)
     await check_completion_rate(organization.pk, tokens=estimated_tokens(request.data, endpoint, model))
     if model is None:
-        raise errors.model_not_found(request.routed.model)
+        raise api_errors.model_not_found(request.routed.model)
     return await _forward(_salted(body, request, organization.pk), request.routed.stream, endpoint)
 
 
@@ -96,10 +97,10 @@ async def _forward(body: bytes, stream: bool, endpoint: str) -> PoolAnswer:
     return PoolAnswer(upstream.status, content_type, body=raw, headers={"Retry-After": retry_after} if retry_after else {})
 
 
-def _unreachable(exc: UpstreamError) -> errors.ApiError:
+def _unreachable(exc: UpstreamError) -> api_errors.ApiError:
     if isinstance(exc, UpstreamTimeout):
-        return errors.pool_timeout(str(exc))
-    return errors.pool_unreachable(str(exc))
+        return api_errors.pool_timeout(str(exc))
+    return api_errors.pool_unreachable(str(exc))
 
 
 async def _relay(upstream: UpstreamResponse) -> AsyncIterator[bytes]:
@@ -108,3 +109,12 @@ async def _relay(upstream: UpstreamResponse) -> AsyncIterator[bytes]:
             yield chunk
     finally:
         upstream.close()  # also when the client goes away: the pool then stops the generation
+
+
+def pool_response(answer: PoolAnswer) -> HttpResponse:
+    """The pool's answer as it came: a stream stays a stream."""
+    if answer.stream is not None:
+        return StreamingHttpResponse(
+            answer.stream, status=answer.status, content_type=answer.content_type, headers=STREAM_HEADERS
+        )
+    return HttpResponse(answer.body, status=answer.status, content_type=answer.content_type, headers=answer.headers)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from core.config import Limit, RequestLimits
-from inference import errors
+from core import api_errors
 from inference.protocol import REQUEST_FIELDS
 
 
@@ -34,7 +34,7 @@ def check_request(data: dict[str, Any], endpoint: str, limits: RequestLimits) ->
     allowed = REQUEST_FIELDS[endpoint]
     for name in data:
         if name not in allowed:
-            raise errors.unknown_field(name, endpoint)
+            raise api_errors.unknown_field(name, endpoint)
     for name, limit in _numeric_caps(endpoint, limits).items():
         value = data.get(name)
         if value is None:
@@ -42,18 +42,18 @@ def check_request(data: dict[str, Any], endpoint: str, limits: RequestLimits) ->
         # vLLM's models are lax: they would take "9" or 9e9 as a count, so a string is refused
         # here and a float is compared as the number it is.
         if not isinstance(value, int | float):
-            raise errors.not_a_number(name)
+            raise api_errors.not_a_number(name)
         if value > limit.value:
-            raise errors.over_limit(name, f"'{name}'", value, limit.value, limit.setting)
+            raise api_errors.over_limit(name, f"'{name}'", value, limit.value, limit.setting)
     prompt = data.get(prompt_field(endpoint))
     if endpoint == "chat/completions" and isinstance(prompt, list) and len(prompt) > limits.messages.value:
         limit = limits.messages
-        raise errors.over_limit("messages", "The number of messages", len(prompt), limit.value, limit.setting)
+        raise api_errors.over_limit("messages", "The number of messages", len(prompt), limit.value, limit.setting)
     chars = prompt_chars(prompt)
     if chars > limits.prompt_chars.value:
         limit = limits.prompt_chars
         what = f"The text of '{prompt_field(endpoint)}'"
-        raise errors.over_limit(prompt_field(endpoint), what, chars, limit.value, limit.setting, unit=" characters")
+        raise api_errors.over_limit(prompt_field(endpoint), what, chars, limit.value, limit.setting, unit=" characters")
 
 
 def prompt_field(endpoint: str) -> str:

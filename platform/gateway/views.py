@@ -1,19 +1,24 @@
-"""Thin views: method check, error shaping and counting in ``openai_endpoint``; work in the modules."""
+"""Thin views: method check, error shaping and counting in ``openai_endpoint``; work in the modules.
+
+The two completion views stay beside the ASGI fast path (``gateway.asgi``, which answers first
+under uvicorn): they serve WSGI, Django's test client and the schema fuzzer, and name the URLs.
+"""
 
 from __future__ import annotations
 
 import functools
 
 import httpx
-from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
+from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 
 from gateway import metrics as gateway_metrics
 from gateway.access import authorize, delete_model, usable_models
-from gateway.completions import STREAM_HEADERS, PoolAnswer, bearer_key, complete
-from gateway.pool_client import pool_client, pool_url
-from inference import errors
+from gateway.completions import bearer_key, complete, pool_response
+from gateway.pool import pool_client, pool_url
+from core import api_errors
 from inference.protocol import ModelCard, ModelList
+from server.api_errors import api_error
 from server.monitoring import from_monitoring
 
 
@@ -26,29 +31,16 @@ def openai_endpoint(name: str, *methods: str):
         async def wrapper(request: HttpRequest, *args, **kwargs) -> HttpResponse:
             try:
                 if request.method not in methods:
-                    raise errors.method_not_allowed(" or ".join(methods))
+                    raise api_errors.method_not_allowed(" or ".join(methods))
                 response = await view(request, *args, **kwargs)
-            except errors.ApiError as exc:
-                response = error_response(exc)
+            except api_errors.ApiError as exc:
+                response = api_error(exc)
             gateway_metrics.REQUESTS.labels(name, str(response.status_code)).inc()
             return response
 
         return wrapper
 
     return decorate
-
-
-def error_response(exc: errors.ApiError) -> HttpResponse:
-    return HttpResponse(exc.json_bytes(), status=exc.status, content_type="application/json", headers=exc.headers())
-
-
-def pool_response(answer: PoolAnswer) -> HttpResponse:
-    """The pool's answer as it came: a stream stays a stream."""
-    if answer.stream is not None:
-        return StreamingHttpResponse(
-            answer.stream, status=answer.status, content_type=answer.content_type, headers=STREAM_HEADERS
-        )
-    return HttpResponse(answer.body, status=answer.status, content_type=answer.content_type, headers=answer.headers)
 
 
 async def _completion(request: HttpRequest, endpoint: str) -> HttpResponse:
@@ -82,7 +74,7 @@ async def model(request: HttpRequest, model: str) -> HttpResponse:
     """Retrieve a model, or (DELETE, as OpenAI's API) delete a fine-tuned model of the caller's."""
     access = await authorize(bearer_key(request.headers.get("Authorization")), model)
     if access.model is None:
-        raise errors.model_not_found(model)
+        raise api_errors.model_not_found(model)
     if request.method == "DELETE":
         await delete_model(access.api_key, access.model)
         return JsonResponse({"id": model, "object": "model", "deleted": True})
@@ -94,7 +86,7 @@ async def metrics(request: HttpRequest) -> HttpResponse:
     operator's scraper only, as they name every organization's models."""
     if not from_monitoring(request):
         given = "Authorization" in request.headers
-        return error_response(errors.internal_token_required("MONITORING_TOKEN", given=given))
+        return api_error(api_errors.internal_token_required("MONITORING_TOKEN", given=given))
     text = gateway_metrics.render()
     try:
         response = await pool_client().get(pool_url("/metrics"), timeout=2.0)

@@ -8,7 +8,7 @@ from django.conf import settings
 from django.db import connection
 
 from core.redis_ping import redis_problem
-from gateway.pool_status import PoolUnavailable, pool_health
+from gateway.pool import PoolUnavailable, pool_health
 from server.celery import REQUIRED_QUEUES, queue_consumers
 
 TIMEOUT_S = 1.0

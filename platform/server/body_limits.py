@@ -48,7 +48,7 @@ def with_body_limits(application: ASGIApp) -> ASGIApp:
     from django.urls import reverse
     from dashboard.forms import file_too_large_message
     from gateway.asgi import ENDPOINTS
-    from server.errors import too_large_page
+    from server.api_errors import too_large_page
 
     kinds = dict.fromkeys(ENDPOINTS, "completion") | dict.fromkeys(
         (reverse("file-list"), reverse("dashboard:datasets")), "upload"

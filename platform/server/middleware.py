@@ -9,7 +9,7 @@ from django.utils.deprecation import MiddlewareMixin
 from django.utils.log import log_response
 
 from server.database_outage import as_api_error
-from server.errors import bad_request, for_api, not_found, permission_denied, server_error, unavailable
+from server.api_errors import bad_request, for_api, page_not_found, permission_denied, server_error, unavailable
 
 
 class ViewExceptionMiddleware(MiddlewareMixin):
@@ -27,7 +27,7 @@ class ViewExceptionMiddleware(MiddlewareMixin):
         if error is not None:
             return unavailable(request, error)
         if not for_api(request):
-            return None  # Django's own handling: its debug pages in development, server.errors in production
+            return None  # Django's own handling: its debug pages in development, server.api_errors in production
         response = _api_answer(request, exception)
         # Logged as Django logs the exceptions it handles itself: with the traceback and the request.
         log_response(
@@ -39,7 +39,7 @@ class ViewExceptionMiddleware(MiddlewareMixin):
 def _api_answer(request: HttpRequest, exception: Exception) -> HttpResponse:
     """The status Django would give the exception, with the API's body."""
     if isinstance(exception, Http404):
-        return not_found(request, exception)
+        return page_not_found(request, exception)
     if isinstance(exception, PermissionDenied):
         return permission_denied(request, exception)
     if isinstance(exception, (BadRequest, SuspiciousOperation, MultiPartParserError)):

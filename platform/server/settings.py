@@ -26,7 +26,7 @@ SECURE_HSTS_INCLUDE_SUBDOMAINS = True
 SILENCED_SYSTEM_CHECKS = ["security.W021"]
 # Debug pages hide settings named like secrets (TOKEN, KEY, SECRET, ...); ours also hides URLs and
 # backends, which may embed a password (CELERY_BROKER_URL, CELERY_RESULT_BACKEND).
-DEFAULT_EXCEPTION_REPORTER_FILTER = "server.errors.SecretsHidingFilter"
+DEFAULT_EXCEPTION_REPORTER_FILTER = "server.api_errors.SecretsHidingFilter"
 
 INSTALLED_APPS = [
     "django.contrib.admin",
@@ -135,7 +135,7 @@ CELERY_TASK_PUBLISH_RETRY_POLICY = {"max_retries": 2, "interval_start": 0, "inte
 CELERY_BROKER_TRANSPORT_OPTIONS = {"socket_connect_timeout": 2, "socket_timeout": 5}
 
 INFERENCE_POOL_URL = CONFIG.inference_pool_url
-INTERNAL_TOKEN = CONFIG.internal_token  # sent to the pool with every call (gateway.pool_client)
+INTERNAL_TOKEN = CONFIG.internal_token  # sent to the pool with every call (gateway.pool)
 MONITORING_TOKEN = CONFIG.monitoring_token  # opens /metrics and the detail of /healthz
 
 # Bodies are capped by server.body_limits before Django reads them. Django's own caps must not

@@ -3,7 +3,7 @@ from drf_spectacular.views import SpectacularAPIView, SpectacularRedocView
 
 from health.views import healthz
 from server.canonical_paths import without_trailing_slash
-from server.errors import unknown_api_path
+from server.api_errors import unknown_api_path
 
 urlpatterns = [
     path("healthz", healthz, name="healthz"),
@@ -18,7 +18,7 @@ urlpatterns = [
     re_path(r"^.+/$", without_trailing_slash),
 ]
 
-handler400 = "server.errors.bad_request"
-handler403 = "server.errors.permission_denied"
-handler404 = "server.errors.not_found"
-handler500 = "server.errors.server_error"
+handler400 = "server.api_errors.bad_request"
+handler403 = "server.api_errors.permission_denied"
+handler404 = "server.api_errors.page_not_found"
+handler500 = "server.api_errors.server_error"

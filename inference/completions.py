@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 from starlette.responses import Response, StreamingResponse
 
+from core import api_errors
 from core.catalog import Catalog
 from core.model_names import is_valid_suffix, parse_model_name
-from core import api_errors
 from inference.adapters import AdapterManager, ReplicaUnavailable
 from inference.http_client import (
     Poster,

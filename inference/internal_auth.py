@@ -14,9 +14,9 @@ import os
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from core import api_errors
 from core.api_errors import send_asgi
 from core.internal_token import presents
-from core import api_errors
 
 # The variable vLLM itself reads for --api-key: the pool passes the token to a replica this way,
 # in its environment (readable by its own user only), not on its command line (readable by anyone

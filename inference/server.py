@@ -21,8 +21,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from core.internal_token import bearer
 from core import api_errors
+from core.internal_token import bearer
 from inference.adapters import AdapterManager
 from inference.completions import CompletionsHandler
 from inference.http_client import HttpClient, Poster

@@ -26,12 +26,12 @@ from accounts.permissions import may_manage
 from accounts.services import authenticate_key
 from asgiref.sync import sync_to_async
 from django.db import close_old_connections
+from core import api_errors
 from core.api_errors import ApiError
 from finetuning.models import FineTunedModel
 from finetuning.registry import UsableModel, delete_fine_tuned_model, list_usable_models, resolve_model
 from server.database_outage import outage_as_api_error
 
-from core import api_errors
 
 GRANT_TTL_S = 1.0
 _MAX_GRANTS = 10_000  # a bound on memory, far above the callers one process serves in a second

@@ -14,15 +14,16 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from accounts.models import Organization
-from django.http import HttpResponse, StreamingHttpResponse
 from django.conf import settings
+from django.http import HttpResponse, StreamingHttpResponse
+
+from accounts.models import Organization
+from core import api_errors
 from gateway.access import authorize, organization_model
 from gateway.cache_salt import cache_salt, with_cache_salt
 from gateway.limits import check_completion_rate, estimated_tokens
 from gateway.pool import pool_http, pool_url
 from gateway.request_limits import check_request
-from core import api_errors
 from inference.http_client import UpstreamError, UpstreamResponse, UpstreamTimeout
 from inference.protocol import ParsedRequest, parse_request
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from core.config import Limit, RequestLimits
 from core import api_errors
+from core.config import Limit, RequestLimits
 from inference.protocol import REQUEST_FIELDS
 
 

@@ -12,11 +12,11 @@ import httpx
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 
+from core import api_errors
 from gateway import metrics as gateway_metrics
 from gateway.access import authorize, delete_model, usable_models
 from gateway.completions import bearer_key, complete, pool_response
 from gateway.pool import pool_client, pool_url
-from core import api_errors
 from inference.protocol import ModelCard, ModelList
 from server.api_errors import api_error
 from server.monitoring import from_monitoring

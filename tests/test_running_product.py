@@ -26,6 +26,9 @@ pytestmark = [pytest.mark.product, pytest.mark.engine, pytest.mark.training]
 
 BASE = "HuggingFaceTB/SmolLM2-135M-Instruct"
 REDIS_URL = "redis://127.0.0.1:6379/13"  # the platform's own database: neither the suite's nor a user's
+# Low enough for a few chats to reach it (each charged its prompt and max_tokens, or the whole
+# 2,048-token context without max_tokens), as an operator's .env would set it.
+TOKENS_PER_MINUTE_PER_KEY = 12_000
 TIMINGS = ROOT / "test-artifacts" / "product-timings.json"
 FINISHED = ("succeeded", "failed", "cancelled")
 
@@ -33,7 +36,8 @@ FINISHED = ("succeeded", "failed", "cancelled")
 @pytest.fixture(scope="module")
 def platform(tmp_path_factory):
     redis.Redis.from_url(REDIS_URL).flushdb()  # no message from an earlier run
-    with bin_run(tmp_path_factory.mktemp("platform"), REDIS_URL) as running:
+    settings = {"TOKENS_PER_MINUTE_PER_KEY": str(TOKENS_PER_MINUTE_PER_KEY)}
+    with bin_run(tmp_path_factory.mktemp("platform"), REDIS_URL, settings=settings) as running:
         yield running
 
 
@@ -92,11 +96,29 @@ def test_a_job_created_with_the_openai_client_trains_and_its_model_streams_then_
         client.chat.completions.create(model=job.fine_tuned_model, messages=[{"role": "user", "content": "Hi"}])
     assert job.fine_tuned_model not in [model.id for model in client.models.list()]
 
+    tokens_per_minute(client)
+
     TIMINGS.parent.mkdir(parents=True, exist_ok=True)
     TIMINGS.write_text(json.dumps(
         {"created_to_running_s": running_s, "created_to_succeeded_s": succeeded_s, "created_to_first_token_s": first_token_s},
         indent=2,
     ))  # fmt: skip
+
+
+def tokens_per_minute(client: openai.OpenAI) -> None:
+    """A request alone over the key's tokens per minute is a 400; a burst within it goes until the
+    minute's tokens are spent, then a 429 with Retry-After."""
+    hello = [{"role": "user", "content": "Say hi"}]
+    with pytest.raises(openai.BadRequestError) as too_large:
+        client.chat.completions.create(model=BASE, messages=hello, n=8)  # up to 8 x 2,048 tokens
+    assert too_large.value.code == "request_too_large" and "TOKENS_PER_MINUTE_PER_KEY" in too_large.value.message
+    answered = 0
+    with pytest.raises(openai.RateLimitError) as refused:
+        for _ in range(2 * (TOKENS_PER_MINUTE_PER_KEY // 2_000 + 1)):  # twice: the minute may end midway
+            client.chat.completions.create(model=BASE, messages=hello, max_tokens=2_000)  # 2,002 tokens charged each
+            answered += 1
+    assert answered >= TOKENS_PER_MINUTE_PER_KEY // 2_002 - 1  # the stream above spent a few tokens of this minute
+    assert refused.value.body["type"] == "tokens" and 1 <= int(refused.value.response.headers["Retry-After"]) <= 60
 
 
 def test_a_job_started_from_the_dashboard_form_trains_on_the_same_running_platform(platform, page, tmp_path):

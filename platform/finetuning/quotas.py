@@ -20,7 +20,7 @@ from accounts.models import Organization
 from core.api_errors import ApiError
 from core.config import LIMIT_SETTINGS
 from core.rate_limits import Limit, charge
-from finetuning.models import File
+from finetuning.models import File, FineTunedModel
 
 HOUR_S = 3600
 
@@ -44,15 +44,23 @@ def check_storage(organization: Organization, size: int, locked: bool = False) -
     if locked:
         lock_organization(organization.pk)
     quota = settings.CONFIG.limits.storage_bytes_per_organization
-    kept = File.objects.for_org(organization).aggregate(total=Sum("bytes"))["total"] or 0
+    kept = stored_bytes(organization)
     if kept + size > quota:
         setting = LIMIT_SETTINGS["storage_bytes_per_organization"]
         raise ApiError(
             f"Storing this file ({human_size(size)}) would take {organization.name} past its storage quota of "
-            f"{human_size(quota)} ({setting}); its files take {human_size(kept)}. Delete files it no longer "
+            f"{human_size(quota)} ({setting}); its files and uploaded adapters take {human_size(kept)}. Delete what it no longer "
             "needs, or ask the platform's operators to raise the quota.",
             status=403, param="file", code="storage_quota_exceeded",
         )  # fmt: skip
+
+
+def stored_bytes(organization: Organization) -> int:
+    """What the organization keeps: its files, and the adapters it uploaded (trained ones are the
+    platform's work, and do not count)."""
+    files = File.objects.for_org(organization).aggregate(total=Sum("bytes"))["total"] or 0
+    adapters = FineTunedModel.objects.for_org(organization).aggregate(total=Sum("uploaded_bytes"))["total"] or 0
+    return files + adapters
 
 
 def human_size(n: int) -> str:

@@ -47,10 +47,11 @@ def unpack(archive: Path, into: Path, max_bytes: int) -> None:
         if name in names:
             raise invalid_adapter(f"the archive holds {name} twice")
         names.add(name)
-        if name in IGNORED_FILES:
-            continue
-        if size > max_bytes - written:
+        if size > max_bytes - written:  # a member skipped is decompressed too: it counts
             raise adapter_too_large(max_bytes)
+        if name in IGNORED_FILES:
+            written += size
+            continue
         with stream() as source, (into / name).open("wb") as target:
             for block in iter(lambda: source.read(_CHUNK), b""):
                 written += len(block)

@@ -148,7 +148,7 @@ def models(request: HttpRequest) -> HttpResponse:
     rows = []
     for model in list_usable_models(request.organization):
         lineage = fine_tuned.get(model.name)
-        dataset = datasets.get(lineage.job.training_file) if lineage else None
+        dataset = datasets.get(lineage.job.training_file) if lineage and lineage.job else None
         rows.append((model, lineage, dataset, serving.get(model.name, 0)))
     return render(request, "dashboard/models.html", {"models": rows, "pool_problem": pool_problem})
 

@@ -1,12 +1,12 @@
 """What an organization may upload: files per hour (a rate, in Redis) and bytes kept (a quota, in
-the database).
+the database). Uploaded adapters (``finetuning.adapters``) count against both, as datasets do.
 
 The hourly rate counts every upload that gets as far as being read and validated, accepted or not:
 it protects the platform's time as much as its disk. Like the completion rates it is not enforced
-while Redis is down (``core.rate_limits``). The storage quota is the sum of the organization's
-files' sizes, checked before the file is stored and again under the organization's lock in the
-transaction that adds its row, so two uploads at once cannot both take the last of it (the loser's
-bytes are deleted again); it is refused with 403, not 429, because waiting does not help: only
+while Redis is down (``core.rate_limits``). The storage quota is the sum of the sizes of the
+organization's files and uploaded adapters, checked before the file is stored and again under the
+organization's lock in the transaction that adds its row, so two uploads at once cannot both take
+the last of it (the loser's bytes are deleted again); it is refused with 403, not 429, because waiting does not help: only
 deleting files does.
 """
 

@@ -19,6 +19,8 @@ from safetensors.numpy import save_file
 from core.adapter_store import CONFIG_FILE, WEIGHTS_FILE
 from finetuning import storage
 from finetuning.models import Checkpoint, File, FineTunedModel, FineTuningJob
+from tests.personas import good_dataset
+from tests.test_files_api import upload
 from tests.inference_fixtures import BASE, adapter_store, make_adapter, register_fine_tuned_model  # noqa: F401
 from workers.run_job import run_job
 
@@ -169,6 +171,9 @@ def test_a_downloaded_adapter_uploaded_under_another_suffix_is_listed_and_stored
     assert alice.api.get(adapter_url(copy)).status_code == 200
     again = send(alice, archive, "copy")
     assert again.status_code == 409 and again.json()["error"]["code"] == "suffix_taken"
+    training_file = upload(alice, good_dataset(12)).json()["id"]
+    job = alice.api.post("/v1/fine_tuning/jobs", {"model": BASE, "training_file": training_file, "suffix": "copy"}, format="json")
+    assert job.status_code == 409 and job.json()["error"]["code"] == "suffix_taken"
 
 
 def test_a_zip_of_the_peft_folder_with_its_readme_is_accepted(alice, adapter):

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
+from core.config import ADAPTER_UPLOAD_LIMIT_SETTING
+
 if TYPE_CHECKING:
     from starlette.types import Send
 
@@ -179,6 +181,34 @@ def adapter_invalid(name: str, detail: str) -> ApiError:
     return ApiError(
         f"The adapter of `{name}` cannot be loaded: {detail}. Republish it; other models are not affected.",
         status=500, type=SERVER, param="model", code="adapter_invalid",
+    )  # fmt: skip
+
+
+def invalid_adapter(problem: str) -> ApiError:
+    """An uploaded adapter the platform cannot serve; ``problem`` says what is wrong with it."""
+    return ApiError(f"The adapter cannot be accepted: {problem}.", param="file", code="invalid_adapter")
+
+
+def adapter_too_large(limit_bytes: int) -> ApiError:
+    return ApiError(
+        f"The adapter cannot be accepted: its archive, or its files once unpacked, take more than "
+        f"{limit_bytes // (1024 * 1024)} MB ({ADAPTER_UPLOAD_LIMIT_SETTING}).",
+        param="file", code="adapter_too_large",
+    )  # fmt: skip
+
+
+def adapter_store_unreachable(name: str, detail: str) -> ApiError:
+    return ApiError(
+        f"The adapter of `{name}` cannot be read or written right now: its dynamic LoRA path does not answer "
+        f"({detail}). Nothing was changed; retry shortly.",
+        status=503, type=UNAVAILABLE, param="model", code="adapter_store_unavailable", retry_after_s=5,
+    )  # fmt: skip
+
+
+def suffix_taken(name: str) -> ApiError:
+    return ApiError(
+        f"The suffix is taken: '{name}' already exists or is being trained.",
+        status=409, param="suffix", code="suffix_taken",
     )  # fmt: skip
 
 

@@ -75,6 +75,7 @@ def _request_limits() -> RequestLimits:
 
 
 UPLOAD_LIMIT_SETTING = "MAX_UPLOAD_MB"
+ADAPTER_UPLOAD_LIMIT_SETTING = "MAX_ADAPTER_UPLOAD_MB"
 
 LORA_KERNELS_SETTING = "LORA_KERNELS"
 FINESERVE_KERNELS, STOCK_KERNELS = "fineserve", "stock"
@@ -153,6 +154,8 @@ class Config:
     dynamic_lora_path: str  # a local folder or s3://bucket/prefix
     files_path: str  # uploaded datasets and checkpoints: a local folder or s3://bucket/prefix
     max_upload_bytes: int  # in bytes; UPLOAD_LIMIT_SETTING gives it in MiB
+    # An uploaded adapter's archive, and its files once unpacked; ADAPTER_UPLOAD_LIMIT_SETTING in MiB.
+    max_adapter_upload_bytes: int
     request_limits: RequestLimits
     min_training_examples: int
     s3: S3Settings
@@ -260,6 +263,7 @@ def load_config() -> Config:
         dynamic_lora_path=_storage_location("DYNAMIC_LORA_PATH", data_dir / "adapters"),
         files_path=_storage_location("FILES_PATH", data_dir / "files"),
         max_upload_bytes=env_int(UPLOAD_LIMIT_SETTING, 100, minimum=1) * 1024 * 1024,
+        max_adapter_upload_bytes=env_int(ADAPTER_UPLOAD_LIMIT_SETTING, 200, minimum=1) * 1024 * 1024,
         request_limits=_request_limits(),
         min_training_examples=env_int("MIN_TRAINING_EXAMPLES", 10, minimum=1),
         s3=S3Settings(

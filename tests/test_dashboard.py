@@ -344,3 +344,12 @@ def test_api_paths_are_not_redirected(client, alice):
     assert client.get("/v1/files", headers=headers).status_code == 200  # as the OpenAI client asks
     slashed = client.get("/v1/files/", headers=headers)
     assert slashed.status_code == 404 and slashed.json()["error"]["code"]  # the API's JSON 404, as before
+
+
+def test_the_models_page_lists_an_uploaded_adapter_which_has_no_job(alice_web, alice, settings):
+    settings.INFERENCE_POOL_URL = "http://127.0.0.1:9"  # which models are loaded does not matter here
+    FineTunedModel.objects.create(name=f"{BASE}:uploaded", organization=alice.organization, job=None, base_model=BASE,
+                                  suffix="uploaded", uploaded_bytes=1000)
+    page = alice_web.get(reverse("dashboard:models")).content.decode()
+    row = page[page.index(f'data-model="{BASE}:uploaded"'):]
+    assert "uploaded adapter (trained elsewhere)" in row[: row.index("</tr>")]

@@ -172,6 +172,20 @@ async def test_it_answers_a_browsers_dashboard_form_with_a_page_and_the_api_with
         assert response.status_code == 413 and _error(response)["code"] == "request_too_large"
 
 
+async def test_an_adapter_upload_has_its_own_cap(web, alice, settings):
+    """Above the default body cap (1 MiB) but under MAX_ADAPTER_UPLOAD_MB: the archive itself is looked at."""
+    settings.CONFIG = dataclasses.replace(settings.CONFIG, max_adapter_upload_bytes=4 * 1024 * 1024)
+    form = {"data": {"model": BASE, "suffix": "capped"}}
+    looked_at = await web.post(
+        "/v1/fine_tuning/adapters", headers=_bearer(alice), files={"file": ("a.tar.gz", b"x" * 2_000_000)}, **form
+    )
+    assert looked_at.status_code == 400 and _error(looked_at)["code"] == "invalid_adapter"
+    over = await web.post(
+        "/v1/fine_tuning/adapters", headers=_bearer(alice), files={"file": ("a.tar.gz", b"x" * 5_000_000)}, **form
+    )
+    assert over.status_code == 413 and "MAX_ADAPTER_UPLOAD_MB" in _error(over)["message"]
+
+
 async def test_it_still_accepts_an_upload_under_the_cap(web, alice):
     response = await web.post("/v1/files", headers=_bearer(alice), **_multipart(good_dataset(12)))
     assert response.status_code == 200, response.text

@@ -26,7 +26,7 @@ from core.catalog import BaseModel
 from core.datasets import Example
 from core.model_names import ModelName
 from core.object_store import ObjectNotFound
-from finetuning import jobs, storage
+from finetuning import jobs, results, storage
 from finetuning.files import load_examples
 from finetuning.models import FINISHED_STATUSES, Checkpoint, File, FineTuningJob, JobStatus, record_event
 from server.database_outage import DATABASE_ERRORS
@@ -172,8 +172,10 @@ def _publish(job: FineTuningJob, heartbeat: Heartbeat, result: TrainingResult) -
     store = storage.adapters(model.lora.dynamic_lora_loading_path)
     assert result.adapter_dir is not None  # None only for a cancelled run, which publishes nothing
     store.publish(name, result.adapter_dir)
-    if retrying(jobs.succeed, job, heartbeat.attempt, name, result.trained_tokens, result.final_train_loss):
+    results_file = retrying(results.store_results_file, job)
+    if retrying(jobs.succeed, job, heartbeat.attempt, name, result.trained_tokens, result.final_train_loss, results_file):
         return
+    results.discard(results_file)
     if retrying(jobs.status_of, job.pk) == JobStatus.CANCELLED:
         store.delete(name)  # cancelled while publishing: take the adapter back down
     # Otherwise another attempt runs the job now: its own publish replaces this adapter, and

@@ -140,7 +140,7 @@ def job_cancel(request: HttpRequest, job_id: str) -> HttpResponse:
 def models(request: HttpRequest) -> HttpResponse:
     """Every usable model with, for a fine-tuned one, its job and dataset; and where each is loaded."""
     fine_tuned = {model.name: model for model in FineTunedModel.objects.for_org(request.organization).select_related("job")}
-    datasets = File.objects.for_org(request.organization).in_bulk([model.job.training_file for model in fine_tuned.values()])
+    datasets = File.objects.for_org(request.organization).in_bulk([model.job.training_file for model in fine_tuned.values() if model.job])
     try:
         serving, pool_problem = replicas_serving(), None
     except PoolUnavailable as exc:
@@ -148,7 +148,7 @@ def models(request: HttpRequest) -> HttpResponse:
     rows = []
     for model in list_usable_models(request.organization):
         lineage = fine_tuned.get(model.name)
-        dataset = datasets.get(lineage.job.training_file) if lineage else None
+        dataset = datasets.get(lineage.job.training_file) if lineage and lineage.job else None
         rows.append((model, lineage, dataset, serving.get(model.name, 0)))
     return render(request, "dashboard/models.html", {"models": rows, "pool_problem": pool_problem})
 

@@ -19,7 +19,7 @@ from accounts.models import Organization
 from core.api_errors import ApiError
 from core.config import UPLOAD_LIMIT_SETTING
 from core.datasets import Dataset, Example, parse_dataset
-from finetuning import quotas, storage
+from finetuning import quotas, results, storage
 from finetuning.models import FINISHED_STATUSES, File, FineTuningJob
 from finetuning.tokens import default_model, token_counter
 
@@ -87,6 +87,10 @@ def upload_too_large(size: int) -> ApiError:
         f"The file is {quotas.human_size(size)}; the limit is {quotas.human_size(limit)} ({UPLOAD_LIMIT_SETTING}).",
         status=413, param="file", code="file_too_large",
     )  # fmt: skip
+
+
+def content_type(file: File) -> str:
+    return "text/csv" if file.purpose == results.PURPOSE else "application/jsonl"
 
 
 def file_content(file: File) -> bytes:

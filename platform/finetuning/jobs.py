@@ -38,7 +38,7 @@ from kombu.exceptions import OperationalError
 
 from accounts.locks import lock_organization
 from accounts.models import Organization
-from core.api_errors import ApiError, not_found
+from core.api_errors import ApiError, not_found, suffix_taken
 from core.catalog import BaseModel
 from core.config import LIMIT_SETTINGS
 from core.rate_limits import RATE_LIMIT_TYPE
@@ -67,7 +67,7 @@ class JobRequest:
     metadata: dict | None = None
 
 
-def _base_model(model_id: str) -> BaseModel:
+def catalog_model(model_id: str) -> BaseModel:
     model = settings.MODEL_CATALOG.get(model_id)
     if model is None:
         available = ", ".join(settings.MODEL_CATALOG.ids)
@@ -87,7 +87,7 @@ def _file(organization: Organization, file_id: str, param: str, model: BaseModel
     return file
 
 
-def _suffix(requested: str | None) -> str:
+def chosen_suffix(requested: str | None) -> str:
     if requested is None:
         return "ft-" + secrets.token_hex(4)  # the platform names it; the unique constraint still guards
     if not is_valid_suffix(requested):
@@ -144,11 +144,13 @@ def _check_queued_cap(organization: Organization) -> None:
 
 def create_job(organization: Organization, user: User | None, request: JobRequest) -> FineTuningJob:
     _check_queued_cap(organization)  # a soft cap: two requests at once may both pass it
-    model = _base_model(request.model)
+    model = catalog_model(request.model)
     training = _file(organization, request.training_file, "training_file", model)
     validation = _file(organization, request.validation_file, "validation_file", model) if request.validation_file else None
-    suffix = _suffix(request.suffix)
+    suffix = chosen_suffix(request.suffix)
     hyperparameters = resolve_hyperparameters(request.hyperparameters, training.example_count, model)
+    if FineTunedModel.objects.filter(name=str(ModelName(model.id, suffix))).exists():  # an uploaded adapter's
+        raise suffix_taken(str(ModelName(model.id, suffix)))
     try:
         with transaction.atomic():
             job = FineTuningJob.objects.create(
@@ -163,10 +165,7 @@ def create_job(organization: Organization, user: User | None, request: JobReques
             # Only after the commit can a worker see the job; a rolled-back job is never sent.
             transaction.on_commit(lambda: _send_or_503(job))
     except IntegrityError:
-        raise ApiError(
-            f"Suffix '{suffix}' is taken for {model.id}: '{ModelName(model.id, suffix)}' already exists or is being trained.",
-            status=409, param="suffix", code="suffix_taken",
-        ) from None  # fmt: skip
+        raise suffix_taken(str(ModelName(model.id, suffix))) from None
     return job
 
 
@@ -372,15 +371,20 @@ def heartbeat(job_id: str, attempt: int, **fields) -> bool:
     return bool(_this_attempt(job_id, attempt).update(heartbeat_at=timezone.now(), **fields))
 
 
-def succeed(job: FineTuningJob, attempt: int, name: str, trained_tokens: int, final_loss: float | None) -> bool:
-    """running -> succeeded, with its model in the registry; False when this attempt lost the job
-    meanwhile (cancelled, or another attempt runs it)."""
+def succeed(
+    job: FineTuningJob, attempt: int, name: str, trained_tokens: int, final_loss: float | None, results: File | None = None
+) -> bool:
+    """running -> succeeded, with its model in the registry and its ``results`` file (stored, not yet
+    saved: ``finetuning.results``); False when this attempt lost the job meanwhile (cancelled, or
+    another attempt runs it)."""
     with transaction.atomic():
         succeeded = _this_attempt(job.pk, attempt).update(
             status=JobStatus.SUCCEEDED, fine_tuned_model=name, trained_tokens=trained_tokens,
-            finished_at=timezone.now(), estimated_finish=None,
+            finished_at=timezone.now(), estimated_finish=None, result_file=results.id if results else None,
         )  # fmt: skip
         if succeeded:
+            if results is not None:
+                results.save()
             FineTunedModel.objects.create(
                 name=name, organization=job.organization, job=job, base_model=job.model, suffix=job.suffix,
                 final_loss=final_loss,

@@ -87,6 +87,9 @@ class FineTuningJob(models.Model):
     # When the job last entered the queue (created, re-queued, or its lost message sent again):
     # its place in line, and how long its message may take before the sweeper sends it again.
     queued_at = models.DateTimeField(null=True, blank=True)
+    # The id of the File (purpose "fine-tune-results") with the per-step metrics as CSV, written
+    # when the job succeeds: its "result_files", as OpenAI's jobs have.
+    result_file = models.CharField(max_length=40, null=True, blank=True)
 
     objects = OrgQuerySet.as_manager()
 
@@ -129,14 +132,17 @@ class Checkpoint(models.Model):
 
 
 class FineTunedModel(models.Model):
-    """A published adapter: served as ``name`` to its organization until deleted."""
+    """A published adapter: served as ``name`` to its organization until deleted. Trained by a job,
+    or uploaded (``job`` None: trained elsewhere, ``finetuning.adapters``)."""
 
     name = models.CharField(max_length=300, unique=True)  # <base_model_id>:<suffix>
     organization = models.ForeignKey(Organization, on_delete=models.CASCADE, related_name="fine_tuned_models")
-    job = models.OneToOneField(FineTuningJob, on_delete=models.CASCADE, related_name="result")
+    job = models.OneToOneField(FineTuningJob, null=True, blank=True, on_delete=models.CASCADE, related_name="result")
     base_model = models.CharField(max_length=200)
     suffix = models.CharField(max_length=64)
     final_loss = models.FloatField(null=True, blank=True)  # the last training loss, for lineage pages
+    # An uploaded adapter's size, counted against its organization's storage quota like its files.
+    uploaded_bytes = models.BigIntegerField(default=0)
     created_at = models.DateTimeField(auto_now_add=True)
 
     objects = OrgQuerySet.as_manager()

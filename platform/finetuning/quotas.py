@@ -1,12 +1,12 @@
 """What an organization may upload: files per hour (a rate, in Redis) and bytes kept (a quota, in
-the database).
+the database). Uploaded adapters (``finetuning.adapters``) count against both, as datasets do.
 
 The hourly rate counts every upload that gets as far as being read and validated, accepted or not:
 it protects the platform's time as much as its disk. Like the completion rates it is not enforced
-while Redis is down (``core.rate_limits``). The storage quota is the sum of the organization's
-files' sizes, checked before the file is stored and again under the organization's lock in the
-transaction that adds its row, so two uploads at once cannot both take the last of it (the loser's
-bytes are deleted again); it is refused with 403, not 429, because waiting does not help: only
+while Redis is down (``core.rate_limits``). The storage quota is the sum of the sizes of the
+organization's files and uploaded adapters, checked before the file is stored and again under the
+organization's lock in the transaction that adds its row, so two uploads at once cannot both take
+the last of it (the loser's bytes are deleted again); it is refused with 403, not 429, because waiting does not help: only
 deleting files does.
 """
 
@@ -20,7 +20,7 @@ from accounts.models import Organization
 from core.api_errors import ApiError
 from core.config import LIMIT_SETTINGS
 from core.rate_limits import Limit, charge
-from finetuning.models import File
+from finetuning.models import File, FineTunedModel
 
 HOUR_S = 3600
 
@@ -44,15 +44,23 @@ def check_storage(organization: Organization, size: int, locked: bool = False) -
     if locked:
         lock_organization(organization.pk)
     quota = settings.CONFIG.limits.storage_bytes_per_organization
-    kept = File.objects.for_org(organization).aggregate(total=Sum("bytes"))["total"] or 0
+    kept = stored_bytes(organization)
     if kept + size > quota:
         setting = LIMIT_SETTINGS["storage_bytes_per_organization"]
         raise ApiError(
             f"Storing this file ({human_size(size)}) would take {organization.name} past its storage quota of "
-            f"{human_size(quota)} ({setting}); its files take {human_size(kept)}. Delete files it no longer "
+            f"{human_size(quota)} ({setting}); its files and uploaded adapters take {human_size(kept)}. Delete what it no longer "
             "needs, or ask the platform's operators to raise the quota.",
             status=403, param="file", code="storage_quota_exceeded",
         )  # fmt: skip
+
+
+def stored_bytes(organization: Organization) -> int:
+    """What the organization keeps: its files, and the adapters it uploaded (trained ones are the
+    platform's work, and do not count)."""
+    files = File.objects.for_org(organization).aggregate(total=Sum("bytes"))["total"] or 0
+    adapters = FineTunedModel.objects.for_org(organization).aggregate(total=Sum("uploaded_bytes"))["total"] or 0
+    return files + adapters
 
 
 def human_size(n: int) -> str:

@@ -69,9 +69,11 @@ def delete_fine_tuned_model(model: FineTunedModel) -> None:
     from every replica and drops its cached copies within seconds."""
     # Registry first: from this moment the gateway answers "not found", whatever the stores hold.
     with transaction.atomic():
-        Checkpoint.objects.filter(job_id=model.job_id).delete()
+        if model.job_id is not None:  # an uploaded adapter has no job, and no checkpoints
+            Checkpoint.objects.filter(job_id=model.job_id).delete()
         model.delete()
     base = settings.MODEL_CATALOG.get(model.base_model)
     if base is not None:
         storage.adapters(base.lora.dynamic_lora_loading_path).delete(model.name)
-    storage.files().delete_prefix(storage.checkpoints_prefix(model.job_id))
+    if model.job_id is not None:
+        storage.files().delete_prefix(storage.checkpoints_prefix(model.job_id))

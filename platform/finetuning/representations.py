@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from finetuning.models import Checkpoint, File, FineTuningJob, JobEvent
+from finetuning.models import Checkpoint, File, FineTunedModel, FineTuningJob, JobEvent
 
 
 def unix(moment: datetime | None) -> int | None:
@@ -44,7 +44,7 @@ def job_object(job: FineTuningJob) -> dict:
         "method": {"type": "supervised", "supervised": {"hyperparameters": hp}},
         "training_file": job.training_file,
         "validation_file": job.validation_file,
-        "result_files": [],
+        "result_files": [job.result_file] if job.result_file else [],
         "error": error,
         "seed": job.seed,
         "suffix": job.suffix,
@@ -81,4 +81,15 @@ def checkpoint_object(checkpoint: Checkpoint) -> dict:
             "valid_loss": checkpoint.metrics.get("valid_loss"),
             "full_valid_loss": checkpoint.metrics.get("valid_loss"),
         },
+    }
+
+
+def model_object(model: FineTunedModel) -> dict:
+    """As ``/v1/models`` lists it."""
+    return {
+        "id": model.name,
+        "object": "model",
+        "created": unix(model.created_at),
+        "owned_by": model.organization.slug,
+        "parent": model.base_model,
     }

@@ -104,6 +104,12 @@ class JobCreateSerializer(RejectUnknownKeys, serializers.Serializer):
         return JobRequest(**data, hyperparameters=hyperparameters)
 
 
+class AdapterUploadSerializer(serializers.Serializer):
+    file = serializers.FileField(help_text="A .tar.gz or .zip of a PEFT LoRA folder: adapter_config.json and adapter_model.safetensors at its root")
+    model = serializers.CharField(help_text="The base model the adapter was trained on (a catalog model id)")
+    suffix = serializers.CharField(required=False, allow_null=True, trim_whitespace=False, help_text="Served as <model>:<suffix>")
+
+
 class FileUploadSerializer(serializers.Serializer):
     file = serializers.FileField(allow_empty_file=True)  # an empty file gets the dataset's own message
     purpose = serializers.CharField()

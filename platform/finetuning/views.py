@@ -1,22 +1,28 @@
-"""The OpenAI-compatible files and fine-tuning jobs API. Views parse, call a service, shape."""
+"""The OpenAI-compatible files and fine-tuning jobs API, and adapters in and out (downloads of a
+model's or a checkpoint's adapter, uploads of one trained elsewhere). Views parse, call a service,
+shape."""
 
 from __future__ import annotations
 
-from django.http import HttpResponse
+from typing import IO
+
+from django.http import FileResponse, HttpResponse
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, extend_schema, extend_schema_view
 from rest_framework import viewsets
 from rest_framework.decorators import action
+from rest_framework.parsers import FormParser, MultiPartParser
 from rest_framework.renderers import JSONRenderer
 from rest_framework.request import Request
 from rest_framework.response import Response
+from rest_framework.views import APIView
 
-from core.api_errors import ApiError, not_found
-from finetuning import files, jobs
-from finetuning.models import File, FineTuningJob
+from core.api_errors import ApiError, model_not_found, not_found
+from finetuning import adapters, files, jobs
+from finetuning.models import File, FineTunedModel, FineTuningJob
 from finetuning.pagination import list_page
-from finetuning.representations import checkpoint_object, event_object, file_object, job_object
-from finetuning.serializers import FileUploadSerializer, JobCreateSerializer
+from finetuning.representations import checkpoint_object, event_object, file_object, job_object, model_object
+from finetuning.serializers import AdapterUploadSerializer, FileUploadSerializer, JobCreateSerializer
 
 
 class AnyAcceptRenderer(JSONRenderer):
@@ -49,6 +55,12 @@ class OrganizationScoped:
 _ID = OpenApiParameter("id", str, OpenApiParameter.PATH)
 _PAGE = [OpenApiParameter("after", str), OpenApiParameter("limit", int)]
 _documented = extend_schema(responses=OpenApiTypes.OBJECT, parameters=[_ID])
+_ARCHIVE = {(200, "application/gzip"): OpenApiTypes.BINARY}
+
+
+def archive_response(archive: IO[bytes], name: str) -> FileResponse:
+    """An adapter's archive (an open temporary file), streamed in blocks and closed at the end."""
+    return FileResponse(archive, as_attachment=True, filename=adapters.archive_name(name), content_type="application/gzip")
 
 
 @extend_schema_view(
@@ -83,7 +95,7 @@ class FileViewSet(OrganizationScoped, viewsets.ViewSet):
     @action(detail=True, methods=["get"], renderer_classes=[JSONRenderer, AnyAcceptRenderer])
     def content(self, request: Request, pk: str) -> HttpResponse:
         file = self.get_row(request, pk)
-        response = HttpResponse(files.file_content(file), content_type="application/jsonl")
+        response = HttpResponse(files.file_content(file), content_type=files.content_type(file))
         response["Content-Disposition"] = f'attachment; filename="{file.filename}"'
         return response
 
@@ -94,6 +106,10 @@ class FileViewSet(OrganizationScoped, viewsets.ViewSet):
     retrieve=_documented, cancel=extend_schema(request=None, responses=OpenApiTypes.OBJECT, parameters=[_ID]),
     events=extend_schema(responses=OpenApiTypes.OBJECT, parameters=[_ID, *_PAGE]),
     checkpoints=extend_schema(responses=OpenApiTypes.OBJECT, parameters=[_ID, *_PAGE]),
+    checkpoint_adapter=extend_schema(
+        summary="Download a checkpoint's adapter (a PEFT folder as .tar.gz)", responses=_ARCHIVE,
+        parameters=[_ID, OpenApiParameter("checkpoint", str, OpenApiParameter.PATH)],
+    ),
 )
 class JobViewSet(OrganizationScoped, viewsets.ViewSet):
     model, noun = FineTuningJob, "fine-tuning job"
@@ -128,3 +144,48 @@ class JobViewSet(OrganizationScoped, viewsets.ViewSet):
     def checkpoints(self, request: Request, pk: str) -> Response:
         job = self.get_row(request, pk)
         return Response(list_page(request.query_params, job.checkpoints.select_related("job"), checkpoint_object))
+
+    @action(
+        detail=True, methods=["get"], url_path="checkpoints/(?P<checkpoint>[^/]+)/adapter",
+        renderer_classes=[JSONRenderer, AnyAcceptRenderer],
+    )  # fmt: skip
+    def checkpoint_adapter(self, request: Request, pk: str, checkpoint: str) -> FileResponse:
+        row = self.get_row(request, pk).checkpoints.select_related("job").filter(pk=checkpoint).first()
+        if row is None:
+            raise not_found("checkpoint", checkpoint)
+        return archive_response(adapters.checkpoint_archive(row), adapters.checkpoint_name(row))
+
+
+class ModelAdapterView(APIView):
+    """``GET /v1/fine_tuning/models/{model}/adapter``: a fine-tuned model's adapter. (Not under
+    ``/v1/models/``: every path there names a model, and belongs to the gateway.)"""
+
+    renderer_classes = [JSONRenderer, AnyAcceptRenderer]
+
+    @extend_schema(
+        operation_id="v1_fine_tuning_models_adapter_retrieve", responses=_ARCHIVE,
+        summary="Download a fine-tuned model's adapter (a PEFT folder as .tar.gz)",
+        parameters=[OpenApiParameter("model", str, OpenApiParameter.PATH, description="<base_model_id>:<suffix>")],
+    )  # fmt: skip
+    def get(self, request: Request, model: str) -> FileResponse:
+        row = FineTunedModel.objects.for_org(request.auth.organization).filter(name=model).first()
+        if row is None:
+            raise model_not_found(model)
+        return archive_response(adapters.model_archive(row), row.name)
+
+
+class AdapterUploadView(APIView):
+    """``POST /v1/fine_tuning/adapters``: serve an adapter trained elsewhere."""
+
+    parser_classes = [MultiPartParser, FormParser]
+
+    @extend_schema(
+        request={"multipart/form-data": AdapterUploadSerializer}, responses=OpenApiTypes.OBJECT,
+        summary="Upload a PEFT LoRA adapter (.tar.gz or .zip) to serve as <model>:<suffix>",
+    )  # fmt: skip
+    def post(self, request: Request) -> Response:
+        serializer = AdapterUploadSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        data = serializer.validated_data
+        model = adapters.upload_adapter(request.auth.organization, request.user, data["file"], data["model"], data.get("suffix"))
+        return Response(model_object(model))

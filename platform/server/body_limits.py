@@ -3,8 +3,9 @@
 A body is refused before the API key is looked up, before Django spools it to a temporary file
 and before the gateway parses it, so an anonymous caller cannot make the web process read, store
 or parse more than the cap. The cap depends on the path (``RequestLimits``): completions, uploads
-(a dataset, ``MAX_UPLOAD_MB``, plus room for the multipart form around it; ``finetuning.files``
-then checks the file itself), and everything else. A declared ``Content-Length`` over the cap is
+(a dataset, ``MAX_UPLOAD_MB``, or an adapter, ``MAX_ADAPTER_UPLOAD_MB``, plus room for the multipart
+form around it; ``finetuning.files`` and ``finetuning.adapters`` then check the file itself), and
+everything else. A declared ``Content-Length`` over the cap is
 a 413 at once; a body without one (chunked) is counted as it arrives, and refused as soon as it
 passes the cap.
 
@@ -19,7 +20,7 @@ from starlette.responses import HTMLResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from core.api_errors import ApiError, send_asgi
-from core.config import UPLOAD_LIMIT_SETTING, Limit
+from core.config import ADAPTER_UPLOAD_LIMIT_SETTING, UPLOAD_LIMIT_SETTING, Limit
 
 # The multipart envelope around an uploaded file: boundaries, part headers, the purpose field, the
 # dashboard's CSRF token. A few hundred bytes in practice; generous, as the file's own size is
@@ -50,8 +51,10 @@ def with_body_limits(application: ASGIApp) -> ASGIApp:
     from gateway.asgi import ENDPOINTS
     from server.api_errors import too_large_page
 
-    kinds = dict.fromkeys(ENDPOINTS, "completion") | dict.fromkeys(
-        (reverse("file-list"), reverse("dashboard:datasets")), "upload"
+    kinds = (
+        dict.fromkeys(ENDPOINTS, "completion")
+        | dict.fromkeys((reverse("file-list"), reverse("dashboard:datasets")), "upload")
+        | {reverse("fine-tuning-adapter-upload"): "adapter upload"}
     )
 
     def limit_for(path: str) -> Limit:
@@ -62,6 +65,8 @@ def with_body_limits(application: ASGIApp) -> ASGIApp:
             return config.request_limits.completion_body_bytes
         if kind == "upload":
             return Limit(config.max_upload_bytes + MULTIPART_ALLOWANCE_BYTES, UPLOAD_LIMIT_SETTING)
+        if kind == "adapter upload":
+            return Limit(config.max_adapter_upload_bytes + MULTIPART_ALLOWANCE_BYTES, ADAPTER_UPLOAD_LIMIT_SETTING)
         return config.request_limits.request_body_bytes
 
     async def refuse(scope: Scope, receive: Receive, send: Send, limit: Limit, size: int | None) -> None:

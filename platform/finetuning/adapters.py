@@ -1,0 +1,146 @@
+"""Adapters in and out of the platform, as PEFT folders packed in one archive.
+
+Download: a fine-tuned model's adapter, or one of its job's checkpoints, as ``.tar.gz`` with
+``adapter_config.json`` and ``adapter_model.safetensors`` at its root: it loads with
+``PeftModel.from_pretrained`` and with vLLM's ``--lora-modules``. The archive is built in a
+temporary file, never whole in memory, and streamed from there.
+
+Upload: an adapter trained elsewhere, served as ``<base model>:<suffix>`` like a trained one.
+Everything is checked before anything is written (``core.adapter_archive``: the archive;
+``core.adapter_check``: the adapter against the base model), and it counts against the
+organization's upload rate and storage quota as a dataset does.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+from typing import IO
+
+from django.conf import settings
+from django.contrib.auth.models import User
+from django.core.files.uploadedfile import UploadedFile
+from django.db import IntegrityError, transaction
+
+from accounts.models import Organization
+from core.adapter_archive import ADAPTER_FILES, pack, unpack
+from core.adapter_check import check_adapter, served_config
+from core.adapter_store import AdapterNotFound, StoreUnavailable
+from core.api_errors import adapter_not_found, adapter_store_unreachable, adapter_too_large, suffix_taken
+from core.model_names import ModelName
+from core.object_store import ObjectNotFound
+from finetuning import jobs, quotas, storage
+from finetuning.models import Checkpoint, FineTunedModel, FineTuningJob
+
+
+def archive_name(name: str) -> str:
+    """A file name for a model or checkpoint name (``org/model:suffix`` holds '/' and ':')."""
+    return name.replace("/", "--").replace(":", "--") + ".tar.gz"
+
+
+def model_archive(model: FineTunedModel) -> IO[bytes]:
+    """The published adapter of ``model``, packed; the caller streams and closes it."""
+    base = jobs.catalog_model(model.base_model)
+    store = storage.adapters(base.lora.dynamic_lora_loading_path)
+    with tempfile.TemporaryDirectory(prefix="adapter-download-") as cache:
+        try:
+            folder = store.fetch(model.name, Path(cache))  # a local store's own folder; S3's copy in cache
+            return _packed(folder)
+        except AdapterNotFound:
+            raise adapter_not_found(model.name) from None
+        except StoreUnavailable as exc:
+            raise adapter_store_unreachable(model.name, str(exc)) from None
+
+
+def checkpoint_archive(checkpoint: Checkpoint) -> IO[bytes]:
+    """A job's checkpoint (the adapter saved at an epoch's end), packed like a model's adapter."""
+    store = storage.files()
+    with tempfile.TemporaryDirectory(prefix="checkpoint-download-") as folder:
+        try:
+            for name in ADAPTER_FILES:
+                (Path(folder) / name).write_bytes(store.get(f"{checkpoint.storage_key}/{name}"))
+        except ObjectNotFound:
+            raise adapter_not_found(checkpoint_name(checkpoint)) from None
+        return _packed(Path(folder))
+
+
+def checkpoint_name(checkpoint: Checkpoint) -> str:
+    job = checkpoint.job
+    return f"{job.model}:{job.suffix}:ckpt-step-{checkpoint.step_number}"
+
+
+def _packed(folder: Path) -> IO[bytes]:
+    # An unnamed temporary file: gone from the disk as soon as it is closed, whatever happens.
+    archive = tempfile.TemporaryFile()
+    pack(folder, archive)
+    archive.seek(0)
+    return archive
+
+
+def upload_adapter(
+    organization: Organization, user: User | None, upload: UploadedFile, model_id: str, suffix: str | None
+) -> FineTunedModel:
+    """Check an uploaded adapter archive against base model ``model_id``, publish it and register
+    it as ``<model_id>:<suffix>``. Nothing is written unless every check passes."""
+    base = jobs.catalog_model(model_id)
+    name = ModelName(base.id, jobs.chosen_suffix(suffix))
+    limit = settings.CONFIG.max_adapter_upload_bytes
+    if upload.size is None or upload.size > limit:
+        raise adapter_too_large(limit)  # before reading it
+    _check_suffix_free(name)
+    quotas.charge_upload(organization)
+    with tempfile.TemporaryDirectory(prefix="adapter-upload-") as work:
+        folder = Path(work) / "adapter"
+        folder.mkdir()
+        unpack(_on_disk(upload, Path(work)), folder, limit)
+        check_adapter(folder, base)
+        served_config(folder, base.id)
+        size = sum((folder / file).stat().st_size for file in ADAPTER_FILES)
+        quotas.check_storage(organization, size)
+        model = _register(organization, name, size)
+        try:
+            storage.adapters(base.lora.dynamic_lora_loading_path).publish(model.name, folder)
+        except BaseException as exc:
+            model.delete()  # the name is free again; nothing was published
+            if isinstance(exc, StoreUnavailable):
+                raise adapter_store_unreachable(model.name, str(exc)) from None
+            raise
+    return model
+
+
+def _check_suffix_free(name: ModelName) -> None:
+    """The suffix names one adapter for everyone: no model has it, and no job trains it (a job
+    holds its suffix from creation, as it will publish under it)."""
+    if (
+        FineTunedModel.objects.filter(name=str(name)).exists()
+        or FineTuningJob.objects.filter(model=name.base_model_id, suffix=name.suffix).exists()
+    ):
+        raise suffix_taken(str(name))
+
+
+def _register(organization: Organization, name: ModelName, size: int) -> FineTunedModel:
+    """The registry row before the adapter is published, so that of two uploads under one name only
+    one publishes (the unique name decides). Until it is published a request for it is a 404."""
+    try:
+        with transaction.atomic():
+            quotas.check_storage(organization, size, locked=True)
+            _check_suffix_free(name)
+            return FineTunedModel.objects.create(
+                name=str(name), organization=organization, job=None, base_model=name.base_model_id,
+                suffix=name.suffix, uploaded_bytes=size,
+            )  # fmt: skip
+    except IntegrityError:
+        raise suffix_taken(str(name)) from None
+
+
+def _on_disk(upload: UploadedFile, work: Path) -> Path:
+    """The uploaded archive as a file (Django spools a large upload to disk; a small one is in memory)."""
+    path = getattr(upload, "temporary_file_path", None)
+    if path is not None:
+        return Path(path())
+    target = work / "archive"
+    upload.seek(0)
+    with target.open("wb") as out:
+        shutil.copyfileobj(upload, out)
+    return target

@@ -1,0 +1,45 @@
+"""A succeeded job's result file, as OpenAI's jobs have one: its per-step metrics as CSV, a File of
+purpose ``fine-tune-results`` (listed in ``result_files``, read with ``GET /v1/files/{id}/content``)."""
+
+from __future__ import annotations
+
+import csv
+import io
+
+from finetuning import storage
+from finetuning.models import File, FineTuningJob
+
+PURPOSE = "fine-tune-results"
+COLUMNS = ("step", "epoch", "train_loss", "valid_loss", "trained_tokens", "tokens_per_second")
+
+
+def metrics_csv(job: FineTuningJob) -> bytes:
+    """One row a step, from the job's metrics events. A resumed job trained some steps twice (after
+    its last checkpoint): the later attempt's row is the one its adapter comes from."""
+    rows: dict[int, dict] = {}
+    for data in job.events.filter(type="metrics").order_by("created_at", "pk").values_list("data", flat=True):
+        rows[data["step"]] = data
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow(COLUMNS)
+    for step in sorted(rows):
+        writer.writerow(["" if rows[step].get(column) is None else rows[step][column] for column in COLUMNS])
+    return out.getvalue().encode()
+
+
+def store_results_file(job: FineTuningJob) -> File:
+    """Write the CSV to the file store; the File row is saved by whoever marks the job succeeded,
+    in the same transaction (``finetuning.jobs.succeed``), so a job that loses the race leaves
+    only bytes, which it deletes (``discard``)."""
+    data = metrics_csv(job)
+    file = File(
+        organization_id=job.organization_id, filename=f"{job.id}-results.csv", purpose=PURPOSE, bytes=len(data),
+        example_count=0, token_count=0, max_example_tokens=0,
+    )  # fmt: skip
+    file.storage_key = f"files/{job.organization_id}/{file.id}.csv"
+    storage.files().put(file.storage_key, data)
+    return file
+
+
+def discard(file: File) -> None:
+    storage.files().delete_prefix(file.storage_key)

@@ -71,8 +71,9 @@ class LoadReport:
 
     def summary(self) -> str:
         kinds = ", ".join(f"{kind} {self.count(kind)}" for kind in ("answered", "refused", "cut", "lost"))
+        refusals = Counter(outcome.detail for outcome in self.outcomes if outcome.kind == "refused")
         return (
-            f"{len(self.outcomes)} chats ({kinds}); p50 {self.percentile(50):.2f} s, p99 {self.percentile(99):.2f} s; "
+            f"{len(self.outcomes)} chats ({kinds}; refused as {dict(refusals)}); p50 {self.percentile(50):.2f} s, p99 {self.percentile(99):.2f} s; "
             f"{self.jobs_created} jobs, calls {dict(self.job_calls)}, lost jobs {len(self.lost_jobs)}"
         )
 

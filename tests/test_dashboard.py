@@ -97,7 +97,7 @@ def test_an_upload_over_the_storage_quota_is_refused_on_the_page(alice_web, sett
     lower_limits(settings, storage_bytes_per_organization=len(good_dataset(12)) * 3 // 2)
     assert upload(alice_web, good_dataset(12)).status_code == 302
     field = field_block(upload(alice_web, good_dataset(12)).content.decode(), "file")
-    assert "storage quota" in field and "STORAGE_MB_PER_ORGANIZATION" in field and "Delete files" in field
+    assert "storage quota" in field and "STORAGE_MB_PER_ORGANIZATION" in field and "Delete what it no longer needs" in field
     assert File.objects.count() == 1
 
 

@@ -212,6 +212,15 @@ def suffix_taken(name: str) -> ApiError:
     )  # fmt: skip
 
 
+def request_over_token_rate(tokens: int, limit: int, setting: str) -> ApiError:
+    """Waiting would not help: the request alone is over the minute's tokens (``gateway.limits``)."""
+    return ApiError(
+        f"This request may use about {tokens:,} tokens (its prompt and the most it may generate), more than the "
+        f"{limit:,} tokens per minute allowed ({setting}). Set max_tokens lower, or send a shorter prompt.",
+        param="max_tokens", code="request_too_large",
+    )  # fmt: skip
+
+
 def no_replica(model_id: str) -> ApiError:
     return ApiError(
         f"No replica of `{model_id}` is ready: they are starting or restarting (a CPU engine needs about a "

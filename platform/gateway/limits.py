@@ -19,7 +19,7 @@ from typing import Any
 
 from django.conf import settings
 
-from core.api_errors import ApiError
+from core import api_errors
 from core.config import LIMIT_SETTINGS
 from core.rate_limits import TOKEN_LIMIT_TYPE, Limit, charge_async
 from finetuning.registry import UsableModel
@@ -65,19 +65,10 @@ def _rates(scope: str, owner: int, requests: int, token_rate: int, tokens: int) 
     if tokens:
         setting = LIMIT_SETTINGS[f"tokens_per_minute_per_{scope}"]
         if tokens > token_rate:
-            raise _request_too_large(tokens, token_rate, setting)
+            raise api_errors.request_over_token_rate(tokens, token_rate, setting)
         describe = f"{token_rate:,} tokens per minute for {whom}"
         rates.append(Limit(f"tokens:{scope}:{owner}", token_rate, MINUTE_S, describe, setting, tokens, TOKEN_LIMIT_TYPE))
     return rates
-
-
-def _request_too_large(tokens: int, limit: int, setting: str) -> ApiError:
-    """Waiting would not help: the request alone is over the minute's tokens."""
-    return ApiError(
-        f"This request may use about {tokens:,} tokens (its prompt and the most it may generate), more than the "
-        f"{limit:,} tokens per minute allowed ({setting}). Set max_tokens lower, or send a shorter prompt.",
-        param="max_tokens", code="request_too_large",
-    )  # fmt: skip
 
 
 async def check_completion_rate(organization_id: int, api_key_id: int | None = None, tokens: int = 0) -> None:

@@ -32,7 +32,11 @@ _DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "BF16": "<u2"}
 
 
 class CannotMix(ValueError):
-    """An adapter whose form the sum does not cover; the message says what."""
+    """An adapter whose form the sum does not cover; the message says what, ``folder`` which one."""
+
+    def __init__(self, message: str, folder: Path | None = None):
+        super().__init__(message)
+        self.folder = folder
 
 
 @dataclass(frozen=True)
@@ -96,10 +100,14 @@ def combine(parts: list[Part]) -> tuple[dict, dict[str, np.ndarray]]:
     A module that one part adapts and another does not gets zeros for the missing part, so every
     module has the same rank, the sum of the parts' ranks.
     """
-    configs = [read_config(part.folder) for part in parts]
-    weights = [read_tensors(part.folder / WEIGHTS_FILE) for part in parts]
-    for config, tensors in zip(configs, weights):
-        _check_mixable(config, tensors)
+    configs, weights = [], []
+    for part in parts:
+        try:
+            configs.append(read_config(part.folder))
+            weights.append(read_tensors(part.folder / WEIGHTS_FILE))
+            _check_mixable(configs[-1], weights[-1])
+        except CannotMix as exc:
+            raise CannotMix(str(exc), part.folder) from None
     modules = sorted({name[: -len(_LORA_A)] for tensors in weights for name in tensors if name.endswith(_LORA_A)})
     combined: dict[str, np.ndarray] = {}
     for module in modules:

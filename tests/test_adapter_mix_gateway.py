@@ -2,6 +2,8 @@
 names is a fine-tune of ``model``'s base that the caller may use. The pool is test_request_limits'
 stand-in that records what it receives; a refused request reaches it not at all."""
 
+
+# ruff: noqa: F811 (pytest fixtures are imported, then named as arguments)
 from __future__ import annotations
 
 import dataclasses

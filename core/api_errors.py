@@ -153,19 +153,52 @@ def not_a_number(param: str) -> ApiError:
     return ApiError(f"'{param}' must be a number.", param=param, code="invalid_type")
 
 
-def model_not_found(name: str) -> ApiError:
-    # The same answer whether the model does not exist or belongs to someone else.
+def model_not_found(name: str, param: str = "model") -> ApiError:
+    # The same answer whether the model does not exist or belongs to someone else; ``param`` is
+    # "adapters" for a model named in a mix.
     return ApiError(
         f"The model `{name}` does not exist or you do not have access to it.",
-        status=404, param="model", code="model_not_found",
+        status=404, param=param, code="model_not_found",
     )  # fmt: skip
 
 
-def adapter_not_found(name: str) -> ApiError:
+def adapter_not_found(name: str, param: str = "model") -> ApiError:
     return ApiError(
         f"The fine-tuned model `{name}` has no adapter in the dynamic LoRA path (it was deleted, or is not "
         "published yet).",
-        status=404, param="model", code="adapter_not_found",
+        status=404, param=param, code="adapter_not_found",
+    )  # fmt: skip
+
+
+def mix_needs_base_model(model: str) -> ApiError:
+    return ApiError(
+        f"With 'adapters', 'model' names the base model they were fine-tuned from, not `{model}`: put "
+        f"`{model}` in 'adapters' (with its scale) and its base model in 'model'.",
+        param="model", code="mix_needs_base_model",
+    )  # fmt: skip
+
+
+def not_a_fine_tune_of(name: str, base_model_id: str) -> ApiError:
+    return ApiError(
+        f"`{name}` in 'adapters' is not a fine-tune of `{base_model_id}`; a mix adds adapters of one base "
+        "model, the one 'model' names.",
+        param="adapters", code="adapter_of_another_base_model",
+    )  # fmt: skip
+
+
+def mix_rank_too_large(ranks: dict[str, int], max_rank: int) -> ApiError:
+    parts = ", ".join(f"`{name}` {rank}" for name, rank in ranks.items())
+    return ApiError(
+        f"These adapters mixed make one LoRA of rank {sum(ranks.values())} (the sum of their ranks: {parts}), "
+        f"more than this deployment serves (max_lora_rank {max_rank}). Mix fewer adapters or ones of lower rank.",
+        param="adapters", code="mix_rank_too_large",
+    )  # fmt: skip
+
+
+def adapter_not_mixable(name: str, detail: str) -> ApiError:
+    return ApiError(
+        f"The adapter of `{name}` cannot be part of a mix: {detail}. It can still be used alone as 'model'.",
+        param="adapters", code="adapter_not_mixable",
     )  # fmt: skip
 
 

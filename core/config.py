@@ -56,6 +56,8 @@ class RequestLimits:
     logprobs: Limit  # logprobs (completions), top_logprobs (chat) and prompt_logprobs
     messages: Limit  # messages in one chat request
     prompt_chars: Limit  # characters of prompt or message text, a tokenizer-free bound on the prompt
+    # models in one request's 'adapters' (each is a registry read; max_lora_rank bounds their sum anyway)
+    mix_adapters: Limit
 
 
 def _limit(name: str, default: int) -> Limit:
@@ -71,6 +73,7 @@ def _request_limits() -> RequestLimits:
         logprobs=_limit("MAX_LOGPROBS", 20),
         messages=_limit("MAX_MESSAGES", 256),
         prompt_chars=_limit("MAX_PROMPT_CHARS", 256 * 1024),
+        mix_adapters=_limit("MAX_MIX_ADAPTERS", 8),
     )
 
 

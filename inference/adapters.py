@@ -6,12 +6,18 @@ idle one when the replica is full, see ``inference.adapter_slots``), reloads it 
 a newer version, and unloads it everywhere once the store no longer has it. ``watch_forever`` looks
 at every held adapter every ``RECHECK_HELD_S``, so a deleted one leaves the replicas (and the
 cache) within seconds, not at its next request; a request still streaming with it finishes first.
+
+``ensure_mix`` does the same for a mix (``inference.adapter_mix``): its combined adapter is built
+once from the parts' cached copies (``inference.lora_algebra``), written to the adapter cache under
+the mix's digest, then loaded, counted in the replica's slots and evicted like any other adapter.
+It is unloaded once a part is republished or deleted, and its folder goes when no replica holds it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
 import time
 from collections.abc import Coroutine, Iterable
 from pathlib import Path
@@ -21,9 +27,12 @@ import httpx
 
 from core.adapter_store import AdapterNotFound, CorruptAdapter, StoreUnavailable, version_of_folder
 from core import api_errors
+from core.catalog import BaseModel
 from inference import adapter_slots
+from inference.adapter_mix import MIXES_FOLDER, Mix, MixPart
 from inference.adapter_slots import AdapterSlots, HeldAdapter
 from inference.adapter_source import AdapterSource, check_adapter
+from inference.lora_algebra import CannotMix, Part, rank_of, write_combined
 from inference.metrics import Metrics
 from inference.periodic import every
 
@@ -59,6 +68,8 @@ class AdapterManager:
         self.replicas: Iterable[Replica] = ()  # set by the pool: every replica, to unload deleted adapters
         self._background: set[asyncio.Task] = set()
         self._retiring: set[tuple[str, str]] = set()
+        self.mixes: dict[str, Mix] = {}  # by name: the mixes loaded (or loading) on some replica
+        self._builds: dict[str, asyncio.Task[Path]] = {}  # by digest: one build however many wait
 
     async def ensure(self, replica: Replica, name: str) -> None:
         base = replica.model
@@ -82,7 +93,12 @@ class AdapterManager:
                 slots.loading.discard(name)
 
     async def _load_version(self, replica: Replica, name: str, version: str, source: AdapterSource) -> None:
-        base = replica.model
+        folder = await self._checked_folder(replica.model, source, name, version)
+        await self._install(replica, name, version, folder)
+        source.prune_cache(name, self._held_folders(), newest=folder)
+
+    async def _checked_folder(self, base: BaseModel, source: AdapterSource, name: str, version: str) -> Path:
+        """A local copy of this version of the adapter, checked as vLLM would check it."""
         try:
             folder = await source.folder(name, version)
         except AdapterNotFound:
@@ -97,6 +113,10 @@ class AdapterManager:
         except api_errors.ApiError:
             self.metrics.adapter_loads.labels(base.id, "failed").inc()
             raise
+        return folder
+
+    async def _install(self, replica: Replica, name: str, version: str, folder: Path) -> None:
+        """Load ``folder`` as ``name`` on the replica, making room in its slots first."""
         slots = replica.adapters
         if name in slots.held:  # an older version, still answering requests maybe: let them finish
             await _until_idle(slots, name)
@@ -108,7 +128,81 @@ class AdapterManager:
         # The folder names the version actually fetched (the store may have moved on meanwhile).
         slots.add(name, HeldAdapter(version_of_folder(folder) or version, folder))
         self._trim_when_idle(replica)
-        source.prune_cache(name, self._held_folders(), newest=folder)
+
+    async def mix(self, base_id: str, scales: dict[str, float]) -> Mix:
+        """The mix of these adapters (name -> scale, none 0) at their published versions."""
+        source = self.sources[base_id]
+        parts = []
+        for name, scale in scales.items():
+            version = await source.version(name)
+            if version is None:
+                raise api_errors.adapter_not_found(name, param="adapters")
+            parts.append(MixPart(name, version, scale))
+        return Mix(base_id, tuple(parts))
+
+    async def ensure_mix(self, replica: Replica, mix: Mix) -> None:
+        """Make the replica hold the mix's combined adapter (built on first use)."""
+        slots, name = replica.adapters, mix.name
+        if name in slots.held:
+            slots.touch(name)
+            return
+        async with slots.lock(name):
+            if name in slots.held:
+                slots.touch(name)
+                return
+            slots.loading.add(name)
+            self.mixes[name] = mix
+            try:
+                folder = await self._combined_folder(replica.model, mix)
+                await self._install(replica, name, mix.digest, folder)
+            finally:
+                slots.loading.discard(name)
+                self._drop_unused_mix(name)  # a failed load leaves nothing behind
+
+    async def _combined_folder(self, base: BaseModel, mix: Mix) -> Path:
+        task = self._builds.get(mix.digest)
+        if task is None:
+            task = self._builds[mix.digest] = asyncio.create_task(self._build(base, mix))
+            task.add_done_callback(lambda _: self._builds.pop(mix.digest, None))
+        return await asyncio.shield(task)
+
+    async def _build(self, base: BaseModel, mix: Mix) -> Path:
+        source = self.sources[base.id]
+        target = self._mix_folder(mix)
+        if target.is_dir():
+            return target
+        folders = {part.name: await self._checked_folder(base, source, part.name, part.version) for part in mix.parts}
+        ranks = {name: rank_of(folder) for name, folder in folders.items()}
+        if sum(ranks.values()) > base.lora.max_lora_rank:
+            raise api_errors.mix_rank_too_large(ranks, base.lora.max_lora_rank)
+        parts = [Part(folders[part.name], part.scale) for part in mix.parts]
+        started = time.perf_counter()
+        try:
+            await asyncio.to_thread(write_combined, parts, target)
+        except CannotMix as exc:
+            failed = next(name for name, folder in folders.items() if folder == exc.folder)
+            raise api_errors.adapter_not_mixable(failed, str(exc)) from None
+        log.info("built %s (rank %d) in %.2f s", mix.name, sum(ranks.values()), time.perf_counter() - started)
+        return target
+
+    def _mix_folder(self, mix: Mix) -> Path:
+        return self.sources[mix.base_id].cache_dir / MIXES_FOLDER / mix.digest
+
+    def _drop_unused_mix(self, name: str) -> None:
+        """Forget a mix, and delete its folder, once no replica holds or loads it."""
+        mix = self.mixes.get(name)
+        if mix is None or any(replica.adapters.holds(name) for replica in self.replicas):
+            return
+        del self.mixes[name]
+        if mix.digest not in self._builds:
+            shutil.rmtree(self._mix_folder(mix), ignore_errors=True)
+
+    async def _mix_outdated(self, mix: Mix) -> bool:
+        source = self.sources[mix.base_id]
+        for part in mix.parts:
+            if await source.version(part.name) != part.version:
+                return True
+        return False
 
     async def _evict(self, replica: Replica, victim: str, reason: str) -> None:
         # Under the victim's lock, so a request for it waits for the unload and then loads it afresh.
@@ -143,8 +237,12 @@ class AdapterManager:
         """Unload, everywhere, the held adapters the store no longer has."""
         held = {(replica.model.id, name) for replica in self.replicas for name in replica.adapters.held}
         for base_id, name in held:
+            mix = self.mixes.get(name)
             try:
-                deleted = await self.sources[base_id].version(name) is None
+                if mix is not None:
+                    deleted = await self._mix_outdated(mix)
+                else:
+                    deleted = await self.sources[base_id].version(name) is None
             except api_errors.ApiError:  # the store cannot say (S3 down): keep it until it can
                 continue
             if deleted:
@@ -165,7 +263,8 @@ class AdapterManager:
                 await _until_idle(slots, name)
                 if slots.forget(name) is not None:
                     await self._unload(replica, name, "deleted")
-            self.sources[replica.model.id].prune_cache(name, self._held_folders())
+            if name not in self.mixes:
+                self.sources[replica.model.id].prune_cache(name, self._held_folders())
         finally:
             self._retiring.discard(key)
 
@@ -194,6 +293,8 @@ class AdapterManager:
             await self._admin(replica, "unload_lora_adapter", {"lora_name": name})
         except ReplicaUnavailable:
             return  # a replica that is gone holds nothing
+        finally:
+            self._drop_unused_mix(name)
         self.metrics.adapter_evictions.labels(replica.model.id, reason).inc()
         log.info("unloaded %s from %s (%s)", name, replica.url, reason)
 

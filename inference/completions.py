@@ -8,6 +8,10 @@ have reached a replica is never sent again (a generation must not run twice): wh
 fails, the client gets a 503 with Retry-After. Nothing here waits
 on anything but the replica: no database, no per-request disk writes; requests and answers go
 through ``inference.http_client`` (kept-alive connections, a fraction of httpx's cost).
+
+A request with ``adapters`` (a mix) is the one whose body changes: ``model`` becomes the mix's
+combined adapter (``inference.adapter_mix``), or stays the base model when every scale is 0, and
+``adapters`` goes (vLLM does not know it).
 """
 
 from __future__ import annotations
@@ -17,11 +21,13 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+import pydantic_core
 from starlette.responses import Response, StreamingResponse
 
 from core import api_errors
-from core.catalog import Catalog
+from core.catalog import BaseModel, Catalog
 from core.model_names import is_valid_suffix, parse_model_name
+from inference.adapter_mix import Mix
 from inference.adapters import AdapterManager, ReplicaUnavailable
 from inference.http_client import (
     Poster,
@@ -33,7 +39,7 @@ from inference.http_client import (
 )
 from inference.metrics import Metrics
 from inference.pool import Pool
-from inference.protocol import routed_fields
+from inference.protocol import RoutedFields, adapter_scales, routed_fields
 from inference.replica import Replica
 from inference.router import choose_replica
 
@@ -64,12 +70,32 @@ class CompletionsHandler:
         base = self.catalog.get(name.base_model_id)
         if base is None or (name.suffix is not None and not is_valid_suffix(name.suffix)):
             raise api_errors.model_not_found(fields.model)
-        request = _Request(body, endpoint, str(name), base.id, name.suffix is not None, fields.stream, started)
+        if fields.adapters is not None:
+            request = await self._mix_request(body, endpoint, fields, base, started)
+        else:
+            request = _Request(body, endpoint, str(name), base.id, name.suffix is not None, fields.stream, started)
         try:
             return await self._forward(request)
         except api_errors.ApiError as exc:
             self._count(request, exc.status)
             raise
+
+    async def _mix_request(
+        self, body: bytes, endpoint: str, fields: RoutedFields, base: BaseModel, started: float
+    ) -> _Request:
+        if fields.model != base.id:
+            raise api_errors.mix_needs_base_model(fields.model)
+        scales = adapter_scales(fields)
+        for part in scales:
+            name = parse_model_name(part)
+            if name.base_model_id != base.id or name.suffix is None or not is_valid_suffix(name.suffix):
+                raise api_errors.model_not_found(part, param="adapters")
+        mix = await self.adapters.mix(base.id, scales) if scales else None  # all scales 0: the base model
+        model = mix.name if mix else base.id
+        data = pydantic_core.from_json(body)
+        del data["adapters"]
+        data["model"] = model
+        return _Request(json.dumps(data).encode(), endpoint, model, base.id, mix is not None, fields.stream, started, mix)
 
     async def _forward(self, request: _Request) -> Response:
         skip: set[Replica] = set()
@@ -91,7 +117,9 @@ class CompletionsHandler:
         model = request.model
         replica.begin(model)
         try:
-            if request.adapter:
+            if request.mix is not None:
+                await self.adapters.ensure_mix(replica, request.mix)
+            elif request.adapter:
                 await self.adapters.ensure(replica, model)
         except ReplicaUnavailable as exc:
             replica.end(model)
@@ -151,7 +179,7 @@ class CompletionsHandler:
         try:
             async for chunk in upstream.iter_body():
                 if first:
-                    self.metrics.first_byte.labels(request.model, request.endpoint).observe(
+                    self.metrics.first_byte.labels(request.label, request.endpoint).observe(
                         time.perf_counter() - request.started
                     )
                     first = False
@@ -168,11 +196,11 @@ class CompletionsHandler:
 
     def _count(self, request: _Request, status: int, first_byte: bool = False) -> None:
         elapsed = time.perf_counter() - request.started
-        self.metrics.requests.labels(request.model, request.endpoint, str(status)).inc()
+        self.metrics.requests.labels(request.label, request.endpoint, str(status)).inc()
         if status < 400:
-            self.metrics.latency.labels(request.model, request.endpoint).observe(elapsed)
+            self.metrics.latency.labels(request.label, request.endpoint).observe(elapsed)
             if first_byte:
-                self.metrics.first_byte.labels(request.model, request.endpoint).observe(elapsed)
+                self.metrics.first_byte.labels(request.label, request.endpoint).observe(elapsed)
 
 
 @dataclass(frozen=True)
@@ -184,6 +212,12 @@ class _Request:
     adapter: bool
     stream: bool
     started: float
+    mix: Mix | None = None
+
+    @property
+    def label(self) -> str:
+        """The model in metrics: mixes as one, since each has a name of its own."""
+        return f"{self.base_id}:mix" if self.mix else self.model
 
 
 def _down(replica: Replica, reason: str) -> _TryAnother:

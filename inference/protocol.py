@@ -13,9 +13,24 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import pydantic_core
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from core import api_errors
+
+# Scales of a mix beyond this push a layer far from anything its adapters were trained for (the
+# output degenerates into noise long before), and negative ones subtract an adapter's behaviour
+# ("task negation"); the bound keeps a typo like 50 from passing as a meaningful request.
+MAX_ADAPTER_SCALE = 2.0
+
+
+class AdapterShare(BaseModel):
+    """One entry of ``adapters``: a fine-tuned model, by name, and how much of its LoRA delta to add."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(strict=True)
+    # strict: "0.5" or true are refused, not read as numbers; NaN and infinities too
+    scale: float = Field(1.0, strict=True, ge=-MAX_ADAPTER_SCALE, le=MAX_ADAPTER_SCALE, allow_inf_nan=False)
 
 
 class RoutedFields(BaseModel):
@@ -25,6 +40,17 @@ class RoutedFields(BaseModel):
 
     model: str
     stream: bool = False
+    # A mix of fine-tunes of the base model ``model`` names, served as one adapter (README: Mixing adapters)
+    adapters: list[AdapterShare] | None = None
+
+
+def adapter_scales(fields: RoutedFields) -> dict[str, float]:
+    """The adapters a mix adds, each once (a repeated one's scales add up: the deltas are linear),
+    sorted by name, without those whose scale is 0 (they add nothing and cost nothing)."""
+    scales: dict[str, float] = {}
+    for share in fields.adapters or ():
+        scales[share.model] = scales.get(share.model, 0.0) + share.scale
+    return {name: scales[name] for name in sorted(scales) if scales[name] != 0.0}
 
 
 _HINT = " (send a JSON object with a string 'model')"
@@ -73,6 +99,8 @@ _SHARED_FIELDS = frozenset({
     "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
     "allowed_token_ids", "bad_words", "prompt_logprobs", "truncate_prompt_tokens", "add_special_tokens",
     "structured_outputs", "cache_salt",
+    # ours
+    "adapters",
 })  # fmt: skip
 REQUEST_FIELDS: dict[str, frozenset[str]] = {
     "chat/completions": _SHARED_FIELDS | {

@@ -26,4 +26,6 @@ def test_the_schema_describes_the_inference_endpoints_with_the_fields_the_gatewa
     body = chat["requestBody"]["content"]["application/json"]["schema"]
     assert set(body["properties"]) == REQUEST_FIELDS["chat/completions"] | {"model"} and body["additionalProperties"] is False
     assert {"400", "401", "404", "429", "503"} <= set(chat["responses"])
+    share = body["properties"]["adapters"]["items"]
+    assert share["required"] == ["model"] and share["properties"]["scale"]["maximum"] == 2.0
     assert "delete" in schema["paths"]["/v1/models/{model}"] and "get" in schema["paths"]["/v1/models"]

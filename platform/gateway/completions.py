@@ -7,11 +7,14 @@ their completions and tokens per minute (``gateway.limits``), check the request'
 ``gateway.access``), then hand the body to the inference pool with their organization's
 ``cache_salt`` (``gateway.cache_salt``), otherwise as it came, and give back its answer the same
 way (a stream stays a stream). The body is parsed once, here.
+
+A mix (``adapters``) is checked here as ``model`` is: each model it names must be one the caller
+may use, and a fine-tune of the base model ``model`` names. The pool builds and serves it.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 from django.conf import settings
@@ -25,7 +28,8 @@ from gateway.limits import check_completion_rate, estimated_tokens
 from gateway.pool import pool_http, pool_url
 from gateway.request_limits import check_request
 from inference.http_client import UpstreamError, UpstreamResponse, UpstreamTimeout
-from inference.protocol import ParsedRequest, parse_request
+from finetuning.registry import UsableModel
+from inference.protocol import ParsedRequest, RoutedFields, parse_request
 
 JSON = "application/json"
 STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -65,6 +69,11 @@ async def complete(authorization: str | None, body: bytes, endpoint: str) -> Poo
     await check_completion_rate(access.api_key.organization_id, access.api_key.pk, tokens)
     if access.model is None:
         raise api_errors.model_not_found(request.routed.model)
+
+    async def usable(name: str) -> UsableModel | None:
+        return (await authorize(raw_key, name)).model
+
+    await check_mix(access.model, request.routed, usable)
     return await _forward(_salted(body, request, access.api_key.organization_id), request.routed.stream, endpoint)
 
 
@@ -75,7 +84,30 @@ async def complete_for_organization(organization: Organization, body: bytes, end
     await check_completion_rate(organization.pk, tokens=estimated_tokens(request.data, endpoint, model))
     if model is None:
         raise api_errors.model_not_found(request.routed.model)
+
+    async def usable(name: str) -> UsableModel | None:
+        return await organization_model(organization, name)
+
+    await check_mix(model, request.routed, usable)
     return await _forward(_salted(body, request, organization.pk), request.routed.stream, endpoint)
+
+
+async def check_mix(
+    model: UsableModel, routed: RoutedFields, usable: Callable[[str], Awaitable[UsableModel | None]]
+) -> None:
+    """``model`` is a base model, and each model ``adapters`` names is one of its fine-tunes that the
+    caller may use (an unknown one, or another organization's, is the same 404 as for ``model``).
+    Every listed model is checked, those at scale 0 too: the caller named them."""
+    if routed.adapters is None:
+        return
+    if model.suffix is not None:
+        raise api_errors.mix_needs_base_model(model.name)
+    for name in dict.fromkeys(share.model for share in routed.adapters):
+        part = await usable(name)
+        if part is None:
+            raise api_errors.model_not_found(name, param="adapters")
+        if part.suffix is None or part.base_model_id != model.name:
+            raise api_errors.not_a_fine_tune_of(name, model.name)
 
 
 def _salted(body: bytes, request: ParsedRequest, organization_id: int) -> bytes:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from inference.protocol import REQUEST_FIELDS, ModelCard, ModelList
+from inference.protocol import REQUEST_FIELDS, AdapterShare, ModelCard, ModelList
 
 ERROR = {"$ref": "#/components/schemas/InferenceError"}
 BEARER = [{"InferenceKey": []}]
@@ -31,6 +31,14 @@ _TYPED_FIELDS: dict[str, dict] = {
         },
     },
     "prompt": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]},
+    "adapters": {
+        "type": "array", "items": AdapterShare.model_json_schema(),
+        "description": (
+            "A mix: fine-tunes of the base model 'model' names (then 'model' must be that base model), each "
+            "with a scale; served as the sum of their scaled LoRA deltas. All scales 0 is the base model. "
+            "At most MAX_MIX_ADAPTERS entries, and the sum of their ranks at most the model's max_lora_rank."
+        ),
+    },
 }  # fmt: skip
 _ERRORS = {
     "400": "The body is not valid, a field is unknown or over its cap",

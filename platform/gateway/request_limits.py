@@ -45,6 +45,10 @@ def check_request(data: dict[str, Any], endpoint: str, limits: RequestLimits) ->
             raise api_errors.not_a_number(name)
         if value > limit.value:
             raise api_errors.over_limit(name, f"'{name}'", value, limit.value, limit.setting)
+    adapters = data.get("adapters")
+    if isinstance(adapters, list) and len(adapters) > limits.mix_adapters.value:
+        limit = limits.mix_adapters
+        raise api_errors.over_limit("adapters", "The number of adapters", len(adapters), limit.value, limit.setting)
     prompt = data.get(prompt_field(endpoint))
     if endpoint == "chat/completions" and isinstance(prompt, list) and len(prompt) > limits.messages.value:
         limit = limits.messages

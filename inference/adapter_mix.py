@@ -1,0 +1,38 @@
+"""A mix: fine-tunes of one base model, each with a scale, served as one combined adapter.
+
+Its name comes from its content: the parts' names, their published versions and their scales. The
+same mix asked again finds its adapter loaded; a republished part makes a new mix (and the old one
+is unloaded, as a deleted adapter is, by ``AdapterManager.retire_deleted``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+
+MIXES_FOLDER = ".mixes"  # in the pool's adapter cache: the combined adapters, one folder per digest
+
+
+@dataclass(frozen=True)
+class MixPart:
+    name: str  # a fine-tuned model: its adapter in the dynamic LoRA path
+    version: str  # the published version it was combined from
+    scale: float
+
+
+@dataclass(frozen=True)
+class Mix:
+    base_id: str
+    parts: tuple[MixPart, ...]  # sorted by name, none of scale 0
+
+    @property
+    def digest(self) -> str:
+        content = json.dumps([self.base_id] + [[part.name, part.version, part.scale] for part in self.parts])
+        return hashlib.sha256(content.encode()).hexdigest()[:24]
+
+    @property
+    def name(self) -> str:
+        """The combined adapter's name in vLLM. The '.' is a character no suffix may hold
+        (``core.model_names``): a mix never shares a name with a fine-tuned model."""
+        return f"{self.base_id}:mix.{self.digest}"

@@ -1,0 +1,117 @@
+"""Mixes in the pool (``inference.adapters.ensure_mix``), against the fake vLLM replicas of
+tests/test_inference_routing.py: what is built, loaded, evicted and refused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from inference import adapter_slots
+from tests.test_inference_routing import BASE, PoolUnderTest, _settle, anyio_backend  # noqa: F401 (a fixture)
+from tests.test_lora_algebra import _adapter
+
+
+@pytest.fixture(autouse=True)
+def no_unload_grace(monkeypatch):
+    monkeypatch.setattr(adapter_slots, "UNLOAD_GRACE_S", 0.0)
+
+
+class MixPool(PoolUnderTest):
+    def publish_real(self, suffix: str, rank: int = 8, seed: int = 1) -> str:
+        name = f"{BASE}:{suffix}"
+        folder = _adapter(self.tmp / "out" / f"{suffix}-{seed}", seed=seed, rank=rank, alpha=2 * rank, modules=["q_proj"])
+        self.store.publish(name, folder)
+        return name
+
+    async def mix(self, adapters: list, model: str = BASE):
+        return await self.http.post(
+            "/v1/chat/completions", json={"model": model, "messages": [], "adapters": adapters, "temperature": 0}
+        )
+
+    def sent(self) -> list[dict]:
+        """The bodies of the completions the replicas received."""
+        return [call for call in self.vllm.calls if call[1] == "/v1/chat/completions"]
+
+
+@pytest.mark.anyio
+async def test_it_loads_a_mix_as_one_adapter_once_whatever_the_order_of_its_parts(tmp_path):
+    pool = MixPool(tmp_path, replicas=1, max_adapters=2)
+    a, b = pool.publish_real("a", seed=1), pool.publish_real("b", seed=2)
+    first = await pool.mix([{"model": a, "scale": 0.5}, {"model": b, "scale": 0.5}])
+    again = await pool.mix([{"model": b, "scale": 0.5}, {"model": a, "scale": 0.5}])
+    assert first.status_code == again.status_code == 200, first.text
+    mix_name = first.json()["model"]
+    assert mix_name.startswith(f"{BASE}:mix.") and again.json()["model"] == mix_name
+    assert [call[2] for call in pool.vllm.loads()] == [mix_name]  # the parts themselves are not loaded
+    folder = pool.vllm.loaded["http://replica-0"][mix_name]
+    config = json.loads((tmp_path / "cache" / ".mixes" / folder.rpartition("/")[2] / "adapter_config.json").read_text())
+    assert config["r"] == config["lora_alpha"] == 16
+    assert [call[2] for call in pool.sent()] == [mix_name, mix_name]
+    other = await pool.mix([{"model": a, "scale": 0.25}, {"model": b, "scale": 0.5}])
+    assert other.json()["model"] not in (mix_name, BASE)  # another scale, another adapter
+
+
+@pytest.mark.anyio
+async def test_it_answers_with_the_base_model_when_every_scale_is_0(tmp_path):
+    pool = MixPool(tmp_path, replicas=1)
+    a = pool.publish_real("a")
+    response = await pool.mix([{"model": a, "scale": 0}, {"model": a, "scale": 0.0}])
+    assert response.status_code == 200 and response.json()["model"] == BASE
+    assert pool.vllm.loads() == []
+
+
+@pytest.mark.anyio
+async def test_it_refuses_a_mix_over_max_lora_rank_naming_the_limit(tmp_path):
+    pool = MixPool(tmp_path, replicas=1)
+    a, b, c = (pool.publish_real(suffix, seed=seed) for seed, suffix in enumerate("abc"))
+    response = await pool.mix([{"model": a}, {"model": b}, {"model": c}])
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["code"] == "mix_rank_too_large" and error["param"] == "adapters"
+    assert "rank 24" in error["message"] and "max_lora_rank 16" in error["message"]
+    assert pool.vllm.loads() == [] and not list((tmp_path / "cache").glob(".mixes/*"))
+
+
+@pytest.mark.anyio
+async def test_it_evicts_mixes_like_adapters_and_deletes_their_folders(tmp_path):
+    pool = MixPool(tmp_path, replicas=1, max_adapters=2)
+    a, b = pool.publish_real("a", seed=1), pool.publish_real("b", seed=2)
+    for scale in (0.1, 0.2, 0.3):
+        assert (await pool.mix([{"model": a, "scale": scale}])).status_code == 200
+    await _settle()
+    assert len(pool.vllm.loaded["http://replica-0"]) == 2
+    assert len(list((tmp_path / "cache" / ".mixes").iterdir())) == 2  # the evicted one's folder is gone
+    assert (await pool.chat(b)).status_code == 200  # a plain adapter takes a slot like any mix
+    await _settle()
+    assert len(pool.vllm.loaded["http://replica-0"]) == 2
+
+
+@pytest.mark.anyio
+async def test_a_republished_or_deleted_part_retires_the_mix(tmp_path):
+    pool = MixPool(tmp_path, replicas=1)
+    a = pool.publish_real("a", seed=1)
+    old = (await pool.mix([{"model": a, "scale": 0.5}])).json()["model"]
+    pool.publish_real("a", seed=9)  # republished: new weights, a new version
+    new = (await pool.mix([{"model": a, "scale": 0.5}])).json()["model"]
+    assert new != old
+    await pool.adapters.retire_deleted()
+    await _settle()
+    assert set(pool.vllm.loaded["http://replica-0"]) == {new}
+    pool.store.delete(a)
+    await pool.adapters.retire_deleted()
+    await _settle()
+    assert pool.vllm.loaded["http://replica-0"] == {} and not list((tmp_path / "cache" / ".mixes").iterdir())
+    response = await pool.mix([{"model": a, "scale": 0.5}])
+    assert response.status_code == 404 and response.json()["error"]["param"] == "adapters"
+
+
+@pytest.mark.anyio
+async def test_it_refuses_a_mix_on_a_fine_tuned_model_or_of_another_base(tmp_path):
+    pool = MixPool(tmp_path, replicas=1)
+    a = pool.publish_real("a")
+    on_fine_tune = await pool.mix([{"model": a}], model=a)
+    assert on_fine_tune.status_code == 400 and on_fine_tune.json()["error"]["code"] == "mix_needs_base_model"
+    elsewhere = await pool.mix([{"model": "other/base:x"}])
+    assert elsewhere.status_code == 404 and elsewhere.json()["error"]["param"] == "adapters"
+    bad_scale = await pool.mix([{"model": a, "scale": "0.5"}])
+    assert bad_scale.status_code == 400 and "adapters.0.scale" in bad_scale.json()["error"]["message"]

@@ -39,8 +39,20 @@ def _replica() -> dict:
     return httpx.get(f"{settings.INFERENCE_POOL_URL}/health", headers=internal_headers()).json()["replicas"][0]
 
 
+@pytest.fixture
+def no_trainer():
+    """The scenario measures the web process and the pool: the jobs its clients create (and cancel)
+    must not be trained meanwhile by a trainer an earlier test left running, which would take the
+    CPU the engine needs. Trainers stop taking the training queue for the test, then take it again."""
+    from server.celery import TRAINING_QUEUE, app
+
+    app.control.cancel_consumer(TRAINING_QUEUE, reply=True, timeout=2)
+    yield
+    app.control.add_consumer(TRAINING_QUEUE, reply=True, timeout=2)
+
+
 def test_under_load_every_request_is_answered_or_refused_cleanly_through_a_republish_and_a_replica_kill(
-    alice, make_adapter, gateway
+    alice, make_adapter, gateway, no_trainer
 ):
     names = [publish_fine_tuned_model(alice, f"load{i}-{uuid.uuid4().hex[:6]}", make_adapter(seed=50 + i)) for i in range(4)]
     training_file = alice.client.files.create(file=("train.jsonl", good_dataset(10)), purpose="fine-tune").id

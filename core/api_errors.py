@@ -178,11 +178,11 @@ def mix_needs_base_model(model: str) -> ApiError:
     )  # fmt: skip
 
 
-def not_a_fine_tune_of(name: str, base_model_id: str) -> ApiError:
+def not_a_fine_tune_of(name: str, base_model_id: str, param: str = "adapters") -> ApiError:
     return ApiError(
-        f"`{name}` in 'adapters' is not a fine-tune of `{base_model_id}`; a mix adds adapters of one base "
-        "model, the one 'model' names.",
-        param="adapters", code="adapter_of_another_base_model",
+        f"`{name}` in '{param}' is not a fine-tune of `{base_model_id}`; adapters are combined only with "
+        "adapters of the same base model.",
+        param=param, code="adapter_of_another_base_model",
     )  # fmt: skip
 
 
@@ -195,10 +195,20 @@ def mix_rank_too_large(ranks: dict[str, int], max_rank: int) -> ApiError:
     )  # fmt: skip
 
 
-def adapter_not_mixable(name: str, detail: str) -> ApiError:
+def adapter_not_mixable(name: str, detail: str, param: str = "adapters") -> ApiError:
     return ApiError(
-        f"The adapter of `{name}` cannot be part of a mix: {detail}. It can still be used alone as 'model'.",
-        param="adapters", code="adapter_not_mixable",
+        f"The adapter of `{name}` cannot be combined with others: {detail}. It can still be used alone as 'model'.",
+        param=param, code="adapter_not_mixable",
+    )  # fmt: skip
+
+
+def composition_rank_too_large(ranks: dict[str, int], max_rank: int) -> ApiError:
+    parts = ", ".join(f"`{name}` {rank}" for name, rank in ranks.items())
+    return ApiError(
+        f"The exact combination of these models is one LoRA of rank {sum(ranks.values())} (the sum of their "
+        f"ranks: {parts}), more than this deployment serves (max_lora_rank {max_rank}). Choose method 'svd', "
+        f"'ties' or 'dare_linear' with a 'rank' of at most {max_rank} to approximate it, or fewer parents.",
+        param="parents", code="composition_rank_too_large",
     )  # fmt: skip
 
 

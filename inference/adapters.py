@@ -8,7 +8,7 @@ at every held adapter every ``RECHECK_HELD_S``, so a deleted one leaves the repl
 cache) within seconds, not at its next request; a request still streaming with it finishes first.
 
 ``ensure_mix`` does the same for a mix (``inference.adapter_mix``): its combined adapter is built
-once from the parts' cached copies (``inference.lora_algebra``), written to the adapter cache under
+once from the parts' cached copies (``core.lora_algebra``), written to the adapter cache under
 the mix's digest, then loaded, counted in the replica's slots and evicted like any other adapter.
 It is unloaded once a part is republished or deleted, and its folder goes when no replica holds it.
 """
@@ -32,7 +32,7 @@ from inference import adapter_slots
 from inference.adapter_mix import MIXES_FOLDER, Mix, MixPart
 from inference.adapter_slots import AdapterSlots, HeldAdapter
 from inference.adapter_source import AdapterSource, check_adapter
-from inference.lora_algebra import CannotMix, Part, rank_of, write_combined
+from core.lora_algebra import CannotMix, Part, rank_of, write_combined
 from inference.metrics import Metrics
 from inference.periodic import every
 

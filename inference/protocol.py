@@ -117,6 +117,9 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str
     parent: str | None = None  # the base model of a fine-tuned model
+    # A fine-tuned model's origin: {"origin": "trained", "job"}, {"origin": "uploaded"}, or
+    # {"origin": "composed", "parents": [{"model", "scale"}], "method", "rank", "approximation_error"}
+    lineage: dict[str, Any] | None = None
 
 
 class ModelList(BaseModel):

@@ -1,4 +1,4 @@
-"""The combined adapter of a mix equals the sum of its parts' scaled LoRA deltas (``inference.lora_algebra``)."""
+"""The combined adapter of a mix equals the sum of its parts' scaled LoRA deltas (``core.lora_algebra``)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from inference.lora_algebra import CannotMix, Part, combine, read_tensors, write_combined
+from core.lora_algebra import CannotMix, Part, combine, read_tensors, write_combined
 
 PREFIX = "base_model.model.model.layers.0"
 FAN_IN, FAN_OUT = 12, 10

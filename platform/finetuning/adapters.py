@@ -88,28 +88,35 @@ def upload_adapter(
     limit = settings.CONFIG.max_adapter_upload_bytes
     if upload.size is None or upload.size > limit:
         raise adapter_too_large(limit)  # before reading it
-    _check_suffix_free(name)
+    check_suffix_free(name)
     quotas.charge_upload(organization)
     with tempfile.TemporaryDirectory(prefix="adapter-upload-") as work:
         folder = Path(work) / "adapter"
         folder.mkdir()
         unpack(_on_disk(upload, Path(work)), folder, limit)
         check_adapter(folder, base)
-        served_config(folder, base.id)
-        size = sum((folder / file).stat().st_size for file in ADAPTER_FILES)
-        quotas.check_storage(organization, size)
-        model = _register(organization, name, size)
-        try:
-            storage.adapters(base.lora.dynamic_lora_loading_path).publish(model.name, folder)
-        except BaseException as exc:
-            model.delete()  # the name is free again; nothing was published
-            if isinstance(exc, StoreUnavailable):
-                raise adapter_store_unreachable(model.name, str(exc)) from None
-            raise
+        return publish_new_model(organization, name, folder)
+
+
+def publish_new_model(organization: Organization, name: ModelName, folder: Path, composition: dict | None = None) -> FineTunedModel:
+    """Register and publish the adapter in ``folder`` (checked already) as ``name``: an uploaded
+    adapter, or (with ``composition``) a composed one. Its size counts against the organization's
+    storage quota. Nothing stays registered if publishing fails."""
+    served_config(folder, name.base_model_id)
+    size = sum((folder / file).stat().st_size for file in ADAPTER_FILES)
+    quotas.check_storage(organization, size)
+    model = _register(organization, name, size, composition)
+    try:
+        storage.adapters(jobs.catalog_model(name.base_model_id).lora.dynamic_lora_loading_path).publish(model.name, folder)
+    except BaseException as exc:
+        model.delete()  # the name is free again; nothing was published
+        if isinstance(exc, StoreUnavailable):
+            raise adapter_store_unreachable(model.name, str(exc)) from None
+        raise
     return model
 
 
-def _check_suffix_free(name: ModelName) -> None:
+def check_suffix_free(name: ModelName) -> None:
     """The suffix names one adapter for everyone: no model has it, and no job trains it (a job
     holds its suffix from creation, as it will publish under it)."""
     if (
@@ -119,16 +126,16 @@ def _check_suffix_free(name: ModelName) -> None:
         raise suffix_taken(str(name))
 
 
-def _register(organization: Organization, name: ModelName, size: int) -> FineTunedModel:
+def _register(organization: Organization, name: ModelName, size: int, composition: dict | None) -> FineTunedModel:
     """The registry row before the adapter is published, so that of two uploads under one name only
     one publishes (the unique name decides). Until it is published a request for it is a 404."""
     try:
         with transaction.atomic():
             quotas.check_storage(organization, size, locked=True)
-            _check_suffix_free(name)
+            check_suffix_free(name)
             return FineTunedModel.objects.create(
                 name=str(name), organization=organization, job=None, base_model=name.base_model_id,
-                suffix=name.suffix, uploaded_bytes=size,
+                suffix=name.suffix, uploaded_bytes=size, composition=composition,
             )  # fmt: skip
     except IntegrityError:
         raise suffix_taken(str(name)) from None

@@ -133,7 +133,8 @@ class Checkpoint(models.Model):
 
 class FineTunedModel(models.Model):
     """A published adapter: served as ``name`` to its organization until deleted. Trained by a job,
-    or uploaded (``job`` None: trained elsewhere, ``finetuning.adapters``)."""
+    uploaded (``job`` None: trained elsewhere, ``finetuning.adapters``), or composed of others
+    (``composition`` set: ``finetuning.compose``)."""
 
     name = models.CharField(max_length=300, unique=True)  # <base_model_id>:<suffix>
     organization = models.ForeignKey(Organization, on_delete=models.CASCADE, related_name="fine_tuned_models")
@@ -141,14 +142,25 @@ class FineTunedModel(models.Model):
     base_model = models.CharField(max_length=200)
     suffix = models.CharField(max_length=64)
     final_loss = models.FloatField(null=True, blank=True)  # the last training loss, for lineage pages
-    # An uploaded adapter's size, counted against its organization's storage quota like its files.
+    # An uploaded or composed adapter's size, counted against its organization's storage quota like its files.
     uploaded_bytes = models.BigIntegerField(default=0)
+    # A composed model's lineage: {"parents": [{"model", "scale"}], "method", "rank", "approximation_error", ...}
+    composition = models.JSONField(null=True, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
 
     objects = OrgQuerySet.as_manager()
 
     class Meta:
         ordering = ["-created_at"]
+
+    @property
+    def lineage(self) -> dict:
+        """Where the adapter came from, as ``/v1/models`` and the models page show it."""
+        if self.composition is not None:
+            return {"origin": "composed", **self.composition}
+        if self.job_id is not None:
+            return {"origin": "trained", "job": self.job_id}
+        return {"origin": "uploaded"}
 
 
 def record_event(job: FineTuningJob, message: str, *, level: str = "info", data: dict | None = None) -> JobEvent:

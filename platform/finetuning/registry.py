@@ -29,6 +29,7 @@ class UsableModel:
     suffix: str | None  # None for a base model
     owned_by: str  # "system", or the owning organization's slug
     created_at: datetime
+    lineage: dict | None = None  # a fine-tuned model's (``FineTunedModel.lineage``)
 
     @property
     def parent(self) -> str | None:
@@ -40,7 +41,7 @@ def _base(model_id: str) -> UsableModel:
 
 
 def _fine_tuned(model: FineTunedModel, organization: Organization) -> UsableModel:
-    return UsableModel(model.name, model.base_model, model.suffix, organization.slug, model.created_at)
+    return UsableModel(model.name, model.base_model, model.suffix, organization.slug, model.created_at, model.lineage)
 
 
 def list_usable_models(organization: Organization) -> list[UsableModel]:

@@ -92,4 +92,5 @@ def model_object(model: FineTunedModel) -> dict:
         "created": unix(model.created_at),
         "owned_by": model.organization.slug,
         "parent": model.base_model,
+        "lineage": model.lineage,
     }

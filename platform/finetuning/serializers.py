@@ -5,7 +5,10 @@ from __future__ import annotations
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
+from core.lora_merge import METHODS
+from finetuning.compose import Composition
 from finetuning.jobs import AUTO, JobRequest
+from inference.protocol import MAX_ADAPTER_SCALE
 
 MAX_METADATA_KEYS = 16
 
@@ -108,6 +111,30 @@ class AdapterUploadSerializer(serializers.Serializer):
     file = serializers.FileField(help_text="A .tar.gz or .zip of a PEFT LoRA folder: adapter_config.json and adapter_model.safetensors at its root")
     model = serializers.CharField(help_text="The base model the adapter was trained on (a catalog model id)")
     suffix = serializers.CharField(required=False, allow_null=True, trim_whitespace=False, help_text="Served as <model>:<suffix>")
+
+
+class ParentSerializer(RejectUnknownKeys, serializers.Serializer):
+    model = serializers.CharField(help_text="A fine-tuned model of the organization: <base_model_id>:<suffix>")
+    scale = StrictFloatField(min_value=-MAX_ADAPTER_SCALE, max_value=MAX_ADAPTER_SCALE, help_text="Its weight in the sum")
+
+
+class CompositionSerializer(RejectUnknownKeys, serializers.Serializer):
+    parents = ParentSerializer(many=True, allow_empty=False)
+    suffix = serializers.CharField(required=False, allow_null=True, trim_whitespace=False, help_text="Served as <base model>:<suffix>")
+    method = serializers.ChoiceField(
+        METHODS, default="linear",
+        help_text="linear: exact (rank = the sum of the parents' ranks); svd, ties, dare_linear: approximated at 'rank'",
+    )  # fmt: skip
+    rank = StrictIntegerField(required=False, allow_null=True, min_value=1, help_text="The approximation's rank (default: as much as is served)")
+    density = StrictFloatField(default=0.5, min_value=0.01, max_value=1.0, help_text="ties, dare_linear: the share of each delta kept")
+    seed = StrictIntegerField(default=0, min_value=0, max_value=2**31 - 1, help_text="dare_linear: its random drop")
+
+    def to_composition(self) -> Composition:
+        data = dict(self.validated_data)
+        scales: dict[str, float] = {}
+        for parent in data.pop("parents"):  # a repeated parent's scales add up: the sum is linear
+            scales[parent["model"]] = scales.get(parent["model"], 0.0) + parent["scale"]
+        return Composition(parents=scales, **data)
 
 
 class FileUploadSerializer(serializers.Serializer):

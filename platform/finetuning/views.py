@@ -18,11 +18,11 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from core.api_errors import ApiError, model_not_found, not_found
-from finetuning import adapters, files, jobs
+from finetuning import adapters, compose, files, jobs
 from finetuning.models import File, FineTunedModel, FineTuningJob
 from finetuning.pagination import list_page
 from finetuning.representations import checkpoint_object, event_object, file_object, job_object, model_object
-from finetuning.serializers import AdapterUploadSerializer, FileUploadSerializer, JobCreateSerializer
+from finetuning.serializers import AdapterUploadSerializer, CompositionSerializer, FileUploadSerializer, JobCreateSerializer
 
 
 class AnyAcceptRenderer(JSONRenderer):
@@ -189,3 +189,18 @@ class AdapterUploadView(APIView):
         data = serializer.validated_data
         model = adapters.upload_adapter(request.auth.organization, request.user, data["file"], data["model"], data.get("suffix"))
         return Response(model_object(model))
+
+
+class ComposeModelView(APIView):
+    """``POST /v1/fine_tuning/models``: a new fine-tuned model composed of the organization's own."""
+
+    @extend_schema(
+        request=CompositionSerializer, responses=OpenApiTypes.OBJECT,
+        summary="Compose a fine-tuned model from a weighted combination of the organization's fine-tuned models",
+    )  # fmt: skip
+    def post(self, request: Request) -> Response:
+        if not isinstance(request.data, dict):
+            raise ApiError("The request body must be a JSON object.", code="invalid_body")
+        serializer = CompositionSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        return Response(model_object(compose.compose_model(request.auth.organization, serializer.to_composition())))

@@ -59,7 +59,8 @@ async def completions(request: HttpRequest) -> HttpResponse:
 
 def _card(model) -> ModelCard:
     return ModelCard(
-        id=model.name, created=int(model.created_at.timestamp()), owned_by=model.owned_by, parent=model.parent
+        id=model.name, created=int(model.created_at.timestamp()), owned_by=model.owned_by, parent=model.parent,
+        lineage=model.lineage,
     )
 
 

@@ -73,12 +73,6 @@ def read_tensors(path: Path) -> dict[str, np.ndarray]:
     return tensors
 
 
-def _scaling(config: dict) -> float:
-    """PEFT's: lora_alpha / r, or lora_alpha / sqrt(r) for rank-stabilized LoRA."""
-    rank, alpha = config["r"], config.get("lora_alpha", 8)
-    return alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
-
-
 def _check_mixable(config: dict, tensors: dict[str, np.ndarray]) -> None:
     """What the platform trains is plain LoRA on linear layers; anything else is refused by name."""
     for key in ("rank_pattern", "alpha_pattern", "modules_to_save"):
@@ -94,55 +88,94 @@ def _check_mixable(config: dict, tensors: dict[str, np.ndarray]) -> None:
             raise CannotMix(f"it holds {name}, not only LoRA A and B matrices")
 
 
+@dataclass(frozen=True)
+class LoadedPart:
+    """A part's config and weights, checked to be plain LoRA; ``scaling`` is its own ``lora_alpha / r``."""
+
+    config: dict
+    tensors: dict[str, np.ndarray]
+    scale: float
+
+    @property
+    def rank(self) -> int:
+        return int(self.config["r"])
+
+    @property
+    def scaling(self) -> float:
+        """PEFT's: lora_alpha / r, or lora_alpha / sqrt(r) for rank-stabilized LoRA."""
+        rank, alpha = self.rank, self.config.get("lora_alpha", 8)
+        return alpha / math.sqrt(rank) if self.config.get("use_rslora") else alpha / rank
+
+    def factors(self, module: str, fan_in: int, fan_out: int) -> tuple[np.ndarray, np.ndarray]:
+        """(``scaling * A``, ``B``) of ``module``: its delta is their product. Zeros where this part
+        does not adapt ``module``, so every part contributes its rank to every module."""
+        if module + _LORA_A not in self.tensors:
+            return np.zeros((self.rank, fan_in), np.float32), np.zeros((fan_out, self.rank), np.float32)
+        return self.tensors[module + _LORA_A] * np.float32(self.scaling), self.tensors[module + _LORA_B]
+
+
+def load(parts: list[Part]) -> list[LoadedPart]:
+    loaded = []
+    for part in parts:
+        try:
+            config, tensors = read_config(part.folder), read_tensors(part.folder / WEIGHTS_FILE)
+            _check_mixable(config, tensors)
+        except CannotMix as exc:
+            raise CannotMix(str(exc), part.folder) from None
+        loaded.append(LoadedPart(config, tensors, part.scale))
+    return loaded
+
+
+def modules_of(loaded: list[LoadedPart]) -> dict[str, tuple[int, int]]:
+    """Every module some part adapts, sorted, with its (fan in, fan out)."""
+    shapes = {}
+    for part in loaded:
+        for name, tensor in part.tensors.items():
+            if name.endswith(_LORA_A):
+                module = name[: -len(_LORA_A)]
+                shapes[module] = (tensor.shape[1], part.tensors[module + _LORA_B].shape[0])
+    return dict(sorted(shapes.items()))
+
+
+def adapter_config(loaded: list[LoadedPart], modules: list[str], rank: int) -> dict:
+    """The config of an adapter of ``rank`` on ``modules`` built from ``loaded``: scaling 1, as its
+    weights carry every scale (each part's alpha / r, and the request's)."""
+    return {
+        **loaded[0].config,
+        "r": rank,
+        "lora_alpha": rank,
+        "use_rslora": False,
+        "target_modules": sorted({module.rpartition(".")[2] for module in modules}),
+        "rank_pattern": {},
+        "alpha_pattern": {},
+    }
+
+
+def weight_names(module: str) -> tuple[str, str]:
+    return module + _LORA_A, module + _LORA_B
+
+
 def combine(parts: list[Part]) -> tuple[dict, dict[str, np.ndarray]]:
     """The config and weights of the one adapter equal to the sum of the scaled ``parts``.
 
     A module that one part adapts and another does not gets zeros for the missing part, so every
     module has the same rank, the sum of the parts' ranks.
     """
-    configs, weights = [], []
-    for part in parts:
-        try:
-            configs.append(read_config(part.folder))
-            weights.append(read_tensors(part.folder / WEIGHTS_FILE))
-            _check_mixable(configs[-1], weights[-1])
-        except CannotMix as exc:
-            raise CannotMix(str(exc), part.folder) from None
-    modules = sorted({name[: -len(_LORA_A)] for tensors in weights for name in tensors if name.endswith(_LORA_A)})
+    loaded = load(parts)
+    modules = modules_of(loaded)
     combined: dict[str, np.ndarray] = {}
-    for module in modules:
-        a_rows, b_columns = [], []
-        present = next(tensors for tensors in weights if module + _LORA_A in tensors)
-        fan_in, fan_out = present[module + _LORA_A].shape[1], present[module + _LORA_B].shape[0]
-        for part, config, tensors in zip(parts, configs, weights):
-            rank = config["r"]
-            if module + _LORA_A in tensors:
-                a_rows.append(tensors[module + _LORA_A] * np.float32(part.scale * _scaling(config)))
-                b_columns.append(tensors[module + _LORA_B])
-            else:
-                a_rows.append(np.zeros((rank, fan_in), np.float32))
-                b_columns.append(np.zeros((fan_out, rank), np.float32))
-        combined[module + _LORA_A] = np.ascontiguousarray(np.concatenate(a_rows, axis=0))
-        combined[module + _LORA_B] = np.ascontiguousarray(np.concatenate(b_columns, axis=1))
-    rank = sum(config["r"] for config in configs)
-    leaf_names = sorted({module.rpartition(".")[2] for module in modules})
-    config = {
-        **configs[0],
-        "r": rank,
-        "lora_alpha": rank,  # scaling 1: each part's alpha / r is folded into its A rows
-        "use_rslora": False,
-        "target_modules": leaf_names,
-        "rank_pattern": {},
-        "alpha_pattern": {},
-    }
-    return config, combined
+    for module, (fan_in, fan_out) in modules.items():
+        factors = [part.factors(module, fan_in, fan_out) for part in loaded]
+        a_rows = [a * np.float32(part.scale) for part, (a, _) in zip(loaded, factors)]
+        name_a, name_b = weight_names(module)
+        combined[name_a] = np.ascontiguousarray(np.concatenate(a_rows, axis=0))
+        combined[name_b] = np.ascontiguousarray(np.concatenate([b for _, b in factors], axis=1))
+    rank = sum(part.rank for part in loaded)
+    return adapter_config(loaded, list(modules), rank), combined
 
 
-def write_combined(parts: list[Part], target: Path) -> Path:
-    """Write the combined adapter to ``target`` atomically (built aside, then renamed), once."""
-    if (target / CONFIG_FILE).is_file():
-        return target
-    config, tensors = combine(parts)
+def write_adapter(config: dict, tensors: dict[str, np.ndarray], target: Path) -> Path:
+    """Write an adapter folder to ``target`` atomically (built aside, then renamed), once."""
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".building-", dir=target.parent))
     try:
@@ -156,3 +189,10 @@ def write_combined(parts: list[Part], target: Path) -> Path:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+def write_combined(parts: list[Part], target: Path) -> Path:
+    """The combined adapter of ``parts`` at ``target``, built once."""
+    if (target / CONFIG_FILE).is_file():
+        return target
+    return write_adapter(*combine(parts), target)

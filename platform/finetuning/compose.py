@@ -1,0 +1,130 @@
+"""Composed models: a new fine-tuned model from a weighted combination of an organization's own.
+
+A request mix (``adapters`` on a completion) is the same sum, built for one request and named by
+its content; a composition keeps it under a suffix of its own, so it can be shared, downloaded and
+served without repeating the recipe. The combination is exact by default (``linear``); where its
+rank (the sum of the parents' ranks) is more than the deployment serves, ``svd``, ``ties`` or
+``dare_linear`` approximate it at a chosen rank and report how far off they are
+(``core.lora_merge``). It is published like an uploaded adapter (``finetuning.adapters``) and
+served on its first request; its lineage (parents, scales, method, error) is kept on the model.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from django.conf import settings
+
+from accounts.models import Organization
+from core import api_errors
+from core.adapter_check import check_adapter
+from core.adapter_store import AdapterNotFound, StoreUnavailable
+from core.api_errors import ApiError
+from core.catalog import BaseModel
+from core.lora_algebra import CannotMix, Part, write_adapter
+from core.lora_merge import Method, full_rank, merge
+from core.model_names import ModelName
+from finetuning import jobs, storage
+from finetuning.adapters import check_suffix_free, publish_new_model
+from finetuning.models import FineTunedModel
+
+
+@dataclass(frozen=True)
+class Composition:
+    """What to compose: ``parents`` maps each fine-tuned model to its scale."""
+
+    parents: dict[str, float]
+    suffix: str | None = None
+    method: Method = "linear"
+    rank: int | None = None  # the result's, for the approximations (default: as much as is served)
+    density: float = 0.5  # ties, dare_linear: the share of each delta's entries kept
+    seed: int = 0  # dare_linear: its random drop
+
+
+def compose_model(organization: Organization, composition: Composition) -> FineTunedModel:
+    """Build, check, register and publish the composed model; nothing is written on a refusal."""
+    parents = _parents(organization, composition.parents)
+    base = jobs.catalog_model(parents[0].base_model)
+    name = ModelName(base.id, jobs.chosen_suffix(composition.suffix))
+    check_suffix_free(name)
+    with tempfile.TemporaryDirectory(prefix="compose-") as work:
+        parts = [Part(folder, composition.parents[model.name]) for model, folder in _fetched(parents, base, Path(work))]
+        rank = _rank(composition, base, {model.name: full_rank([part]) for model, part in zip(parents, parts)})
+        try:
+            merged = merge(parts, composition.method, rank, composition.density, composition.seed)
+        except CannotMix as exc:
+            parent = next(model for model, part in zip(parents, parts) if part.folder == exc.folder)
+            raise api_errors.adapter_not_mixable(parent.name, str(exc), param="parents") from None
+        folder = write_adapter(merged.config, merged.tensors, Path(work) / "composed")
+        check_adapter(folder, base)
+        lineage = {
+            "parents": [{"model": model.name, "scale": composition.parents[model.name]} for model in parents],
+            "method": composition.method,
+            "rank": merged.rank,
+            "approximation_error": round(merged.approximation_error, 6),
+        }
+        if composition.method in ("ties", "dare_linear"):
+            lineage["density"] = composition.density
+        if composition.method == "dare_linear":
+            lineage["seed"] = composition.seed
+        return publish_new_model(organization, name, folder, composition=lineage)
+
+
+def _parents(organization: Organization, scales: dict[str, float]) -> list[FineTunedModel]:
+    """The organization's models ``scales`` names, all fine-tunes of one base model, in its order."""
+    if not scales:
+        raise ApiError("'parents' must name at least one fine-tuned model.", param="parents", code="invalid_parents")
+    limit = settings.CONFIG.request_limits.mix_adapters
+    if len(scales) > limit.value:
+        raise api_errors.over_limit("parents", "The number of parents", len(scales), limit.value, limit.setting)
+    if all(scale == 0 for scale in scales.values()):
+        raise ApiError(
+            "Every scale in 'parents' is 0: that combination is the base model itself, which needs no new model.",
+            param="parents", code="invalid_parents",
+        )  # fmt: skip
+    found = {model.name: model for model in FineTunedModel.objects.for_org(organization).filter(name__in=list(scales))}
+    for name in scales:
+        if name not in found:
+            raise api_errors.model_not_found(name, param="parents")
+    parents = [found[name] for name in scales]
+    for model in parents[1:]:
+        if model.base_model != parents[0].base_model:
+            raise api_errors.not_a_fine_tune_of(model.name, parents[0].base_model, param="parents")
+    return parents
+
+
+def _fetched(parents: list[FineTunedModel], base: BaseModel, work: Path) -> list[tuple[FineTunedModel, Path]]:
+    """Each parent's published adapter folder (a local store's own; an S3 store's copy in ``work``)."""
+    store = storage.adapters(base.lora.dynamic_lora_loading_path)
+    folders = []
+    for model in parents:
+        try:
+            folders.append((model, store.fetch(model.name, work / "parents")))
+        except AdapterNotFound:
+            raise api_errors.adapter_not_found(model.name, param="parents") from None
+        except StoreUnavailable as exc:
+            raise api_errors.adapter_store_unreachable(model.name, str(exc)) from None
+    return folders
+
+
+def _rank(composition: Composition, base: BaseModel, ranks: dict[str, int]) -> int:
+    """The result's rank: the sum of the parents' for ``linear`` (refused over what is served), else
+    the one asked for (default: the sum, capped at what is served)."""
+    served = base.lora.max_lora_rank
+    exact = sum(ranks.values())
+    if composition.method == "linear":
+        if composition.rank is not None and composition.rank != exact:
+            raise ApiError(
+                f"'rank' sets the rank of an approximation (method svd, ties or dare_linear); the exact 'linear' "
+                f"combination has the sum of its parents' ranks, {exact}.",
+                param="rank", code="invalid_rank",
+            )  # fmt: skip
+        if exact > served:
+            raise api_errors.composition_rank_too_large(ranks, served)
+        return exact
+    rank = composition.rank if composition.rank is not None else min(exact, served)
+    if rank > served:
+        raise api_errors.over_limit("rank", "The rank", rank, served, "max_lora_rank")
+    return rank

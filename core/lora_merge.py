@@ -30,7 +30,7 @@ from core.lora_algebra import LoadedPart, Part, adapter_config, combine, load, m
 
 Method = Literal["linear", "svd", "ties", "dare_linear"]
 METHODS: tuple[Method, ...] = ("linear", "svd", "ties", "dare_linear")
-_OVERSAMPLE, _POWER_ITERATIONS = 8, 4  # randomized SVD: close to the exact truncation at a few matmuls' cost
+_OVERSAMPLE, _POWER_ITERATIONS = 8, 2  # randomized SVD: close to the exact truncation at a few matmuls' cost
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,7 @@ def _stacked_factors(loaded: list[LoadedPart], module: str, fan_in: int, fan_out
 
 def _exact_sum(loaded: list[LoadedPart], module: str, fan_in: int, fan_out: int) -> np.ndarray:
     b, a = _stacked_factors(loaded, module, fan_in, fan_out)
-    return b @ a
+    return b.astype(np.float32) @ a.astype(np.float32)
 
 
 def _truncated_exact_sum(
@@ -107,19 +107,20 @@ def _sparse_merge(
     loaded: list[LoadedPart], module: str, fan_in: int, fan_out: int, method: Method, density: float,
     rng: np.random.Generator,
 ) -> np.ndarray:  # fmt: skip
-    """PEFT's ``ties`` or ``dare_linear`` of the parts' deltas of ``module``, weighted by their scales."""
+    """PEFT's ``ties`` or ``dare_linear`` of the parts' deltas of ``module``, weighted by their scales.
+    In float32, as the adapters are stored: these are full matrices, hundreds per model."""
     deltas = []
     for part in loaded:
         a, b = part.factors(module, fan_in, fan_out)
-        deltas.append(b.astype(np.float64) @ a.astype(np.float64))
-    weights = np.array([part.scale for part in loaded])[:, None, None]
+        deltas.append(b @ a)
+    weights = np.array([part.scale for part in loaded], np.float32)[:, None, None]
     if method == "dare_linear":
-        kept = [delta * (rng.random(delta.shape) < density) / density for delta in deltas]
-        return np.sum(np.stack(kept) * weights, axis=0)
+        kept = [delta * (rng.random(delta.shape, dtype=np.float32) < density) for delta in deltas]
+        return np.sum(np.stack(kept) * weights, axis=0) / np.float32(density)
     trimmed = np.stack([_keep_largest(delta, density) for delta in deltas])
     # sign election on the trimmed, unweighted deltas ("total": the sign of their sum), as PEFT does
-    agrees = np.sign(trimmed) == np.where(trimmed.sum(axis=0) >= 0, 1.0, -1.0)
-    return (trimmed * weights * agrees).sum(axis=0) / np.maximum(agrees.sum(axis=0), 1)
+    agrees = np.sign(trimmed) == np.where(trimmed.sum(axis=0) >= 0, np.float32(1), np.float32(-1))
+    return (trimmed * weights * agrees).sum(axis=0) / np.maximum(agrees.sum(axis=0), 1).astype(np.float32)
 
 
 def _keep_largest(delta: np.ndarray, density: float) -> np.ndarray:
@@ -139,7 +140,7 @@ def _truncated(matrix: np.ndarray, rank: int, rng: np.random.Generator) -> tuple
     of ``matrix``: a randomized SVD (Halko et al.), a full SVD of each module being too slow for a
     request (about 0.3 s for one 576 x 1536 matrix on a 2-core machine, and a model has hundreds)."""
     sketch = min(rank + _OVERSAMPLE, *matrix.shape)
-    q, _ = np.linalg.qr(matrix @ rng.standard_normal((matrix.shape[1], sketch)))
+    q, _ = np.linalg.qr(matrix @ rng.standard_normal((matrix.shape[1], sketch), dtype=np.float32))
     for _ in range(_POWER_ITERATIONS):
         q, _ = np.linalg.qr(matrix.T @ q)
         q, _ = np.linalg.qr(matrix @ q)

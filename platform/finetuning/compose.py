@@ -25,7 +25,7 @@ from core.api_errors import ApiError
 from core.catalog import BaseModel
 from core.lora_algebra import CannotMix, Part, write_adapter
 from core.lora_merge import Method, full_rank, merge
-from core.model_names import ModelName
+from core.model_names import ModelName, parse_model_name
 from finetuning import jobs, storage
 from finetuning.adapters import check_suffix_free, publish_new_model
 from finetuning.models import FineTunedModel
@@ -84,6 +84,13 @@ def _parents(organization: Organization, scales: dict[str, float]) -> list[FineT
             "Every scale in 'parents' is 0: that combination is the base model itself, which needs no new model.",
             param="parents", code="invalid_parents",
         )  # fmt: skip
+    for name in scales:
+        if parse_model_name(name).suffix is None:
+            raise ApiError(
+                f"`{name}` is a base model; 'parents' are fine-tuned models (of a base model, scale 0 of each is "
+                "the base model itself).",
+                param="parents", code="invalid_parents",
+            )  # fmt: skip
     found = {model.name: model for model in FineTunedModel.objects.for_org(organization).filter(name__in=list(scales))}
     for name in scales:
         if name not in found:

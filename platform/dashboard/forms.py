@@ -6,7 +6,7 @@ from django import forms
 from django.conf import settings
 
 from core.api_errors import ApiError
-from core.config import UPLOAD_LIMIT_SETTING
+from core.config import ADAPTER_UPLOAD_LIMIT_SETTING, UPLOAD_LIMIT_SETTING
 from finetuning.jobs import JobRequest, TARGET_MODULES
 from finetuning.models import File
 from finetuning.quotas import human_size
@@ -35,6 +35,33 @@ class UploadForm(forms.Form):
         # would otherwise travel in full only to be refused.
         self.fields["file"].widget.attrs |= {
             "data-max-bytes": settings.CONFIG.max_upload_bytes, "data-too-large": file_too_large_message(),
+        }  # fmt: skip
+
+
+def adapter_too_large_message() -> str:
+    """An adapter archive over its cap: next to the upload form's file field, and on the page the
+    body-size cap answers when it was sent all the same."""
+    limit = human_size(settings.CONFIG.max_adapter_upload_bytes)
+    return f"This archive is larger than {limit}, the most an adapter may be ({ADAPTER_UPLOAD_LIMIT_SETTING})."
+
+
+class AdapterUploadForm(forms.Form):
+    """An adapter trained elsewhere, to serve as ``<model>:<suffix>``. Prefixed (``adapter-``), so
+    its fields keep their own ids beside other forms on the models page."""
+
+    prefix = "adapter"
+    file = forms.FileField(
+        label="Adapter archive", help_text="A PEFT LoRA folder packed as .tar.gz or .zip: adapter_config.json and adapter_model.safetensors."
+    )
+    model = forms.ChoiceField(label="Base model")
+    suffix = forms.CharField(required=False, max_length=64, help_text="Letters, digits, - and _. Empty: one is made up.")
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.fields["model"].choices = [(m, m) for m in settings.MODEL_CATALOG.ids]
+        self.fields["file"].widget.attrs |= {
+            "accept": ".tar.gz,.tgz,.zip", "data-max-bytes": settings.CONFIG.max_adapter_upload_bytes,
+            "data-too-large": adapter_too_large_message(),
         }  # fmt: skip
 
 

@@ -13,7 +13,7 @@ from django.urls import reverse
 from core.adapter_store import CONFIG_FILE, WEIGHTS_FILE
 from finetuning.models import FineTunedModel
 from tests.inference_fixtures import BASE, adapter_store, make_adapter, register_fine_tuned_model  # noqa: F401
-from tests.limits import lower_limits, own_counters  # noqa: F401 (a fixture)
+from tests.limits import lower_limits
 from tests.test_adapter_io import _checkpoint_of, _wrong_shapes, adapter_files, body_of, published, tar_gz, unpacked
 
 pytestmark = pytest.mark.django_db

@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 from django.urls import reverse
 
-from core.adapter_store import CONFIG_FILE, WEIGHTS_FILE
 from finetuning.models import FineTunedModel
 from tests.inference_fixtures import BASE, adapter_store, make_adapter, register_fine_tuned_model  # noqa: F401
 from tests.limits import lower_limits
@@ -56,7 +55,9 @@ def field_of(page: str, name: str) -> str:
     return page[start : page.index("</div>", start)]
 
 
-def test_the_models_page_downloads_a_models_adapter_that_unpacks_to_the_peft_folder(alice_web, alice, adapter, tmp_path):
+def test_the_models_page_downloads_a_models_adapter_that_unpacks_to_the_peft_folder(
+    alice_web, alice, adapter, tmp_path
+):
     name = published(alice, "dash-download", adapter)
     page = alice_web.get(reverse("dashboard:models")).content.decode()
     link = reverse("dashboard:model_adapter", args=[name])

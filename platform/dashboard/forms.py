@@ -12,6 +12,9 @@ from finetuning.models import File
 from finetuning.quotas import human_size
 
 
+SUFFIX_HELP = "Letters, digits, - and _. Empty: one is made up."
+
+
 def show_api_error(form: forms.Form, error: ApiError) -> None:
     """Put a service's error next to the field it names (``hyperparameters.lora_r`` -> ``lora_r``)."""
     field = (error.param or "").rpartition(".")[2]
@@ -51,10 +54,11 @@ class AdapterUploadForm(forms.Form):
 
     prefix = "adapter"
     file = forms.FileField(
-        label="Adapter archive", help_text="A PEFT LoRA folder packed as .tar.gz or .zip: adapter_config.json and adapter_model.safetensors."
+        label="Adapter archive",
+        help_text="A PEFT LoRA folder packed as .tar.gz or .zip: adapter_config.json and adapter_model.safetensors.",
     )
     model = forms.ChoiceField(label="Base model")
-    suffix = forms.CharField(required=False, max_length=64, help_text="Letters, digits, - and _. Empty: one is made up.")
+    suffix = forms.CharField(required=False, max_length=64, help_text=SUFFIX_HELP)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -69,7 +73,7 @@ class JobForm(forms.Form):
     model = forms.ChoiceField(label="Base model")
     training_file = forms.ChoiceField(label="Training dataset")
     validation_file = forms.ChoiceField(label="Validation dataset", required=False)
-    suffix = forms.CharField(required=False, max_length=64, help_text="Letters, digits, - and _. Empty: one is made up.")
+    suffix = forms.CharField(required=False, max_length=64, help_text=SUFFIX_HELP)
     n_epochs = forms.IntegerField(required=False, min_value=1, max_value=50, label="Epochs", help_text="Empty: auto")
     batch_size = forms.IntegerField(required=False, min_value=1, max_value=256, help_text="Empty: auto")
     learning_rate_multiplier = forms.FloatField(required=False, min_value=0.001, max_value=100, help_text="Empty: auto (1.0)")

@@ -50,7 +50,7 @@ def adapter_too_large_message() -> str:
 
 class AdapterUploadForm(forms.Form):
     """An adapter trained elsewhere, to serve as ``<model>:<suffix>``. Prefixed (``adapter-``), so
-    its fields keep their own ids beside other forms on the models page."""
+    its fields keep ids of their own should it share a page with another form."""
 
     prefix = "adapter"
     file = forms.FileField(

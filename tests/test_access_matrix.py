@@ -9,10 +9,12 @@ and its replicas answer no API key at all: only the internal token.
 from __future__ import annotations
 
 import asyncio
+import io
 import itertools
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import pytest
@@ -21,11 +23,13 @@ from django.test import Client
 
 from accounts.models import ApiKey, Membership
 from accounts.services import create_api_key, revoke_api_key
-from finetuning import files, jobs
-from finetuning.models import FineTuningJob, JobStatus
+from finetuning import files, jobs, storage
+from finetuning.models import Checkpoint, FineTuningJob, JobStatus
 from inference.internal_auth import ReplicaGuard
-from tests.inference_fixtures import BASE, register_fine_tuned_model
+from tests.inference_fixtures import BASE, adapter_store, make_adapter, publish_fine_tuned_model  # noqa: F401
+from tests.inference_fixtures import register_fine_tuned_model
 from tests.personas import Persona, good_dataset
+from tests.test_adapter_io import adapter_files, tar_gz
 from tests.test_inference_routing import TOKEN, PoolUnderTest
 
 pytestmark = pytest.mark.django_db(transaction=True)  # the gateway reads the database in other threads
@@ -42,6 +46,7 @@ COMPLETION = (503, 503, 404, 401, 401, 401, 401)
 PAGE = (200, 200, 404, LOGIN, LOGIN, 403, LOGIN)
 PAGE_OWN_LIST = (200, 200, 200, LOGIN, LOGIN, 403, LOGIN)
 PAGE_ACTION = (302, 302, 404, LOGIN, LOGIN, 403, LOGIN)
+PAGE_OWN_ACTION = (302, 302, 302, LOGIN, LOGIN, 403, LOGIN)  # an outsider uploads into his own organization
 # Managing (deleting a model, revoking another's key) is for owners unless an owner lets members.
 API_OWNER_ONLY = (200, 403, 404, 401, 401, 401, 401)
 PAGE_OWNER_ONLY = (302, 403, 404, LOGIN, LOGIN, 403, LOGIN)
@@ -52,7 +57,9 @@ UP_OR_DOWN = (200,) * 7  # /healthz: up or down for anyone, no detail
 SLASHED = (301,) * 7  # to the address without the slash, for anyone: it tells nothing of the object
 
 # (surface, method, path, body, expected): {file}, {job}, {model}, {key} (its prefix), {org_id}
-# name a fresh object of Acme's, made for the one cell (so a delete does not spoil the next cell).
+# name a fresh object of Acme's, made for the one cell (so a delete does not spoil the next cell);
+# {published} is a model whose adapter is stored, {checkpoint} is "<job>/checkpoints/<checkpoint>".
+# The body "adapter" is an adapter archive uploaded under a suffix of its own.
 ROWS = [
     ("api", "GET", "/v1/files", None, API_OWN_LIST),
     ("api", "POST", "/v1/files", "upload", API_OWN_LIST),
@@ -65,6 +72,9 @@ ROWS = [
     ("api", "GET", "/v1/fine_tuning/jobs/{job}/events", None, API),
     ("api", "GET", "/v1/fine_tuning/jobs/{job}/checkpoints", None, API),
     ("api", "POST", "/v1/fine_tuning/jobs/{job}/cancel", None, API),
+    ("api", "GET", "/v1/fine_tuning/jobs/{checkpoint}/adapter", None, API),
+    ("api", "GET", "/v1/fine_tuning/models/{published}/adapter", None, API),
+    ("api", "POST", "/v1/fine_tuning/adapters", "adapter", API_OWN_LIST),
     ("api", "GET", "/v1/models", None, API_OWN_LIST),
     ("api", "GET", "/v1/models/{model}", None, API),
     ("api", "DELETE", "/v1/models/{model}", None, API_OWNER_ONLY),
@@ -80,8 +90,12 @@ ROWS = [
     ("page", "GET", "/jobs/{job}/", None, SLASHED),
     ("page", "GET", "/jobs/{job}/progress", None, PAGE),
     ("page", "POST", "/jobs/{job}/cancel", None, PAGE_ACTION),
+    ("page", "GET", "/jobs/{checkpoint}/adapter", None, PAGE),
     ("page", "GET", "/models", None, PAGE_OWN_LIST),
     ("page", "POST", "/models/{model}/delete", None, PAGE_OWNER_ONLY),
+    ("page", "GET", "/models/{published}/adapter", None, PAGE),
+    ("page", "GET", "/models/upload", None, PAGE_OWN_LIST),
+    ("page", "POST", "/models/upload", "adapter", PAGE_OWN_ACTION),
     ("page", "GET", "/playground", None, PAGE_OWN_LIST),
     ("page", "POST", "/playground/chat", {"model": "{model}", "messages": [{"role": "user", "content": "hi"}]}, PLAYGROUND_CHAT),
     ("page", "GET", "/keys", None, PAGE_OWN_LIST),
@@ -107,9 +121,10 @@ class AcmeObjects(dict):
     """``str.format_map`` source: each placeholder makes a fresh object of alice's organization,
     remembered so the leak check can look for every Acme id and model name in other callers' answers."""
 
-    def __init__(self, alice: Persona):
+    def __init__(self, alice: Persona, adapter: Path):
         super().__init__()
-        self.alice, self.numbers, self.secrets = alice, itertools.count(), set()
+        self.alice, self.adapter, self.numbers, self.secrets = alice, adapter, itertools.count(), set()
+        self.published: list[str] = []  # in the dynamic path, which outlives the test database
 
     def __missing__(self, name: str) -> str:
         alice, n = self.alice, next(self.numbers)
@@ -119,6 +134,13 @@ class AcmeObjects(dict):
             value = _job(alice, n).id
         elif name == "model":
             value = register_fine_tuned_model(alice, f"acme-secret-{n}")
+        elif name == "published":
+            value = publish_fine_tuned_model(alice, f"acme-published-{n}", self.adapter)
+            self.published.append(value)
+        elif name == "checkpoint":
+            checkpoint = _checkpoint(_job(alice, n), self.adapter)
+            self.secrets |= {checkpoint.job_id, checkpoint.id}
+            return f"{checkpoint.job_id}/checkpoints/{checkpoint.id}"
         elif name == "key":
             value = create_api_key(alice.organization, alice.user, f"spare {n}")[0].prefix
         elif name == "org_id":
@@ -144,6 +166,13 @@ def _job(alice: Persona, n: int) -> FineTuningJob:
     )  # fmt: skip
 
 
+def _checkpoint(job: FineTuningJob, adapter: Path) -> Checkpoint:
+    key = f"{storage.checkpoints_prefix(job.pk)}attempt-1/step-1"
+    for name, data in adapter_files(adapter).items():
+        storage.files().put(f"{key}/{name}", data)
+    return Checkpoint.objects.create(job=job, step_number=1, epoch=1, metrics={}, storage_key=key)
+
+
 def _fill(template, objects: AcmeObjects):
     if isinstance(template, str):
         return template.format_map(objects)
@@ -157,8 +186,10 @@ def _fill(template, objects: AcmeObjects):
 class Doors:
     """The four ways in: the web (REST, gateway, dashboard), the pool, and a replica."""
 
-    def __init__(self, tmp_path):
+    def __init__(self, tmp_path, adapter: Path):
         self.pool = PoolUnderTest(tmp_path, replicas=1).app
+        self.archive, self.uploads = tar_gz(adapter_files(adapter)), itertools.count()
+        self.uploaded: list[str] = []  # in the dynamic path, which outlives the test database
 
         async def replica_route(scope, receive, send):  # stands in for vLLM behind its guard
             await send({"type": "http.response.start", "status": 200, "headers": []})
@@ -173,11 +204,20 @@ class Doors:
         web = caller.browser if surface == "page" else Client()
         if body == "upload":
             return web.post(path, {"file": _upload(), "purpose": "fine-tune"}, headers=headers)
+        if body == "adapter":
+            return web.post(path, self._adapter_upload("adapter-" if surface == "page" else ""), headers=headers)
         if surface == "page" and path == "/organization":
             return web.post(path, body, headers=headers)
         if body is None:
             return web.generic(method, path, headers=headers)
         return web.generic(method, path, json.dumps(body), content_type="application/json", headers=headers)
+
+    def _adapter_upload(self, prefix: str) -> dict:
+        suffix = f"matrix-upload-{next(self.uploads)}"
+        self.uploaded.append(f"{BASE}:{suffix}")
+        archive = io.BytesIO(self.archive)
+        archive.name = "adapter.tar.gz"
+        return {f"{prefix}file": archive, f"{prefix}model": BASE, f"{prefix}suffix": suffix}
 
     @staticmethod
     async def _asgi(app, method: str, path: str, body, headers: dict):
@@ -200,16 +240,31 @@ def _signed_in(user: User | None) -> Client:
 
 
 @pytest.fixture
-def doors(tmp_path, settings, monkeypatch) -> Doors:
+def adapter(make_adapter) -> Path:  # noqa: F811
+    return make_adapter(seed=5)
+
+
+@pytest.fixture
+def doors(tmp_path, settings, monkeypatch, adapter):
     settings.INFERENCE_POOL_URL = DEAD_POOL
     monkeypatch.setattr("health.views.ALL_CHECKS", {})  # /healthz's checks are test_healthz's subject
     monkeypatch.setattr(jobs, "_send_or_503", lambda job: None)  # no broker: the job stays queued
     monkeypatch.setenv("VLLM_API_KEY", TOKEN)
-    return Doors(tmp_path)
+    doors = Doors(tmp_path, adapter)
+    yield doors
+    for name in doors.uploaded:
+        adapter_store().delete(name)
 
 
-def test_every_caller_gets_exactly_its_cell_for_every_endpoint_and_nothing_leaks(alice, bob, charlie, doors):
-    objects = AcmeObjects(alice)
+@pytest.fixture
+def objects(alice, adapter):
+    objects = AcmeObjects(alice, adapter)
+    yield objects
+    for name in objects.published:
+        adapter_store().delete(name)
+
+
+def test_every_caller_gets_exactly_its_cell_for_every_endpoint_and_nothing_leaks(alice, bob, charlie, doors, objects):
     revoked, revoked_raw = create_api_key(alice.organization, alice.user, "revoked")
     revoke_api_key(revoked)
     bob_session, alice_session = _signed_in(bob.user), _signed_in(alice.user)

@@ -14,7 +14,7 @@ import pytest
 from accounts.models import ApiKey
 from finetuning.models import File
 from tests.browser import screenshot
-from tests.inference_fixtures import gateway  # noqa: F401 (a fixture)
+from tests.inference_fixtures import adapter_store, gateway, make_adapter  # noqa: F401 (fixtures)
 from tests.personas import good_dataset
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -149,3 +149,39 @@ def test_a_file_over_the_upload_cap_is_refused_on_the_page_before_it_is_sent(pag
     page.click("#upload-form button[type=submit]")
     page.wait_for_selector(".conversation")
     assert len(posts) == 1 and File.objects.count() == 1
+
+
+def test_an_adapter_uploaded_on_its_form_is_listed_and_downloads_under_its_name(
+    page, live_server, alice, make_adapter, settings, tmp_path
+):
+    from tests.test_adapter_io import adapter_files, tar_gz
+
+    settings.INFERENCE_POOL_URL = "http://127.0.0.1:9"  # which models are loaded does not matter here
+    name = f"{BASE}:browser-upload"
+    adapter_store().delete(name)  # the dynamic path outlives the test database
+    sign_in(page, live_server.url, alice)
+    page.goto(f"{live_server.url}/models")
+    page.click("#adapter-upload >> text=Upload an adapter")
+    page.wait_for_url(re.compile(r"/models/upload$"))
+
+    (tmp_path / "broken.tar.gz").write_bytes(b"just some bytes")
+    page.set_input_files("#id_adapter-file", str(tmp_path / "broken.tar.gz"))
+    page.fill("#id_adapter-suffix", "browser-upload")
+    page.click("#adapter-upload-form button[type=submit]")
+    page.wait_for_selector("#field-file .field-error:not([hidden])")  # not the size check's hidden one
+    assert "not a readable .tar.gz or .zip" in page.inner_text("#field-file")
+    screenshot(page, "14-adapter-upload-refused")
+
+    (tmp_path / "adapter.tar.gz").write_bytes(tar_gz(adapter_files(make_adapter(seed=13))))
+    page.set_input_files("#id_adapter-file", str(tmp_path / "adapter.tar.gz"))
+    page.click("#adapter-upload-form button[type=submit]")  # the suffix is still filled in
+    page.wait_for_url(re.compile(r"/models$"))
+    row = page.locator(f"tr[data-model='{name}']")
+    assert "uploaded adapter" in row.inner_text()
+    screenshot(page, "15-adapter-uploaded")
+    try:
+        with page.expect_download() as download:
+            row.locator("text=Download adapter").click()
+        assert download.value.suggested_filename == "HuggingFaceTB--SmolLM2-135M-Instruct--browser-upload.tar.gz"
+    finally:
+        adapter_store().delete(name)

@@ -186,6 +186,19 @@ async def test_an_adapter_upload_has_its_own_cap(web, alice, settings):
     assert over.status_code == 413 and "MAX_ADAPTER_UPLOAD_MB" in _error(over)["message"]
 
 
+async def test_the_dashboards_adapter_form_has_the_adapter_cap_and_a_browser_gets_the_forms_sentence(web, settings):
+    from dashboard.forms import adapter_too_large_message
+
+    settings.CONFIG = dataclasses.replace(settings.CONFIG, max_adapter_upload_bytes=4 * 1024 * 1024)
+    # Over the default body cap (1 MiB), under the adapter's: Django reads it (and, without a session or
+    # a CSRF token, refuses it), the size layer does not.
+    under = await web.post("/models/upload", headers=BROWSER, files={"adapter-file": ("a.tar.gz", b"x" * 2_000_000)})
+    assert under.status_code == 403 and "CSRF" in under.text
+    over = await web.post("/models/upload", headers=BROWSER, files={"adapter-file": ("a.tar.gz", b"x" * 5_000_000)})
+    assert over.status_code == 413 and html.escape(adapter_too_large_message()) in over.text
+    assert "4.0 MB" in adapter_too_large_message() and '<a href="/models/upload">' in over.text
+
+
 async def test_it_still_accepts_an_upload_under_the_cap(web, alice):
     response = await web.post("/v1/files", headers=_bearer(alice), **_multipart(good_dataset(12)))
     assert response.status_code == 200, response.text

@@ -6,10 +6,13 @@ from django import forms
 from django.conf import settings
 
 from core.api_errors import ApiError
-from core.config import UPLOAD_LIMIT_SETTING
+from core.config import ADAPTER_UPLOAD_LIMIT_SETTING, UPLOAD_LIMIT_SETTING
 from finetuning.jobs import JobRequest, TARGET_MODULES
 from finetuning.models import File
 from finetuning.quotas import human_size
+
+
+SUFFIX_HELP = "Letters, digits, - and _. Empty: one is made up."
 
 
 def show_api_error(form: forms.Form, error: ApiError) -> None:
@@ -38,11 +41,39 @@ class UploadForm(forms.Form):
         }  # fmt: skip
 
 
+def adapter_too_large_message() -> str:
+    """An adapter archive over its cap: next to the upload form's file field, and on the page the
+    body-size cap answers when it was sent all the same."""
+    limit = human_size(settings.CONFIG.max_adapter_upload_bytes)
+    return f"This archive is larger than {limit}, the most an adapter may be ({ADAPTER_UPLOAD_LIMIT_SETTING})."
+
+
+class AdapterUploadForm(forms.Form):
+    """An adapter trained elsewhere, to serve as ``<model>:<suffix>``. Prefixed (``adapter-``), so
+    its fields keep ids of their own should it share a page with another form."""
+
+    prefix = "adapter"
+    file = forms.FileField(
+        label="Adapter archive",
+        help_text="A PEFT LoRA folder packed as .tar.gz or .zip: adapter_config.json and adapter_model.safetensors.",
+    )
+    model = forms.ChoiceField(label="Base model")
+    suffix = forms.CharField(required=False, max_length=64, help_text=SUFFIX_HELP)
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.fields["model"].choices = [(m, m) for m in settings.MODEL_CATALOG.ids]
+        self.fields["file"].widget.attrs |= {
+            "accept": ".tar.gz,.tgz,.zip", "data-max-bytes": settings.CONFIG.max_adapter_upload_bytes,
+            "data-too-large": adapter_too_large_message(),
+        }  # fmt: skip
+
+
 class JobForm(forms.Form):
     model = forms.ChoiceField(label="Base model")
     training_file = forms.ChoiceField(label="Training dataset")
     validation_file = forms.ChoiceField(label="Validation dataset", required=False)
-    suffix = forms.CharField(required=False, max_length=64, help_text="Letters, digits, - and _. Empty: one is made up.")
+    suffix = forms.CharField(required=False, max_length=64, help_text=SUFFIX_HELP)
     n_epochs = forms.IntegerField(required=False, min_value=1, max_value=50, label="Epochs", help_text="Empty: auto")
     batch_size = forms.IntegerField(required=False, min_value=1, max_value=256, help_text="Empty: auto")
     learning_rate_multiplier = forms.FloatField(required=False, min_value=0.001, max_value=100, help_text="Empty: auto (1.0)")

@@ -20,9 +20,14 @@ urlpatterns = [
     path("jobs/<str:job_id>", views.job_detail, name="job"),
     path("jobs/<str:job_id>/progress", views.job_progress, name="job_progress"),
     path("jobs/<str:job_id>/cancel", views.job_cancel, name="job_cancel"),
+    path(
+        "jobs/<str:job_id>/checkpoints/<str:checkpoint_id>/adapter", views.checkpoint_adapter, name="checkpoint_adapter"
+    ),
     path("models", views.models, name="models"),
+    path("models/upload", views.adapter_upload, name="adapter_upload"),
     # A fine-tuned model by its name, <base_model_id>:<suffix>: the base model id holds a slash.
     path("models/<path:model_name>/delete", views.model_delete, name="model_delete"),
+    path("models/<path:model_name>/adapter", views.model_adapter, name="model_adapter"),
     path("playground", views.playground, name="playground"),
     path("playground/chat", views.playground_chat, name="playground_chat"),
     path("keys", views.api_keys, name="api_keys"),

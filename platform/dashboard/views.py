@@ -13,13 +13,14 @@ from accounts.models import ApiKey
 from accounts.permissions import allow_members_to_manage, is_owner, may_manage, may_revoke
 from accounts.services import create_api_key, revoke_api_key
 from core.api_errors import ApiError
-from dashboard.forms import ApiKeyForm, JobForm, UploadForm, show_api_error
+from dashboard.forms import AdapterUploadForm, ApiKeyForm, JobForm, UploadForm, show_api_error
 from dashboard.organizations import switch_organization, with_organization
 from dashboard.playground import completion_body
-from finetuning import files, jobs
+from finetuning import adapters, files, jobs
 from finetuning.models import File, FineTunedModel, FineTuningJob
 from finetuning.registry import delete_fine_tuned_model, list_usable_models
 from finetuning.representations import event_object, job_object
+from finetuning.views import archive_response
 from gateway import metrics as gateway_metrics
 from gateway.completions import complete_for_organization, pool_response
 from gateway.pool import PoolUnavailable, replicas_serving
@@ -105,7 +106,21 @@ def job_new(request: HttpRequest) -> HttpResponse:
 @with_organization
 def job_detail(request: HttpRequest, job_id: str) -> HttpResponse:
     job = get_object_or_404(FineTuningJob.objects.for_org(request.organization), pk=job_id)
-    return render(request, "dashboard/job.html", {"job": job, "base_url": request.build_absolute_uri("/v1")})
+    context = {"job": job, "checkpoints": job.checkpoints.all(), "base_url": request.build_absolute_uri("/v1")}
+    return render(request, "dashboard/job.html", context)
+
+
+@with_organization
+def checkpoint_adapter(request: HttpRequest, job_id: str, checkpoint_id: str) -> HttpResponse:
+    """A checkpoint's adapter as the API serves it (``GET /v1/fine_tuning/jobs/{id}/checkpoints/{ckpt}/adapter``)."""
+    job = get_object_or_404(FineTuningJob.objects.for_org(request.organization), pk=job_id)
+    checkpoint = get_object_or_404(job.checkpoints.select_related("job"), pk=checkpoint_id)
+    try:
+        archive = adapters.checkpoint_archive(checkpoint)
+    except ApiError as error:
+        messages.error(request, error.message)
+        return redirect("dashboard:job", job_id=job_id)
+    return archive_response(archive, adapters.checkpoint_name(checkpoint))
 
 
 @with_organization
@@ -162,6 +177,40 @@ def model_delete(request: HttpRequest, model_name: str) -> HttpResponse:
     delete_fine_tuned_model(model)
     messages.success(request, f"Deleted {model.name}; it is no longer served.")
     return redirect("dashboard:models")
+
+
+@with_organization
+def model_adapter(request: HttpRequest, model_name: str) -> HttpResponse:
+    """A fine-tuned model's adapter as the API serves it (``GET /v1/fine_tuning/models/{model}/adapter``)."""
+    model = get_object_or_404(FineTunedModel.objects.for_org(request.organization), name=model_name)
+    try:
+        archive = adapters.model_archive(model)
+    except ApiError as error:  # not published (any more), or its store does not answer
+        messages.error(request, error.message)
+        return redirect("dashboard:models")
+    return archive_response(archive, model.name)
+
+
+@with_organization
+def adapter_upload(request: HttpRequest) -> HttpResponse:
+    """An adapter trained elsewhere, served as ``<model>:<suffix>`` once checked, as ``POST
+    /v1/fine_tuning/adapters`` does. Any member may, as through the API; a refusal (the archive, its
+    shapes, the suffix, the size, a quota) is shown on the form, and then nothing was written."""
+    form = AdapterUploadForm()
+    if request.method == "POST":
+        form = AdapterUploadForm(request.POST, request.FILES)
+        if form.is_valid():
+            data = form.cleaned_data
+            try:
+                model = adapters.upload_adapter(
+                    request.organization, request.user, data["file"], data["model"], data["suffix"] or None
+                )
+            except ApiError as error:
+                show_api_error(form, error)
+            else:
+                messages.success(request, f"{model.name} is published: it answers on its first request.")
+                return redirect("dashboard:models")
+    return render(request, "dashboard/adapter_upload.html", {"form": form})
 
 
 @with_organization

@@ -47,15 +47,20 @@ def with_body_limits(application: ASGIApp) -> ASGIApp:
     """Call once Django is set up: the paths come from its URL configuration."""
     from django.conf import settings
     from django.urls import reverse
-    from dashboard.forms import file_too_large_message
+    from dashboard.forms import adapter_too_large_message, file_too_large_message
     from gateway.asgi import ENDPOINTS
     from server.api_errors import too_large_page
 
     kinds = (
         dict.fromkeys(ENDPOINTS, "completion")
         | dict.fromkeys((reverse("file-list"), reverse("dashboard:datasets")), "upload")
-        | {reverse("fine-tuning-adapter-upload"): "adapter upload"}
+        | dict.fromkeys((reverse("fine-tuning-adapter-upload"), reverse("dashboard:adapter_upload")), "adapter upload")
     )
+    # A dashboard form refused for its file's size: the form's own sentence, and a link back to it.
+    form_pages = {
+        reverse("dashboard:datasets"): file_too_large_message,
+        reverse("dashboard:adapter_upload"): adapter_too_large_message,
+    }
 
     def limit_for(path: str) -> Limit:
         # Read per request, as every setting, so a changed setting (a test's) applies at once.
@@ -75,8 +80,8 @@ def with_body_limits(application: ASGIApp) -> ASGIApp:
         if not _wants_a_page(scope):
             await send_asgi(error, send, close_connection=True)
             return
-        if kinds.get(path) == "upload":  # the dataset form: back to it
-            message, back = file_too_large_message(), path
+        if path in form_pages:  # a dashboard upload form: back to it
+            message, back = form_pages[path](), path
         else:  # any path at all (never put in a link): back to the start
             message, back = error.message, reverse("dashboard:home")
         page = HTMLResponse(too_large_page(message, back), status_code=error.status, headers={"connection": "close"})

@@ -119,3 +119,17 @@ def test_mixed_scaled_and_plain_requests_in_one_batch_each_get_their_own_answer(
     for thread in threads:
         thread.join()
     assert together == alone
+
+
+def test_a_composed_model_is_served_on_its_first_request_as_the_same_mix_answers(alice, gateway, make_adapter):
+    # A composition keeps a mix under a name: the linear one is the same exact sum, so the same tokens.
+    folders = [make_adapter(seed=2), make_adapter(seed=9)]
+    first, second = (publish_fine_tuned_model(alice, _suffix(f"parent{i}"), folder) for i, folder in enumerate(folders))
+    parents = [{"model": first, "scale": 0.5}, {"model": second, "scale": 0.5}]
+    created = httpx.post(
+        f"{gateway}/v1/fine_tuning/models", headers={"Authorization": f"Bearer {alice.api_key}"}, timeout=120,
+        json={"parents": parents, "suffix": _suffix("composed")},
+    )  # fmt: skip
+    assert created.status_code == 200, created.text
+    composed = created.json()["id"]
+    assert _ask(alice.client, composed) == _ask(alice.client, adapters=parents) == _peft_mix_answer(folders, [0.5, 0.5])

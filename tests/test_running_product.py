@@ -2,7 +2,8 @@
 
 A user's path, step by step: the load balancer's ``/healthz``, then the official ``openai`` client
 (upload, fine-tune, wait, stream a chat with the new model, list it, delete it), and a fine-tune
-started from the dashboard's form in a real browser on the same web process. The timings a user
+started from the dashboard's form in a real browser on the same web process; then adapters
+trained elsewhere, uploaded, mixed per request, composed into a model and downloaded. The timings a user
 feels are written to test-artifacts/product-timings.json.
 """
 
@@ -12,12 +13,16 @@ import json
 import re
 import time
 
+import io
+import tarfile
+
 import httpx
 import openai
 import pytest
 import redis
 
 from tests.browser import screenshot
+from tests.inference_fixtures import AdapterMaker
 from tests.personas import good_dataset
 from tests.processes import ROOT, wait_until
 from tests.running_platform import bin_run
@@ -142,3 +147,53 @@ def test_a_job_started_from_the_dashboard_form_trains_on_the_same_running_platfo
     page.wait_for_selector("#status.succeeded", timeout=420_000)
     assert page.inner_text("#model-name") == f"{BASE}:from-the-form"
     screenshot(page, "product-dashboard-job-succeeded")
+
+
+def _archive(folder) -> bytes:
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w:gz") as tar:
+        for name in ("adapter_config.json", "adapter_model.safetensors"):
+            tar.add(folder / name, arcname=name)
+    return out.getvalue()
+
+
+def test_uploaded_adapters_mix_per_request_and_compose_into_a_model_served_on_its_first_request(platform, tmp_path):
+    client = openai.OpenAI(base_url=f"{platform.url}/v1", api_key=platform.api_key, max_retries=0)
+    api = httpx.Client(base_url=f"{platform.url}/v1", headers={"Authorization": f"Bearer {platform.api_key}"}, timeout=120)
+    make_adapter = AdapterMaker(tmp_path)  # adapters "trained elsewhere": random LoRA weights, PEFT's format
+    names = []
+    for seed, suffix in ((2, "elsewhere-a"), (9, "elsewhere-b")):
+        uploaded = api.post(
+            "/fine_tuning/adapters", files={"file": ("adapter.tar.gz", _archive(make_adapter(seed)))},
+            data={"model": BASE, "suffix": suffix},
+        )  # fmt: skip
+        assert uploaded.status_code == 200, uploaded.text
+        names.append(uploaded.json()["id"])
+
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+
+    def ask(model: str = BASE, adapters: list | None = None) -> str:
+        extra = {"extra_body": {"adapters": adapters}} if adapters is not None else {}
+        answer = client.chat.completions.create(model=model, messages=question, max_tokens=16, temperature=0, **extra)
+        return answer.choices[0].message.content
+
+    half_and_half = [{"model": names[0], "scale": 0.5}, {"model": names[1], "scale": 0.5}]
+    mixed = ask(adapters=half_and_half)
+    assert mixed not in (ask(), ask(names[0]), ask(names[1]))
+    assert ask(adapters=[{"model": names[0], "scale": 0}]) == ask()  # scale 0 is the base model
+    with pytest.raises(openai.BadRequestError) as refused:  # a mix is asked of its base model
+        ask(names[0], adapters=half_and_half)
+    assert refused.value.code == "mix_needs_base_model"
+
+    composed = api.post("/fine_tuning/models", json={"parents": half_and_half, "suffix": "composed"})
+    assert composed.status_code == 200, composed.text
+    name = composed.json()["id"]
+    assert ask(name) == mixed  # its first request: published, then loaded on demand
+    listed = {model["id"]: model for model in api.get("/models").json()["data"]}
+    assert listed[name]["lineage"] == {
+        "origin": "composed", "parents": half_and_half, "method": "linear", "rank": 16, "approximation_error": 0.0,
+    }  # fmt: skip
+    download = api.get(f"/fine_tuning/models/{name}/adapter")
+    assert download.status_code == 200 and download.headers["content-type"] == "application/gzip"
+    with tarfile.open(fileobj=io.BytesIO(download.content), mode="r:gz") as tar:
+        assert sorted(tar.getnames()) == ["adapter_config.json", "adapter_model.safetensors"]

@@ -50,8 +50,8 @@ def merge(parts: list[Part], method: Method, rank: int, density: float = 0.5, se
     """``parts``' adapters combined by ``method``; ``rank`` is the result's, unless ``linear`` (the
     sum of the ranks). ``density`` and ``seed`` matter to ``ties`` and ``dare_linear`` only."""
     if method == "linear":
-        config, tensors = combine(parts)
-        return Merged(config, tensors, config["r"], 0.0)
+        config, summed = combine(parts)
+        return Merged(config, summed, config["r"], 0.0)
     loaded = load(parts)
     modules = modules_of(loaded)
     rng = np.random.default_rng(seed)
@@ -100,7 +100,8 @@ def _truncated_exact_sum(
     root = np.sqrt(s[:kept])
     new_b = _pad_columns((q_b @ u[:, :kept]) * root, rank)
     new_a = _pad_rows((root[:, None] * vt[:kept]) @ q_a.T, rank)
-    return new_b.astype(np.float32), new_a.astype(np.float32), float(np.sqrt(np.sum(s[kept:] ** 2))), float(np.linalg.norm(s))
+    error, norm = float(np.sqrt(np.sum(s[kept:] ** 2))), float(np.linalg.norm(s))
+    return new_b.astype(np.float32), new_a.astype(np.float32), error, norm
 
 
 def _sparse_merge(

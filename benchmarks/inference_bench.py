@@ -1,6 +1,6 @@
-"""Inference benchmark: publish-to-first-token, mixed-adapter throughput, gateway overhead.
+"""Inference benchmark: publish-to-first-token, mixed-adapter throughput, gateway overhead, mixes.
 
-    .venv/bin/python benchmarks/inference_bench.py [--rounds 2] [--publishes 7] [--compare-stock]
+    .venv/bin/python benchmarks/inference_bench.py [--rounds 2] [--publishes 7] [--compare-stock] [--mix-only]
 
 Starts its own pool (one vLLM CPU replica, the repository's model catalog) and web gateway on a
 scratch SQLite database, makes random LoRA adapters (rank 8, all linear layers) with PEFT, and
@@ -11,7 +11,15 @@ prints one table whose ratios are against baselines measured in the same run:
    adapters, through the gateway; tokens per second as a ratio to the base model's (each round
    has its own base run, and the median ratio over rounds is reported);
 3. gateway overhead: sequential one-token completions straight to the vLLM replica, to the pool,
-   and through the gateway, interleaved; medians of the per-request differences.
+   and through the gateway, interleaved; medians of the per-request differences;
+4. mixes (README: Mixing adapters): CONCURRENCY chat requests x TOKENS tokens spread over
+   MIX_WIDTH plain adapters, then over MIX_WIDTH mixes (each two of those adapters at scale 0.5,
+   served as one combined adapter of twice the rank), through the gateway; tokens per second and
+   the median over rounds of each round's mixes / plain ratio, with the adapter loads and
+   evictions the section caused (more than one load per adapter or mix per round is slot thrash).
+   Then the first request's cost: time to the first token of a request for a fresh adapter nobody
+   asked for yet, against one for a new mix of two fresh adapters (built, then loaded), interleaved.
+   It adds a minute or two to a run; --mix-only runs only this section (no 1-3).
 With --compare-stock it then restarts the replica with vLLM's own LoRA kernels (no
 inference.lora_kernels; the same process layout) and measures throughput (2) directly against it.
 """
@@ -63,6 +71,9 @@ from tests.processes import answers, free_port, running, wait_until
 
 CONCURRENCY = 32
 TOKENS = 64
+MIX_WIDTH = 8  # plain adapters, and mixes, in flight at once: the catalog's slots (max_loras) hold them all
+MIX_SCALE = 0.5  # each of a mix's two parts, as in the README's example
+FIRST_REQUEST_SAMPLES = 3  # (4)'s first-request pairs: each makes three fresh adapters
 INTERNAL = {"Authorization": f"Bearer {settings.INTERNAL_TOKEN}"}  # what the pool and replicas require
 PROMPT = "Write a short story about a lighthouse keeper and a storm."
 
@@ -83,67 +94,158 @@ def _persona() -> Persona:
 # --- measurements ------------------------------------------------------------------------------
 
 
+def _until_first_token(client: httpx.Client, gateway: str, api_key: str, target: dict) -> None:
+    """Stream a short chat answer from ``target`` (a model, or a mix) and return at its first token."""
+    body = {**target, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 8, "stream": True}
+    headers = {"Authorization": f"Bearer {api_key}"}
+    with client.stream("POST", f"{gateway}/v1/chat/completions", json=body, headers=headers) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            # the first chunk carries the role and an empty content: not a token yet
+            if line.startswith("data: ") and '"content":"' in line.replace(" ", "") and '"content":""' not in line:
+                return
+    raise RuntimeError(f"{target}: no token in the stream")
+
+
+def _fresh_suffix(label: str, index: int) -> str:
+    """A suffix no earlier run used: a published name must never be one the pool has seen."""
+    return f"{label}-{index}-{random.randrange(1 << 30):x}"
+
+
 def publish_to_first_token(persona: Persona, folders: list[Path], gateway: str) -> list[float]:
-    headers = {"Authorization": f"Bearer {persona.api_key}"}
     times = []
     with httpx.Client(timeout=120) as client:
         for index, folder in enumerate(folders):
-            suffix = f"fresh-{index}-{random.randrange(1 << 30):x}"
             started = time.perf_counter()
-            name = publish_fine_tuned_model(persona, suffix, folder)
-            body = {"model": name, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 8, "stream": True}
-            with client.stream("POST", f"{gateway}/v1/chat/completions", json=body, headers=headers) as response:
-                response.raise_for_status()
-                for line in response.iter_lines():
-                    if (
-                        line.startswith("data: ")
-                        and '"content":"' in line.replace(" ", "")
-                        and '"content":""' not in line
-                    ):
-                        times.append(time.perf_counter() - started)
-                        break
-                else:
-                    raise RuntimeError(f"{name}: no token in the stream")
+            name = publish_fine_tuned_model(persona, _fresh_suffix("fresh", index), folder)
+            _until_first_token(client, gateway, persona.api_key, {"model": name})
+            times.append(time.perf_counter() - started)
     return times
 
 
-async def _throughput(url: str, models: list[str], api_key: str | None) -> float:
+def mix_target(parts: list[tuple[str, float]]) -> dict:
+    """A request's model fields for a mix: the base model, plus the adapters and their scales."""
+    return {"model": BASE, "adapters": [{"model": name, "scale": scale} for name, scale in parts]}
+
+
+def first_request_cost(persona: Persona, folders: list[Path], gateway: str) -> dict[str, list[float]]:
+    """Time to the first token of the first request for a fresh adapter, and for a new mix of two.
+
+    Every adapter is published (untimed) and never asked for before, so both pay for reading it
+    from the store and loading it; the mix also pays for building its combined adapter. The two
+    kinds alternate which goes first, so neither always meets the other's eviction or load.
+    """
+    times: dict[str, list[float]] = {"plain adapter": [], "new mix": []}
+    with httpx.Client(timeout=120) as client:
+        for index in range(len(folders) // 3):
+            plain, *parts = (
+                publish_fine_tuned_model(persona, _fresh_suffix("first", 3 * index + k), folder)
+                for k, folder in enumerate(folders[3 * index : 3 * index + 3])
+            )
+            targets = {"plain adapter": {"model": plain}, "new mix": mix_target([(n, MIX_SCALE) for n in parts])}
+            for kind in sorted(targets, reverse=index % 2 == 1):
+                started = time.perf_counter()
+                _until_first_token(client, gateway, persona.api_key, targets[kind])
+                times[kind].append(time.perf_counter() - started)
+    return times
+
+
+# A load is the request targets spread over the CONCURRENCY requests; a target is the fields that
+# choose the weights: {"model": name}, or a mix (``mix_target``).
+Loads = dict[str, list[dict]]
+
+
+def adapter_loads(adapters: list[str]) -> Loads:
+    """(2)'s loads: the base model first (the ratios' baseline), then 1, 4 and 16 adapters."""
+    spreads = {
+        "base model": [BASE], "1 adapter": adapters[:1], "4 adapters": adapters[:4], "16 adapters": adapters[:16]
+    }  # fmt: skip
+    return {load: [{"model": model} for model in models] for load, models in spreads.items()}
+
+
+def mix_loads(adapters: list[str]) -> Loads:
+    """(4)'s loads: MIX_WIDTH plain adapters first (the baseline), then MIX_WIDTH mixes of the same
+    adapters, each with its neighbour: distinct pairs, so distinct combined adapters."""
+    plain = adapters[:MIX_WIDTH]
+    pairs = [(plain[i], plain[(i + 1) % MIX_WIDTH]) for i in range(MIX_WIDTH)]
+    return {
+        f"{MIX_WIDTH} adapters": [{"model": name} for name in plain],
+        f"{MIX_WIDTH} mixes": [mix_target([(a, MIX_SCALE), (b, MIX_SCALE)]) for a, b in pairs],
+    }
+
+
+def _request_body(target: dict, endpoint: str) -> dict:
+    text = {"prompt": PROMPT} if endpoint == "completions" else {"messages": [{"role": "user", "content": PROMPT}]}
+    return {**target, **text, "max_tokens": TOKENS, "min_tokens": TOKENS, "ignore_eos": True, "temperature": 0.8}
+
+
+async def _throughput(url: str, targets: list[dict], api_key: str | None, endpoint: str) -> float:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    order = [models[i % len(models)] for i in range(CONCURRENCY)]
+    order = [targets[i % len(targets)] for i in range(CONCURRENCY)]
     random.shuffle(order)
 
-    async def one(client: httpx.AsyncClient, model: str) -> int:
-        body = {"model": model, "prompt": PROMPT, "max_tokens": TOKENS, "min_tokens": TOKENS, "ignore_eos": True,
-                "temperature": 0.8}  # fmt: skip
-        response = await client.post(f"{url}/v1/completions", json=body, headers=headers)
+    async def one(client: httpx.AsyncClient, target: dict) -> int:
+        response = await client.post(f"{url}/v1/{endpoint}", json=_request_body(target, endpoint), headers=headers)
         response.raise_for_status()
         return response.json()["usage"]["completion_tokens"]
 
     limits = httpx.Limits(max_connections=CONCURRENCY * 2)
     async with httpx.AsyncClient(timeout=900, limits=limits) as client:
-        await asyncio.gather(*(one(client, model) for model in models))  # warm: adapters loaded
+        await asyncio.gather(*(one(client, target) for target in targets))  # warm: adapters loaded (mixes built)
         started = time.perf_counter()
-        tokens = await asyncio.gather(*(one(client, model) for model in order))
+        tokens = await asyncio.gather(*(one(client, target) for target in order))
         return sum(tokens) / (time.perf_counter() - started)
 
 
-def throughput_rounds(url: str, adapters: list[str], api_key: str | None, rounds: int, load_adapters=None) -> dict:
-    """tok/s per load, and each round's ratio to that round's base-model run."""
-    loads = {"base model": [BASE], "1 adapter": adapters[:1], "4 adapters": adapters[:4], "16 adapters": adapters[:16]}
+def throughput_rounds(
+    url: str, loads: Loads, api_key: str | None, rounds: int, load_adapters=None, endpoint: str = "completions"
+) -> dict:
+    """tok/s per load, and each round's ratio to that round's run of the first load."""
     results: dict[str, dict[str, list[float]]] = {load: {"tok_s": [], "ratio": []} for load in loads}
+    baseline = next(iter(loads))
     for round_number in range(rounds):
         base = None
-        for load, models in loads.items():
+        for load, targets in loads.items():
             if load_adapters:
-                load_adapters(models)
-            tok_s = asyncio.run(_throughput(url, models, api_key))
+                load_adapters([target["model"] for target in targets])
+            tok_s = asyncio.run(_throughput(url, targets, api_key, endpoint))
             base = tok_s if base is None else base
             results[load]["tok_s"].append(tok_s)
             results[load]["ratio"].append(tok_s / base)
             print(
-                f"  round {round_number + 1}: {load:<12} {tok_s:7.1f} tok/s  ({tok_s / base:.2f} of base)", flush=True
+                f"  round {round_number + 1}: {load:<12} {tok_s:7.1f} tok/s  ({tok_s / base:.2f} of {baseline})",
+                flush=True,
             )
     return results
+
+
+def adapter_churn(pool: str) -> dict[str, float]:
+    """The pool's adapter loads and evictions so far (its Prometheus counters), to tell slot thrash."""
+    text = httpx.get(f"{pool}/metrics", headers=INTERNAL, timeout=30).text
+    churn = {"loads": 0.0, "evictions": 0.0}
+    for line in text.splitlines():
+        if line.startswith('fineserve_adapter_loads_total{') and 'outcome="loaded"' in line:
+            churn["loads"] += float(line.rsplit(" ", 1)[1])
+        elif line.startswith("fineserve_adapter_evictions_total{"):
+            churn["evictions"] += float(line.rsplit(" ", 1)[1])
+    return churn
+
+
+def mix_section(persona: Persona, gateway: str, pool: str, adapters: list[str], first: list[Path], rounds: int) -> dict:
+    """(4): plain adapters vs mixes, the slots' churn meanwhile, and the first request's cost."""
+    before = adapter_churn(pool)
+    loads = mix_loads(adapters)
+    throughput = throughput_rounds(gateway, loads, persona.api_key, rounds, endpoint="chat/completions")
+    after = adapter_churn(pool)
+    held = httpx.get(f"{pool}/health", headers=INTERNAL, timeout=30).json()["replicas"][0]["adapters"]
+    print("  first requests ...", flush=True)
+    return {
+        "throughput": throughput,
+        "churn": {key: after[key] - before[key] for key in before},
+        "held": held,
+        "first": first_request_cost(persona, first, gateway),
+        "rounds": rounds,
+    }
 
 
 DIRECT, POOL, GATEWAY = "vLLM replica, direct", "pool (route, adapter check)", "gateway (auth, registry, pool)"
@@ -192,7 +294,8 @@ def stock_vllm_throughput(adapter_folders: dict[str, Path], rounds: int) -> dict
 
     with running("bench-stock-vllm", command, vllm_environment(model, settings.INTERNAL_TOKEN)) as process:
         wait_until(lambda: answers(f"{url}/health", headers=INTERNAL), 600, "stock vLLM", process)
-        return throughput_rounds(url, list(adapter_folders), settings.INTERNAL_TOKEN, rounds, load_adapters=load)
+        loads = adapter_loads(list(adapter_folders))
+        return throughput_rounds(url, loads, settings.INTERNAL_TOKEN, rounds, load_adapters=load)
 
 
 # --- report ------------------------------------------------------------------------------------
@@ -202,17 +305,15 @@ def _ms(values: list[float]) -> str:
     return f"{statistics.median(values) * 1000:8.2f}"
 
 
-def report(publish: list[float], throughput: dict, stock: dict | None, latencies: dict, catalog_line: str) -> None:
-    print()
-    print("=" * 78)
-    print(f"Inference benchmark, {BASE}, 1 replica; {catalog_line}")
-    print(f"machine: {os.cpu_count()} cores, load average now {os.getloadavg()[0]:.1f} (other work included)")
-    print("-" * 78)
+def _report_publish(publish: list[float]) -> None:
     median = statistics.median(publish)
     verdict = "PASS" if median < 2 else "MISS"
     print(f"(1) publish -> first token, n={len(publish)}: median {median:.2f} s "
           f"(min {min(publish):.2f}, max {max(publish):.2f})      target < 2 s: {verdict}")  # fmt: skip
     print("-" * 78)
+
+
+def _report_throughput(throughput: dict, stock: dict | None) -> None:
     print(f"(2) throughput, {CONCURRENCY} concurrent x {TOKENS} tokens, through the gateway (median of rounds)")
     header = f"    {'load':<14}{'tok/s':>9}{'ratio to base':>15}"
     if stock:
@@ -227,6 +328,9 @@ def report(publish: list[float], throughput: dict, stock: dict | None, latencies
             line += f"   target >= 0.8: {'PASS' if ratio >= 0.8 else 'MISS'}"
         print(line)
     print("-" * 78)
+
+
+def _report_overhead(latencies: dict) -> None:
     for label, latency in latencies.items():
         samples = len(latency[DIRECT])
         print(f"(3) one-token completions of the {label}, sequential, n={samples} each: median ms")
@@ -237,25 +341,71 @@ def report(publish: list[float], throughput: dict, stock: dict | None, latencies
         b - a for a, b in zip(latencies["base model"][DIRECT], latencies["base model"][GATEWAY])
     )
     print(f"    gateway overhead target < 5 ms: {'PASS' if gateway < 0.005 else 'MISS'}")
+    print("-" * 78)
+
+
+def _report_mixes(mixes: dict) -> None:
+    throughput, rounds = mixes["throughput"], mixes["rounds"]
+    print(f"(4) mixes, {CONCURRENCY} concurrent chat x {TOKENS} tokens, {MIX_WIDTH} in flight, through the gateway "
+          f"(median of {rounds} rounds)")  # fmt: skip
+    print(f"    {'load':<14}{'tok/s':>9}{'ratio to plain':>16}   per round")
+    for load, values in throughput.items():
+        per_round = " ".join(f"{tok_s:.1f}" for tok_s in values["tok_s"])
+        print(f"    {load:<14}{statistics.median(values['tok_s']):9.1f}{statistics.median(values['ratio']):16.2f}"
+              f"   {per_round}")  # fmt: skip
+    print(f"    each mix: two rank-8 adapters at scale {MIX_SCALE}, one combined adapter of rank 16")
+    churn, held = mixes["churn"], mixes["held"]
+    floor = 2 * MIX_WIDTH * rounds  # every load evicts the other's adapters: each is loaded once a round
+    print(f"    slots meanwhile: {churn['loads']:.0f} adapter loads (at most {floor} without thrash), "
+          f"{churn['evictions']:.0f} evictions; held after: {len(held)} "
+          f"({sum(':mix.' in name for name in held)} mixes)")  # fmt: skip
+    first = mixes["first"]
+    plain, mixed = statistics.median(first["plain adapter"]), statistics.median(first["new mix"])
+    print(f"    first request, time to first token, n={len(first['new mix'])} each (median): fresh adapter "
+          f"{plain:.2f} s, new mix of two fresh adapters {mixed:.2f} s ({mixed / plain:.2f}x)")  # fmt: skip
+    print("-" * 78)
+
+
+def report(
+    publish: list[float] | None, throughput: dict | None, stock: dict | None, latencies: dict | None,
+    mixes: dict, catalog_line: str,
+) -> None:  # fmt: skip
+    """The table; a section left out of the run (--mix-only) is left out of it."""
+    print()
+    print("=" * 78)
+    print(f"Inference benchmark, {BASE}, 1 replica; {catalog_line}")
+    print(f"machine: {os.cpu_count()} cores, load average now {os.getloadavg()[0]:.1f} (other work included)")
+    print("-" * 78)
+    if publish is not None:
+        _report_publish(publish)
+    if throughput is not None:
+        _report_throughput(throughput, stock)
+    if latencies is not None:
+        _report_overhead(latencies)
+    _report_mixes(mixes)
     print("=" * 78)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=2, help="throughput rounds (each has its own base run)")
+    parser.add_argument("--rounds", type=int, default=2, help="throughput rounds (each has its own baseline run)")
     parser.add_argument("--publishes", type=int, default=7, help="fresh adapters for publish-to-first-token")
     parser.add_argument("--overhead-samples", type=int, default=100)
     parser.add_argument("--compare-stock", action="store_true", help="also measure throughput on stock vLLM")
+    parser.add_argument("--mix-only", action="store_true", help="only (4): plain adapters vs mixes, first requests")
     args = parser.parse_args()
+    if args.mix_only and args.compare_stock:
+        parser.error("--compare-stock compares (2), which --mix-only leaves out")
 
     logging.getLogger("httpx").setLevel(logging.WARNING)
     print(f"scratch: {SCRATCH}", flush=True)
     call_command("migrate", verbosity=0)
     persona = _persona()
     maker = AdapterMaker(SCRATCH / "made")
-    print("making adapters ...", flush=True)
-    folders = {f"{BASE}:mix{i}": maker(seed=100 + i) for i in range(16)}
-    fresh = [maker(seed=200 + i) for i in range(args.publishes)]
+    print("making adapters ...", flush=True)  # all before the engine starts, which wants both cores
+    folders = {f"{BASE}:bench{i}": maker(seed=100 + i) for i in range(16)}
+    fresh = [maker(seed=200 + i) for i in range(0 if args.mix_only else args.publishes)]
+    first = [maker(seed=300 + i) for i in range(3 * FIRST_REQUEST_SAMPLES)]
     for name, folder in folders.items():
         publish_fine_tuned_model(persona, name.rpartition(":")[2], folder)
 
@@ -273,6 +423,7 @@ def main() -> int:
     gateway = f"http://127.0.0.1:{gateway_port}"
     web = [sys.executable, "-m", "uvicorn", "server.asgi:application", "--app-dir", "platform",
            "--host", "127.0.0.1", "--port", str(gateway_port), "--log-level", "warning"]  # fmt: skip
+    publish = throughput = latencies = None
     with (
         running("bench-pool", [sys.executable, "-m", "inference"], env) as pool_process,
         running("bench-gateway", web, env) as web_process,
@@ -282,22 +433,25 @@ def main() -> int:
         wait_until(lambda: httpx.get(f"{gateway}/v1/models").status_code == 401, 60, "gateway", web_process)
         replica = httpx.get(f"{pool_url}/health", headers=INTERNAL).json()["replicas"][0]["url"]
 
-        print("(1) publish -> first token ...", flush=True)
-        publish = publish_to_first_token(persona, fresh, gateway)
-        print("(3) overhead ...", flush=True)
-        adapter = next(iter(folders))
-        latencies = {
-            "base model": overhead(replica, pool_url, gateway, persona.api_key, BASE, args.overhead_samples),
-            "adapter": overhead(replica, pool_url, gateway, persona.api_key, adapter, args.overhead_samples),
-        }
-        print("(2) throughput ...", flush=True)
-        throughput = throughput_rounds(gateway, list(folders), persona.api_key, args.rounds)
+        if not args.mix_only:
+            print("(1) publish -> first token ...", flush=True)
+            publish = publish_to_first_token(persona, fresh, gateway)
+            print("(3) overhead ...", flush=True)
+            adapter = next(iter(folders))
+            latencies = {
+                "base model": overhead(replica, pool_url, gateway, persona.api_key, BASE, args.overhead_samples),
+                "adapter": overhead(replica, pool_url, gateway, persona.api_key, adapter, args.overhead_samples),
+            }
+            print("(2) throughput ...", flush=True)
+            throughput = throughput_rounds(gateway, adapter_loads(list(folders)), persona.api_key, args.rounds)
+        print("(4) mixes ...", flush=True)
+        mixes = mix_section(persona, gateway, pool_url, list(folders), first, args.rounds)
     stock = None
     if args.compare_stock:
         print("(2) throughput on stock vLLM ...", flush=True)
         stock_folders = {name: adapter_store().fetch(name, SCRATCH) for name in folders}
         stock = stock_vllm_throughput(stock_folders, args.rounds)
-    report(publish, throughput, stock, latencies, catalog_line)
+    report(publish, throughput, stock, latencies, mixes, catalog_line)
     return 0
 
 

@@ -59,7 +59,8 @@ SLASHED = (301,) * 7  # to the address without the slash, for anyone: it tells n
 # (surface, method, path, body, expected): {file}, {job}, {model}, {key} (its prefix), {org_id}
 # name a fresh object of Acme's, made for the one cell (so a delete does not spoil the next cell);
 # {published} is a model whose adapter is stored, {checkpoint} is "<job>/checkpoints/<checkpoint>".
-# The body "adapter" is an adapter archive uploaded under a suffix of its own.
+# The body "adapter" is an adapter archive uploaded under a suffix of its own; a composition (API or
+# form) is given a suffix of its own too. An outsider composing names Acme's models: 404.
 ROWS = [
     ("api", "GET", "/v1/files", None, API_OWN_LIST),
     ("api", "POST", "/v1/files", "upload", API_OWN_LIST),
@@ -75,6 +76,7 @@ ROWS = [
     ("api", "GET", "/v1/fine_tuning/jobs/{checkpoint}/adapter", None, API),
     ("api", "GET", "/v1/fine_tuning/models/{published}/adapter", None, API),
     ("api", "POST", "/v1/fine_tuning/adapters", "adapter", API_OWN_LIST),
+    ("api", "POST", "/v1/fine_tuning/models", {"parents": [{"model": "{published}", "scale": 0.5}]}, API),
     ("api", "GET", "/v1/models", None, API_OWN_LIST),
     ("api", "GET", "/v1/models/{model}", None, API),
     ("api", "DELETE", "/v1/models/{model}", None, API_OWNER_ONLY),
@@ -96,6 +98,8 @@ ROWS = [
     ("page", "GET", "/models/{published}/adapter", None, PAGE),
     ("page", "GET", "/models/upload", None, PAGE_OWN_LIST),
     ("page", "POST", "/models/upload", "adapter", PAGE_OWN_ACTION),
+    ("page", "GET", "/models/compose", None, PAGE_OWN_LIST),
+    ("page", "POST", "/models/compose", {"compose-parents": "{published}"}, PAGE_ACTION),
     ("page", "GET", "/playground", None, PAGE_OWN_LIST),
     ("page", "POST", "/playground/chat", {"model": "{model}", "messages": [{"role": "user", "content": "hi"}]}, PLAYGROUND_CHAT),
     ("page", "GET", "/keys", None, PAGE_OWN_LIST),
@@ -208,6 +212,11 @@ class Doors:
             return web.post(path, self._adapter_upload("adapter-" if surface == "page" else ""), headers=headers)
         if surface == "page" and path == "/organization":
             return web.post(path, body, headers=headers)
+        if path in ("/v1/fine_tuning/models", "/models/compose") and method == "POST":
+            suffix = self._composed_suffix()
+            if surface == "page":
+                return web.post(path, body | {"compose-suffix": suffix, "compose-method": "linear"}, headers=headers)
+            body = body | {"suffix": suffix}
         if body is None:
             return web.generic(method, path, headers=headers)
         return web.generic(method, path, json.dumps(body), content_type="application/json", headers=headers)
@@ -218,6 +227,11 @@ class Doors:
         archive = io.BytesIO(self.archive)
         archive.name = "adapter.tar.gz"
         return {f"{prefix}file": archive, f"{prefix}model": BASE, f"{prefix}suffix": suffix}
+
+    def _composed_suffix(self) -> str:
+        suffix = f"matrix-composed-{next(self.uploads)}"
+        self.uploaded.append(f"{BASE}:{suffix}")
+        return suffix
 
     @staticmethod
     async def _asgi(app, method: str, path: str, body, headers: dict):

@@ -185,3 +185,35 @@ def test_an_adapter_uploaded_on_its_form_is_listed_and_downloads_under_its_name(
         assert download.value.suggested_filename == "HuggingFaceTB--SmolLM2-135M-Instruct--browser-upload.tar.gz"
     finally:
         adapter_store().delete(name)
+
+
+def test_a_model_composed_on_its_form_is_listed_with_its_parents(page, live_server, alice, make_adapter, settings):
+    from tests.test_adapter_io import published
+
+    settings.INFERENCE_POOL_URL = "http://127.0.0.1:9"  # which models are loaded does not matter here
+    left, right, name = f"{BASE}:browser-left", f"{BASE}:browser-right", f"{BASE}:browser-blend"
+    for model in (left, right, name):
+        adapter_store().delete(model)  # the dynamic path outlives the test database
+    try:
+        published(alice, "browser-left", make_adapter(seed=21))
+        published(alice, "browser-right", make_adapter(seed=22))
+        sign_in(page, live_server.url, alice)
+        page.goto(f"{live_server.url}/models")
+        page.click("#model-compose >> text=Compose a model")
+        page.wait_for_url(re.compile(r"/models/compose$"))
+        for model, scale in ((left, "0.7"), (right, "0.3")):
+            row = page.locator(f"tr[data-parent='{model}']")
+            row.locator("input[type=checkbox]").check()
+            row.locator("input[type=number]").fill(scale)
+        page.fill("#id_compose-suffix", "browser-blend")
+        screenshot(page, "16-compose-form")
+        page.click("#compose-form button[type=submit]")
+        page.wait_for_url(re.compile(r"/models$"))
+        assert f"{name} is published (approximation error 0)" in page.inner_text(".flash.success")
+        lineage = page.locator(f"tr[data-model='{name}'] td.lineage").inner_text()
+        assert "composed of" in lineage and f"{left} × 0.7" in lineage and f"{right} × 0.3" in lineage
+        assert "linear, LoRA r 16" in lineage
+        screenshot(page, "17-composed-lineage")
+    finally:
+        for model in (left, right, name):
+            adapter_store().delete(model)

@@ -7,8 +7,11 @@ from django.conf import settings
 
 from core.api_errors import ApiError
 from core.config import ADAPTER_UPLOAD_LIMIT_SETTING, UPLOAD_LIMIT_SETTING
+from core.lora_merge import METHODS
+from finetuning.compose import Composition
 from finetuning.jobs import JobRequest, TARGET_MODULES
 from finetuning.models import File
+from inference.protocol import MAX_ADAPTER_SCALE
 from finetuning.quotas import human_size
 
 
@@ -67,6 +70,71 @@ class AdapterUploadForm(forms.Form):
             "accept": ".tar.gz,.tgz,.zip", "data-max-bytes": settings.CONFIG.max_adapter_upload_bytes,
             "data-too-large": adapter_too_large_message(),
         }  # fmt: skip
+
+
+class ParentsField(forms.MultipleChoiceField):
+    """The models ticked as parents. Any name is accepted: the service says which models the
+    organization has (a model deleted since the page was shown, or another organization's, is
+    refused by name), as the API does."""
+
+    def valid_value(self, value) -> bool:
+        return True
+
+
+class ComposeForm(forms.Form):
+    """A new model from a weighted combination of the organization's fine-tuned models: a row per
+    model (tick it, give it a scale), no script needed. Prefixed (``compose-``), like the upload form."""
+
+    prefix = "compose"
+    parents = ParentsField(required=False, widget=forms.CheckboxSelectMultiple)
+    suffix = forms.CharField(required=False, max_length=64, help_text=SUFFIX_HELP)
+    method = forms.ChoiceField(
+        choices=[(method, method) for method in METHODS], initial="linear",
+        help_text="linear: exact, its rank is the sum of the parents' ranks. svd, ties, dare_linear: approximated "
+        "at the rank below, with the error reported.",
+    )  # fmt: skip
+    rank = forms.IntegerField(
+        required=False, min_value=1, help_text="svd, ties, dare_linear: the result's rank. Empty: as much as is served."
+    )
+    density = forms.FloatField(
+        required=False, min_value=0.01, max_value=1.0,
+        help_text="ties, dare_linear: the share of each delta kept. Empty: 0.5.",
+    )  # fmt: skip
+    seed = forms.IntegerField(
+        required=False, min_value=0, max_value=2**31 - 1, help_text="dare_linear: its random drop. Empty: 0."
+    )
+
+    def __init__(self, *args, models: list[str], **kwargs):
+        super().__init__(*args, **kwargs)
+        self.fields["parents"].choices = [(name, name) for name in models]
+        most = settings.CONFIG.request_limits.mix_adapters.value
+        self.fields["parents"].help_text = f"Tick 1 to {most} fine-tuned models of one base model, each with its scale."
+        # A scale per model, named by the model: a model added or deleted between showing the page
+        # and sending it does not shift anyone's scale onto another model.
+        for name in models:
+            self.fields[self.scale_field(name)] = forms.FloatField(
+                required=False, min_value=-MAX_ADAPTER_SCALE, max_value=MAX_ADAPTER_SCALE, initial=1.0,
+                label=f"Scale of {name}",
+            )  # fmt: skip
+
+    @staticmethod
+    def scale_field(model: str) -> str:
+        return f"scale_{model}"
+
+    def rows(self) -> list[tuple[forms.BoundField, str, forms.BoundField]]:
+        """(the tick box, the model's name, its scale) for each of the organization's models."""
+        return [(box, box.data["value"], self[self.scale_field(box.data["value"])]) for box in self["parents"]]
+
+    def to_composition(self) -> Composition:
+        data = self.cleaned_data
+        scales: dict[str, float] = {}
+        for name in data["parents"]:
+            scale = data.get(self.scale_field(name))  # a model not listed here: the service refuses it by name
+            scales[name] = 1.0 if scale is None else scale
+        options = {name: data[name] for name in ("density", "seed") if data[name] is not None}
+        return Composition(
+            parents=scales, suffix=data["suffix"] or None, method=data["method"], rank=data["rank"], **options
+        )
 
 
 class JobForm(forms.Form):

@@ -25,6 +25,7 @@ urlpatterns = [
     ),
     path("models", views.models, name="models"),
     path("models/upload", views.adapter_upload, name="adapter_upload"),
+    path("models/compose", views.model_compose, name="model_compose"),
     # A fine-tuned model by its name, <base_model_id>:<suffix>: the base model id holds a slash.
     path("models/<path:model_name>/delete", views.model_delete, name="model_delete"),
     path("models/<path:model_name>/adapter", views.model_adapter, name="model_adapter"),

@@ -13,10 +13,10 @@ from accounts.models import ApiKey
 from accounts.permissions import allow_members_to_manage, is_owner, may_manage, may_revoke
 from accounts.services import create_api_key, revoke_api_key
 from core.api_errors import ApiError
-from dashboard.forms import AdapterUploadForm, ApiKeyForm, JobForm, UploadForm, show_api_error
+from dashboard.forms import AdapterUploadForm, ApiKeyForm, ComposeForm, JobForm, UploadForm, show_api_error
 from dashboard.organizations import switch_organization, with_organization
 from dashboard.playground import completion_body
-from finetuning import adapters, files, jobs
+from finetuning import adapters, compose, files, jobs
 from finetuning.models import File, FineTunedModel, FineTuningJob
 from finetuning.registry import delete_fine_tuned_model, list_usable_models
 from finetuning.representations import event_object, job_object
@@ -165,7 +165,9 @@ def models(request: HttpRequest) -> HttpResponse:
         lineage = fine_tuned.get(model.name)
         dataset = datasets.get(lineage.job.training_file) if lineage and lineage.job else None
         rows.append((model, lineage, dataset, serving.get(model.name, 0)))
-    return render(request, "dashboard/models.html", {"models": rows, "pool_problem": pool_problem})
+    # A composed model's parents are linked while they exist; they may be deleted before it.
+    context = {"models": rows, "pool_problem": pool_problem, "present": set(fine_tuned)}
+    return render(request, "dashboard/models.html", context)
 
 
 @require_POST
@@ -211,6 +213,26 @@ def adapter_upload(request: HttpRequest) -> HttpResponse:
                 messages.success(request, f"{model.name} is published: it answers on its first request.")
                 return redirect("dashboard:models")
     return render(request, "dashboard/adapter_upload.html", {"form": form})
+
+
+@with_organization
+def model_compose(request: HttpRequest) -> HttpResponse:
+    """A new model from a weighted combination of the organization's fine-tuned models, as ``POST
+    /v1/fine_tuning/models`` makes it. A refusal is shown on the form, and then nothing was written;
+    one the API answers 404 (a model the organization cannot see) is a 404 here too."""
+    names = list(FineTunedModel.objects.for_org(request.organization).values_list("name", flat=True))
+    form, status = ComposeForm(request.POST or None, models=names), 200
+    if request.method == "POST" and form.is_valid():
+        try:
+            model = compose.compose_model(request.organization, form.to_composition())
+        except ApiError as error:
+            show_api_error(form, error)
+            status = 404 if error.status == 404 else 200
+        else:
+            error = f"approximation error {model.lineage['approximation_error']:.4g}"
+            messages.success(request, f"{model.name} is published ({error}): it answers on its first request.")
+            return redirect("dashboard:models")
+    return render(request, "dashboard/model_compose.html", {"form": form}, status=status)
 
 
 @with_organization

@@ -129,7 +129,7 @@ def test_a_job_whose_parent_was_deleted_before_it_trained_fails_with_that_reason
 
     assert run_job(job_id, worker="in-test") == "failed"
     job = alice.api.get(f"/v1/fine_tuning/jobs/{job_id}").json()
-    assert job["error"]["code"] == "parent_model_deleted" and f"{BASE}:parent was deleted" in job["error"]["message"]
+    assert job["error"]["code"] == "parent_model_deleted" and f"{BASE}:parent, was deleted" in job["error"]["message"]
     assert not FineTunedModel.objects.filter(name=f"{BASE}:orphan").exists()
 
 

@@ -23,7 +23,9 @@ def trained(persona, suffix: str, parent: str | None = None, **lora) -> FineTune
         organization=persona.organization, model=BASE, parent_model=parent, training_file="file-gone", suffix=suffix,
         seed=0, hyperparameters=hyperparameters, status=JobStatus.SUCCEEDED, fine_tuned_model=f"{BASE}:{suffix}",
     )  # fmt: skip
-    return FineTunedModel.objects.create(name=f"{BASE}:{suffix}", organization=persona.organization, job=job, base_model=BASE, suffix=suffix)
+    return FineTunedModel.objects.create(
+        name=f"{BASE}:{suffix}", organization=persona.organization, job=job, base_model=BASE, suffix=suffix
+    )
 
 
 def create(persona, **body):
@@ -92,9 +94,10 @@ def test_another_organizations_model_is_not_found(alice, charlie):
 
 @pytest.mark.django_db
 def test_an_uploaded_adapter_cannot_be_continued(alice):
-    FineTunedModel.objects.create(name=f"{BASE}:uploaded", organization=alice.organization, base_model=BASE, suffix="uploaded")
+    uploaded = f"{BASE}:uploaded"
+    FineTunedModel.objects.create(name=uploaded, organization=alice.organization, base_model=BASE, suffix="uploaded")
     file_id = upload(alice, good_dataset(12)).json()["id"]
-    response = create(alice, model=f"{BASE}:uploaded", training_file=file_id)
+    response = create(alice, model=uploaded, training_file=file_id)
     assert response.status_code == 400 and error_of(response)["code"] == "model_not_continuable"
 
 

@@ -28,7 +28,15 @@ from core.model_names import ModelName
 from core.object_store import ObjectNotFound
 from finetuning import jobs, results, storage
 from finetuning.files import load_examples
-from finetuning.models import FINISHED_STATUSES, Checkpoint, File, FineTunedModel, FineTuningJob, JobStatus, record_event
+from finetuning.models import (
+    FINISHED_STATUSES,
+    Checkpoint,
+    File,
+    FineTunedModel,
+    FineTuningJob,
+    JobStatus,
+    record_event,
+)
 from server.database_outage import DATABASE_ERRORS
 from workers.db_retry import retrying
 from workers.heartbeat import Heartbeat
@@ -130,7 +138,9 @@ def _train(job: FineTuningJob, workdir: Path, callbacks: JobCallbacks) -> Traini
     training = _examples(job, job.training_file, "training")
     validation = None if job.validation_file is None else _examples(job, job.validation_file, "validation")
     resume_from = _resume_point(job, workdir / "resume")
-    if job.parent_model and resume_from is None:  # a resume's checkpoint already holds the adapter, of the parent's shape
+    # A continued fine-tune starts from its parent's adapter; a resume's checkpoint already holds
+    # the adapter (of the parent's shape), so it needs no parent.
+    if job.parent_model and resume_from is None:
         config.init_adapter = _parent_adapter(job, model, workdir / "parent")
     retrying(record_event, job, f"Training started on {len(training)} examples")
     try:

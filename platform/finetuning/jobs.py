@@ -199,7 +199,9 @@ def create_job(organization: Organization, user: User | None, request: JobReques
     training = _file(organization, request.training_file, "training_file", model)
     validation = _file(organization, request.validation_file, "validation_file", model) if request.validation_file else None
     suffix = chosen_suffix(request.suffix)
-    requested = request.hyperparameters if start.parent is None else _keep_parent_lora(request.hyperparameters, start.parent)
+    requested = request.hyperparameters
+    if start.parent is not None:
+        requested = _keep_parent_lora(requested, start.parent)
     hyperparameters = resolve_hyperparameters(requested, training.example_count, model)
     if FineTunedModel.objects.filter(name=str(ModelName(model.id, suffix))).exists():  # an uploaded adapter's
         raise suffix_taken(str(ModelName(model.id, suffix)))

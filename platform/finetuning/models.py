@@ -177,7 +177,8 @@ class FineTunedModel(models.Model):
         name: str | None = parent
         while name and name not in chain:
             chain.append(name)
-            model = FineTunedModel.objects.filter(organization_id=self.organization_id, name=name).select_related("job").first()
+            own = FineTunedModel.objects.filter(organization_id=self.organization_id, name=name)
+            model = own.select_related("job").first()
             name = model.job.parent_model if model and model.job else None
         return chain
 

@@ -21,14 +21,22 @@ from celery.exceptions import SoftTimeLimitExceeded
 from django.conf import settings
 from django.utils import timezone
 
-from core.adapter_store import StoreUnavailable
+from core.adapter_store import AdapterNotFound, StoreUnavailable
 from core.catalog import BaseModel
 from core.datasets import Example
 from core.model_names import ModelName
 from core.object_store import ObjectNotFound
 from finetuning import jobs, results, storage
 from finetuning.files import load_examples
-from finetuning.models import FINISHED_STATUSES, Checkpoint, File, FineTuningJob, JobStatus, record_event
+from finetuning.models import (
+    FINISHED_STATUSES,
+    Checkpoint,
+    File,
+    FineTunedModel,
+    FineTuningJob,
+    JobStatus,
+    record_event,
+)
 from server.database_outage import DATABASE_ERRORS
 from workers.db_retry import retrying
 from workers.heartbeat import Heartbeat
@@ -130,6 +138,10 @@ def _train(job: FineTuningJob, workdir: Path, callbacks: JobCallbacks) -> Traini
     training = _examples(job, job.training_file, "training")
     validation = None if job.validation_file is None else _examples(job, job.validation_file, "validation")
     resume_from = _resume_point(job, workdir / "resume")
+    # A continued fine-tune starts from its parent's adapter; a resume's checkpoint already holds
+    # the adapter (of the parent's shape), so it needs no parent.
+    if job.parent_model and resume_from is None:
+        config.init_adapter = _parent_adapter(job, model, workdir / "parent")
     retrying(record_event, job, f"Training started on {len(training)} examples")
     try:
         return train(config, training, validation, workdir, callbacks, resume_from=resume_from)
@@ -139,6 +151,24 @@ def _train(job: FineTuningJob, workdir: Path, callbacks: JobCallbacks) -> Traini
             f"Training diverged: {exc}. Lower learning_rate_multiplier (it is {hp['learning_rate_multiplier']:g}), "
             "or look for examples unlike the rest.",
         ) from None
+
+
+def _parent_adapter(job: FineTuningJob, model: BaseModel, cache: Path) -> Path:
+    """A continued fine-tune's starting adapter, fetched from the dynamic LoRA path now (the trainer
+    may be on another host than the web process that created the job)."""
+    assert job.parent_model is not None
+    deleted = JobFailed(
+        "parent_model_deleted",
+        f"The model to fine-tune further, {job.parent_model}, was deleted before the job started; nothing was trained.",
+    )  # fmt: skip
+    if not retrying(FineTunedModel.objects.filter(organization_id=job.organization_id, name=job.parent_model).exists):
+        raise deleted
+    try:
+        folder = storage.adapters(model.lora.dynamic_lora_loading_path).fetch(job.parent_model, cache)
+    except AdapterNotFound:
+        raise deleted from None
+    retrying(record_event, job, f"Training goes on from {job.parent_model}'s adapter")
+    return folder
 
 
 def _resume_point(job: FineTuningJob, folder: Path) -> Path | None:

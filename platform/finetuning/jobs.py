@@ -42,7 +42,7 @@ from core.api_errors import ApiError, not_found, suffix_taken
 from core.catalog import BaseModel
 from core.config import LIMIT_SETTINGS
 from core.rate_limits import RATE_LIMIT_TYPE
-from core.model_names import ModelName, is_valid_suffix
+from core.model_names import ModelName, is_valid_suffix, parse_model_name
 from finetuning.models import File, FineTunedModel, FineTuningJob, JobStatus, record_event
 from server.celery import TRAIN_JOB, TRAINING_QUEUE, send
 
@@ -73,6 +73,56 @@ def catalog_model(model_id: str) -> BaseModel:
         available = ", ".join(settings.MODEL_CATALOG.ids)
         raise ApiError(f"Model '{model_id}' cannot be fine-tuned here; choose one of: {available}", param="model", code="model_not_available")
     return model
+
+
+# What a continued fine-tune keeps of its parent: the adapter it goes on training has this shape.
+PARENT_LORA = ("lora_r", "lora_alpha", "target_modules")
+
+
+@dataclass(frozen=True)
+class StartingPoint:
+    """What a job trains from: a catalog base model, and maybe one of the organization's fine-tuned
+    models of it (a continued fine-tune, as OpenAI allows: ``model`` = ``<base_model_id>:<suffix>``)."""
+
+    base: BaseModel
+    parent: FineTunedModel | None = None
+
+
+def starting_point(organization: Organization, name: str) -> StartingPoint:
+    parsed = parse_model_name(name)
+    base = catalog_model(parsed.base_model_id)
+    if parsed.suffix is None:
+        return StartingPoint(base)
+    parent = FineTunedModel.objects.for_org(organization).select_related("job").filter(name=name).first()
+    if parent is None:  # another organization's model is not found either
+        raise not_found("model", name, param="model")
+    return StartingPoint(base, parent)
+
+
+def parent_lora(parent: FineTunedModel) -> dict:
+    """The parent adapter's rank, alpha and target modules, as the job that trained it recorded them."""
+    if parent.job is None:
+        kind = "a composed model" if parent.composition is not None else "an uploaded adapter"
+        raise ApiError(
+            f"{parent.name} is {kind}; only models trained here can be fine-tuned further.",
+            param="model", code="model_not_continuable",
+        )  # fmt: skip
+    return {key: parent.job.hyperparameters[key] for key in PARENT_LORA}
+
+
+def _keep_parent_lora(requested: dict, parent: FineTunedModel) -> dict:
+    """``requested`` with the parent's adapter shape; a different value asked for is refused (the same is fine)."""
+    kept = parent_lora(parent)
+    for key, value in kept.items():
+        asked = requested.get(key)
+        same = asked is None or (sorted(asked) == sorted(value) if key == "target_modules" else asked == value)
+        if not same:
+            raise ApiError(
+                f"{key}={asked} conflicts with {parent.name}'s {key}={value}: a fine-tune of a fine-tuned model "
+                f"goes on training its adapter, so it keeps its {', '.join(PARENT_LORA)}. Leave {key} out.",
+                param=f"hyperparameters.{key}", code="conflicts_with_parent_model",
+            )  # fmt: skip
+    return requested | kept
 
 
 def _file(organization: Organization, file_id: str, param: str, model: BaseModel) -> File:
@@ -144,17 +194,22 @@ def _check_queued_cap(organization: Organization) -> None:
 
 def create_job(organization: Organization, user: User | None, request: JobRequest) -> FineTuningJob:
     _check_queued_cap(organization)  # a soft cap: two requests at once may both pass it
-    model = catalog_model(request.model)
+    start = starting_point(organization, request.model)
+    model = start.base
     training = _file(organization, request.training_file, "training_file", model)
     validation = _file(organization, request.validation_file, "validation_file", model) if request.validation_file else None
     suffix = chosen_suffix(request.suffix)
-    hyperparameters = resolve_hyperparameters(request.hyperparameters, training.example_count, model)
+    requested = request.hyperparameters
+    if start.parent is not None:
+        requested = _keep_parent_lora(requested, start.parent)
+    hyperparameters = resolve_hyperparameters(requested, training.example_count, model)
     if FineTunedModel.objects.filter(name=str(ModelName(model.id, suffix))).exists():  # an uploaded adapter's
         raise suffix_taken(str(ModelName(model.id, suffix)))
     try:
         with transaction.atomic():
             job = FineTuningJob.objects.create(
-                organization=organization, created_by=user, model=model.id, training_file=training.id,
+                organization=organization, created_by=user, model=model.id,
+                parent_model=start.parent.name if start.parent else None, training_file=training.id,
                 validation_file=validation.id if validation else None, suffix=suffix,
                 seed=request.seed if request.seed is not None else secrets.randbelow(2**31),
                 hyperparameters=hyperparameters, metadata=request.metadata, status=JobStatus.QUEUED,

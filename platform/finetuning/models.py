@@ -64,6 +64,9 @@ class FineTuningJob(models.Model):
     organization = models.ForeignKey(Organization, on_delete=models.CASCADE, related_name="jobs")
     created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, on_delete=models.SET_NULL)
     model = models.CharField(max_length=200)  # a base model id from the catalog
+    # A continued fine-tune's starting point: the organization's fine-tuned model the caller named
+    # as "model" (<model>:<its suffix>); None when training starts from the base model alone.
+    parent_model = models.CharField(max_length=300, null=True, blank=True)
     # Ids, not foreign keys: a job keeps naming its files after they are deleted (as OpenAI's do).
     training_file = models.CharField(max_length=40)
     validation_file = models.CharField(max_length=40, null=True, blank=True)
@@ -159,8 +162,25 @@ class FineTunedModel(models.Model):
         if self.composition is not None:
             return {"origin": "composed", **self.composition}
         if self.job_id is not None:
-            return {"origin": "trained", "job": self.job_id}
+            lineage: dict = {"origin": "trained", "job": self.job_id}
+            parent = self.job.parent_model if self.job else None
+            if parent:
+                lineage |= {"parent": parent, "ancestors": self.ancestors(parent)}
+            return lineage
         return {"origin": "uploaded"}
+
+    def ancestors(self, parent: str) -> list[str]:
+        """The chain of models this one was continued from, nearest first: each trained model's job
+        names its parent. It stops at a model that was deleted (named, but its own parents are no
+        longer known: the name may since belong to another model) or that was not trained."""
+        chain: list[str] = []
+        name: str | None = parent
+        while name and name not in chain:
+            chain.append(name)
+            own = FineTunedModel.objects.filter(organization_id=self.organization_id, name=name)
+            model = own.select_related("job").first()
+            name = model.job.parent_model if model and model.job else None
+        return chain
 
 
 def record_event(job: FineTuningJob, message: str, *, level: str = "info", data: dict | None = None) -> JobEvent:

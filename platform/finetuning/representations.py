@@ -35,7 +35,7 @@ def job_object(job: FineTuningJob) -> dict:
         "object": "fine_tuning.job",
         "created_at": unix(job.created_at),
         "finished_at": unix(job.finished_at),
-        "model": job.model,
+        "model": job.parent_model or job.model,  # as the caller named it (a continued fine-tune: its parent)
         "fine_tuned_model": job.fine_tuned_model,
         "organization_id": job.organization.slug,
         "status": job.status,

@@ -24,6 +24,10 @@ class TrainingConfig:
     # it is tied to the embeddings here, and vLLM serves adapters of the layers only).
     target_modules: list[str] | None = None
 
+    # A continued fine-tune: the parent's PEFT adapter folder, trained further instead of a fresh adapter
+    # (its rank, alpha and target modules win over the fields above; lora_dropout is this run's).
+    init_adapter: Path | None = None
+
     seed: int = 42  # the LoRA initialisation, dropout and the shuffling all follow from it
     max_seq_len: int = 2048  # a longer example is cut to this (uploads are checked against the context first)
     log_every_steps: int = 1  # on_step cadence; epoch ends and the last step are always reported

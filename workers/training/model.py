@@ -17,7 +17,8 @@ ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 
 
 def load_model_with_lora(config: TrainingConfig) -> PeftModel:
-    """The frozen base model in float32 with a trainable LoRA adapter.
+    """The frozen base model in float32 with a trainable LoRA adapter: a fresh one, or the parent
+    adapter ``config.init_adapter`` of a continued fine-tune.
 
     The weights ship in bf16, but CPUs without native bf16 matrix instructions (AVX512-BF16, AMX) emulate
     it: measured on such a CPU, a step under bf16 autocast ran 15-20 times slower than in float32. So the
@@ -28,7 +29,12 @@ def load_model_with_lora(config: TrainingConfig) -> PeftModel:
         config.base_model_path, dtype=torch.float32, attn_implementation=PACKED_SDPA
     )
     base.config.use_cache = False  # training never decodes; a cache would only cost memory
-    model = get_peft_model(base, lora_config(config))
+    if config.init_adapter is None:
+        model = get_peft_model(base, lora_config(config))
+    else:
+        adapter = LoraConfig.from_pretrained(config.init_adapter)
+        adapter.lora_dropout = config.lora_dropout  # a training choice of this run, not part of the weights
+        model = PeftModel.from_pretrained(base, config.init_adapter, is_trainable=True, config=adapter)
     # PEFT would record the local folder; readers of the adapter (vLLM's resolver) match the public id.
     model.peft_config["default"].base_model_name_or_path = config.base_model_id
     return model

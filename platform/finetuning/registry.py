@@ -46,7 +46,9 @@ def _fine_tuned(model: FineTunedModel, organization: Organization) -> UsableMode
 
 def list_usable_models(organization: Organization) -> list[UsableModel]:
     base = [_base(model_id) for model_id in settings.MODEL_CATALOG.ids]
-    own = [_fine_tuned(model, organization) for model in FineTunedModel.objects.for_org(organization)]
+    # with their jobs in the same query: each model's lineage reads its job
+    fine_tuned = FineTunedModel.objects.for_org(organization).select_related("job")
+    own = [_fine_tuned(model, organization) for model in fine_tuned]
     return base + own
 
 
@@ -56,7 +58,7 @@ def resolve_model(organization: Organization, name: str) -> UsableModel | None:
         return None
     if parsed.suffix is None:
         return _base(parsed.base_model_id)
-    model = FineTunedModel.objects.for_org(organization).filter(name=name).first()
+    model = FineTunedModel.objects.for_org(organization).select_related("job").filter(name=name).first()
     return _fine_tuned(model, organization) if model else None
 
 

@@ -1,12 +1,15 @@
 """The dynamic LoRA path: where published adapters live, as ``<root>/<base_model_id>:<suffix>/``.
 
-Publishing is atomic, so a reader never sees half an adapter:
-- a local root holds each adapter as a symlink to an immutable version folder; publishing writes a
-  new version folder, then swaps the link with ``os.replace`` (atomic, even over an old version);
-- an ``s3://bucket/prefix`` root gets the weights first and ``adapter_config.json`` last, each
-  object with its SHA-256 and the version in its metadata, so a reader that finds the config finds
-  complete, verifiable data; a reader that meets objects of another version (a republish under
-  way) starts again, and caches nothing until every object it read carries the config's version.
+Each publish is a revision, ``<name>@r<N>``: a complete adapter of its own in the store, which never
+changes afterwards. ``<name>`` itself points at one of them (the latest, or the one rolled back to),
+so readers of the bare name see a whole revision or the one before, never half of one:
+- a local root holds each revision in an immutable folder (``.versions/<name>@r<N>``) and the
+  name as a symlink to one of them; moving it is ``os.replace`` of a new link (atomic);
+- an ``s3://bucket/prefix`` root holds each revision under ``<name>@r<N>/``, and a copy of the one
+  pointed at under ``<name>/``. Objects are written weights first and ``adapter_config.json`` last,
+  each with its SHA-256 and the revision in its metadata, so a reader that finds the config finds
+  complete, verifiable data; a reader that meets objects of another revision (a move under way)
+  starts again, and caches nothing until every object it read carries the config's revision.
 """
 
 from __future__ import annotations
@@ -23,11 +26,12 @@ from pathlib import Path
 from typing import Protocol
 
 from core.config import S3Settings
+from core.model_names import revision_in, revision_tag, with_revision
 from core.s3 import s3_client, split_s3_url
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
-_VERSIONS = ".versions"  # local: immutable version folders behind the published links
+_VERSIONS = ".versions"  # local: the immutable revision folders behind the published links
 
 
 class AdapterNotFound(LookupError):
@@ -52,14 +56,35 @@ _FETCH_ATTEMPTS = 5
 @dataclass(frozen=True)
 class AdapterVersion:
     name: str
-    version: str  # changes whenever the adapter is republished
+    version: str  # the revision the name points at, ``r<N>`` (a timestamp for adapters published before revisions)
 
 
 class AdapterStore(Protocol):
-    def publish(self, name: str, source_dir: Path) -> AdapterVersion: ...
+    def publish(self, name: str, source_dir: Path, revision: int | None = None) -> AdapterVersion:
+        """Write revision ``revision`` of ``name`` from ``source_dir`` (by default the one after the
+        store's latest), then point ``name`` at it."""
+        ...
+
+    def write_revision(self, name: str, revision: int, source_dir: Path) -> None:
+        """Write revision ``revision`` of ``name``, servable pinned (``<name>@r<N>``); ``name`` does not move."""
+        ...
+
+    def point(self, name: str, revision: int) -> None:
+        """Make ``name`` answer with one of its published revisions (a rollback)."""
+        ...
+
     def version(self, name: str) -> AdapterVersion | None: ...
     def fetch(self, name: str, cache_dir: Path) -> Path: ...
-    def delete(self, name: str) -> None: ...
+
+    def delete(self, name: str) -> None:
+        """``name`` and all its revisions; a pinned name (``<name>@r<N>``) deletes that revision alone."""
+        ...
+
+
+def _next_revision(published: list[str]) -> int:
+    """One after the highest of the revision names (``<anything>@r<N>``) in ``published``."""
+    numbers = [number for number in map(revision_in, published) if number is not None]
+    return max(numbers, default=0) + 1
 
 
 def version_of_folder(folder: Path) -> str:
@@ -76,12 +101,12 @@ def sha256_of(path: Path) -> str:
 
 
 def _adapter_files(source_dir: Path) -> list[Path]:
-    files = sorted(p for p in source_dir.iterdir() if p.is_file())
-    names = {p.name for p in files}
-    if CONFIG_FILE not in names or WEIGHTS_FILE not in names:
-        raise FileNotFoundError(f"{source_dir} must hold {CONFIG_FILE} and {WEIGHTS_FILE}")
+    """The files a published adapter holds (a checkpoint's training state beside them stays out)."""
+    files = [source_dir / WEIGHTS_FILE, source_dir / CONFIG_FILE]
     # The config goes last: its presence is what tells readers the adapter is complete.
-    return [p for p in files if p.name != CONFIG_FILE] + [source_dir / CONFIG_FILE]
+    if not all(file.is_file() for file in files):
+        raise FileNotFoundError(f"{source_dir} must hold {CONFIG_FILE} and {WEIGHTS_FILE}")
+    return files
 
 
 class LocalAdapterStore:
@@ -89,31 +114,39 @@ class LocalAdapterStore:
         self.root = root
 
     def path(self, name: str) -> Path:
-        return self.root / name
+        """The published link of a name; a revision's own folder for a pinned name."""
+        return self.root / _VERSIONS / name if revision_in(name) is not None else self.root / name
 
-    def publish(self, name: str, source_dir: Path) -> AdapterVersion:
-        link = self.path(name)
-        version = f"{time.time_ns()}"
-        target = self.root / _VERSIONS / f"{name}@{version}"
+    def publish(self, name: str, source_dir: Path, revision: int | None = None) -> AdapterVersion:
+        if revision is None:
+            revision = _next_revision([folder.name for folder in self._revision_folders(name)])
+        self.write_revision(name, revision, source_dir)
+        self.point(name, revision)
+        return AdapterVersion(name, revision_tag(revision))
+
+    def write_revision(self, name: str, revision: int, source_dir: Path) -> None:
+        target = self.path(with_revision(name, revision))
         target.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=target.parent))
         try:
             for file in _adapter_files(source_dir):
                 shutil.copy2(file, staging / file.name)
+            if target.exists():  # an attempt given up on published this revision: the last attempt's wins
+                target.rename(staging.with_suffix(".replaced"))
             staging.rename(target)
         finally:
             shutil.rmtree(staging, ignore_errors=True)  # a full disk leaves no partial copy behind
+            shutil.rmtree(staging.with_suffix(".replaced"), ignore_errors=True)
+
+    def point(self, name: str, revision: int) -> None:
+        target = self.path(with_revision(name, revision))
+        if not (target / CONFIG_FILE).is_file():
+            raise AdapterNotFound(with_revision(name, revision))
+        link = self.path(name)
         link.parent.mkdir(parents=True, exist_ok=True)
-        previous = link.resolve() if link.is_symlink() else None
-        temporary_link = link.with_name(f".{link.name}.{version}.link")
+        temporary_link = link.with_name(f".{link.name}.{time.time_ns()}.link")
         temporary_link.symlink_to(os.path.relpath(target, link.parent))
         os.replace(temporary_link, link)
-        # The version just replaced stays one round, for a reader that resolved the link a moment
-        # ago and is still loading it; anything older goes.
-        for stale in target.parent.glob(f"{Path(name).name}@*"):
-            if stale not in (target, previous):
-                shutil.rmtree(stale, ignore_errors=True)
-        return AdapterVersion(name, version)
 
     def version(self, name: str) -> AdapterVersion | None:
         link = self.path(name)
@@ -131,12 +164,17 @@ class LocalAdapterStore:
 
     def delete(self, name: str) -> None:
         link = self.path(name)
-        if link.is_symlink():
+        if revision_in(name) is not None:
+            shutil.rmtree(link, ignore_errors=True)
+        elif link.is_symlink():
             link.unlink()
-            for version in (self.root / _VERSIONS / name).parent.glob(f"{Path(name).name}@*"):
-                shutil.rmtree(version, ignore_errors=True)
+            for revision in self._revision_folders(name):
+                shutil.rmtree(revision, ignore_errors=True)
         elif link.is_dir():
             shutil.rmtree(link)
+
+    def _revision_folders(self, name: str) -> list[Path]:
+        return list((self.root / _VERSIONS / name).parent.glob(f"{Path(name).name}@*"))
 
 
 class S3AdapterStore:
@@ -147,15 +185,36 @@ class S3AdapterStore:
     def key(self, name: str, filename: str = "") -> str:
         return "/".join(part for part in (self.prefix, name, filename) if part)
 
-    def publish(self, name: str, source_dir: Path) -> AdapterVersion:
-        version = f"{time.time_ns()}"
+    def publish(self, name: str, source_dir: Path, revision: int | None = None) -> AdapterVersion:
+        if revision is None:
+            with _unavailable_on_network_errors():
+                listing = self.client.list_objects_v2(Bucket=self.bucket, Prefix=self.key(name) + "@")
+            revision = _next_revision([item["Key"].rpartition("/")[0] for item in listing.get("Contents", [])])
+        self.write_revision(name, revision, source_dir)
+        self.point(name, revision)
+        return AdapterVersion(name, revision_tag(revision))
+
+    def write_revision(self, name: str, revision: int, source_dir: Path) -> None:
         with _unavailable_on_network_errors():
             for file in _adapter_files(source_dir):
                 self.client.upload_file(
-                    str(file), self.bucket, self.key(name, file.name),
-                    ExtraArgs={"Metadata": {"sha256": sha256_of(file), "version": version}},
+                    str(file), self.bucket, self.key(with_revision(name, revision), file.name),
+                    ExtraArgs={"Metadata": {"sha256": sha256_of(file), "version": revision_tag(revision)}},
                 )  # fmt: skip
-        return AdapterVersion(name, version)
+
+    def point(self, name: str, revision: int) -> None:
+        """Copy the revision's objects over the name's, in the store (no download), config last."""
+        source = with_revision(name, revision)
+        if self.version(source) is None:
+            raise AdapterNotFound(source)
+        with _unavailable_on_network_errors():
+            for filename in (WEIGHTS_FILE, CONFIG_FILE):  # the copy keeps the metadata: checksum and revision
+                self.client.copy_object(
+                    Bucket=self.bucket, Key=self.key(name, filename),
+                    CopySource={"Bucket": self.bucket, "Key": self.key(source, filename)},
+                    # computed afresh: a multipart upload's checksum (of its parts) does not fit the copy
+                    ChecksumAlgorithm="CRC32",
+                )  # fmt: skip
 
     def version(self, name: str) -> AdapterVersion | None:
         from botocore.exceptions import ClientError
@@ -217,9 +276,11 @@ class S3AdapterStore:
     def delete(self, name: str) -> None:
         # The config first, so the adapter stops looking complete before its weights go.
         self.client.delete_object(Bucket=self.bucket, Key=self.key(name, CONFIG_FILE))
-        listing = self.client.list_objects_v2(Bucket=self.bucket, Prefix=self.key(name) + "/")
-        for item in listing.get("Contents", []):
-            self.client.delete_object(Bucket=self.bucket, Key=item["Key"])
+        prefixes = [self.key(name) + "/"] + ([] if revision_in(name) is not None else [self.key(name) + "@"])
+        for prefix in prefixes:  # the name's own objects, then its revisions'
+            listing = self.client.list_objects_v2(Bucket=self.bucket, Prefix=prefix)
+            for item in listing.get("Contents", []):
+                self.client.delete_object(Bucket=self.bucket, Key=item["Key"])
 
 
 @contextlib.contextmanager

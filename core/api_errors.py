@@ -250,7 +250,8 @@ def adapter_store_unreachable(name: str, detail: str) -> ApiError:
 
 def suffix_taken(name: str) -> ApiError:
     return ApiError(
-        f"The suffix is taken: '{name}' already exists or is being trained.",
+        f"The suffix is taken: '{name}' already exists or is being trained. To publish a new revision of "
+        f"your own model, fine-tune it further: set model to '{name}' and keep the suffix.",
         status=409, param="suffix", code="suffix_taken",
     )  # fmt: skip
 
@@ -269,6 +270,22 @@ def no_replica(model_id: str) -> ApiError:
         f"No replica of `{model_id}` is ready: they are starting or restarting (a CPU engine needs about a "
         "minute). Retry shortly.",
         status=503, type=UNAVAILABLE, code="no_replica_available", retry_after_s=5,
+    )  # fmt: skip
+
+
+def model_starting(model_id: str, retry_after_s: int) -> ApiError:
+    return ApiError(
+        f"`{model_id}` was scaled to zero and is starting for this request (a CPU engine needs about a minute). "
+        f"Retry in {retry_after_s} seconds.",
+        status=503, type=UNAVAILABLE, code="model_starting", retry_after_s=retry_after_s,
+    )  # fmt: skip
+
+
+def model_cold(model_id: str) -> ApiError:
+    """Not a fault: a model scaled to zero starts on its next completion, not for a preload."""
+    return ApiError(
+        f"`{model_id}` is scaled to zero: no replica runs until a completion asks for it.",
+        status=409, code="model_cold",
     )  # fmt: skip
 
 

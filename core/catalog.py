@@ -39,6 +39,21 @@ class EngineConfig:
 
 
 @dataclass(frozen=True)
+class Autoscaling:
+    """Serverless behaviour: how many replicas run with no traffic, and when more start and stop.
+
+    The embedded pool runs between ``min_replicas`` and ``replicas``: a request that finds no
+    replica running starts one and waits for it up to ``cold_start_wait_s`` (then a 503 with
+    Retry-After); one more starts when every running replica has ``target_ongoing_requests`` in
+    flight; a replica above the minimum stops after ``downscale_delay_s`` without a request."""
+
+    min_replicas: int  # 0: scale to zero; the default, ``replicas``: always on
+    target_ongoing_requests: int
+    downscale_delay_s: float
+    cold_start_wait_s: float
+
+
+@dataclass(frozen=True)
 class BaseModel:
     id: str
     weights: Path
@@ -47,6 +62,7 @@ class BaseModel:
     remote_replicas: tuple[str, ...]  # URLs of vLLM servers running elsewhere
     lora: LoraConfig
     engine: EngineConfig
+    autoscaling: Autoscaling
 
 
 @dataclass(frozen=True)
@@ -85,9 +101,13 @@ class _Table:
         return value
 
     def positive(self, key: str, default: Any = ...) -> int:
+        return self.at_least(key, 1, default)
+
+    def at_least(self, key: str, least: int, default: Any = ..., most: int | None = None) -> int:
         value = self.get(key, int, default)
-        if value < 1:
-            raise ConfigError(f"{self.where}.{key} must be at least 1, not {value}")
+        if value < least or (most is not None and value > most):
+            bounds = f"from {least} to {most}" if most is not None else f"at least {least}"
+            raise ConfigError(f"{self.where}.{key} must be {bounds}, not {value}")
         return value
 
     def table(self, key: str) -> _Table:
@@ -102,11 +122,13 @@ def _parse_model(table: _Table, data_dir: Path, default_lora_path: str) -> BaseM
     prepare = table.table("prepare_from")
     lora = table.table("lora_config")
     engine = table.table("engine")
+    scaling = table.table("autoscaling")
+    replicas = table.get("replicas", int, 1)
     return BaseModel(
         id=model_id,
         weights=weights if weights.is_absolute() else data_dir / weights,
         prepare_from=GgufSource(prepare.get("package", str), prepare.get("file", str)) if prepare.data else None,
-        replicas=table.get("replicas", int, 1),
+        replicas=replicas,
         remote_replicas=tuple(table.get("remote_replicas", list, [])),
         lora=LoraConfig(
             dynamic_lora_loading_path=lora.get("dynamic_lora_loading_path", str, "") or default_lora_path,
@@ -119,6 +141,12 @@ def _parse_model(table: _Table, data_dir: Path, default_lora_path: str) -> BaseM
             max_loras=engine.positive("max_loras", 4),
             kv_cache_space_gib=engine.positive("kv_cache_space_gib", 2),
             extra_args=tuple(engine.get("extra_args", list, [])),
+        ),
+        autoscaling=Autoscaling(
+            min_replicas=scaling.at_least("min_replicas", 0, replicas, most=replicas),
+            target_ongoing_requests=scaling.positive("target_ongoing_requests", 16),
+            downscale_delay_s=scaling.positive("downscale_delay_s", 600),
+            cold_start_wait_s=scaling.at_least("cold_start_wait_s", 0, 60),
         ),
     )
 

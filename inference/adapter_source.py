@@ -37,8 +37,9 @@ class AdapterSource:
         self.store, self.cache_dir, self.metrics, self.base_model_id = store, cache_dir, metrics, base_model_id
         self.is_local = isinstance(store, LocalAdapterStore)
         self._known: dict[str, tuple[str, float]] = {}  # S3: name -> (version, checked at)
-        self._lookups: dict[str, asyncio.Task[str | None]] = {}
+        self._lookups: dict[str, tuple[asyncio.Task[str | None], float]] = {}  # name -> (HEAD in flight, started)
         self._store_down = False  # the last look-up failed: known versions answer without waiting
+        self._answered_at = 0.0  # when a look-up last succeeded
         self._fetches: dict[tuple[str, str], asyncio.Task[Path]] = {}
 
     async def version(self, name: str) -> str | None:
@@ -60,16 +61,26 @@ class AdapterSource:
             return known[0]
 
     def _look_up(self, name: str) -> asyncio.Task[str | None]:
-        """One HEAD in flight per adapter; it updates what is known, whoever is still waiting."""
-        task = self._lookups.get(name)
-        if task is None:
-            task = self._lookups[name] = asyncio.create_task(self._head(name))
-            task.add_done_callback(functools.partial(self._looked_up, name))
+        """One HEAD in flight per adapter; it updates what is known, whoever is still waiting. One
+        started before S3 answered again (still retrying the outage) is not joined: it would fail
+        late, and its caller would keep the old version though S3 has a new one."""
+        in_flight = self._lookups.get(name)
+        if in_flight is not None and in_flight[1] >= self._answered_at:
+            return in_flight[0]
+        started = time.monotonic()
+        task = asyncio.create_task(self._head(name))
+        self._lookups[name] = (task, started)
+        task.add_done_callback(functools.partial(self._looked_up, name, started))
         return task
 
-    def _looked_up(self, name: str, task: asyncio.Task) -> None:
-        self._lookups.pop(name, None)
+    def _looked_up(self, name: str, started: float, task: asyncio.Task) -> None:
+        if self._lookups.get(name, (None, 0.0))[0] is task:
+            del self._lookups[name]
         failure = None if task.cancelled() else task.exception()  # retrieved even when nobody waited
+        if failure is None:
+            self._answered_at = time.monotonic()
+        elif started < self._answered_at:
+            return  # a look-up from before S3 answered again, failing late: S3 is not down now
         if isinstance(failure, StoreUnavailable) != self._store_down:
             self._store_down = not self._store_down
             if self._store_down:

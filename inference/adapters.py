@@ -1,9 +1,12 @@
 """Making replicas hold the adapters their requests name.
 
-``AdapterManager.ensure`` runs before a request goes to a replica: it loads the published version
-of the adapter there through vLLM's ``/v1/load_lora_adapter`` (evicting the least recently used
-idle one when the replica is full, see ``inference.adapter_slots``), reloads it when the store has
-a newer version, and unloads it everywhere once the store no longer has it. ``watch_forever`` looks
+``AdapterManager.pinned`` names the revision the store publishes for a fine-tuned model now
+(``<name>@r<N>``), and ``AdapterManager.ensure`` runs before a request goes to a replica: it loads
+that revision there through vLLM's ``/v1/load_lora_adapter`` (evicting the least recently used
+idle one when the replica is full, see ``inference.adapter_slots``), and unloads it everywhere once
+the store no longer has it. A new revision is a new adapter beside the old one, which leaves as any
+idle adapter does. (An adapter published before revisions has a timestamp for a version; a
+republished one is reloaded in place, once its requests are answered.) ``watch_forever`` looks
 at every held adapter every ``RECHECK_HELD_S``, so a deleted one leaves the replicas (and the
 cache) within seconds, not at its next request; a request still streaming with it finishes first.
 
@@ -28,6 +31,7 @@ import httpx
 from core.adapter_store import AdapterNotFound, CorruptAdapter, StoreUnavailable, version_of_folder
 from core import api_errors
 from core.catalog import BaseModel
+from core.model_names import pinned_name
 from inference import adapter_slots
 from inference.adapter_mix import MIXES_FOLDER, Mix, MixPart
 from inference.adapter_slots import AdapterSlots, HeldAdapter
@@ -71,10 +75,26 @@ class AdapterManager:
         self.mixes: dict[str, Mix] = {}  # by name: the mixes loaded (or loading) on some replica
         self._builds: dict[str, asyncio.Task[Path]] = {}  # by digest: one build however many wait
 
-    async def ensure(self, replica: Replica, name: str) -> None:
+    async def pinned(self, base_id: str, name: str) -> tuple[str, str]:
+        """``name`` pinned to the revision the store publishes for it now
+        (``core.model_names.pinned_name``), and that revision's version, for ``ensure``."""
+        version = await self.sources[base_id].version(name)
+        if version is None:
+            for held in self._held_revisions(name):  # deleted: its revisions leave every replica now
+                self.retire_everywhere(held)
+            raise api_errors.adapter_not_found(name)
+        return pinned_name(name, version), version
+
+    def _held_revisions(self, name: str) -> set[str]:
+        return {held for replica in self.replicas for held in replica.adapters.held if held.partition("@")[0] == name}
+
+    async def ensure(self, replica: Replica, name: str, version: str | None = None) -> None:
+        """``version``: the one ``pinned`` just read for this name (a pinned revision never changes);
+        None: read it from the store."""
         base = replica.model
         source = self.sources[base.id]
-        version = await source.version(name)
+        if version is None:
+            version = await source.version(name)
         if version is None:
             self.retire_everywhere(name)
             raise api_errors.adapter_not_found(name)

@@ -2,6 +2,7 @@
 
 Route the request to a replica (``inference.router``), make that replica hold the adapter
 (``inference.adapters``), forward the body unchanged and relay the answer, streamed or not.
+A model scaled to zero starts for the request, which waits for it (``Pool.ready_or_start``).
 A replica that cannot be reached is taken out of routing and the request tries another; a replica
 that lost the adapter (restart, eviction racing this request) gets it again. A request that may
 have reached a replica is never sent again (a generation must not run twice): when that replica
@@ -9,9 +10,13 @@ fails, the client gets a 503 with Retry-After. Nothing here waits
 on anything but the replica: no database, no per-request disk writes; requests and answers go
 through ``inference.http_client`` (kept-alive connections, a fraction of httpx's cost).
 
-A request with ``adapters`` (a mix) is the one whose body changes: ``model`` becomes the mix's
-combined adapter (``inference.adapter_mix``), or stays the base model when every scale is 0, and
-``adapters`` goes (vLLM does not know it).
+Two kinds of request have their body changed. A fine-tuned model's name is pinned to the revision
+the dynamic LoRA path publishes for it now (``<base>:<suffix>@r<N>``, ``core.model_names``): the
+engine holds each revision as an adapter of its own, so a stream that started on r1 ends on r1
+while r2 loads beside it, and the prefix cache never serves one revision's blocks to another. The
+answer names the revision that answered, as OpenAI's name the snapshot behind an alias. A mix
+(``adapters``): ``model`` becomes the mix's combined adapter (``inference.adapter_mix``), or stays
+the base model when every scale is 0, and ``adapters`` goes (vLLM does not know it).
 """
 
 from __future__ import annotations
@@ -66,19 +71,48 @@ class CompletionsHandler:
     async def handle(self, body: bytes, endpoint: str) -> Response:
         started = time.perf_counter()
         fields = routed_fields(body)
-        name = parse_model_name(fields.model)
-        base = self.catalog.get(name.base_model_id)
-        if base is None or (name.suffix is not None and not is_valid_suffix(name.suffix)):
-            raise api_errors.model_not_found(fields.model)
+        base, fine_tuned = self._served_model(fields.model)
         if fields.adapters is not None:
             request = await self._mix_request(body, endpoint, fields, base, started)
+        elif fine_tuned:
+            pinned, version = await self.adapters.pinned(base.id, fields.model)
+            body = body if pinned == fields.model else _with(body, model=pinned)
+            request = _Request(
+                body, endpoint, pinned, base.id, True, fields.stream, started, label_as=fields.model, version=version
+            )  # fmt: skip
         else:
-            request = _Request(body, endpoint, str(name), base.id, name.suffix is not None, fields.stream, started)
+            request = _Request(body, endpoint, base.id, base.id, False, fields.stream, started)
         try:
             return await self._forward(request)
         except api_errors.ApiError as exc:
             self._count(request, exc.status)
             raise
+
+    async def preload(self, model: str) -> tuple[str, int]:
+        """Load a just-published adapter on the replica its requests will be routed to, before any
+        request names it: its first request finds it loaded. The revision loaded, and on how many
+        replicas it is now."""
+        base, fine_tuned = self._served_model(model)
+        if not fine_tuned:
+            raise api_errors.model_not_found(model)
+        pinned, version = await self.adapters.pinned(base.id, model)
+        replica = choose_replica(self.pool.ready(base.id), pinned, True)
+        if replica is None:
+            cold = self.pool.model_states()[base.id]["state"] == "cold"
+            raise api_errors.model_cold(base.id) if cold else api_errors.no_replica(base.id)
+        try:
+            await self.adapters.ensure(replica, pinned, version)
+        except ReplicaUnavailable as exc:
+            raise _down(replica, str(exc)).failure from None
+        return pinned, sum(1 for replica in self.pool.replicas if replica.adapters.version(pinned) is not None)
+
+    def _served_model(self, model: str) -> tuple[BaseModel, bool]:
+        """The catalog's base model ``model`` names, and whether it names a fine-tune of it; 404 otherwise."""
+        name = parse_model_name(model)
+        base = self.catalog.get(name.base_model_id)
+        if base is None or (name.suffix is not None and not is_valid_suffix(name.suffix)):
+            raise api_errors.model_not_found(model)
+        return base, name.suffix is not None
 
     async def _mix_request(
         self, body: bytes, endpoint: str, fields: RoutedFields, base: BaseModel, started: float
@@ -92,14 +126,13 @@ class CompletionsHandler:
                 raise api_errors.model_not_found(part, param="adapters")
         mix = await self.adapters.mix(base.id, scales) if scales else None  # all scales 0: the base model
         model = mix.name if mix else base.id
-        data = pydantic_core.from_json(body)
-        del data["adapters"]
-        data["model"] = model
-        return _Request(json.dumps(data).encode(), endpoint, model, base.id, mix is not None, fields.stream, started, mix)
+        body = _with(body, model=model, adapters=None)
+        return _Request(body, endpoint, model, base.id, mix is not None, fields.stream, started, mix)
 
     async def _forward(self, request: _Request) -> Response:
         skip: set[Replica] = set()
         failure = api_errors.no_replica(request.base_id)
+        await self.pool.ready_or_start(request.base_id)  # a cold model starts, and the request waits for it
         for _ in range(MAX_ATTEMPTS):
             candidates = [replica for replica in self.pool.ready(request.base_id) if replica not in skip]
             replica = choose_replica(candidates, request.model, request.adapter)
@@ -120,7 +153,7 @@ class CompletionsHandler:
             if request.mix is not None:
                 await self.adapters.ensure_mix(replica, request.mix)
             elif request.adapter:
-                await self.adapters.ensure(replica, model)
+                await self.adapters.ensure(replica, model, request.version)
         except ReplicaUnavailable as exc:
             replica.end(model)
             raise _down(replica, str(exc)) from None
@@ -203,6 +236,17 @@ class CompletionsHandler:
                 self.metrics.first_byte.labels(request.label, request.endpoint).observe(elapsed)
 
 
+def _with(body: bytes, **changes: str | None) -> bytes:
+    """The JSON ``body`` with these fields set (None: taken out)."""
+    data = pydantic_core.from_json(body)
+    for key, value in changes.items():
+        if value is None:
+            data.pop(key, None)
+        else:
+            data[key] = value
+    return json.dumps(data).encode()
+
+
 @dataclass(frozen=True)
 class _Request:
     body: bytes
@@ -213,11 +257,13 @@ class _Request:
     stream: bool
     started: float
     mix: Mix | None = None
+    label_as: str | None = None  # the name the client asked for, when the pool pinned it
+    version: str | None = None  # the pinned revision's, as the store published it
 
     @property
     def label(self) -> str:
-        """The model in metrics: mixes as one, since each has a name of its own."""
-        return f"{self.base_id}:mix" if self.mix else self.model
+        """The model in metrics: mixes as one, since each has a name of its own; a revision as its model."""
+        return f"{self.base_id}:mix" if self.mix else self.label_as or self.model
 
 
 def _down(replica: Replica, reason: str) -> _TryAnother:

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +28,7 @@ log = logging.getLogger("inference.replica")
 _RESTART_BACKOFF_S = (2.0, 60.0)
 _PROBE_TIMEOUT_S = 3.0
 _PROBE_FAILURES_TO_DOWN = 2
+_STOP_GRACE_S = 10.0
 
 
 def vllm_command(model: BaseModel, port: int, server_module: str = "inference.vllm_server") -> list[str]:
@@ -118,6 +120,12 @@ class Replica:
     # What the replica said about its LoRA kernels when it became ready (inference.lora_kernels_report):
     # active, requested, reason. None: not asked yet, or a server that does not say (vLLM's own).
     lora_kernels: dict | None = None
+    # Serverless (``Pool.autoscale``): whether the pool wants this replica running, since when
+    # it is being stopped, and when it last started or ended a request (time.monotonic()).
+    wanted: bool = True
+    stopping_since: float | None = None
+    last_active_at: float = 0.0
+    woken_at: float | None = None  # started by a request that found its model cold; None once ready
 
     def __post_init__(self) -> None:
         self.adapters = AdapterSlots(self.model.lora.max_num_adapters_per_replica)
@@ -132,8 +140,10 @@ class Replica:
     def begin(self, model: str) -> None:
         self.inflight += 1
         self.inflight_by_model[model] += 1
+        self.last_active_at = time.monotonic()
 
     def end(self, model: str) -> None:
+        self.last_active_at = time.monotonic()
         self.inflight -= 1
         self.inflight_by_model[model] -= 1
         if self.inflight_by_model[model] <= 0:
@@ -173,10 +183,24 @@ class Replica:
             start_new_session=True,
         )  # fmt: skip
 
+    @property
+    def state(self) -> str:
+        """"ready", "starting" (wanted, not ready yet), "stopping", or "cold" (stopped: not wanted)."""
+        if self.healthy:
+            return "ready"
+        if self.stopping_since is not None:
+            return "stopping"
+        return "starting" if self.wanted else "cold"
+
     def supervise(self, now: float) -> None:
-        """Start the process if it is not running; called periodically by the pool."""
+        """Start the process if it is wanted and not running, stop it if it is not wanted; called
+        periodically by the pool."""
         if not self.managed:
             return
+        if not self.wanted or self.stopping_since is not None:
+            self._stop_without_waiting(now)  # a stop once begun ends, even if the replica is wanted again
+            if self.process is not None or not self.wanted:
+                return
         if self.process is not None and self.process.poll() is None:
             return
         if self.process is not None:
@@ -185,6 +209,7 @@ class Replica:
             self.mark_down(f"exited with {self.last_exit_code}")
             self.adapters.clear()  # a new engine starts empty
             self.lora_kernels = None  # and decides its kernels again
+            self.woken_at = None  # requests for it stop waiting: a crash is not a cold start
             self.restarts += 1
             self.next_start_at = now + self.backoff_s
             self.backoff_s = min(self.backoff_s * 2, _RESTART_BACKOFF_S[1])
@@ -198,6 +223,8 @@ class Replica:
             self.start()
 
     async def probe(self, client: httpx.AsyncClient) -> None:
+        if not self.wanted or self.stopping_since is not None:
+            return  # stopped or stopping: nothing to route to, whatever it still answers
         try:
             response = await client.get(f"{self.url}/health", timeout=_PROBE_TIMEOUT_S)
             problem = None if response.status_code == 200 else f"health check answered {response.status_code}"
@@ -223,7 +250,13 @@ class Replica:
             return
         self.lora_kernels = await self._read_lora_kernels(client)
         log.info("replica %s for %s is ready, holding %d adapter(s)", self.url, self.model.id, len(self.adapters.held))
+        self.mark_ready()
+
+    def mark_ready(self) -> None:
+        """Route here: its engine answers and the pool knows what it holds."""
         self.backoff_s = _RESTART_BACKOFF_S[0]
+        self.last_active_at = time.monotonic()  # the idle time that stops it counts from now
+        self.woken_at = None
         self.healthy = True
 
     async def _read_lora_kernels(self, client: httpx.AsyncClient) -> dict | None:
@@ -234,7 +267,31 @@ class Replica:
         except (httpx.HTTPError, ValueError):
             return None
 
-    def stop(self, grace_s: float = 10.0) -> None:
+    def _stop_without_waiting(self, now: float) -> None:
+        """A replica the pool no longer wants: SIGTERM now, SIGKILL after the grace, reaped by a
+        later call (the pool's loop never waits on a process)."""
+        if self.process is None:
+            return
+        if self.process.poll() is not None:
+            log.info("replica %s for %s stopped (idle)", self.url, self.model.id)
+            self.last_exit_code, self.process, self.stopping_since = self.process.returncode, None, None
+            return
+        if self.stopping_since is None:
+            self.stopping_since = now
+            self.mark_down("stopping: idle")
+            self.adapters.clear()
+            self.lora_kernels = None
+            self._signal(signal.SIGTERM)
+        elif now - self.stopping_since > _STOP_GRACE_S:
+            self._signal(signal.SIGKILL)
+
+    def _signal(self, signal_number: int) -> None:
+        try:
+            os.killpg(self.process.pid, signal_number)  # type: ignore[union-attr]
+        except ProcessLookupError:
+            pass
+
+    def stop(self, grace_s: float = _STOP_GRACE_S) -> None:
         """Stop the server and the engine processes it started (its own process group)."""
         if self.process is None:
             return
@@ -253,6 +310,7 @@ class Replica:
             "url": self.url,
             "managed": self.managed,
             "healthy": self.healthy,
+            "state": self.state,
             "pid": self.process.pid if self.process else None,
             "restarts": self.restarts,
             "last_exit_code": self.last_exit_code,

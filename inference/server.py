@@ -4,7 +4,9 @@ Every route needs the internal token (``inference.internal_auth``); the pool pre
 token to its replicas, on the admin client (probes, adapter loads, /v1/models) and the hot path.
 
 - POST /v1/chat/completions, /v1/completions: route, load the adapter, relay (``completions``)
-- GET /health: replicas and their state (200 when at least one is ready)
+- POST /v1/adapters/preload {"model"}: load a just-published adapter where its requests will go
+- GET /health: each model's state (ready, starting, cold) and its replicas'; 200 when one is
+  ready or every model is cold (scaled to zero: it starts on its next request)
 - GET /metrics: Prometheus text
 """
 
@@ -72,9 +74,17 @@ def create_app(pool: Pool, adapters: AdapterManager, http: Poster, metrics: Metr
     async def completions(request: Request) -> Response:
         return await handler.handle(await request.body(), "completions")
 
+    async def preload(request: Request) -> JSONResponse:
+        try:
+            model = (await request.json())["model"]
+        except (ValueError, KeyError, TypeError):
+            raise api_errors.ApiError('The body must be {"model": "<base_model_id>:<suffix>"}.', param="model") from None
+        pinned, replicas = await handler.preload(str(model))
+        return JSONResponse({"model": pinned, "replicas": replicas})
+
     async def health(request: Request) -> JSONResponse:
         body = pool.health()
-        return JSONResponse(body, status_code=200 if body["ready_replicas"] else 503)
+        return JSONResponse(body, status_code=200 if body["serving"] else 503)
 
     async def prometheus(request: Request) -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
@@ -86,6 +96,7 @@ def create_app(pool: Pool, adapters: AdapterManager, http: Poster, metrics: Metr
         routes=[
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
             Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/adapters/preload", preload, methods=["POST"]),
             Route("/health", health),
             Route("/metrics", prometheus),
         ],

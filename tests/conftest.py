@@ -99,3 +99,10 @@ def pytest_collection_modifyitems(items: list) -> None:
     """The running product's tests first: bin/run starts an engine of its own, and it must not share
     the two cores with the session's engine, which starts lazily with the first test that needs it."""
     items.sort(key=lambda item: item.get_closest_marker("product") is None)
+
+
+@pytest.fixture
+def not_queued(monkeypatch):
+    """For tests that run or recover a job themselves: it is never queued, so the session's worker
+    (alive if an earlier test started it) cannot take it first."""
+    monkeypatch.setattr("finetuning.jobs.send_to_trainer", lambda job_id: None)

@@ -148,7 +148,7 @@ def adapter_store():
 
 def register_fine_tuned_model(persona: Persona, suffix: str) -> str:
     """The rows a succeeded fine-tuning job leaves: job, its training file, the fine-tuned model."""
-    from finetuning.models import File, FineTunedModel, FineTuningJob, JobStatus
+    from finetuning.models import File, FineTunedModel, FineTuningJob, JobStatus, ModelRevision
 
     name = f"{BASE}:{suffix}"
     organization = persona.organization
@@ -161,12 +161,13 @@ def register_fine_tuned_model(persona: Persona, suffix: str) -> str:
         hyperparameters={"n_epochs": 1, "batch_size": 1, "learning_rate_multiplier": 1.0},
         status=JobStatus.SUCCEEDED, fine_tuned_model=name,
     )  # fmt: skip
-    FineTunedModel.objects.create(name=name, organization=organization, job=job, base_model=BASE, suffix=suffix)
+    model = FineTunedModel.objects.create(name=name, organization=organization, job=job, base_model=BASE, suffix=suffix)
+    ModelRevision.objects.create(model=model, number=1, job=job)
     return name
 
 
 def publish_fine_tuned_model(persona: Persona, suffix: str, folder: Path) -> str:
     """What the platform does when a job succeeds: the adapter to the dynamic path, then the row."""
     name = f"{BASE}:{suffix}"
-    adapter_store().publish(name, folder)
+    adapter_store().publish(name, folder, 1)  # a new model's first revision, whatever an earlier run left
     return register_fine_tuned_model(persona, suffix)

@@ -100,7 +100,7 @@ async def _chat(client: httpx.AsyncClient, gateway: str, headers: dict, model: s
                 event = json.loads(data)
                 if "error" in event:
                     return outcome("cut", event["error"].get("message", "")[:200])
-                if event.get("model") != model:
+                if str(event.get("model")).partition("@")[0] != model:  # a revision of the model asked for is it
                     return outcome("lost", f"answered by {event.get('model')}")
                 if first_token_s is None and any(choice["delta"].get("content") for choice in event["choices"]):
                     first_token_s = time.perf_counter() - started

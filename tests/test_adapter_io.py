@@ -21,7 +21,8 @@ from finetuning import storage
 from finetuning.models import Checkpoint, File, FineTunedModel, FineTuningJob
 from tests.personas import good_dataset
 from tests.test_files_api import upload
-from tests.inference_fixtures import BASE, adapter_store, make_adapter, register_fine_tuned_model  # noqa: F401
+from tests.inference_fixtures import BASE, adapter_store, make_adapter  # noqa: F401
+from tests.inference_fixtures import publish_fine_tuned_model as published
 from workers.run_job import run_job
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -31,12 +32,6 @@ ADAPTERS = "/v1/fine_tuning/adapters"
 
 def adapter_url(name: str) -> str:
     return f"/v1/fine_tuning/models/{name}/adapter"
-
-
-def published(persona, suffix: str, folder: Path) -> str:
-    name = f"{BASE}:{suffix}"
-    adapter_store().publish(name, folder)
-    return register_fine_tuned_model(persona, suffix)
 
 
 def body_of(response) -> bytes:

@@ -59,6 +59,7 @@ def test_a_linear_composition_is_published_with_its_lineage_and_equals_the_weigh
     }  # fmt: skip
     assert response.json() | {"created": 0} == {
         "id": name, "object": "model", "created": 0, "owned_by": alice.organization.slug, "parent": BASE, "lineage": lineage,
+        "revision": 1,
     }  # fmt: skip
     listed = {model["id"]: model for model in alice.api.get("/v1/models").json()["data"]}
     assert listed[name]["lineage"] == lineage and listed[left]["lineage"]["origin"] == "trained"

@@ -118,11 +118,6 @@ def test_lineage_shows_the_parent_and_the_chain_up_to_a_deleted_model(alice):
     assert lineage_of(alice, f"{BASE}:d")["ancestors"] == [f"{BASE}:c", f"{BASE}:b"]
 
 
-@pytest.fixture
-def not_queued(monkeypatch):
-    monkeypatch.setattr("finetuning.jobs.send_to_trainer", lambda job_id: None)
-
-
 @pytest.mark.django_db(transaction=True)
 def test_a_job_whose_parent_was_deleted_before_it_trained_fails_with_that_reason(alice, not_queued):
     trained(alice, "parent")

@@ -12,7 +12,7 @@ import pytest
 from finetuning import jobs
 from finetuning.models import FineTuningJob, JobStatus
 from tests.limits import lower_limits
-from tests.test_training_jobs import BASE, ONE_STEP, launch, not_queued  # noqa: F401 (a fixture)
+from tests.test_training_jobs import BASE, ONE_STEP, launch
 from workers.sweep import sweep
 
 pytestmark = pytest.mark.django_db(transaction=True)

@@ -93,7 +93,7 @@ def test_it_serves_an_adapter_published_while_the_pool_runs_on_its_first_request
     started = time.perf_counter()
     answer = alice.client.chat.completions.create(model=name, messages=QUESTION, max_tokens=24, temperature=0)
     assert time.perf_counter() - started < 30
-    assert answer.model == name
+    assert answer.model == f"{name}@r1"  # the revision that answered
     assert answer.choices[0].message.content != base_answer
 
 
@@ -209,6 +209,9 @@ def test_it_lists_the_base_models_and_the_callers_own_fine_tuned_models(alice, c
     models = {model.id: model for model in alice.client.models.list()}
     assert models[BASE].owned_by == "system"
     assert models[name].owned_by == alice.organization.slug and models[name].parent == BASE
+    # Whether each runs: the base model on the session's one replica; the fine-tune loads on its first request.
+    assert models[BASE].serving == {"state": "loaded", "replicas": 1}
+    assert models[name].serving == {"state": "ready", "replicas": 0}
     assert alice.client.models.retrieve(name).id == name
     assert name not in {model.id for model in charlie.client.models.list()}
     assert BASE in {model.id for model in charlie.client.models.list()}
@@ -342,7 +345,7 @@ def test_a_replica_and_the_pool_refuse_whoever_lacks_the_internal_token(alice, m
     assert httpx.get(f"{settings.INFERENCE_POOL_URL}/health").status_code == 401
     pool_chat = {"model": name, "messages": QUESTION, "max_tokens": 4}
     assert httpx.post(f"{settings.INFERENCE_POOL_URL}/v1/chat/completions", json=pool_chat).status_code == 401
-    assert _loaded_in_vllm(replica_url) >= {name} and f"{BASE}:planted" not in _loaded_in_vllm(replica_url)
+    assert _loaded_in_vllm(replica_url) >= {f"{name}@r1"} and f"{BASE}:planted" not in _loaded_in_vllm(replica_url)
     assert _ask(alice.client, name) == answer  # the platform itself still gets through
 
 
@@ -356,10 +359,10 @@ def test_deleting_a_model_lets_its_stream_finish_then_unloads_it_everywhere_with
     chunks += list(stream)
     assert sum(1 for chunk in chunks if chunk.choices and chunk.choices[0].delta.content) >= 40
     assert chunks[-1].choices[0].finish_reason == "length"  # the stream ran to its end
-    replica_url = _replica()["url"]
+    replica_url, served = _replica()["url"], f"{name}@r1"
     deleted_at = time.monotonic()
-    wait_until(lambda: name not in _loaded_in_vllm(replica_url), 15, "the deleted adapter to leave the replica")
-    assert time.monotonic() - deleted_at < 10 and name not in _replica()["adapters"]  # no request needed
+    wait_until(lambda: served not in _loaded_in_vllm(replica_url), 15, "the deleted adapter to leave the replica")
+    assert time.monotonic() - deleted_at < 10 and served not in _replica()["adapters"]  # no request needed
 
 
 def test_a_new_pool_reads_back_what_a_running_replica_already_holds(alice, make_adapter):
@@ -376,7 +379,8 @@ def test_a_new_pool_reads_back_what_a_running_replica_already_holds(alice, make_
             await fresh.read_back_adapters(client)
 
     asyncio.run(read_back())
-    assert fresh.holds(name) and fresh.adapters.version(name) == adapter_store().version(name).version
+    served = f"{name}@{adapter_store().version(name).version}"
+    assert fresh.holds(served) and fresh.adapters.version(served) == "r1"
 
 
 # Last: it restarts the session's engine.

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from core.adapter_store import adapter_store
-from core.catalog import BaseModel, Catalog, EngineConfig, LoraConfig
+from core.catalog import Autoscaling, BaseModel, Catalog, EngineConfig, LoraConfig
 from inference import adapter_slots, adapter_source
 from inference.adapter_slots import AdapterSlots
 from inference.adapter_source import AdapterSource
@@ -167,6 +167,7 @@ def _base_model(dynamic_path: str, remote: tuple[str, ...], max_adapters: int = 
         id=BASE, weights=Path("unused"), prepare_from=None, replicas=0, remote_replicas=remote,
         lora=LoraConfig(dynamic_path, max_adapters, max_lora_rank=16),
         engine=EngineConfig(2048, "float32", 2, 1, ()),
+        autoscaling=Autoscaling(min_replicas=0, target_ongoing_requests=16, downscale_delay_s=600, cold_start_wait_s=0),
     )  # fmt: skip
 
 
@@ -203,6 +204,14 @@ class PoolUnderTest:
         folder = _adapter_folder(self.tmp / "out" / f"{suffix}-{len(list(self.tmp.glob('out/*')))}", rank, config)
         self.store.publish(name, folder)
         return name
+
+    def served(self, name: str) -> str:
+        """The name the replicas hold ``name`` under now: pinned to the revision the store publishes."""
+        return f"{name}@{self.store.version(name).version}"
+
+    def loads_of(self, name: str) -> list:
+        """Loads of any revision of ``name``."""
+        return [call for call in self.vllm.loads() if call[2].partition("@")[0] == name]
 
     async def chat(self, model: str) -> httpx.Response:
         return await self.http.post("/v1/chat/completions", json={"model": model, "messages": []})
@@ -289,7 +298,8 @@ async def test_it_loads_an_adapter_on_first_use_and_reuses_it(tmp_path):
     for _ in range(3):
         response = await pool.chat(name)
         assert response.status_code == 200, response.text
-    assert len(pool.vllm.loads(name)) == 1
+        assert response.json()["model"] == f"{name}@r1"  # the answer names the revision that answered
+    assert len(pool.vllm.loads(pool.served(name))) == 1
 
 
 @pytest.mark.anyio
@@ -299,8 +309,8 @@ async def test_it_evicts_the_least_recently_used_adapter_past_the_replica_capaci
     for name in (a, b, a, c):  # b is now the least recently used
         assert (await pool.chat(name)).status_code == 200
     await _settle()
-    assert [call[2] for call in pool.vllm.unloads()] == [b]
-    assert set(pool.vllm.loaded["http://replica-0"]) == {a, c}
+    assert [call[2] for call in pool.vllm.unloads()] == [pool.served(b)]
+    assert set(pool.vllm.loaded["http://replica-0"]) == {pool.served(a), pool.served(c)}
     assert pool.metrics.adapter_evictions.labels(BASE, "lru")._value.get() == 1
 
 
@@ -325,34 +335,50 @@ async def test_it_stays_within_capacity_when_many_adapters_load_at_once(tmp_path
 
 
 @pytest.mark.anyio
-async def test_it_never_unloads_or_replaces_an_adapter_while_the_replica_answers_with_it(tmp_path, monkeypatch):
-    # vLLM tells adapters apart by name inside a batch: unloading and loading one again while its
-    # old requests run would crash the engine. So eviction and reloads wait for them.
+async def test_it_never_unloads_an_adapter_while_the_replica_answers_with_it_and_loads_a_new_revision_beside_it(
+    tmp_path, monkeypatch
+):
+    # vLLM tells adapters apart by name inside a batch: unloading one while its requests run would
+    # crash the engine. So eviction waits for them; a new revision is another name, loaded beside.
     monkeypatch.setattr(adapter_slots, "UNLOAD_GRACE_S", 0.05)
     pool = PoolUnderTest(tmp_path, replicas=1, max_adapters=1)
     answer, release = pool.vllm.handler, asyncio.Event()
 
-    async def slow_for_x(request: httpx.Request) -> httpx.Response:
-        if request.url.path == "/v1/chat/completions" and json.loads(request.content)["model"] == x:
+    async def slow_for_x_r1(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/chat/completions" and json.loads(request.content)["model"] == f"{x}@r1":
             await release.wait()
         return answer(request)
 
-    pool.client._transport = httpx.MockTransport(slow_for_x)
+    pool.client._transport = httpx.MockTransport(slow_for_x_r1)
     x, y = pool.publish("x"), pool.publish("y")
     first_x = asyncio.create_task(pool.chat(x))
     await _settle()
     assert (await pool.chat(y)).status_code == 200  # loaded beside x: the replica is over capacity
     assert pool.vllm.unloads() == []
-    pool.publish("x")  # a new version of x while its first request runs
-    second_x = asyncio.create_task(pool.chat(x))
-    await asyncio.sleep(0.2)
-    assert not second_x.done() and len(pool.vllm.loads(x)) == 1  # waits for the first one
-    assert x not in [call[2] for call in pool.vllm.unloads()]
+    pool.publish("x")  # r2 of x while its first request runs on r1
+    second_x = await pool.chat(x)  # does not wait for r1's request
+    assert second_x.status_code == 200 and second_x.json()["model"] == f"{x}@r2"
+    assert not first_x.done() and f"{x}@r1" not in [call[2] for call in pool.vllm.unloads()]
     release.set()
-    assert (await first_x).status_code == 200 and (await second_x).status_code == 200
-    assert x in [call[2] for call in pool.vllm.unloads()] and len(pool.vllm.loads(x)) == 2
-    await asyncio.sleep(0.2)  # the grace after y's last request, then the trim
-    assert set(pool.vllm.loaded["http://replica-0"]) == {x}  # back within capacity: y went
+    first = await first_x
+    assert first.status_code == 200 and first.json()["model"] == f"{x}@r1"  # it ended on the revision it began on
+    await asyncio.sleep(0.3)  # the grace after the last requests, then the trim
+    assert set(pool.vllm.loaded["http://replica-0"]) == {f"{x}@r2"}  # back within capacity: the most recent stays
+
+
+@pytest.mark.anyio
+async def test_a_preload_loads_a_published_adapter_where_its_first_request_will_go(tmp_path):
+    pool = PoolUnderTest(tmp_path, replicas=2)
+    name = pool.publish("ready")
+    response = await pool.http.post("/v1/adapters/preload", json={"model": name})
+    assert response.json() == {"model": f"{name}@r1", "replicas": 1}
+    holder = next(replica for replica in pool.pool.replicas if replica.holds(f"{name}@r1"))
+    assert (await pool.chat(name)).json()["replica"] == holder.url
+    assert len(pool.loads_of(name)) == 1  # the first request found it loaded
+    missing = await pool.http.post("/v1/adapters/preload", json={"model": f"{BASE}:nothing"})
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "adapter_not_found"
+    for body in ({"name": name}, [name], {"model": BASE}):
+        assert (await pool.http.post("/v1/adapters/preload", json=body)).status_code in (400, 404), body
 
 
 @pytest.mark.anyio
@@ -366,20 +392,21 @@ async def test_it_answers_an_adapter_published_after_it_was_asked_for(tmp_path):
 
 
 @pytest.mark.anyio
-async def test_it_reloads_a_republished_adapter_and_unloads_a_deleted_one(tmp_path):
+async def test_it_serves_a_republished_adapter_as_its_new_revision_and_unloads_a_deleted_one(tmp_path):
     pool = PoolUnderTest(tmp_path, replicas=1)
     name = pool.publish("support")
     await pool.chat(name)
-    first_path = pool.vllm.loaded["http://replica-0"][name]
     pool.publish("support")
-    assert (await pool.chat(name)).status_code == 200
-    assert pool.vllm.loaded["http://replica-0"][name] != first_path
-    assert [call[2] for call in pool.vllm.unloads()] == [name]
+    assert (await pool.chat(name)).json()["model"] == f"{name}@r2"
+    assert set(pool.vllm.loaded["http://replica-0"]) == {f"{name}@r1", f"{name}@r2"}
+    assert (await pool.chat(f"{name}@r1")).json()["model"] == f"{name}@r1"  # pinned: still served
+    pool.store.point(name, 1)  # a rollback: the next request answers with r1
+    assert (await pool.chat(name)).json()["model"] == f"{name}@r1"
     pool.store.delete(name)
     response = await pool.chat(name)
     assert response.status_code == 404 and response.json()["error"]["code"] == "adapter_not_found"
     await _settle()  # unloading a deleted adapter happens in the background, once it is idle
-    assert name not in pool.vllm.loaded["http://replica-0"]
+    assert pool.vllm.loaded["http://replica-0"] == {}
 
 
 @pytest.mark.anyio
@@ -408,7 +435,7 @@ async def test_it_reloads_an_adapter_the_replica_lost(tmp_path):
     await pool.chat(name)
     pool.vllm.loaded["http://replica-0"].clear()  # as after a restart we did not notice
     assert (await pool.chat(name)).status_code == 200
-    assert len(pool.vllm.loads(name)) == 2
+    assert len(pool.loads_of(name)) == 2
 
 
 @pytest.mark.anyio
@@ -434,7 +461,7 @@ async def test_it_never_sends_a_request_that_reached_a_failing_replica_to_anothe
     assert response.status_code == 503 and response.headers["retry-after"] == "1"
     assert response.json()["error"]["code"] == "replica_unavailable"
     completions = [call for call in pool.vllm.calls if call[1] == "/v1/chat/completions"]
-    assert completions == [(favourite.url, "/v1/chat/completions", name)]  # once, on one replica
+    assert completions == [(favourite.url, "/v1/chat/completions", pool.served(name))]  # once, on one replica
     assert not favourite.healthy
     assert (await pool.chat(name)).status_code == 200  # the next request goes elsewhere
 
@@ -591,9 +618,9 @@ async def test_it_keeps_what_a_busy_replica_holds_when_it_misses_two_probes(tmp_
     assert not replica.healthy  # out of routing while it does not answer...
     pool.vllm.too_busy_to_probe.clear()
     await pool.pool.supervise_once(pool.client)
-    assert replica.healthy and replica.holds(name)  # ...but what it holds was never forgotten
+    assert replica.healthy and replica.holds(pool.served(name))  # ...but what it holds was never forgotten
     assert (await pool.chat(name)).status_code == 200
-    assert len(pool.vllm.loads(name)) == 1 and pool.vllm.unloads() == []  # no unload/reload under load
+    assert len(pool.loads_of(name)) == 1 and pool.vllm.unloads() == []  # no unload/reload under load
 
 
 @pytest.mark.anyio
@@ -606,9 +633,9 @@ async def test_it_reads_back_the_adapters_a_replica_already_holds(tmp_path):
     second.vllm, second.client._transport = first.vllm, first.client._transport
     second.pool.replicas[0].healthy = False
     await second.pool.supervise_once(second.client)
-    assert second.pool.replicas[0].holds(name)
+    assert second.pool.replicas[0].holds(first.served(name))
     assert (await second.chat(name)).status_code == 200
-    assert len(first.vllm.loads(name)) == 1 and first.vllm.unloads() == []
+    assert len(first.loads_of(name)) == 1 and first.vllm.unloads() == []
 
 
 @pytest.mark.anyio
@@ -642,15 +669,16 @@ async def test_it_unloads_a_deleted_adapter_from_every_replica_without_waiting_f
     pool = PoolUnderTest(tmp_path, replicas=2)
     name = pool.publish("support")
     await pool.chat(name)
-    holder = next(replica for replica in pool.pool.replicas if replica.holds(name))
-    holder.adapters.started(name)  # a request still streaming with it
+    served = pool.served(name)
+    holder = next(replica for replica in pool.pool.replicas if replica.holds(served))
+    holder.adapters.started(served)  # a request still streaming with it
     pool.store.delete(name)
     await pool.adapters.retire_deleted()
     await _settle()
-    assert name in pool.vllm.loaded[holder.url]  # the stream finishes first
-    holder.adapters.finished(name)
+    assert served in pool.vllm.loaded[holder.url]  # the stream finishes first
+    holder.adapters.finished(served)
     await _settle()
-    assert not holder.holds(name) and name not in pool.vllm.loaded[holder.url]
+    assert not holder.holds(served) and served not in pool.vllm.loaded[holder.url]
 
 
 # --- S3 ----------------------------------------------------------------------------------------
@@ -680,7 +708,7 @@ async def test_it_syncs_an_s3_adapter_once_for_concurrent_requests_on_every_repl
 async def test_it_refuses_an_s3_adapter_whose_bytes_do_not_match_their_checksum(tmp_path, s3):
     pool = PoolUnderTest(tmp_path, replicas=1, dynamic=f"s3://adapters/{tmp_path.name}", s3=s3)
     name = pool.publish("tampered")
-    key = pool.store.key(name, "adapter_model.safetensors")
+    key = pool.store.key(f"{name}@r1", "adapter_model.safetensors")  # the revision the pool reads
     head = pool.store.client.head_object(Bucket="adapters", Key=key)
     pool.store.client.put_object(Bucket="adapters", Key=key, Body=b"evil", Metadata=head["Metadata"])
     response = await pool.chat(name)
@@ -691,6 +719,7 @@ async def test_it_refuses_an_s3_adapter_whose_bytes_do_not_match_their_checksum(
 @pytest.mark.anyio
 async def test_it_serves_loaded_s3_adapters_while_s3_is_down_and_asks_for_a_retry_of_a_cold_one(tmp_path, monkeypatch):
     monkeypatch.setattr(adapter_source, "REMOTE_VERSION_TTL_S", 0.0)  # every request asks S3
+    monkeypatch.setattr(adapter_source, "KNOWN_VERSION_WAIT_S", 10.0)  # and waits for its answer, however busy CI is
     with running_s3_server("outage") as s3:
         pool = PoolUnderTest(tmp_path, replicas=1, dynamic=f"s3://outage/{tmp_path.name}", s3=s3.settings)
         warm, cold = pool.publish("warm"), pool.publish("cold")
@@ -703,9 +732,9 @@ async def test_it_serves_loaded_s3_adapters_while_s3_is_down_and_asks_for_a_retr
         assert response.json()["error"]["code"] == "adapter_store_unavailable"
         s3.start()
         assert (await pool.chat(cold)).status_code == 200
-        pool.publish("warm")  # checked again now that S3 answers: the new version loads
-        assert (await pool.chat(warm)).status_code == 200
-        assert len(pool.vllm.loads(warm)) == 2
+        pool.publish("warm")  # checked again now that S3 answers: the new revision loads
+        assert (await pool.chat(warm)).json()["model"] == f"{warm}@r2"
+        assert len(pool.loads_of(warm)) == 2
 
 
 @pytest.mark.anyio

@@ -12,7 +12,7 @@ from server.celery import TRAIN_JOB, waiting_task_args
 from tests.personas import good_dataset
 from tests.processes import running_web
 from tests.test_files_api import upload
-from tests.test_training_jobs import BASE, ONE_STEP, launch, not_queued, wait_for  # noqa: F401 (a fixture)
+from tests.test_training_jobs import BASE, ONE_STEP, launch, wait_for
 from workers.sweep import sweep
 
 pytestmark = pytest.mark.django_db(transaction=True)

@@ -36,7 +36,11 @@ def test_the_openai_client_uploads_trains_and_reads_a_job(alice, charlie, live_s
     assert job.fine_tuned_model == f"{BASE}:client" and job.trained_tokens > 0 and job.finished_at >= job.created_at
 
     events = client.fine_tuning.jobs.list_events(job.id, limit=50).data
-    assert events[0].message == "The job has successfully completed"
+    # Newest first: whether the pool loaded the model already (when one runs), then the job's end.
+    assert events[0].message.startswith(f"Ready on 1 replica(s): {BASE}:client") or (
+        f"{BASE}:client loads on its first request" in events[0].message
+    )
+    assert events[1].message == "The job has successfully completed"
     assert any(event.type == "metrics" and event.data["step"] == 1 for event in events)
     checkpoints = client.fine_tuning.jobs.checkpoints.list(job.id).data
     assert [c.step_number for c in checkpoints] == [1] and checkpoints[0].fine_tuning_job_id == job.id

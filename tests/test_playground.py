@@ -60,7 +60,7 @@ def test_a_fine_tuned_models_answer_streams_into_the_playground(gateway, alice, 
     assert len(pieces) >= 2 and "".join(pieces).strip()
     metrics = session.get("/metrics", headers=monitoring_headers()).text
     assert 'fineserve_gateway_requests_total{endpoint="playground",status="200"}' in metrics
-    assert {event["model"] for event in events} == {model}
+    assert {event["model"] for event in events} == {f"{model}@r1"}  # the revision that answered
     assert events[-1]["usage"]["completion_tokens"] >= len(pieces)  # the page shows tokens/s from this
 
 

@@ -8,6 +8,7 @@ both of the gateway's entry points. The pool is a stand-in that records the bodi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import html
 import io
@@ -47,13 +48,21 @@ class RecordingPool:
             writer.close()  # the client closed its keep-alive connection
 
 
+@contextlib.asynccontextmanager
+async def stand_in_pool(settings, answering):
+    """``answering.answer`` serves as the inference pool for the test."""
+    server = await asyncio.start_server(answering.answer, "127.0.0.1", 0)
+    settings.INFERENCE_POOL_URL = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    try:
+        yield answering
+    finally:
+        server.close()
+
+
 @pytest.fixture
 async def pool(settings):
-    recording = RecordingPool()
-    server = await asyncio.start_server(recording.answer, "127.0.0.1", 0)
-    settings.INFERENCE_POOL_URL = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-    yield recording
-    server.close()
+    async with stand_in_pool(settings, RecordingPool()) as recording:
+        yield recording
 
 
 @pytest.fixture(params=["fast path", "django views"])

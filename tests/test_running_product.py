@@ -3,8 +3,10 @@
 A user's path, step by step: the load balancer's ``/healthz``, then the official ``openai`` client
 (upload, fine-tune, wait, stream a chat with the new model, list it, delete it), and a fine-tune
 started from the dashboard's form in a real browser on the same web process; then adapters
-trained elsewhere, uploaded, mixed per request, composed into a model and downloaded. The timings a user
-feels are written to test-artifacts/product-timings.json.
+trained elsewhere, uploaded, mixed per request, composed into a model and downloaded; then a
+model fine-tuned again (r2), rolled back to r1, and its checkpoints served by name; then the
+usage of it all, in the usage API and on the dashboard. The timings a user feels are written to
+test-artifacts/product-timings.json.
 """
 
 from __future__ import annotations
@@ -90,10 +92,11 @@ def test_a_job_created_with_the_openai_client_trains_and_its_model_streams_then_
     assert len(pieces) >= 2 and "".join(pieces).strip(), "the answer did not stream"
 
     assert job.fine_tuned_model in [model.id for model in client.models.list()]
-    assert any(job.fine_tuned_model in replica["adapters"] for replica in pool_replicas(platform))
+    served = f"{job.fine_tuned_model}@r1"  # the replicas hold each revision under its own name
+    assert any(served in replica["adapters"] for replica in pool_replicas(platform))
     assert client.models.delete(job.fine_tuned_model).deleted
     wait_until(
-        lambda: not any(job.fine_tuned_model in replica["adapters"] for replica in pool_replicas(platform)),
+        lambda: not any(served in replica["adapters"] for replica in pool_replicas(platform)),
         10, "the deleted model to leave every replica, with no request for it",
     )  # fmt: skip
     time.sleep(1.1)  # another web process may remember the grant for its GRANT_TTL_S
@@ -197,3 +200,77 @@ def test_uploaded_adapters_mix_per_request_and_compose_into_a_model_served_on_it
     assert download.status_code == 200 and download.headers["content-type"] == "application/gzip"
     with tarfile.open(fileobj=io.BytesIO(download.content), mode="r:gz") as tar:
         assert sorted(tar.getnames()) == ["adapter_config.json", "adapter_model.safetensors"]
+
+
+def test_a_model_fine_tuned_again_answers_as_r2_rolls_back_to_r1_and_its_checkpoints_answer(platform):
+    client = openai.OpenAI(base_url=f"{platform.url}/v1", api_key=platform.api_key, max_retries=0)
+    api = httpx.Client(base_url=f"{platform.url}/v1", headers={"Authorization": f"Bearer {platform.api_key}"}, timeout=60)
+    training = client.files.create(file=("train.jsonl", good_dataset(12)), purpose="fine-tune")
+    question = [{"role": "user", "content": "What is 2 plus 2?"}]
+
+    def answered_by(model: str) -> str:
+        return client.chat.completions.create(model=model, messages=question, max_tokens=4, temperature=0).model
+
+    first = client.fine_tuning.jobs.create(
+        model=BASE, training_file=training.id, suffix="revised", hyperparameters={"n_epochs": 2, "batch_size": 12}
+    )
+    assert wait_for_status(client, first.id, FINISHED, timeout_s=420).status == "succeeded"
+    name = f"{BASE}:revised"
+    checkpoints = [c.fine_tuned_model_checkpoint for c in client.fine_tuning.jobs.checkpoints.list(first.id).data]
+    assert sorted(checkpoints) == [f"{name}:ckpt-step-1", f"{name}:ckpt-step-2"]
+    first_epoch = f"{name}:ckpt-step-1"
+    assert answered_by(first_epoch) == first_epoch  # the first epoch's adapter, served by its name
+    assert answered_by(name) == f"{name}@r1"
+
+    # Fine-tuned again under its own suffix: a new revision of the same name.
+    second = client.fine_tuning.jobs.create(model=name, training_file=training.id, suffix="revised")
+    assert wait_for_status(client, second.id, FINISHED, timeout_s=420).status == "succeeded"
+    assert answered_by(name) == f"{name}@r2" and answered_by(f"{name}@r1") == f"{name}@r1"
+    listed = api.get(f"/fine_tuning/models/{name}/revisions").json()["data"]
+    assert [(r["revision"], r["current"], r["fine_tuning_job_id"]) for r in listed] == [(2, True, second.id), (1, False, first.id)]
+
+    assert api.post(f"/fine_tuning/models/{name}/rollback", json={"revision": 1}).json()["revision"] == 1
+    assert answered_by(name) == f"{name}@r1"  # the next request
+    assert client.models.delete(name).deleted
+    time.sleep(1.1)  # another web process may remember the grant for its GRANT_TTL_S
+    for gone in (name, f"{name}@r2", first_epoch):
+        with pytest.raises(openai.NotFoundError):
+            answered_by(gone)
+
+
+def test_usage_reports_the_completions_served_and_the_tokens_trained_in_the_api_and_the_dashboard(platform, page):
+    client = openai.OpenAI(base_url=f"{platform.url}/v1", api_key=platform.api_key, max_retries=0)
+    api = httpx.Client(base_url=f"{platform.url}/v1", headers={"Authorization": f"Bearer {platform.api_key}"}, timeout=60)
+    today = int(time.time()) // 86400 * 86400
+
+    def base_model_usage() -> tuple[int, int, int]:
+        params = {"start_time": today, "group_by": "model", "models": BASE}
+        results = [r for b in api.get("/organization/usage/completions", params=params).json()["data"] for r in b["results"]]
+        return tuple(sum(r[name] for r in results) for name in ("num_model_requests", "input_tokens", "output_tokens"))
+
+    time.sleep(6)  # the web process writes what it counted every 5 s: the earlier tests' usage is in by now
+    requests, prompt, completion = base_model_usage()
+    answers = [
+        client.chat.completions.create(model=BASE, messages=[{"role": "user", "content": "Hi"}], max_tokens=8, temperature=0)
+        for _ in range(2)
+    ]  # fmt: skip
+    expected = (
+        requests + 2, prompt + sum(a.usage.prompt_tokens for a in answers), completion + sum(a.usage.completion_tokens for a in answers)
+    )  # fmt: skip
+    wait_until(lambda: base_model_usage() == expected, 20, "the two completions in the usage API")
+    assert client.models.retrieve(BASE).serving == {"state": "loaded", "replicas": 1}  # bin/run's catalog: always on
+
+    trained = api.get("/organization/usage/fine_tuning", params={"start_time": today, "group_by": "model"}).json()
+    by_model = {r["model"]: r for b in trained["data"] for r in b["results"]}
+    assert by_model[f"{BASE}:revised"]["num_jobs"] == 2 and by_model[f"{BASE}:revised"]["trained_tokens"] > 0
+
+    page.goto(f"{platform.url}/login")
+    page.fill("#id_username", "demo")
+    page.fill("#id_password", "demo")
+    page.click("button[type=submit]")
+    page.wait_for_url(re.compile(r"/jobs$"))
+    page.click("nav >> text=Usage")
+    page.wait_for_selector("#usage-chart rect")
+    totals = page.inner_text("#usage-totals")
+    assert BASE in totals and f"{BASE}:revised" in totals
+    screenshot(page, "product-usage")

@@ -47,13 +47,6 @@ def wait_for(job_id: str, condition, timeout_s: float = 420) -> FineTuningJob:
     raise AssertionError(f"job {job_id} still {job.status} after {timeout_s} s: {job.error_message}")
 
 
-@pytest.fixture
-def not_queued(monkeypatch):
-    """For tests that run or recover a job themselves: it is never queued, so the session's worker
-    (alive if an earlier test started it) cannot take it first."""
-    monkeypatch.setattr("finetuning.jobs.send_to_trainer", lambda job_id: None)
-
-
 def worker_is_idle() -> None:
     """The test worker runs one task at a time: when this one answers, the previous one is done."""
     worker_report.delay().get(timeout=240)

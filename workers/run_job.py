@@ -1,4 +1,5 @@
-"""Running a fine-tuning job on a worker: claim it, train, publish the adapter, record the outcome.
+"""Running a fine-tuning job on a worker: claim it, train, evaluate if asked, publish the adapter as
+a revision of its model, have the pool load it, record the outcome.
 
 Safe to run twice for one job (a redelivered task, a recovered job): only the worker whose
 conditional update moves the job from "queued" to "running" trains it; the others return at once.
@@ -21,10 +22,10 @@ from celery.exceptions import SoftTimeLimitExceeded
 from django.conf import settings
 from django.utils import timezone
 
-from core.adapter_store import AdapterNotFound, StoreUnavailable
+from core.adapter_store import AdapterNotFound, AdapterStore, StoreUnavailable
 from core.catalog import BaseModel
 from core.datasets import Example
-from core.model_names import ModelName
+from core.model_names import ModelName, pinned_name
 from core.object_store import ObjectNotFound
 from finetuning import jobs, results, storage
 from finetuning.files import load_examples
@@ -37,7 +38,9 @@ from finetuning.models import (
     JobStatus,
     record_event,
 )
+from gateway.pool import PoolUnavailable, preload
 from server.database_outage import DATABASE_ERRORS
+from workers import evaluation
 from workers.db_retry import retrying
 from workers.heartbeat import Heartbeat
 
@@ -64,6 +67,7 @@ class JobCallbacks:
     def __init__(self, job: FineTuningJob, heartbeat: Heartbeat):
         self.job, self.heartbeat = job, heartbeat
         self.store = storage.files()
+        self.adapters = storage.adapters(_catalog_model(job).lora.dynamic_lora_loading_path)
         self._checked_at = 0.0
 
     def on_step(self, metrics: StepMetrics) -> None:
@@ -84,11 +88,13 @@ class JobCallbacks:
         for file in adapter_dir.iterdir():
             self.store.put_file(f"{prefix}/{file.name}", file)
         if self.heartbeat.beat():
-            retrying(
-                Checkpoint.objects.create, job=self.job, step_number=step, epoch=epoch, metrics=_metrics_data(metrics),
-                storage_key=prefix,
-            )  # fmt: skip
-            retrying(record_event, self.job, f"Checkpoint saved after epoch {epoch} (step {step})")
+            checkpoint = Checkpoint(
+                job=self.job, step_number=step, epoch=epoch, metrics=_metrics_data(metrics), storage_key=prefix
+            )
+            # Servable under its name from now on, while the job trains on (its one revision: r1).
+            self.adapters.publish(checkpoint.name, adapter_dir, revision=1)
+            retrying(checkpoint.save)
+            retrying(record_event, self.job, f"Checkpoint saved after epoch {epoch} (step {step}): {checkpoint.name}")
 
     def should_stop(self) -> bool:
         now = time.monotonic()
@@ -198,18 +204,68 @@ def _publish(job: FineTuningJob, heartbeat: Heartbeat, result: TrainingResult) -
     if not heartbeat.beat():
         return  # the job is no longer this attempt's: publish nothing
     model = _catalog_model(job)  # removed from the catalog while training: the job fails with that reason
-    name = str(ModelName(job.model, job.suffix))
+    name, revision = str(ModelName(job.model, job.suffix)), str(ModelName(job.model, job.suffix, job.revision))
     store = storage.adapters(model.lora.dynamic_lora_loading_path)
     assert result.adapter_dir is not None  # None only for a cancelled run, which publishes nothing
-    store.publish(name, result.adapter_dir)
+    # The revision first, then the registry, which points the name at it (``finetuning.revisions``).
+    store.write_revision(name, job.revision, result.adapter_dir)
+    if job.evaluation is not None:
+        _gate(job, heartbeat, store, revision)
     results_file = retrying(results.store_results_file, job)
     if retrying(jobs.succeed, job, heartbeat.attempt, name, result.trained_tokens, result.final_train_loss, results_file):
+        _announce_ready(job, name)
         return
     results.discard(results_file)
     if retrying(jobs.status_of, job.pk) == JobStatus.CANCELLED:
-        store.delete(name)  # cancelled while publishing: take the adapter back down
-    # Otherwise another attempt runs the job now: its own publish replaces this adapter, and
+        store.delete(revision)  # cancelled while publishing: nothing answers with it
+    # Otherwise another attempt runs the job now: its own publish replaces this revision, and
     # nothing of its may be deleted here.
+
+
+def _gate(job: FineTuningJob, heartbeat: Heartbeat, store: AdapterStore, revision: str) -> None:
+    """Publish only a revision that scores well enough (``workers.evaluation``); otherwise the job
+    fails with the scores, and the revision written for the evaluation is deleted."""
+    assert job.evaluation is not None
+    reference = _reference(job, store)
+    examples = _examples(job, job.evaluation["file"], "evaluation")
+    retrying(record_event, job, f"Evaluating {revision} against {reference} on up to {evaluation.MAX_CASES} held-out examples")
+    try:
+        scores = evaluation.evaluate(job.evaluation, examples, reference, revision)
+    except evaluation.EvaluationUnavailable as exc:
+        store.delete(revision)
+        raise JobFailed(
+            "evaluation_unavailable",
+            f"The evaluation could not run: the inference pool did not answer ({exc}). Nothing was published; "
+            "create the job again once the pool answers.",
+        ) from None  # fmt: skip
+    retrying(jobs.record_evaluation, job.pk, heartbeat.attempt, scores.as_dict())
+    summary = (
+        f"{revision} scored {scores.adapter_score:.3f} and {reference} {scores.reference_score:.3f} "
+        f"on {scores.examples} examples (threshold {scores.threshold:+.3f})"
+    )  # fmt: skip
+    retrying(record_event, job, f"Evaluation: {summary}", data=scores.as_dict())
+    if not scores.passed:
+        store.delete(revision)
+        raise JobFailed("eval_regression", f"The new adapter did worse than its threshold: {summary}. Nothing was published.")
+
+
+def _reference(job: FineTuningJob, store: AdapterStore) -> str:
+    """What the new revision is compared with: the parent as it answers now, or the base model."""
+    if job.parent_model:
+        published = store.version(job.parent_model)
+        if published is not None:
+            return pinned_name(job.parent_model, published.version)
+    return job.model
+
+
+def _announce_ready(job: FineTuningJob, name: str) -> None:
+    """Load the new model where its requests will go, so its first request finds it loaded, and say so."""
+    try:
+        replicas = preload(name)
+    except PoolUnavailable as exc:  # published all the same: it loads on its first request
+        retrying(record_event, job, f"{name} loads on its first request (the inference pool did not preload it: {exc})")
+        return
+    retrying(record_event, job, f"Ready on {replicas} replica(s): {name} answers its first request with no load")
 
 
 def _explained(exc: Exception, job: FineTuningJob) -> JobFailed:

@@ -29,8 +29,10 @@ urlpatterns = [
     # A fine-tuned model by its name, <base_model_id>:<suffix>: the base model id holds a slash.
     path("models/<path:model_name>/delete", views.model_delete, name="model_delete"),
     path("models/<path:model_name>/adapter", views.model_adapter, name="model_adapter"),
+    path("models/<path:model_name>/rollback", views.model_rollback, name="model_rollback"),
     path("playground", views.playground, name="playground"),
     path("playground/chat", views.playground_chat, name="playground_chat"),
+    path("usage", views.usage, name="usage"),
     path("keys", views.api_keys, name="api_keys"),
     # A key by the prefix the page shows (``accounts.services.create_api_key`` keeps it unique in its organization).
     path("keys/<str:key_prefix>/revoke", views.api_key_revoke, name="api_key_revoke"),

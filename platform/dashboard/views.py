@@ -16,18 +16,21 @@ from core.api_errors import ApiError
 from dashboard.forms import AdapterUploadForm, ApiKeyForm, ComposeForm, JobForm, UploadForm, show_api_error
 from dashboard.organizations import switch_organization, with_organization
 from dashboard.playground import completion_body
-from finetuning import adapters, compose, files, jobs
+from dashboard.usage_chart import daily_tokens_chart
+from finetuning import adapters, compose, files, jobs, revisions
 from finetuning.models import File, FineTunedModel, FineTuningJob
-from finetuning.registry import delete_fine_tuned_model, list_usable_models
+from finetuning.registry import delete_fine_tuned_model, list_usable_models, resolve_model
 from finetuning.representations import event_object, job_object
 from finetuning.views import archive_response
 from gateway import metrics as gateway_metrics
 from gateway.completions import complete_for_organization, pool_response
-from gateway.pool import PoolUnavailable, replicas_serving
+from gateway.pool import PoolUnavailable, serving
 from server.api_errors import api_error
+from usage.report import daily_usage
 
 PREVIEW_EXAMPLES = 5
 PAGE_SIZE = 50
+USAGE_PERIODS = (7, 14, 30)  # days the usage page can show
 
 
 def _page(request: HttpRequest, queryset) -> Page:
@@ -83,6 +86,15 @@ def dataset_delete(request: HttpRequest, file_id: str) -> HttpResponse:
 
 
 @with_organization
+def usage(request: HttpRequest) -> HttpResponse:
+    """Completions and trained tokens by model, a bar a day: what ``/v1/organization/usage/*`` reports."""
+    days = int(request.GET["days"]) if request.GET.get("days") in {str(days) for days in USAGE_PERIODS} else 14
+    report = daily_usage(request.organization, days)
+    context = {"chart": daily_tokens_chart(report.completions), "totals": report.totals, "days": days, "periods": USAGE_PERIODS}
+    return render(request, "dashboard/usage.html", context)
+
+
+@with_organization
 def job_list(request: HttpRequest) -> HttpResponse:
     page = _page(request, FineTuningJob.objects.for_org(request.organization))
     return render(request, "dashboard/jobs.html", {"page": page})
@@ -120,7 +132,7 @@ def checkpoint_adapter(request: HttpRequest, job_id: str, checkpoint_id: str) ->
     except ApiError as error:
         messages.error(request, error.message)
         return redirect("dashboard:job", job_id=job_id)
-    return archive_response(archive, adapters.checkpoint_name(checkpoint))
+    return archive_response(archive, checkpoint.name)
 
 
 @with_organization
@@ -131,11 +143,12 @@ def job_progress(request: HttpRequest, job_id: str) -> JsonResponse:
     seen = request.GET.get("metrics_from", "0")
     if not seen.isdigit():
         return JsonResponse({"error": "metrics_from must be a whole number of reports already seen"}, status=400)
-    reports = job.events.filter(type="metrics").order_by("created_at", "pk")[int(seen):]
-    metrics = [event.data for event in reports]
+    reports = list(job.events.filter(type="metrics").order_by("created_at", "pk")[int(seen):])
+    # Training steps only: an evaluation's scores are metrics too, shown in a section of their own.
+    metrics = [event.data for event in reports if "step" in event.data]
     latest = [event_object(event) for event in job.events.all()[:50]]
     return JsonResponse(
-        {"job": job_object(job), "metrics": metrics, "metrics_count": int(seen) + len(metrics), "events": latest}
+        {"job": job_object(job), "metrics": metrics, "metrics_count": int(seen) + len(reports), "events": latest}
     )
 
 
@@ -153,18 +166,19 @@ def job_cancel(request: HttpRequest, job_id: str) -> HttpResponse:
 
 @with_organization
 def models(request: HttpRequest) -> HttpResponse:
-    """Every usable model with, for a fine-tuned one, its job and dataset; and where each is loaded."""
-    fine_tuned = {model.name: model for model in FineTunedModel.objects.for_org(request.organization).select_related("job")}
+    """Every usable model with, for a fine-tuned one, its job and dataset; and whether it runs, where."""
+    own = FineTunedModel.objects.for_org(request.organization).select_related("job").prefetch_related("revisions__job")
+    fine_tuned = {model.name: model for model in own}
     datasets = File.objects.for_org(request.organization).in_bulk([model.job.training_file for model in fine_tuned.values() if model.job])
     try:
-        serving, pool_problem = replicas_serving(), None
+        running, pool_problem = serving(), None
     except PoolUnavailable as exc:
-        serving, pool_problem = {}, str(exc)
+        running, pool_problem = None, str(exc)
     rows = []
     for model in list_usable_models(request.organization):
         lineage = fine_tuned.get(model.name)
         dataset = datasets.get(lineage.job.training_file) if lineage and lineage.job else None
-        rows.append((model, lineage, dataset, serving.get(model.name, 0)))
+        rows.append((model, lineage, dataset, running.of(model) if running else None))
     # A composed model's parents are linked while they exist; they may be deleted before it.
     context = {"models": rows, "pool_problem": pool_problem, "present": set(fine_tuned)}
     return render(request, "dashboard/models.html", context)
@@ -178,6 +192,23 @@ def model_delete(request: HttpRequest, model_name: str) -> HttpResponse:
         raise PermissionDenied("Only an owner of the organization can delete its models, unless an owner allows members to.")
     delete_fine_tuned_model(model)
     messages.success(request, f"Deleted {model.name}; it is no longer served.")
+    return redirect("dashboard:models")
+
+
+@require_POST
+@with_organization
+def model_rollback(request: HttpRequest, model_name: str) -> HttpResponse:
+    """The models page's "Answer with" button: ``POST /v1/fine_tuning/models/{model}/rollback``."""
+    model = get_object_or_404(FineTunedModel.objects.for_org(request.organization), name=model_name)
+    number = request.POST.get("revision", "")
+    try:
+        if not number.isdigit():
+            raise ApiError(f"Choose a revision of {model.name} to answer with.", param="revision")
+        model = revisions.roll_back(model, int(number))
+    except ApiError as error:
+        messages.error(request, error.message)
+    else:
+        messages.success(request, f"{model.name} answers with r{model.revision} from now on.")
     return redirect("dashboard:models")
 
 
@@ -242,7 +273,11 @@ def playground(request: HttpRequest) -> HttpResponse:
     usable = list_usable_models(request.organization)  # base models, then fine-tunes newest first
     names = [model.name for model in usable]
     newest = next((model for model in usable if model.suffix), usable[0])
-    first = next((model for model in usable if model.name == request.GET.get("model")), newest)
+    asked = request.GET.get("model", "")
+    # A name not listed may still be usable: a revision pinned with @rN, or a checkpoint.
+    first = next((model for model in usable if model.name == asked), None) or resolve_model(request.organization, asked) or newest
+    if first.name not in names:
+        names.append(first.name)
     second = first.base_model_id if first.suffix else names[0]
     context = {"models": names, "panes": [first.name, second], "compare": bool(request.GET.get("compare"))}
     return render(request, "dashboard/playground.html", context)

@@ -30,7 +30,7 @@ from core.adapter_store import AdapterNotFound, StoreUnavailable
 from core.api_errors import adapter_not_found, adapter_store_unreachable, adapter_too_large, suffix_taken
 from core.model_names import ModelName
 from core.object_store import ObjectNotFound
-from finetuning import jobs, quotas, storage
+from finetuning import jobs, quotas, revisions, storage
 from finetuning.models import Checkpoint, FineTunedModel, FineTuningJob
 
 
@@ -61,13 +61,8 @@ def checkpoint_archive(checkpoint: Checkpoint) -> IO[bytes]:
             for name in ADAPTER_FILES:
                 (Path(folder) / name).write_bytes(store.get(f"{checkpoint.storage_key}/{name}"))
         except ObjectNotFound:
-            raise adapter_not_found(checkpoint_name(checkpoint)) from None
+            raise adapter_not_found(checkpoint.name) from None
         return _packed(Path(folder))
-
-
-def checkpoint_name(checkpoint: Checkpoint) -> str:
-    job = checkpoint.job
-    return f"{job.model}:{job.suffix}:ckpt-step-{checkpoint.step_number}"
 
 
 def _packed(folder: Path) -> IO[bytes]:
@@ -107,7 +102,7 @@ def publish_new_model(organization: Organization, name: ModelName, folder: Path,
     quotas.check_storage(organization, size)
     model = _register(organization, name, size, composition)
     try:
-        storage.adapters(jobs.catalog_model(name.base_model_id).lora.dynamic_lora_loading_path).publish(model.name, folder)
+        storage.adapters(jobs.catalog_model(name.base_model_id).lora.dynamic_lora_loading_path).publish(model.name, folder, model.revision)
     except BaseException as exc:
         model.delete()  # the name is free again; nothing was published
         if isinstance(exc, StoreUnavailable):
@@ -133,10 +128,12 @@ def _register(organization: Organization, name: ModelName, size: int, compositio
         with transaction.atomic():
             quotas.check_storage(organization, size, locked=True)
             check_suffix_free(name)
-            return FineTunedModel.objects.create(
+            model = FineTunedModel.objects.create(
                 name=str(name), organization=organization, job=None, base_model=name.base_model_id,
                 suffix=name.suffix, uploaded_bytes=size, composition=composition,
             )  # fmt: skip
+            revisions.register_first(model)
+            return model
     except IntegrityError:
         raise suffix_taken(str(name)) from None
 

@@ -43,6 +43,7 @@ from core.catalog import BaseModel
 from core.config import LIMIT_SETTINGS
 from core.rate_limits import RATE_LIMIT_TYPE
 from core.model_names import ModelName, is_valid_suffix, parse_model_name
+from finetuning import revisions
 from finetuning.models import File, FineTunedModel, FineTuningJob, JobStatus, record_event
 from server.celery import TRAIN_JOB, TRAINING_QUEUE, send
 
@@ -65,6 +66,7 @@ class JobRequest:
     seed: int | None = None
     hyperparameters: dict = field(default_factory=dict)
     metadata: dict | None = None
+    evaluation: dict | None = None  # {"file", "graders", "threshold"}, checked for types already
 
 
 def catalog_model(model_id: str) -> BaseModel:
@@ -203,16 +205,16 @@ def create_job(organization: Organization, user: User | None, request: JobReques
     if start.parent is not None:
         requested = _keep_parent_lora(requested, start.parent)
     hyperparameters = resolve_hyperparameters(requested, training.example_count, model)
-    if FineTunedModel.objects.filter(name=str(ModelName(model.id, suffix))).exists():  # an uploaded adapter's
-        raise suffix_taken(str(ModelName(model.id, suffix)))
+    evaluation = _evaluation(organization, request.evaluation, validation, model)
+    revision = _revision_to_publish(start.parent, ModelName(model.id, suffix))
     try:
         with transaction.atomic():
             job = FineTuningJob.objects.create(
                 organization=organization, created_by=user, model=model.id,
                 parent_model=start.parent.name if start.parent else None, training_file=training.id,
-                validation_file=validation.id if validation else None, suffix=suffix,
+                validation_file=validation.id if validation else None, suffix=suffix, revision=revision,
                 seed=request.seed if request.seed is not None else secrets.randbelow(2**31),
-                hyperparameters=hyperparameters, metadata=request.metadata, status=JobStatus.QUEUED,
+                hyperparameters=hyperparameters, metadata=request.metadata, evaluation=evaluation, status=JobStatus.QUEUED,
                 queued_at=timezone.now(),
             )  # fmt: skip
             record_event(job, f"Validated training file: {training.example_count} examples, {training.token_count} tokens")
@@ -222,6 +224,35 @@ def create_job(organization: Organization, user: User | None, request: JobReques
     except IntegrityError:
         raise suffix_taken(str(ModelName(model.id, suffix))) from None
     return job
+
+
+def _evaluation(organization: Organization, requested: dict | None, validation: File | None, model: BaseModel) -> dict | None:
+    """The evaluation as the job keeps it: its file resolved (the validation file by default)."""
+    if requested is None:
+        return None
+    file_id = requested.get("file")
+    if file_id is None:
+        if validation is None:
+            raise ApiError(
+                "An evaluation needs held-out examples: give evaluation.file, or a validation_file to evaluate on.",
+                param="evaluation.file", code="evaluation_needs_a_file",
+            )  # fmt: skip
+        file_id = validation.id
+    else:
+        _file(organization, file_id, "evaluation.file", model)
+    return {**requested, "file": file_id}
+
+
+def _revision_to_publish(parent: FineTunedModel | None, name: ModelName) -> int:
+    """1 for a new suffix; the next revision when the job continues the model of its own suffix (a
+    job reserves its revision at creation, so two such jobs publish r2 and r3, never both r2)."""
+    if parent is not None and parent.name == str(name):
+        reserved = FineTuningJob.objects.filter(model=name.base_model_id, suffix=name.suffix).aggregate(Max("revision"))
+        published = parent.revisions.aggregate(Max("number"))
+        return max(reserved["revision__max"] or 0, published["number__max"] or 0, parent.revision) + 1
+    if FineTunedModel.objects.filter(name=str(name)).exists():  # an uploaded adapter's
+        raise suffix_taken(str(name))
+    return 1
 
 
 def send_to_trainer(job_id: str) -> None:
@@ -440,13 +471,16 @@ def succeed(
         if succeeded:
             if results is not None:
                 results.save()
-            FineTunedModel.objects.create(
-                name=name, organization=job.organization, job=job, base_model=job.model, suffix=job.suffix,
-                final_loss=final_loss,
-            )  # fmt: skip
-            record_event(job, f"New fine-tuned model created: {name}")
+            revisions.register(job, name, final_loss)
             record_event(job, "The job has successfully completed")
     return bool(succeeded)
+
+
+def record_evaluation(job_id: str, attempt: int, scores: dict) -> None:
+    """Keep the evaluation gate's scores on the job (only while this attempt runs it)."""
+    job = _this_attempt(job_id, attempt).first()
+    if job is not None and job.evaluation is not None:
+        _this_attempt(job_id, attempt).update(evaluation=job.evaluation | {"scores": scores})
 
 
 def fail(job_id: str, attempt: int, code: str, message: str) -> None:

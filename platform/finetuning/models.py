@@ -14,6 +14,7 @@ from django.conf import settings
 from django.db import models
 
 from accounts.models import Organization
+from core.model_names import ModelName
 
 _ID_ALPHABET = string.ascii_letters + string.digits
 
@@ -67,6 +68,9 @@ class FineTuningJob(models.Model):
     # A continued fine-tune's starting point: the organization's fine-tuned model the caller named
     # as "model" (<model>:<its suffix>); None when training starts from the base model alone.
     parent_model = models.CharField(max_length=300, null=True, blank=True)
+    # The revision of <model>:<suffix> the job publishes: 1 for a new suffix; the next one when it
+    # continues the model of its own suffix (``finetuning.jobs.create_job`` reserves it).
+    revision = models.IntegerField(default=1)
     # Ids, not foreign keys: a job keeps naming its files after they are deleted (as OpenAI's do).
     training_file = models.CharField(max_length=40)
     validation_file = models.CharField(max_length=40, null=True, blank=True)
@@ -74,6 +78,9 @@ class FineTuningJob(models.Model):
     seed = models.IntegerField()
     hyperparameters = models.JSONField()  # resolved values: no "auto" left once the job is created
     metadata = models.JSONField(null=True, blank=True)
+    # A gate on publishing: {"file", "graders", "threshold"}, and once scored {"scores": ...}
+    # (``workers.evaluation``). None: the adapter is published when training ends.
+    evaluation = models.JSONField(null=True, blank=True)
     status = models.CharField(max_length=20, choices=JobStatus.choices, default=JobStatus.QUEUED)
     fine_tuned_model = models.CharField(max_length=300, null=True, blank=True)
     trained_tokens = models.BigIntegerField(null=True, blank=True)
@@ -99,8 +106,8 @@ class FineTuningJob(models.Model):
     class Meta:
         ordering = ["-created_at", "-id"]
         constraints = [
-            # The adapter's path and served name are <model>:<suffix>, shared by all organizations.
-            models.UniqueConstraint(fields=["model", "suffix"], name="one_suffix_per_base_model"),
+            # The adapter's path and served name are <model>:<suffix>@r<revision>, shared by all organizations.
+            models.UniqueConstraint(fields=["model", "suffix", "revision"], name="one_job_per_model_revision"),
         ]
 
     @property
@@ -133,6 +140,14 @@ class Checkpoint(models.Model):
     class Meta:
         ordering = ["-created_at", "-step_number"]
 
+    @property
+    def name(self) -> str:
+        """``<base>:<suffix>:ckpt-step-<N>`` (``<suffix>@r<N>:...`` for a later revision's job): the
+        name it is served and downloaded under."""
+        job = self.job
+        revision = job.revision if job.revision > 1 else None  # a first revision's checkpoints keep the short name
+        return str(ModelName(job.model, job.suffix, revision, self.step_number))
+
 
 class FineTunedModel(models.Model):
     """A published adapter: served as ``name`` to its organization until deleted. Trained by a job,
@@ -149,6 +164,9 @@ class FineTunedModel(models.Model):
     uploaded_bytes = models.BigIntegerField(default=0)
     # A composed model's lineage: {"parents": [{"model", "scale"}], "method", "rank", "approximation_error", ...}
     composition = models.JSONField(null=True, blank=True)
+    # The revision the bare name answers with: the latest published, or the one rolled back to
+    # (``finetuning.revisions``; the dynamic LoRA path's link says the same, for the pool).
+    revision = models.IntegerField(default=1)
     created_at = models.DateTimeField(auto_now_add=True)
 
     objects = OrgQuerySet.as_manager()
@@ -159,17 +177,23 @@ class FineTunedModel(models.Model):
     @property
     def lineage(self) -> dict:
         """Where the adapter came from, as ``/v1/models`` and the models page show it."""
+        return self.lineage_among(None)
+
+    def lineage_among(self, parents: dict[str, str | None] | None) -> dict:
+        """``lineage``, with the chain of parents read from ``parents`` (each of the organization's
+        models by name: the model its job continued, or None) instead of a query per ancestor: a
+        listing of many models reads them all at once."""
         if self.composition is not None:
             return {"origin": "composed", **self.composition}
         if self.job_id is not None:
             lineage: dict = {"origin": "trained", "job": self.job_id}
             parent = self.job.parent_model if self.job else None
             if parent:
-                lineage |= {"parent": parent, "ancestors": self.ancestors(parent)}
+                lineage |= {"parent": parent, "ancestors": self.ancestors(parent, parents)}
             return lineage
         return {"origin": "uploaded"}
 
-    def ancestors(self, parent: str) -> list[str]:
+    def ancestors(self, parent: str, parents: dict[str, str | None] | None = None) -> list[str]:
         """The chain of models this one was continued from, nearest first: each trained model's job
         names its parent. It stops at a model that was deleted (named, but its own parents are no
         longer known: the name may since belong to another model) or that was not trained."""
@@ -177,10 +201,27 @@ class FineTunedModel(models.Model):
         name: str | None = parent
         while name and name not in chain:
             chain.append(name)
+            if parents is not None:
+                name = parents.get(name)
+                continue
             own = FineTunedModel.objects.filter(organization_id=self.organization_id, name=name)
             model = own.select_related("job").first()
             name = model.job.parent_model if model and model.job else None
         return chain
+
+
+class ModelRevision(models.Model):
+    """One publish of a fine-tuned model: ``<name>@r<number>``, immutable once published."""
+
+    model = models.ForeignKey(FineTunedModel, on_delete=models.CASCADE, related_name="revisions")
+    number = models.IntegerField()
+    job = models.OneToOneField(FineTuningJob, null=True, blank=True, on_delete=models.SET_NULL, related_name="published_revision")
+    final_loss = models.FloatField(null=True, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["-number"]
+        constraints = [models.UniqueConstraint(fields=["model", "number"], name="one_row_per_revision")]
 
 
 def record_event(job: FineTuningJob, message: str, *, level: str = "info", data: dict | None = None) -> JobEvent:

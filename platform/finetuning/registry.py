@@ -14,7 +14,7 @@ from django.conf import settings
 from django.db import transaction
 
 from accounts.models import Organization
-from core.model_names import parse_model_name
+from core.model_names import ModelName, parse_model_name
 from finetuning import storage
 from finetuning.models import Checkpoint, FineTunedModel
 
@@ -29,54 +29,90 @@ class UsableModel:
     suffix: str | None  # None for a base model
     owned_by: str  # "system", or the owning organization's slug
     created_at: datetime
-    lineage: dict | None = None  # a fine-tuned model's (``FineTunedModel.lineage``)
+    lineage: dict | None = None  # a fine-tuned model's (``FineTunedModel.lineage``), or a checkpoint's
+    revision: int | None = None  # a fine-tuned model's: the one its name answers with, or the one pinned
 
     @property
     def parent(self) -> str | None:
         return self.base_model_id if self.suffix else None
+
+    @property
+    def served_as(self) -> str:
+        """The name the pool's replicas hold it under: a fine-tuned model's pinned to its revision."""
+        return str(ModelName(self.base_model_id, self.suffix, self.revision)) if self.revision else self.name
 
 
 def _base(model_id: str) -> UsableModel:
     return UsableModel(model_id, model_id, None, SYSTEM_OWNER, _EPOCH)
 
 
-def _fine_tuned(model: FineTunedModel, organization: Organization) -> UsableModel:
-    return UsableModel(model.name, model.base_model, model.suffix, organization.slug, model.created_at, model.lineage)
+def _fine_tuned(
+    model: FineTunedModel, organization: Organization, pinned: int | None = None, lineage: dict | None = None
+) -> UsableModel:
+    name = str(ModelName(model.base_model, model.suffix, pinned))
+    lineage = lineage if lineage is not None else model.lineage
+    return UsableModel(name, model.base_model, model.suffix, organization.slug, model.created_at, lineage, pinned or model.revision)
+
+
+def _checkpoint(checkpoint: Checkpoint, organization: Organization) -> UsableModel:
+    job = checkpoint.job
+    lineage = {"origin": "checkpoint", "job": job.id, "step": checkpoint.step_number, "epoch": checkpoint.epoch}
+    return UsableModel(checkpoint.name, job.model, job.suffix, organization.slug, checkpoint.created_at, lineage)
 
 
 def list_usable_models(organization: Organization) -> list[UsableModel]:
     base = [_base(model_id) for model_id in settings.MODEL_CATALOG.ids]
-    # with their jobs in the same query: each model's lineage reads its job
-    fine_tuned = FineTunedModel.objects.for_org(organization).select_related("job")
-    own = [_fine_tuned(model, organization) for model in fine_tuned]
+    # With their jobs in the same query: each model's lineage reads its job, and its ancestors are
+    # read from all of them (no query per model).
+    fine_tuned = list(FineTunedModel.objects.for_org(organization).select_related("job"))
+    parents = {model.name: model.job.parent_model if model.job else None for model in fine_tuned}
+    own = [_fine_tuned(model, organization, lineage=model.lineage_among(parents)) for model in fine_tuned]
     return base + own
 
 
 def resolve_model(organization: Organization, name: str) -> UsableModel | None:
+    """The model ``name`` names, if the organization may use it: a base model, a fine-tuned one (at
+    its current revision, or pinned to one with ``@r<N>``), or a checkpoint of one of its jobs."""
     parsed = parse_model_name(name)
     if settings.MODEL_CATALOG.get(parsed.base_model_id) is None:
         return None
     if parsed.suffix is None:
         return _base(parsed.base_model_id)
-    model = FineTunedModel.objects.for_org(organization).select_related("job").filter(name=name).first()
-    return _fine_tuned(model, organization) if model else None
+    if parsed.checkpoint_step is not None:
+        checkpoint = (
+            Checkpoint.objects.filter(
+                job__organization=organization, job__model=parsed.base_model_id, job__suffix=parsed.suffix,
+                job__revision=parsed.revision or 1, step_number=parsed.checkpoint_step,
+            ).select_related("job").first()
+        )  # fmt: skip
+        return _checkpoint(checkpoint, organization) if checkpoint else None
+    model = FineTunedModel.objects.for_org(organization).select_related("job").filter(name=parsed.model).first()
+    if model is None or (parsed.revision is not None and not model.revisions.filter(number=parsed.revision).exists()):
+        return None
+    return _fine_tuned(model, organization, parsed.revision)
 
 
 def delete_fine_tuned_model(model: FineTunedModel) -> None:
-    """Take a fine-tuned model out of the registry and the dynamic path.
+    """Take a fine-tuned model out of the registry and the dynamic path: every revision of it.
 
-    Retention: a job's checkpoints (the adapter saved at each epoch end) are kept as long as the model
-    the job made, and go with it: deleting the model deletes its adapter, its checkpoints' files and
-    their rows. The job itself, its events and its training file stay. (Training states, which only
-    served a resume, are dropped as soon as the job finishes.) The inference pool unloads the adapter
-    from every replica and drops its cached copies within seconds."""
+    Retention: the checkpoints of the jobs that trained its revisions (the adapter saved at each
+    epoch end, servable under its name) are kept as long as the model, and go with it: deleting the
+    model deletes its adapters, its checkpoints' files and their rows. The jobs themselves, their
+    events and their training files stay. (Training states, which only served a resume, are dropped
+    as soon as a job finishes.) The inference pool unloads them from every replica and drops its
+    cached copies within seconds."""
+    job_ids = {job_id for job_id in model.revisions.values_list("job_id", flat=True) if job_id} | (
+        {model.job_id} if model.job_id else set()
+    )  # an uploaded or composed model has no job, and no checkpoints
+    checkpoints = list(Checkpoint.objects.filter(job_id__in=job_ids).select_related("job"))
     # Registry first: from this moment the gateway answers "not found", whatever the stores hold.
     with transaction.atomic():
-        if model.job_id is not None:  # an uploaded adapter has no job, and no checkpoints
-            Checkpoint.objects.filter(job_id=model.job_id).delete()
+        Checkpoint.objects.filter(pk__in=[checkpoint.pk for checkpoint in checkpoints]).delete()
         model.delete()
     base = settings.MODEL_CATALOG.get(model.base_model)
     if base is not None:
-        storage.adapters(base.lora.dynamic_lora_loading_path).delete(model.name)
-    if model.job_id is not None:
-        storage.files().delete_prefix(storage.checkpoints_prefix(model.job_id))
+        adapters = storage.adapters(base.lora.dynamic_lora_loading_path)
+        for name in [model.name, *{checkpoint.name for checkpoint in checkpoints}]:
+            adapters.delete(name)
+    for job_id in job_ids:
+        storage.files().delete_prefix(storage.checkpoints_prefix(job_id))

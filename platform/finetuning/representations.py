@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from finetuning.models import Checkpoint, File, FineTunedModel, FineTuningJob, JobEvent
+from finetuning.models import Checkpoint, File, FineTunedModel, FineTuningJob, JobEvent, ModelRevision
 
 
 def unix(moment: datetime | None) -> int | None:
@@ -51,6 +51,8 @@ def job_object(job: FineTuningJob) -> dict:
         "estimated_finish": unix(job.estimated_finish),
         "metadata": job.metadata,
         "integrations": [],
+        "revision": job.revision,  # the revision of fine_tuned_model it publishes
+        "evaluation": job.evaluation,  # the gate, with its "scores" once scored
     }
 
 
@@ -72,7 +74,7 @@ def checkpoint_object(checkpoint: Checkpoint) -> dict:
         "id": checkpoint.id,
         "object": "fine_tuning.job.checkpoint",
         "created_at": unix(checkpoint.created_at),
-        "fine_tuned_model_checkpoint": f"{job.model}:{job.suffix}:ckpt-step-{checkpoint.step_number}",
+        "fine_tuned_model_checkpoint": checkpoint.name,
         "fine_tuning_job_id": job.id,
         "step_number": checkpoint.step_number,
         "metrics": {
@@ -93,4 +95,20 @@ def model_object(model: FineTunedModel) -> dict:
         "owned_by": model.organization.slug,
         "parent": model.base_model,
         "lineage": model.lineage,
+        "revision": model.revision,
+    }
+
+
+def revision_object(revision: ModelRevision, current: int) -> dict:
+    """One revision of a fine-tuned model, with the job that trained it (None for an uploaded or composed model's)."""
+    job = revision.job
+    return {
+        "id": f"{revision.model.name}@r{revision.number}",
+        "object": "model.revision",
+        "revision": revision.number,
+        "created": unix(revision.created_at),
+        "current": revision.number == current,
+        "fine_tuning_job_id": job.id if job else None,
+        "trained_tokens": job.trained_tokens if job else None,
+        "final_loss": revision.final_loss,
     }

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import re
+
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
+from core.evaluation import GRADERS
 from core.lora_merge import METHODS
 from finetuning.compose import Composition
 from finetuning.jobs import AUTO, JobRequest
@@ -77,6 +80,40 @@ class HyperparametersSerializer(RejectUnknownKeys, serializers.Serializer):
     target_modules = serializers.ListField(child=serializers.CharField(), min_length=1, required=False)
 
 
+class GraderSerializer(RejectUnknownKeys, serializers.Serializer):
+    type = serializers.ChoiceField(GRADERS)
+    pattern = serializers.CharField(required=False, max_length=1000, help_text="regex: what the answer must match")
+    schema = serializers.DictField(required=False, help_text="json_schema: the JSON Schema the answer must satisfy")
+
+    def validate(self, data):
+        if data["type"] == "regex":
+            if "pattern" not in data:
+                raise serializers.ValidationError({"pattern": "a regex grader needs a pattern"})
+            try:
+                re.compile(data["pattern"])
+            except re.error as exc:
+                raise serializers.ValidationError({"pattern": f"not a regular expression: {exc}"}) from None
+        if data["type"] == "json_schema":
+            import jsonschema
+
+            if "schema" not in data:
+                raise serializers.ValidationError({"schema": "a json_schema grader needs a schema"})
+            try:
+                jsonschema.Draft202012Validator.check_schema(data["schema"])
+            except jsonschema.SchemaError as exc:
+                raise serializers.ValidationError({"schema": f"not a JSON Schema: {exc.message}"}) from None
+        return data
+
+
+class EvaluationSerializer(RejectUnknownKeys, serializers.Serializer):
+    file = serializers.CharField(required=False, allow_null=True, help_text="Held-out examples (default: validation_file)")
+    graders = GraderSerializer(many=True, allow_empty=False, max_length=8)
+    threshold = StrictFloatField(
+        default=0.0, min_value=-1.0, max_value=1.0,
+        help_text="The new adapter must score at least the reference's score plus this (0: no worse than it)",
+    )  # fmt: skip
+
+
 class JobCreateSerializer(RejectUnknownKeys, serializers.Serializer):
     model = serializers.CharField()
     training_file = serializers.CharField()
@@ -87,6 +124,8 @@ class JobCreateSerializer(RejectUnknownKeys, serializers.Serializer):
     metadata = serializers.DictField(child=serializers.CharField(max_length=512), required=False, allow_null=True)
     # Newer OpenAI clients send hyperparameters inside "method": {"type": "supervised", "supervised": {...}}.
     method = serializers.DictField(required=False)
+    # A gate on publishing (``workers.evaluation``): scored against the base model or the parent.
+    evaluation = EvaluationSerializer(required=False, allow_null=True)
 
     def validate_metadata(self, value):
         if value is not None and len(value) > MAX_METADATA_KEYS:
@@ -135,6 +174,10 @@ class CompositionSerializer(RejectUnknownKeys, serializers.Serializer):
         for parent in data.pop("parents"):  # a repeated parent's scales add up: the sum is linear
             scales[parent["model"]] = scales.get(parent["model"], 0.0) + parent["scale"]
         return Composition(parents=scales, **data)
+
+
+class RollbackSerializer(RejectUnknownKeys, serializers.Serializer):
+    revision = StrictIntegerField(min_value=1, help_text="The revision the model's name answers with from now on (N of @rN)")
 
 
 class FileUploadSerializer(serializers.Serializer):

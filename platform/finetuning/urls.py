@@ -1,7 +1,15 @@
 from django.urls import path
 from rest_framework.routers import SimpleRouter
 
-from finetuning.views import AdapterUploadView, ComposeModelView, FileViewSet, JobViewSet, ModelAdapterView
+from finetuning.views import (
+    AdapterUploadView,
+    ComposeModelView,
+    FileViewSet,
+    JobViewSet,
+    ModelAdapterView,
+    ModelRevisionsView,
+    ModelRollbackView,
+)
 
 router = SimpleRouter(trailing_slash=False)
 router.register("files", FileViewSet, basename="file")
@@ -11,5 +19,7 @@ urlpatterns = [
     path("fine_tuning/adapters", AdapterUploadView.as_view(), name="fine-tuning-adapter-upload"),
     path("fine_tuning/models", ComposeModelView.as_view(), name="fine-tuning-model-compose"),
     path("fine_tuning/models/<path:model>/adapter", ModelAdapterView.as_view(), name="fine-tuning-model-adapter"),
+    path("fine_tuning/models/<path:model>/revisions", ModelRevisionsView.as_view(), name="fine-tuning-model-revisions"),
+    path("fine_tuning/models/<path:model>/rollback", ModelRollbackView.as_view(), name="fine-tuning-model-rollback"),
     *router.urls,
 ]

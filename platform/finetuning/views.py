@@ -18,11 +18,24 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from core.api_errors import ApiError, model_not_found, not_found
-from finetuning import adapters, compose, files, jobs
+from finetuning import adapters, compose, files, jobs, revisions
 from finetuning.models import File, FineTunedModel, FineTuningJob
 from finetuning.pagination import list_page
-from finetuning.representations import checkpoint_object, event_object, file_object, job_object, model_object
-from finetuning.serializers import AdapterUploadSerializer, CompositionSerializer, FileUploadSerializer, JobCreateSerializer
+from finetuning.representations import (
+    checkpoint_object,
+    event_object,
+    file_object,
+    job_object,
+    model_object,
+    revision_object,
+)
+from finetuning.serializers import (
+    AdapterUploadSerializer,
+    CompositionSerializer,
+    FileUploadSerializer,
+    JobCreateSerializer,
+    RollbackSerializer,
+)
 
 
 class AnyAcceptRenderer(JSONRenderer):
@@ -53,6 +66,7 @@ class OrganizationScoped:
 # The schema: OpenAI's objects are plain JSON here (see finetuning.representations). A list answering
 # a plain object does not look like a list to drf-spectacular, so the list views name their operation.
 _ID = OpenApiParameter("id", str, OpenApiParameter.PATH)
+_MODEL = [OpenApiParameter("model", str, OpenApiParameter.PATH, description="<base_model_id>:<suffix>")]
 _PAGE = [OpenApiParameter("after", str), OpenApiParameter("limit", int)]
 _documented = extend_schema(responses=OpenApiTypes.OBJECT, parameters=[_ID])
 _ARCHIVE = {(200, "application/gzip"): OpenApiTypes.BINARY}
@@ -153,7 +167,7 @@ class JobViewSet(OrganizationScoped, viewsets.ViewSet):
         row = self.get_row(request, pk).checkpoints.select_related("job").filter(pk=checkpoint).first()
         if row is None:
             raise not_found("checkpoint", checkpoint)
-        return archive_response(adapters.checkpoint_archive(row), adapters.checkpoint_name(row))
+        return archive_response(adapters.checkpoint_archive(row), row.name)
 
 
 class ModelAdapterView(APIView):
@@ -165,13 +179,47 @@ class ModelAdapterView(APIView):
     @extend_schema(
         operation_id="v1_fine_tuning_models_adapter_retrieve", responses=_ARCHIVE,
         summary="Download a fine-tuned model's adapter (a PEFT folder as .tar.gz)",
-        parameters=[OpenApiParameter("model", str, OpenApiParameter.PATH, description="<base_model_id>:<suffix>")],
+        parameters=_MODEL,
     )  # fmt: skip
     def get(self, request: Request, model: str) -> FileResponse:
-        row = FineTunedModel.objects.for_org(request.auth.organization).filter(name=model).first()
-        if row is None:
-            raise model_not_found(model)
+        row = _own_model(request, model)
         return archive_response(adapters.model_archive(row), row.name)
+
+
+def _own_model(request: Request, name: str) -> FineTunedModel:
+    row = FineTunedModel.objects.for_org(request.auth.organization).filter(name=name).first()
+    if row is None:
+        raise model_not_found(name)
+    return row
+
+
+class ModelRevisionsView(APIView):
+    """``GET /v1/fine_tuning/models/{model}/revisions``: every revision, newest first."""
+
+    @extend_schema(
+        operation_id="v1_fine_tuning_models_revisions_list", responses=OpenApiTypes.OBJECT, parameters=_MODEL,
+        summary="List a fine-tuned model's revisions (<model>@r<N>), with their jobs and final losses",
+    )  # fmt: skip
+    def get(self, request: Request, model: str) -> Response:
+        row = _own_model(request, model)
+        data = [revision_object(revision, row.revision) for revision in revisions.revisions_of(row)]
+        return Response({"object": "list", "data": data, "current": row.revision})
+
+
+class ModelRollbackView(APIView):
+    """``POST /v1/fine_tuning/models/{model}/rollback``: answer with another revision from now on."""
+
+    @extend_schema(
+        request=RollbackSerializer, responses=OpenApiTypes.OBJECT, parameters=_MODEL,
+        summary="Make a fine-tuned model's name answer with one of its revisions (roll back, or forward again)",
+    )  # fmt: skip
+    def post(self, request: Request, model: str) -> Response:
+        if not isinstance(request.data, dict):
+            raise ApiError("The request body must be a JSON object.", code="invalid_body")
+        serializer = RollbackSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        row = revisions.roll_back(_own_model(request, model), serializer.validated_data["revision"])
+        return Response(model_object(row))
 
 
 class AdapterUploadView(APIView):

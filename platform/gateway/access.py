@@ -28,6 +28,7 @@ from asgiref.sync import sync_to_async
 from django.db import close_old_connections
 from core import api_errors
 from core.api_errors import ApiError
+from core.model_names import parse_model_name
 from finetuning.models import FineTunedModel
 from finetuning.registry import UsableModel, delete_fine_tuned_model, list_usable_models, resolve_model
 from server.database_outage import outage_as_api_error
@@ -74,6 +75,13 @@ def _delete_model(api_key: ApiKey, model: UsableModel) -> None:
         raise ApiError(
             f"{model.name} is a base model of the platform; only fine-tuned models can be deleted.",
             status=403, param="model", code="model_not_deletable",
+        )  # fmt: skip
+    whole = parse_model_name(model.name).model
+    if whole != model.name:
+        raise ApiError(
+            f"{model.name} is a revision or a checkpoint of {whole}; they are deleted with it, not one by one "
+            f"(to answer with another revision, roll {whole} back).",
+            status=400, param="model", code="model_not_deletable",
         )  # fmt: skip
     close_old_connections()
     organization = api_key.organization

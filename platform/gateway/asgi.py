@@ -12,10 +12,15 @@ lost: no session, cookie, CSRF or HTML response is involved, and the ORM is used
 ``server/asgi.py`` wraps Django's application with it. Without that, the Django views in
 ``gateway.views`` serve the same endpoints (and still do under WSGI and Django's test client),
 about 6 ms slower a request.
+
+It also answers ASGI's lifespan messages (Django does not): for the process's lifetime it writes
+the usage the gateway counts (``usage.meter``), and once more when the process stops.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 
 from starlette.requests import Request
@@ -50,6 +55,9 @@ def with_fast_path(django_application: ASGIApp) -> ASGIApp:
         return Response(result.body, result.status, result.headers, media_type=result.content_type)
 
     async def application(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await _lifespan(receive, send)
+            return
         endpoint = ENDPOINTS.get(scope.get("path", "")) if scope["type"] == "http" else None
         if endpoint is None or scope["method"] != "POST":
             await django_application(scope, receive, send)
@@ -59,6 +67,28 @@ def with_fast_path(django_application: ASGIApp) -> ASGIApp:
         await response(scope, receive, send)
 
     return application
+
+
+async def _lifespan(receive: Receive, send: Send) -> None:
+    from usage.meter import METER
+
+    flusher: asyncio.Task | None = None
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            flusher = asyncio.create_task(METER.flush_periodically())
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            if flusher is not None:
+                flusher.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await flusher
+            try:
+                await METER.flush_async()
+            except Exception:  # the process stops anyway; say what is lost
+                log.exception("usage counted since the last flush could not be written")
+            await send({"type": "lifespan.shutdown.complete"})
+            return
 
 
 def _error(error: ApiError) -> Response:

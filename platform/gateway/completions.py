@@ -4,9 +4,10 @@ the dashboard's playground.
 Find out who is calling (an API key here, a signed-in session in the playground), hold them to
 their completions and tokens per minute (``gateway.limits``), check the request's fields and caps
 (``gateway.request_limits``) and that they may use the model (``finetuning.registry``, through
-``gateway.access``), then hand the body to the inference pool with their organization's
-``cache_salt`` (``gateway.cache_salt``), otherwise as it came, and give back its answer the same
-way (a stream stays a stream). The body is parsed once, here.
+``gateway.access``), then hand the body to the inference pool with the fields the gateway sets
+(``gateway.forwarded_body``), otherwise as it came, and give back its answer the same way (a stream
+stays a stream). Each answer's tokens are counted on the way (``usage.meter``). The body is parsed
+once, here.
 
 A mix (``adapters``) is checked here as ``model`` is: each model it names must be one the caller
 may use, and a fine-tune of the base model ``model`` names. The pool builds and serves it.
@@ -23,13 +24,16 @@ from django.http import HttpResponse, StreamingHttpResponse
 from accounts.models import Organization
 from core import api_errors
 from gateway.access import authorize, organization_model
-from gateway.cache_salt import cache_salt, with_cache_salt
-from gateway.limits import check_completion_rate, estimated_tokens
+from gateway.cache_salt import cache_salt
+from gateway.forwarded_body import asks_for_usage, forwarded_body
+from gateway.limits import check_completion_rate, estimated_prompt_tokens, estimated_tokens
 from gateway.pool import pool_http, pool_url
 from gateway.request_limits import check_request
 from inference.http_client import UpstreamError, UpstreamResponse, UpstreamTimeout
 from finetuning.registry import UsableModel
 from inference.protocol import ParsedRequest, RoutedFields, parse_request
+from usage.answers import StreamTokens, Tokens, whole_answer_tokens
+from usage.meter import METER, Caller
 
 JSON = "application/json"
 STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -74,7 +78,8 @@ async def complete(authorization: str | None, body: bytes, endpoint: str) -> Poo
         return (await authorize(raw_key, name)).model
 
     await check_mix(access.model, request.routed, usable)
-    return await _forward(_salted(body, request, access.api_key.organization_id), request.routed.stream, endpoint)
+    caller = Caller(access.api_key.organization_id, access.api_key.pk, request.routed.model)
+    return await _forward(body, request, endpoint, caller)
 
 
 async def complete_for_organization(organization: Organization, body: bytes, endpoint: str) -> PoolAnswer:
@@ -89,7 +94,7 @@ async def complete_for_organization(organization: Organization, body: bytes, end
         return await organization_model(organization, name)
 
     await check_mix(model, request.routed, usable)
-    return await _forward(_salted(body, request, organization.pk), request.routed.stream, endpoint)
+    return await _forward(body, request, endpoint, Caller(organization.pk, None, request.routed.model))
 
 
 async def check_mix(
@@ -110,22 +115,23 @@ async def check_mix(
             raise api_errors.not_a_fine_tune_of(name, model.name)
 
 
-def _salted(body: bytes, request: ParsedRequest, organization_id: int) -> bytes:
-    return with_cache_salt(body, request.data, cache_salt(organization_id))
-
-
-async def _forward(body: bytes, stream: bool, endpoint: str) -> PoolAnswer:
+async def _forward(body: bytes, request: ParsedRequest, endpoint: str, caller: Caller) -> PoolAnswer:
+    stream = request.routed.stream
+    body = forwarded_body(body, request.data, cache_salt(caller.organization_id), stream)
     try:
         upstream = await pool_http().post(pool_url(f"/v1/{endpoint}"), body)
     except UpstreamError as exc:
         raise _unreachable(exc) from None
     content_type = upstream.headers.get("content-type", JSON)
     if stream and upstream.status == 200:
-        return PoolAnswer(upstream.status, content_type, stream=_relay(upstream))
+        tokens = StreamTokens(asks_for_usage(request.data), estimated_prompt_tokens(request.data, endpoint))
+        return PoolAnswer(upstream.status, content_type, stream=_relay(upstream, tokens, caller))
     try:
         raw = await upstream.read()
     except UpstreamError as exc:
         raise _unreachable(exc) from None
+    if upstream.status == 200:
+        METER.record(caller, whole_answer_tokens(raw) or Tokens())
     retry_after = upstream.headers.get("retry-after")
     return PoolAnswer(upstream.status, content_type, body=raw, headers={"Retry-After": retry_after} if retry_after else {})
 
@@ -136,12 +142,16 @@ def _unreachable(exc: UpstreamError) -> api_errors.ApiError:
     return api_errors.pool_unreachable(str(exc))
 
 
-async def _relay(upstream: UpstreamResponse) -> AsyncIterator[bytes]:
+async def _relay(upstream: UpstreamResponse, tokens: StreamTokens, caller: Caller) -> AsyncIterator[bytes]:
     try:
         async for chunk in upstream.iter_body():
-            yield chunk
+            if relayed := tokens.feed(chunk):
+                yield relayed
+        if rest := tokens.end():
+            yield rest
     finally:
         upstream.close()  # also when the client goes away: the pool then stops the generation
+        METER.record(caller, tokens.tokens)
 
 
 def pool_response(answer: PoolAnswer) -> HttpResponse:

@@ -33,11 +33,15 @@ def estimated_tokens(data: dict[str, Any], endpoint: str, model: UsableModel | N
     """What a checked request (``gateway.request_limits``: its numbers are numbers) may cost."""
     if model is None:
         return 0  # refused as not found right after; only the request counts
-    prompt = math.ceil(prompt_chars(data.get(prompt_field(endpoint))) / CHARS_PER_TOKEN)
+    prompt = estimated_prompt_tokens(data, endpoint)
     asked = data.get("max_completion_tokens") or data.get("max_tokens")
     context = settings.MODEL_CATALOG.get(model.base_model_id).engine.max_model_len
     choices = max(1, int(data.get("n") or 1))
     return prompt + choices * int(min(asked, context) if asked else context)
+
+
+def estimated_prompt_tokens(data: dict[str, Any], endpoint: str) -> int:
+    return math.ceil(prompt_chars(data.get(prompt_field(endpoint))) / CHARS_PER_TOKEN)
 
 
 def completion_limits(organization_id: int, api_key_id: int | None, tokens: int = 0) -> list[Limit]:

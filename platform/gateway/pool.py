@@ -12,14 +12,18 @@ from __future__ import annotations
 import asyncio
 import weakref
 from collections import Counter
+from dataclasses import dataclass
+from typing import Any
 
 import httpx
 from django.conf import settings
 
 from core.internal_token import bearer
+from finetuning.registry import UsableModel
 from inference.http_client import HttpClient
 
 HEALTH_TIMEOUT_S = 1.0
+PRELOAD_TIMEOUT_S = 60.0  # an adapter load: well under a second locally, a download from S3 first
 _fast: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, HttpClient] = weakref.WeakKeyDictionary()
 _httpx: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, httpx.AsyncClient] = weakref.WeakKeyDictionary()
 
@@ -62,12 +66,63 @@ def pool_health() -> tuple[int, dict]:
         raise PoolUnavailable(f"{url}: {exc}") from None
 
 
-def replicas_serving() -> Counter[str]:
-    """How many healthy replicas hold each model now: a base model on every replica of its own, a
-    fine-tuned one where its adapter is loaded (it loads on its first request, in well under 2 s)."""
-    _, body = pool_health()
-    serving: Counter[str] = Counter()
-    for replica in body.get("replicas", []):
-        if replica.get("healthy"):
-            serving.update([replica["model"], *replica.get("adapters", [])])
-    return serving
+@dataclass(frozen=True)
+class Serving:
+    """What the pool's health document says runs: each base model's state ("ready", "starting",
+    "cold"), and on how many ready replicas each model (base, or adapter revision) is loaded."""
+
+    states: dict[str, str]
+    loaded: Counter[str]
+
+    @classmethod
+    def from_health(cls, body: dict) -> Serving:
+        loaded: Counter[str] = Counter()
+        for replica in body.get("replicas", []):
+            if replica.get("healthy"):
+                loaded.update([replica["model"], *replica.get("adapters", [])])
+        return cls({model: state.get("state", "") for model, state in body.get("models", {}).items()}, loaded)
+
+    def of(self, model: UsableModel) -> dict[str, Any]:
+        """``{"state", "replicas"}``: "loaded" on N replicas; "ready" (a fine-tune whose base model
+        runs: its adapter loads on its first request, in well under a second); "starting"; "cold"
+        (scaled to zero: its next request starts a replica and waits for it)."""
+        replicas = self.loaded.get(model.served_as, 0)
+        if replicas:
+            return {"state": "loaded", "replicas": replicas}
+        base = self.states.get(model.base_model_id, "cold")
+        return {"state": "ready" if base == "ready" else base, "replicas": 0}
+
+
+def serving() -> Serving:
+    """From the pool's health document; PoolUnavailable when the pool does not answer."""
+    return Serving.from_health(pool_health()[1])
+
+
+async def serving_async() -> Serving | None:
+    """As ``serving``, for an async view; None when the pool does not answer (the caller says "unknown")."""
+    try:
+        response = await pool_client().get(pool_url("/health"), timeout=HEALTH_TIMEOUT_S)
+        return Serving.from_health(response.json())
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
+def preload(model: str) -> int:
+    """Have the pool load a just-published adapter where its requests will go; on how many
+    replicas it is loaded now."""
+    url = pool_url("/v1/adapters/preload")
+    try:
+        response = httpx.post(url, json={"model": model}, headers=pool_headers(), timeout=PRELOAD_TIMEOUT_S)
+        if response.status_code != 200:
+            raise PoolUnavailable(_error_message(response))
+        return int(response.json()["replicas"])
+    except (httpx.HTTPError, ValueError, KeyError) as exc:
+        raise PoolUnavailable(f"{url}: {exc}") from None
+
+
+def _error_message(response: httpx.Response) -> str:
+    """The pool's own words for a refusal (its errors are OpenAI-shaped), else its status."""
+    try:
+        return str(response.json()["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return f"{response.request.url} answered {response.status_code}"

@@ -16,7 +16,8 @@ from core import api_errors
 from gateway import metrics as gateway_metrics
 from gateway.access import authorize, delete_model, usable_models
 from gateway.completions import bearer_key, complete, pool_response
-from gateway.pool import pool_client, pool_url
+from finetuning.registry import UsableModel
+from gateway.pool import Serving, pool_client, pool_url, serving_async
 from inference.protocol import ModelCard, ModelList
 from server.api_errors import api_error
 from server.monitoring import from_monitoring
@@ -57,17 +58,18 @@ async def completions(request: HttpRequest) -> HttpResponse:
     return await _completion(request, "completions")
 
 
-def _card(model) -> ModelCard:
+def _card(model: UsableModel, running: Serving | None) -> ModelCard:
     return ModelCard(
         id=model.name, created=int(model.created_at.timestamp()), owned_by=model.owned_by, parent=model.parent,
-        lineage=model.lineage,
+        lineage=model.lineage, revision=model.revision, serving=running.of(model) if running else None,
     )
 
 
 @openai_endpoint("models", "GET")
 async def list_models(request: HttpRequest) -> HttpResponse:
     models = await usable_models(bearer_key(request.headers.get("Authorization")))
-    return JsonResponse(ModelList(data=[_card(model) for model in models]).model_dump())
+    running = await serving_async()
+    return JsonResponse(ModelList(data=[_card(model, running) for model in models]).model_dump())
 
 
 @openai_endpoint("models", "GET", "DELETE")
@@ -79,7 +81,7 @@ async def model(request: HttpRequest, model: str) -> HttpResponse:
     if request.method == "DELETE":
         await delete_model(access.api_key, access.model)
         return JsonResponse({"id": model, "object": "model", "deleted": True})
-    return JsonResponse(_card(access.model).model_dump())
+    return JsonResponse(_card(access.model, await serving_async()).model_dump())
 
 
 async def metrics(request: HttpRequest) -> HttpResponse:

@@ -42,6 +42,7 @@ INSTALLED_APPS = [
     "finetuning",
     "health",
     "gateway",
+    "usage",
     "dashboard",
 ]
 

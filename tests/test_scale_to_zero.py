@@ -1,0 +1,247 @@
+"""Serverless behaviour of the embedded pool: a model scaled to zero runs no replica until a
+request comes, that request starts one and waits for it (bounded: then a 503 with Retry-After),
+another replica starts when the running ones are busy, and a replica past the minimum stops after
+its idle time. The pool's health and ``/v1/models`` say "cold", "starting", "ready" or "loaded".
+
+The fast tests run the pool's real scheduling with a stand-in process for vLLM (``sleep``): they
+decide when a replica is ready, which an engine would take a minute to be. The engine test at the
+end starts and stops a real vLLM replica through a pool of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from core import api_errors
+from core.catalog import Autoscaling, BaseModel, Catalog, EngineConfig, LoraConfig
+from inference.pool import COLD_START_RETRY_AFTER_S, Pool
+from tests.inference_fixtures import BASE, internal_headers, pool_environment
+from tests.processes import free_port, running, wait_until
+
+
+def _model(replicas: int = 1, min_replicas: int = 0, busy_at: int = 2, idle_s: int = 60, wait_s: float = 5.0) -> BaseModel:
+    return BaseModel(
+        id=BASE, weights=Path("unused"), prepare_from=None, replicas=replicas, remote_replicas=(),
+        lora=LoraConfig("unused", 2, 16), engine=EngineConfig(2048, "float32", 2, 1, ()),
+        autoscaling=Autoscaling(min_replicas, busy_at, idle_s, wait_s),
+    )  # fmt: skip
+
+
+@pytest.fixture
+def stand_in_engine(monkeypatch):
+    """Pools of one model whose replicas start ``sleep`` instead of vLLM; stopped after the test."""
+    monkeypatch.setattr("inference.replica.vllm_command", lambda model, port: [sys.executable, "-c", "import time; time.sleep(600)"])
+    monkeypatch.setattr("inference.replica.vllm_environment", lambda model, key: dict(os.environ))
+    pools: list[Pool] = []
+
+    def pool_of(model: BaseModel) -> Pool:
+        pools.append(Pool(Catalog((model,)), free_port(), "token"))
+        return pools[-1]
+
+    yield pool_of
+    for pool in pools:
+        pool.stop()
+
+
+def _tick(pool: Pool, now: float | None = None) -> None:
+    """The pool's once-a-second supervision, but for the health probes (the test plays the engine)."""
+    now = time.monotonic() if now is None else now
+    pool.autoscale(now)
+    for replica in pool.replicas:
+        replica.supervise(now)
+
+
+def _state(pool: Pool) -> str:
+    return pool.health()["models"][BASE]["state"]
+
+
+def test_a_model_scaled_to_zero_runs_nothing_and_its_pool_is_serving(stand_in_engine):
+    pool = stand_in_engine(_model(min_replicas=0))
+    _tick(pool)
+    assert [replica.process for replica in pool.replicas] == [None]
+    assert _state(pool) == "cold" and pool.health()["serving"] is True  # by choice: nothing is wrong
+
+
+def test_an_always_on_model_starts_at_once_and_is_not_serving_until_ready(stand_in_engine):
+    pool = stand_in_engine(_model(min_replicas=1))
+    _tick(pool)
+    assert pool.replicas[0].process is not None
+    assert _state(pool) == "starting" and pool.health()["serving"] is False
+
+
+def test_a_request_for_a_cold_model_starts_one_replica_and_waits_until_it_is_ready(stand_in_engine):
+    async def scenario(pool: Pool) -> list:
+        waiting = [asyncio.create_task(pool.ready_or_start(BASE)) for _ in range(3)]
+        await asyncio.sleep(0.3)
+        assert not any(task.done() for task in waiting)
+        assert _state(pool) == "starting"
+        pool.replicas[0].mark_ready()  # what the health probe does once the engine answers
+        return await asyncio.gather(*waiting)
+
+    pool = stand_in_engine(_model(replicas=2, min_replicas=0))
+    answered = asyncio.run(scenario(pool))
+    assert answered == [[pool.replicas[0]]] * 3
+    assert pool.replicas[1].process is None  # three waiting requests started one replica, not three
+
+
+def test_a_cold_start_longer_than_the_wait_is_a_503_with_retry_after_and_the_replica_keeps_starting(stand_in_engine):
+    pool = stand_in_engine(_model(wait_s=0.3))
+    started = time.monotonic()
+    with pytest.raises(api_errors.ApiError) as refused:
+        asyncio.run(pool.ready_or_start(BASE))
+    assert 0.3 <= time.monotonic() - started < 2
+    assert (refused.value.status, refused.value.code) == (503, "model_starting")
+    assert refused.value.headers()["Retry-After"] == str(COLD_START_RETRY_AFTER_S)
+    assert pool.replicas[0].process.poll() is None and _state(pool) == "starting"
+
+
+def test_a_model_restarting_after_a_crash_is_not_waited_for(stand_in_engine):
+    pool = stand_in_engine(_model(min_replicas=1, wait_s=30))
+    _tick(pool)  # started, not ready: as after a crash
+    started = time.monotonic()
+    assert asyncio.run(pool.ready_or_start(BASE)) == []  # the caller's 503 comes at once
+    assert time.monotonic() - started < 0.5
+
+
+def test_an_idle_replica_past_the_minimum_stops_after_the_downscale_delay_and_not_before(stand_in_engine):
+    pool = stand_in_engine(_model(min_replicas=0, idle_s=60))
+    replica = pool.replicas[0]
+    asyncio.run(_ready_soon(pool))
+    now = time.monotonic()
+    _tick(pool, now + 30)
+    assert replica.wanted and replica.process.poll() is None  # idle 30 s of 60
+    replica.begin(BASE)
+    _tick(pool, now + 120)
+    assert replica.wanted  # a request in flight: never stopped under it
+    replica.end(BASE)
+    _tick(pool, time.monotonic() + 61)
+    assert _state(pool) in ("stopping", "cold") and not replica.healthy
+    wait_until(lambda: _tick(pool) or replica.process is None, 10, "the stand-in engine to stop")
+    assert _state(pool) == "cold" and replica.restarts == 0  # stopped by choice, not a crash
+
+
+def test_the_minimum_keeps_running_however_idle(stand_in_engine):
+    pool = stand_in_engine(_model(min_replicas=1, idle_s=1))
+    _tick(pool)
+    pool.replicas[0].mark_ready()
+    _tick(pool, time.monotonic() + 3600)
+    assert pool.replicas[0].wanted and _state(pool) == "ready"
+
+
+def test_another_replica_starts_when_every_running_one_is_busy(stand_in_engine):
+    pool = stand_in_engine(_model(replicas=2, min_replicas=1, busy_at=2))
+    _tick(pool)
+    first, second = pool.replicas
+    first.mark_ready()
+    first.begin(BASE)
+    _tick(pool)
+    assert not second.wanted  # one request of two
+    first.begin(BASE)
+    _tick(pool)
+    assert second.wanted and second.process is not None
+
+
+def test_a_preload_of_a_new_adapter_for_a_cold_model_is_refused_and_starts_nothing(stand_in_engine):
+    from inference.completions import CompletionsHandler
+
+    class Published:
+        """The adapter store's answer for a just-published adapter, as ``AdapterManager.pinned`` gives it."""
+
+        async def pinned(self, base_id: str, name: str) -> tuple[str, str]:
+            return f"{name}@r1", "r1"
+
+    pool = stand_in_engine(_model(min_replicas=0))
+    handler = CompletionsHandler(pool, pool.catalog, Published(), None, None)  # type: ignore[arg-type]
+    with pytest.raises(api_errors.ApiError) as refused:
+        asyncio.run(handler.preload(f"{BASE}:tuned"))
+    assert (refused.value.status, refused.value.code) == (409, "model_cold")  # its first completion starts it
+    assert pool.replicas[0].process is None
+
+
+async def _ready_soon(pool: Pool) -> None:
+    async def engine_answers():
+        await asyncio.sleep(0.1)
+        pool.replicas[0].mark_ready()
+
+    await asyncio.gather(pool.ready_or_start(BASE), engine_answers())
+
+
+# --- a real engine ------------------------------------------------------------------------------
+
+SCALED_TO_ZERO = """
+[models.autoscaling]
+min_replicas = 0
+downscale_delay_s = 5
+cold_start_wait_s = 5
+"""
+
+
+@pytest.mark.engine
+def test_a_real_replica_scaled_to_zero_starts_for_a_request_answers_and_stops_when_idle(tmp_path):
+    """The client's side of a cold start: 503s with Retry-After while the engine starts, then the
+    answer; and the replica gone again once idle. Prints the cold start, for the README."""
+    catalog = tmp_path / "models.toml"  # the test catalog (written by pool_environment), scaled to zero
+    catalog.write_text(Path(pool_environment()["MODEL_CATALOG"]).read_text() + SCALED_TO_ZERO)
+    url = f"http://127.0.0.1:{free_port()}"
+    environment = {"MODEL_CATALOG": str(catalog), "INFERENCE_POOL_URL": url, "FIRST_REPLICA_PORT": str(free_port())}
+    client = httpx.Client(base_url=url, headers=internal_headers(), timeout=60)
+
+    def model_state() -> str | None:
+        try:
+            return client.get("/health").json()["models"][BASE]["state"]
+        except (httpx.HTTPError, ValueError):
+            return None
+
+    with running("pool-scaled-to-zero", [sys.executable, "-m", "inference"], environment) as process:
+        wait_until(lambda: model_state() == "cold", 60, "the pool, with its model cold", process)
+        assert client.get("/health").status_code == 200
+        ask = {"model": BASE, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0}
+        requested, refusals = time.monotonic(), []
+        while (answer := client.post("/v1/chat/completions", json=ask)).status_code == 503:
+            refusals.append(answer)
+            assert answer.json()["error"]["code"] == "model_starting"
+            time.sleep(min(int(answer.headers["Retry-After"]), 2))
+        cold_start_s = time.monotonic() - requested
+        assert answer.status_code == 200 and answer.json()["choices"][0]["message"]["content"]
+        assert refusals, "a CPU engine does not start within the 5 s a request waits"
+        print(f"\ncold start, from zero replicas to the first answer (4 tokens): {cold_start_s:.1f} s")
+
+        assert model_state() == "ready"
+        wait_until(lambda: model_state() == "cold", 30, "the idle replica to stop", process)
+        pids = lambda: [replica["pid"] for replica in client.get("/health").json()["replicas"]]  # noqa: E731
+        wait_until(lambda: pids() == [None], 15, "the engine's process to exit", process)
+
+
+# --- what the gateway tells users ---------------------------------------------------------------
+
+
+def test_a_models_serving_state_reads_the_pools_health_document():
+    from finetuning.registry import UsableModel
+    from gateway.pool import Serving
+
+    def usable(name: str, suffix: str | None = None, revision: int | None = None) -> UsableModel:
+        return UsableModel(name, BASE, suffix, "system", None, revision=revision)  # type: ignore[arg-type]
+
+    tuned, other = usable(f"{BASE}:tuned", "tuned", 2), usable(f"{BASE}:other", "other", 1)
+    health = {
+        "models": {BASE: {"state": "ready"}},
+        "replicas": [
+            {"model": BASE, "healthy": True, "adapters": [f"{BASE}:tuned@r2"]},
+            {"model": BASE, "healthy": True, "adapters": [f"{BASE}:tuned@r1"]},  # an older revision: not this one
+            {"model": BASE, "healthy": False, "adapters": [f"{BASE}:other@r1"]},  # down: not counted
+        ],
+    }
+    serving = Serving.from_health(health)
+    assert serving.of(usable(BASE)) == {"state": "loaded", "replicas": 2}
+    assert serving.of(tuned) == {"state": "loaded", "replicas": 1}
+    assert serving.of(other) == {"state": "ready", "replicas": 0}
+    for state in ("starting", "cold"):
+        idle = Serving.from_health({"models": {BASE: {"state": state}}, "replicas": []})
+        assert idle.of(usable(BASE)) == idle.of(tuned) == {"state": state, "replicas": 0}

@@ -53,9 +53,13 @@ class Autoscaling:
     cold_start_wait_s: float
 
 
+BACKENDS = ("embedded", "ray")  # who serves a model: the embedded pool, or Ray Serve (inference.ray_serve)
+
+
 @dataclass(frozen=True)
 class BaseModel:
     id: str
+    backend: str  # one of BACKENDS
     weights: Path
     prepare_from: GgufSource | None
     replicas: int  # local vLLM processes the pool starts
@@ -68,6 +72,10 @@ class BaseModel:
 @dataclass(frozen=True)
 class Catalog:
     models: tuple[BaseModel, ...]
+
+    def served_by(self, backend: str) -> Catalog:
+        """The models one backend serves."""
+        return Catalog(tuple(model for model in self.models if model.backend == backend))
 
     def get(self, model_id: str) -> BaseModel | None:
         return next((model for model in self.models if model.id == model_id), None)
@@ -124,8 +132,12 @@ def _parse_model(table: _Table, data_dir: Path, default_lora_path: str) -> BaseM
     engine = table.table("engine")
     scaling = table.table("autoscaling")
     replicas = table.get("replicas", int, 1)
+    backend = table.get("backend", str, BACKENDS[0])
+    if backend not in BACKENDS:
+        raise ConfigError(f"{table.where}.backend must be one of {', '.join(map(repr, BACKENDS))}, not {backend!r}")
     return BaseModel(
         id=model_id,
+        backend=backend,
         weights=weights if weights.is_absolute() else data_dir / weights,
         prepare_from=GgufSource(prepare.get("package", str), prepare.get("file", str)) if prepare.data else None,
         replicas=replicas,

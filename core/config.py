@@ -163,6 +163,7 @@ class Config:
     min_training_examples: int
     s3: S3Settings
     inference_pool_url: str
+    ray_serve_url: str  # the Ray Serve application's ingress, for catalog models with backend = "ray"
     # What the web, the pool and the vLLM replicas present to each other (core.internal_token):
     # INTERNAL_TOKEN, or derived from SECRET_KEY so separately started processes agree on it.
     internal_token: str = field(repr=False)
@@ -276,6 +277,7 @@ def load_config() -> Config:
             region=env_str("AWS_DEFAULT_REGION", "us-east-1"),
         ),
         inference_pool_url=env_url("INFERENCE_POOL_URL", "http://127.0.0.1:8100", schemes=("http", "https")),
+        ray_serve_url=env_url("RAY_SERVE_URL", "http://127.0.0.1:8400", schemes=("http", "https")),
         internal_token=internal_token,
         monitoring_token=env_token("MONITORING_TOKEN") or internal_token,
         first_replica_port=env_int("FIRST_REPLICA_PORT", 8200, minimum=1),

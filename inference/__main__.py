@@ -42,7 +42,8 @@ def main() -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per health check is noise
     try:
         config = load_config()
-        catalog = load_catalog(config.model_catalog, config.data_dir, config.dynamic_lora_path)
+        # The models with backend = "ray" are inference.ray_serve's.
+        catalog = load_catalog(config.model_catalog, config.data_dir, config.dynamic_lora_path).served_by("embedded")
         catalog.check_weights()
     except ConfigError as exc:
         print(f"configuration error: {exc}", file=sys.stderr)

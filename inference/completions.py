@@ -26,7 +26,6 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-import pydantic_core
 from starlette.responses import Response, StreamingResponse
 
 from core import api_errors
@@ -44,7 +43,7 @@ from inference.http_client import (
 )
 from inference.metrics import Metrics
 from inference.pool import Pool
-from inference.protocol import RoutedFields, adapter_scales, routed_fields
+from inference.protocol import RoutedFields, adapter_scales, routed_fields, with_fields
 from inference.replica import Replica
 from inference.router import choose_replica
 
@@ -76,7 +75,7 @@ class CompletionsHandler:
             request = await self._mix_request(body, endpoint, fields, base, started)
         elif fine_tuned:
             pinned, version = await self.adapters.pinned(base.id, fields.model)
-            body = body if pinned == fields.model else _with(body, model=pinned)
+            body = body if pinned == fields.model else with_fields(body, model=pinned)
             request = _Request(
                 body, endpoint, pinned, base.id, True, fields.stream, started, label_as=fields.model, version=version
             )  # fmt: skip
@@ -126,7 +125,7 @@ class CompletionsHandler:
                 raise api_errors.model_not_found(part, param="adapters")
         mix = await self.adapters.mix(base.id, scales) if scales else None  # all scales 0: the base model
         model = mix.name if mix else base.id
-        body = _with(body, model=model, adapters=None)
+        body = with_fields(body, model=model, adapters=None)
         return _Request(body, endpoint, model, base.id, mix is not None, fields.stream, started, mix)
 
     async def _forward(self, request: _Request) -> Response:
@@ -234,17 +233,6 @@ class CompletionsHandler:
             self.metrics.latency.labels(request.label, request.endpoint).observe(elapsed)
             if first_byte:
                 self.metrics.first_byte.labels(request.label, request.endpoint).observe(elapsed)
-
-
-def _with(body: bytes, **changes: str | None) -> bytes:
-    """The JSON ``body`` with these fields set (None: taken out)."""
-    data = pydantic_core.from_json(body)
-    for key, value in changes.items():
-        if value is None:
-            data.pop(key, None)
-        else:
-            data[key] = value
-    return json.dumps(data).encode()
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ are defined here.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -61,6 +62,17 @@ def routed_fields(body: bytes) -> RoutedFields:
         return RoutedFields.model_validate_json(body)
     except ValidationError as exc:
         raise api_errors.invalid_fields(exc, _HINT) from None
+
+
+def with_fields(body: bytes, **changes: str | None) -> bytes:
+    """The JSON ``body`` with these fields set (None: taken out)."""
+    data = pydantic_core.from_json(body)
+    for key, value in changes.items():
+        if value is None:
+            data.pop(key, None)
+        else:
+            data[key] = value
+    return json.dumps(data).encode()
 
 
 @dataclass(frozen=True)

@@ -164,7 +164,7 @@ def _vllm_error(message: str, code: int) -> dict:
 
 def _base_model(dynamic_path: str, remote: tuple[str, ...], max_adapters: int = 2) -> BaseModel:
     return BaseModel(
-        id=BASE, weights=Path("unused"), prepare_from=None, replicas=0, remote_replicas=remote,
+        id=BASE, backend="embedded", weights=Path("unused"), prepare_from=None, replicas=0, remote_replicas=remote,
         lora=LoraConfig(dynamic_path, max_adapters, max_lora_rank=16),
         engine=EngineConfig(2048, "float32", 2, 1, ()),
         autoscaling=Autoscaling(min_replicas=0, target_ongoing_requests=16, downscale_delay_s=600, cold_start_wait_s=0),

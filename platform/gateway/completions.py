@@ -27,7 +27,7 @@ from gateway.access import authorize, organization_model
 from gateway.cache_salt import cache_salt
 from gateway.forwarded_body import asks_for_usage, forwarded_body
 from gateway.limits import check_completion_rate, estimated_prompt_tokens, estimated_tokens
-from gateway.pool import pool_http, pool_url
+from gateway.pool import pool_http, serving_url
 from gateway.request_limits import check_request
 from inference.http_client import UpstreamError, UpstreamResponse, UpstreamTimeout
 from finetuning.registry import UsableModel
@@ -119,7 +119,7 @@ async def _forward(body: bytes, request: ParsedRequest, endpoint: str, caller: C
     stream = request.routed.stream
     body = forwarded_body(body, request.data, cache_salt(caller.organization_id), stream)
     try:
-        upstream = await pool_http().post(pool_url(f"/v1/{endpoint}"), body)
+        upstream = await pool_http().post(serving_url(request.routed.model, f"/v1/{endpoint}"), body)
     except UpstreamError as exc:
         raise _unreachable(exc) from None
     content_type = upstream.headers.get("content-type", JSON)

@@ -19,6 +19,7 @@ import httpx
 from django.conf import settings
 
 from core.internal_token import bearer
+from core.model_names import parse_model_name
 from finetuning.registry import UsableModel
 from inference.http_client import HttpClient
 
@@ -46,6 +47,15 @@ def pool_client() -> httpx.AsyncClient:
 
 def pool_url(path: str) -> str:
     return f"{settings.INFERENCE_POOL_URL.rstrip('/')}{path}"
+
+
+def serving_url(model: str, path: str) -> str:
+    """Where a model's requests go: the embedded pool, or the Ray Serve application for a base
+    model the catalog gives ``backend = "ray"`` (both answer the same routes the same way)."""
+    base = settings.MODEL_CATALOG.get(parse_model_name(model).base_model_id)
+    if base is not None and base.backend == "ray":
+        return f"{settings.RAY_SERVE_URL.rstrip('/')}{path}"
+    return pool_url(path)
 
 
 def pool_headers() -> dict[str, str]:
@@ -93,16 +103,38 @@ class Serving:
         return {"state": "ready" if base == "ready" else base, "replicas": 0}
 
 
+def _ray_health_url() -> str | None:
+    """The Ray Serve application's health document, when the catalog has a model it serves."""
+    if any(model.backend == "ray" for model in settings.MODEL_CATALOG.models):
+        return f"{settings.RAY_SERVE_URL.rstrip('/')}/health"
+    return None
+
+
 def serving() -> Serving:
-    """From the pool's health document; PoolUnavailable when the pool does not answer."""
-    return Serving.from_health(pool_health()[1])
+    """From the pool's health document (and Ray Serve's); PoolUnavailable when one does not answer."""
+    body = pool_health()[1]
+    if (ray_url := _ray_health_url()) is not None:
+        try:
+            body = _merged(body, httpx.get(ray_url, headers=pool_headers(), timeout=HEALTH_TIMEOUT_S).json())
+        except (httpx.HTTPError, ValueError) as exc:
+            raise PoolUnavailable(f"{ray_url}: {exc}") from None
+    return Serving.from_health(body)
+
+
+def _merged(pool: dict, ray: dict) -> dict:
+    return {
+        "models": {**pool.get("models", {}), **ray.get("models", {})},
+        "replicas": [*pool.get("replicas", []), *ray.get("replicas", [])],
+    }
 
 
 async def serving_async() -> Serving | None:
     """As ``serving``, for an async view; None when the pool does not answer (the caller says "unknown")."""
     try:
-        response = await pool_client().get(pool_url("/health"), timeout=HEALTH_TIMEOUT_S)
-        return Serving.from_health(response.json())
+        body = (await pool_client().get(pool_url("/health"), timeout=HEALTH_TIMEOUT_S)).json()
+        if (ray_url := _ray_health_url()) is not None:
+            body = _merged(body, (await pool_client().get(ray_url, timeout=HEALTH_TIMEOUT_S)).json())
+        return Serving.from_health(body)
     except (httpx.HTTPError, ValueError):
         return None
 
@@ -110,7 +142,7 @@ async def serving_async() -> Serving | None:
 def preload(model: str) -> int:
     """Have the pool load a just-published adapter where its requests will go; on how many
     replicas it is loaded now."""
-    url = pool_url("/v1/adapters/preload")
+    url = serving_url(model, "/v1/adapters/preload")
     try:
         response = httpx.post(url, json={"model": model}, headers=pool_headers(), timeout=PRELOAD_TIMEOUT_S)
         if response.status_code != 200:

@@ -136,6 +136,7 @@ CELERY_TASK_PUBLISH_RETRY_POLICY = {"max_retries": 2, "interval_start": 0, "inte
 CELERY_BROKER_TRANSPORT_OPTIONS = {"socket_connect_timeout": 2, "socket_timeout": 5}
 
 INFERENCE_POOL_URL = CONFIG.inference_pool_url
+RAY_SERVE_URL = CONFIG.ray_serve_url  # for the catalog's models with backend = "ray" (gateway.pool)
 INTERNAL_TOKEN = CONFIG.internal_token  # sent to the pool with every call (gateway.pool)
 MONITORING_TOKEN = CONFIG.monitoring_token  # opens /metrics and the detail of /healthz
 

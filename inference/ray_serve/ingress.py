@@ -1,0 +1,167 @@
+"""The Ray Serve application's HTTP entry point, in front of every Ray-backed model's replicas.
+
+The gateway sends it what it sends the embedded pool, with the internal token, and gets the same
+answers: the same routes, the same errors, a stream stays a stream. What it does itself:
+
+- refuse a caller without the internal token (401);
+- pin a fine-tuned model's name to the revision the dynamic LoRA path publishes now
+  (``<base>:<suffix>@rN``, as the pool does), and make that the request's multiplexed model id,
+  so Ray routes it to a replica that holds that revision and a stream stays on its revision;
+- wait for a model scaled to zero up to its ``cold_start_wait_s``, then answer 503 with
+  Retry-After (Ray holds the request meanwhile and starts a replica for it);
+- ``GET /health``: each model's state from Serve's own status ("ready" on N replicas,
+  "starting", "cold"), in the pool's shape.
+
+Mixes (``adapters``) are the embedded pool's alone: they need its adapter slots.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from core import api_errors
+from core.adapter_store import adapter_store
+from core.catalog import BaseModel
+from core.config import load_config
+from core.internal_token import presents
+from core.model_names import is_valid_suffix, parse_model_name, pinned_name
+from inference.adapter_source import AdapterSource
+from inference.metrics import Metrics
+from inference.pool import COLD_START_RETRY_AFTER_S
+from inference.protocol import routed_fields, with_fields
+from inference.ray_serve.replica import STARTED, Head
+
+_COMPLETIONS = {"/v1/chat/completions": "chat/completions", "/v1/completions": "completions"}
+
+
+def deployment_name(model_id: str) -> str:
+    """A Serve deployment's name for a catalog model (Serve names take no slashes)."""
+    return "vllm-" + re.sub(r"[^A-Za-z0-9_.-]", "--", model_id)
+
+
+class Ingress:
+    def __init__(self, replicas: dict[str, Any], models: tuple[BaseModel, ...], app_name: str):
+        """``replicas``: each model's deployment handle, by model id."""
+        config = load_config()
+        self.token = config.internal_token
+        self.replicas, self.app_name = replicas, app_name
+        self.models = {model.id: model for model in models}
+        self.sources = {  # for "which revision is published now?" only: nothing is downloaded here
+            model.id: AdapterSource(
+                adapter_store(model.lora.dynamic_lora_loading_path, config.s3), Path("."), Metrics(), model.id
+            )
+            for model in models
+        }
+
+    async def __call__(self, request: Request) -> Response:
+        if not presents(request.headers.get("authorization"), self.token):
+            return _error(api_errors.internal_token_required("INTERNAL_TOKEN", "authorization" in request.headers))
+        path = request.url.path
+        try:
+            if path in _COMPLETIONS and request.method == "POST":
+                return await self._complete(await request.body(), _COMPLETIONS[path])
+            if path == "/v1/adapters/preload" and request.method == "POST":
+                return await self._preload(await request.body())
+            if path == "/health":
+                return JSONResponse(await self._health())
+            return _error(api_errors.ApiError(f"No route {request.method} {path}.", status=404, code="not_found"))
+        except api_errors.ApiError as exc:
+            return _error(exc)
+
+    def _served(self, model: str) -> tuple[BaseModel, bool]:
+        name = parse_model_name(model)
+        base = self.models.get(name.base_model_id)
+        if base is None or (name.suffix is not None and not is_valid_suffix(name.suffix)):
+            raise api_errors.model_not_found(model)
+        return base, name.suffix is not None
+
+    async def _pinned(self, base: BaseModel, model: str) -> str:
+        version = await self.sources[base.id].version(model)
+        if version is None:
+            raise api_errors.adapter_not_found(model)
+        return pinned_name(model, version)
+
+    async def _complete(self, body: bytes, endpoint: str) -> Response:
+        fields = routed_fields(body)
+        base, fine_tuned = self._served(fields.model)
+        if fields.adapters is not None:
+            raise api_errors.ApiError(
+                f"`{base.id}` is served on Ray Serve, which does not mix adapters per request: name one "
+                "fine-tuned model in `model`, or compose the mix into a model of its own (POST /v1/fine_tuning/models).",
+                param="adapters", code="mix_not_supported",
+            )  # fmt: skip
+        adapter = ""
+        if fine_tuned:
+            adapter = await self._pinned(base, fields.model)
+            body = body if adapter == fields.model else with_fields(body, model=adapter)
+        handle = self.replicas[base.id].options(stream=True, multiplexed_model_id=adapter)
+        answer = handle.answer.remote(endpoint, body)
+        await self._started(answer, base)
+        head: Head = await answer.__anext__()
+        if fields.stream and head.status < 400:
+            return StreamingResponse(
+                _rest(answer), status_code=head.status, media_type=head.content_type,
+                headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
+            )  # fmt: skip
+        raw = b"".join([chunk async for chunk in answer])
+        return Response(raw, status_code=head.status, media_type=head.content_type)
+
+    async def _started(self, answer: Any, base: BaseModel) -> None:
+        """Until a replica takes the request: none runs (scaled to zero), or all are full."""
+        try:
+            item = await asyncio.wait_for(answer.__anext__(), base.autoscaling.cold_start_wait_s)
+        except TimeoutError:
+            answer.cancel()
+            raise api_errors.model_starting(base.id, COLD_START_RETRY_AFTER_S) from None
+        assert item == STARTED
+
+    async def _preload(self, body: bytes) -> Response:
+        try:
+            model = str(json.loads(body)["model"])
+        except (ValueError, KeyError, TypeError):
+            raise api_errors.ApiError('The body must be {"model": "<base_model_id>:<suffix>"}.', param="model") from None
+        base, fine_tuned = self._served(model)
+        if not fine_tuned:
+            raise api_errors.model_not_found(model)
+        pinned = await self._pinned(base, model)
+        await self.replicas[base.id].options(multiplexed_model_id=pinned).preload.remote()
+        return JSONResponse({"model": pinned, "replicas": 1})
+
+    async def _health(self) -> dict:
+        from ray import serve
+
+        status = await asyncio.to_thread(serve.status)
+        deployments = status.applications[self.app_name].deployments
+        models, replicas = {}, []
+        for model_id in self.models:
+            # Serve's ReplicaState is a str enum: its counts read by the states' names.
+            replica_states = deployments[deployment_name(model_id)].replica_states
+            states = {str(getattr(state, "value", state)): count for state, count in replica_states.items()}
+            ready = states.get("RUNNING", 0)
+            starting = states.get("STARTING", 0)
+            models[model_id] = {
+                "state": "ready" if ready else "starting" if starting else "cold",
+                "ready_replicas": ready,
+            }
+            replicas += [{"model": model_id, "healthy": True, "adapters": []}] * ready
+        return {"serving": True, "models": models, "replicas": replicas, "backend": "ray"}
+
+
+async def _rest(answer: Any) -> AsyncIterator[bytes]:
+    try:
+        async for chunk in answer:
+            yield chunk
+    finally:
+        answer.cancel()  # a caller that went away: the replica stops relaying, and vLLM generating
+
+
+def _error(error: api_errors.ApiError) -> Response:
+    return Response(error.json_bytes(), error.status, error.headers(), media_type="application/json")

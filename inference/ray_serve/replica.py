@@ -1,0 +1,183 @@
+"""One Ray Serve replica of a catalog model.
+
+It runs the same vLLM OpenAI server the embedded pool runs (``inference.vllm_server``: vLLM's own
+server with our CPU LoRA kernels, the catalog's engine settings, the internal token), on a
+loopback port of its Ray worker's host, and relays requests to it. So the JSON mode, streaming and
+answers are the embedded pool's, token for token, and the kernels apply without reaching into the
+processes vLLM spawns. Ray restarts the replica when ``check_health`` fails (the server died).
+
+Adapters are Ray Serve's multiplexed models: Ray routes a request for ``<base>:<suffix>@rN`` to a
+replica that holds it, and this replica loads it on its first request, read from the dynamic LoRA
+path through the same checksum-verified cache the pool uses (``inference.adapter_source``): on
+another host, that path is S3, never a folder on the publisher's disk. Ray evicts the least
+recently used adapter past ``max_num_adapters_per_replica``; the unload waits for the adapter's
+requests to end (Ray's own eviction does not).
+
+A request is a stream of items from ``answer``: ``STARTED`` at once (the ingress stops counting a
+cold start there), then a ``Head``, then the body's bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import subprocess
+import tempfile
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from core import api_errors
+from core.adapter_store import adapter_store
+from core.catalog import BaseModel
+from core.config import REPO_ROOT, load_config
+from core.internal_token import bearer
+from inference.adapter_source import AdapterSource, check_adapter
+from inference.http_client import HttpClient, UpstreamError
+from inference.metrics import Metrics
+from inference.replica import vllm_command, vllm_environment
+
+log = logging.getLogger("inference.ray_serve.replica")
+
+STARTED = "started"
+ENGINE_START_TIMEOUT_S = 900.0
+_POLL_S = 0.5
+_ADMIN_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class Head:
+    status: int
+    content_type: str
+
+
+class ServedAdapter:
+    """What the multiplexed loader returns. Ray calls its ``__del__`` when it evicts the adapter
+    (an attribute of the instance, so garbage collection never calls it)."""
+
+    def __init__(self, name: str, unload: Callable[[], Awaitable[None]]):
+        self.name = name
+        self.__del__ = unload
+
+
+class VllmReplica:
+    def __init__(self, model: BaseModel):
+        config = load_config()
+        self.model = model
+        self.token = config.internal_token
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.process = subprocess.Popen(
+            vllm_command(model, self.port), env=vllm_environment(model, self.token), cwd=REPO_ROOT,
+            start_new_session=True,
+        )  # fmt: skip
+        self.admin = httpx.AsyncClient(headers={"Authorization": bearer(self.token)}, timeout=_ADMIN_TIMEOUT_S)
+        self.http = HttpClient(headers={"Authorization": bearer(self.token)})
+        cache = Path(tempfile.mkdtemp(prefix="adapter-cache-", dir=config.data_dir if config.data_dir.is_dir() else None))
+        store = adapter_store(model.lora.dynamic_lora_loading_path, config.s3)
+        self.source = AdapterSource(store, cache, Metrics(), model.id)
+        self.inflight: Counter[str] = Counter()
+        self._wait_until_ready()
+        from ray import serve
+
+        async def load(name: str) -> ServedAdapter:  # a function: Serve keeps its LRU cache on it
+            return await self._load_adapter(name)
+
+        self.adapter = serve.multiplexed(max_num_models_per_replica=model.lora.max_num_adapters_per_replica)(load)
+
+    def _wait_until_ready(self) -> None:
+        """Serve counts the replica as starting until this returns: no request reaches it before."""
+        deadline = time.monotonic() + ENGINE_START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the vLLM server exited with {self.process.returncode} while starting")
+            try:
+                if httpx.get(f"{self.url}/health", headers={"Authorization": bearer(self.token)}).status_code == 200:
+                    log.info("vLLM server for %s ready on port %d", self.model.id, self.port)
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(_POLL_S)
+        raise RuntimeError(f"the vLLM server did not become ready in {ENGINE_START_TIMEOUT_S:.0f} s")
+
+    async def check_health(self) -> None:
+        if self.process.poll() is not None:
+            raise RuntimeError(f"the vLLM server exited with {self.process.returncode}")
+        response = await self.admin.get(f"{self.url}/health", timeout=10.0)
+        if response.status_code != 200:
+            raise RuntimeError(f"the vLLM server's health check answered {response.status_code}")
+
+    async def answer(self, endpoint: str, body: bytes) -> AsyncIterator[object]:
+        yield STARTED
+        name = _multiplexed_model_id()
+        try:
+            if name:
+                await self.adapter(name)
+            self.inflight[name] += 1
+        except api_errors.ApiError as exc:
+            yield Head(exc.status, "application/json")
+            yield exc.json_bytes()
+            return
+        try:
+            upstream = await self.http.post(f"{self.url}/v1/{endpoint}", body)
+            try:
+                yield Head(upstream.status, upstream.headers.get("content-type", "application/json"))
+                async for chunk in upstream.iter_body():
+                    yield chunk
+            finally:
+                upstream.close()  # a caller that went away: the server sees the drop and stops generating
+        except UpstreamError as exc:
+            failure = api_errors.replica_lost(str(exc))
+            yield Head(failure.status, "application/json")
+            yield failure.json_bytes()
+        finally:
+            self.inflight[name] -= 1
+
+    async def preload(self) -> str:
+        """Load the request's adapter here (the replica Ray routes its name to); its name."""
+        name = _multiplexed_model_id()
+        await self.adapter(name)
+        return name
+
+    async def _load_adapter(self, name: str) -> ServedAdapter:
+        version = await self.source.version(name)
+        if version is None:
+            raise api_errors.adapter_not_found(name)
+        folder = await self.source.folder(name, version)
+        check_adapter(name, folder, self.model.lora.max_lora_rank)
+        started = time.perf_counter()
+        response = await self.admin.post(
+            f"{self.url}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(folder)}
+        )
+        if response.status_code != 200:
+            raise api_errors.adapter_invalid(name, response.text[:300])
+        log.info("loaded %s in %.2f s", name, time.perf_counter() - started)
+        return ServedAdapter(name, lambda: self._unload_adapter(name))
+
+    async def _unload_adapter(self, name: str) -> None:
+        while self.inflight[name] > 0:  # its requests finish first
+            await asyncio.sleep(0.05)
+        await self.admin.post(f"{self.url}/v1/unload_lora_adapter", json={"lora_name": name})
+        log.info("unloaded %s", name)
+
+    def __del__(self) -> None:
+        process = getattr(self, "process", None)
+        if process is not None and process.poll() is None:
+            process.terminate()
+
+
+def _multiplexed_model_id() -> str:
+    from ray import serve
+
+    return serve.get_multiplexed_model_id()
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]

@@ -1,0 +1,237 @@
+"""The Ray Serve backend (``inference.ray_serve``): a catalog model with ``backend = "ray"`` is
+served by a Ray Serve application, behind the same gateway, with the same answers.
+
+The fast tests check what the backend takes from the catalog and how the gateway routes to it.
+The engine tests start ``python -m inference.ray_serve`` (a one-node Ray cluster of its own, the
+model scaled to zero) and a gateway whose catalog sends the model there, and drive them with the
+official client: the cold start, an adapter on its first request token for token as PEFT, a
+stream, JSON schemas, a republished revision, and what it refuses.
+"""
+
+# ruff: noqa: F811 (pytest fixtures are imported from tests.inference_fixtures, then named as arguments)
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from core.catalog import load_catalog
+from core.env import ConfigError
+from tests.inference_fixtures import (  # noqa: F401 (fixtures)
+    BASE,
+    Persona,
+    _persona,
+    adapter_store,
+    internal_headers,
+    make_adapter,
+    publish_fine_tuned_model,
+)
+from tests.processes import ROOT, answers, free_port, running, running_web, wait_until
+from tests.test_inference_gateway import QUESTION, _peft_answer, _suffix
+
+RAY_CATALOG = ROOT / "data" / "test" / "ray-models.toml"
+COLD_START_WAIT_S = 5  # a request waits this long for a starting replica: the first gets a 503
+
+
+def _catalog_text(backend: str = "ray", min_replicas: int = 0) -> str:
+    return f"""
+[[models]]
+id = "{BASE}"
+backend = "{backend}"
+weights = "models/{BASE}"
+replicas = 1
+
+[models.lora_config]
+max_num_adapters_per_replica = 3
+max_lora_rank = 16
+
+[models.engine]
+max_model_len = 2048
+dtype = "float32"
+max_loras = 3
+kv_cache_space_gib = 1
+
+[models.autoscaling]
+min_replicas = {min_replicas}
+target_ongoing_requests = 8
+downscale_delay_s = 600
+cold_start_wait_s = {COLD_START_WAIT_S}
+"""
+
+
+def _load(tmp_path: Path, text: str):
+    path = tmp_path / "models.toml"
+    path.write_text(text)
+    return load_catalog(path, tmp_path, str(tmp_path / "adapters"))
+
+
+# --- from the catalog -----------------------------------------------------------------------------
+
+
+def test_the_catalog_names_each_models_backend_and_refuses_an_unknown_one(tmp_path):
+    catalog = _load(tmp_path, _catalog_text())
+    assert catalog.get(BASE).backend == "ray"
+    assert catalog.served_by("ray").ids == [BASE] and catalog.served_by("embedded").ids == []
+    assert _load(tmp_path, _catalog_text().replace('backend = "ray"\n', "")).get(BASE).backend == "embedded"
+    with pytest.raises(ConfigError, match=r"backend must be one of 'embedded', 'ray', not 'kubernetes'"):
+        _load(tmp_path, _catalog_text(backend="kubernetes"))
+
+
+def test_the_catalogs_autoscaling_becomes_serves_autoscaling_config(tmp_path):
+    from inference.ray_serve.app import replica_options
+
+    options = replica_options(_load(tmp_path, _catalog_text(min_replicas=0)).get(BASE))
+    assert options["autoscaling_config"] | {"upscale_delay_s": None} == {
+        "min_replicas": 0, "initial_replicas": 0, "max_replicas": 1, "target_ongoing_requests": 8,
+        "downscale_delay_s": 600, "upscale_delay_s": None,
+    }  # fmt: skip
+    assert options["ray_actor_options"] == {"num_cpus": 1}
+    assert options["max_ongoing_requests"] >= 8
+    assert "/" not in options["name"]
+
+
+def test_the_gateway_sends_a_ray_models_requests_to_ray_serve_and_the_others_to_the_pool(settings, tmp_path):
+    from gateway.pool import serving_url
+
+    settings.MODEL_CATALOG = _load(tmp_path, _catalog_text())
+    settings.RAY_SERVE_URL, settings.INFERENCE_POOL_URL = "http://ray:8400/", "http://pool:8100"
+    assert serving_url(f"{BASE}:tuned@r2", "/v1/chat/completions") == "http://ray:8400/v1/chat/completions"
+    assert serving_url(BASE, "/v1/completions") == "http://ray:8400/v1/completions"
+    settings.MODEL_CATALOG = _load(tmp_path, _catalog_text(backend="embedded"))
+    assert serving_url(f"{BASE}:tuned", "/v1/chat/completions") == "http://pool:8100/v1/chat/completions"
+
+
+# --- served ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class RayStack:
+    serve_url: str
+    gateway: str
+
+
+@pytest.fixture(scope="module")
+def ray_stack(test_database_url) -> Iterator[RayStack]:
+    """``python -m inference.ray_serve`` and a gateway in front of it, for this module's tests."""
+    RAY_CATALOG.parent.mkdir(parents=True, exist_ok=True)
+    RAY_CATALOG.write_text(_catalog_text())
+    serve_url = f"http://127.0.0.1:{free_port()}"
+    environment = {"MODEL_CATALOG": str(RAY_CATALOG), "RAY_SERVE_URL": serve_url}
+    with running("ray-serve", [sys.executable, "-m", "inference.ray_serve"], environment) as process:
+        wait_until(lambda: answers(f"{serve_url}/health", headers=internal_headers()), 240, "Ray Serve", process)
+        with running_web("ray-gateway", {"DATABASE_URL": test_database_url, **environment}) as gateway:
+            yield RayStack(serve_url, gateway)
+
+
+@pytest.fixture
+def dana(transactional_db, ray_stack) -> Persona:
+    """Calls the Ray-backed gateway."""
+    return _persona("dana", ray_stack.gateway)
+
+
+def _health(stack: RayStack) -> dict:
+    return httpx.get(f"{stack.serve_url}/health", headers=internal_headers(), timeout=10).json()
+
+
+def _ask(persona: Persona, model: str, max_tokens: int = 16, **extra) -> openai.types.chat.ChatCompletion:
+    return persona.client.chat.completions.create(
+        model=model, messages=QUESTION, max_tokens=max_tokens, temperature=0, **extra
+    )
+
+
+@pytest.mark.engine
+@pytest.mark.django_db(transaction=True)
+def test_a_model_scaled_to_zero_on_ray_starts_for_its_first_request(dana, ray_stack):
+    assert _health(ray_stack)["models"][BASE] == {"state": "cold", "ready_replicas": 0}
+    requested, refusals = time.monotonic(), []
+    while True:
+        try:
+            answer = _ask(dana, BASE, max_tokens=4)
+            break
+        except openai.APIStatusError as exc:
+            assert exc.status_code == 503 and exc.body["code"] == "model_starting", exc.body
+            refusals.append(exc)
+            time.sleep(min(int(exc.response.headers["Retry-After"]), 2))
+    print(f"\nRay Serve cold start, from zero replicas to the first answer (4 tokens): {time.monotonic() - requested:.1f} s")
+    assert answer.choices[0].message.content
+    assert refusals, f"a CPU engine does not start within the {COLD_START_WAIT_S} s a request waits"
+    assert _health(ray_stack)["models"][BASE] == {"state": "ready", "ready_replicas": 1}
+    cards = {card.id: card for card in dana.client.models.list().data}
+    assert cards[BASE].model_extra["serving"] == {"state": "loaded", "replicas": 1}
+
+
+@pytest.mark.engine
+@pytest.mark.django_db(transaction=True)
+def test_ray_serves_an_adapter_on_its_first_request_token_for_token_as_peft(dana, make_adapter):
+    folder = make_adapter(seed=2)
+    name = publish_fine_tuned_model(dana, _suffix("ray-peft"), folder)
+    answer = _ask(dana, name)
+    assert answer.model == f"{name}@r1"  # pinned to the revision, as the embedded pool does
+    assert answer.choices[0].message.content == _peft_answer(folder, max_tokens=16)
+    assert answer.choices[0].message.content != _ask(dana, BASE).choices[0].message.content
+    assert answer.usage.prompt_tokens > 0 and answer.usage.completion_tokens > 0
+
+
+@pytest.mark.engine
+@pytest.mark.django_db(transaction=True)
+def test_ray_streams_the_same_answer_with_usage(dana, make_adapter):
+    name = publish_fine_tuned_model(dana, _suffix("ray-stream"), make_adapter(seed=3))
+    chunks = list(_ask(dana, name, stream=True, stream_options={"include_usage": True}))
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
+    assert len([chunk for chunk in chunks if chunk.choices]) > 3
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
+    assert text == _ask(dana, name).choices[0].message.content
+
+
+@pytest.mark.engine
+@pytest.mark.django_db(transaction=True)
+def test_ray_follows_json_schemas_with_an_adapter(dana, make_adapter):
+    name = publish_fine_tuned_model(dana, _suffix("ray-json"), make_adapter(seed=6))
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 24}, "country": {"type": "string", "maxLength": 24}},
+        "required": ["city", "country"],
+        "additionalProperties": False,
+    }
+    answer = _ask(
+        dana, name, max_tokens=60,
+        response_format={"type": "json_schema", "json_schema": {"name": "place", "schema": schema, "strict": True}},
+    )  # fmt: skip
+    assert set(json.loads(answer.choices[0].message.content)) == {"city", "country"}
+
+
+@pytest.mark.engine
+@pytest.mark.django_db(transaction=True)
+def test_ray_answers_a_republished_model_with_its_new_revision_and_a_pinned_one_with_its_own(dana, make_adapter):
+    name = publish_fine_tuned_model(dana, _suffix("ray-revisions"), make_adapter(seed=20))
+    first = _ask(dana, name).choices[0].message.content
+    adapter_store().publish(name, make_adapter(seed=21), 2)  # retrained: revision 2
+    from finetuning.models import FineTunedModel, ModelRevision
+
+    model = FineTunedModel.objects.get(name=name)
+    ModelRevision.objects.create(model=model, number=2, job=model.job)
+    second = _ask(dana, name)
+    assert second.model == f"{name}@r2" and second.choices[0].message.content != first
+    assert _ask(dana, f"{name}@r1").choices[0].message.content == first
+
+
+@pytest.mark.engine
+@pytest.mark.django_db(transaction=True)
+def test_ray_refuses_mixes_missing_adapters_and_callers_without_the_internal_token(dana, ray_stack, make_adapter):
+    name = publish_fine_tuned_model(dana, _suffix("ray-refusals"), make_adapter(seed=4))
+    with pytest.raises(openai.BadRequestError) as refused:
+        _ask(dana, BASE, extra_body={"adapters": [{"model": name, "scale": 0.5}]})
+    assert refused.value.body["code"] == "mix_not_supported"
+    adapter_store().delete(name)
+    with pytest.raises(openai.NotFoundError) as missing:
+        _ask(dana, name)
+    assert missing.value.body["code"] == "adapter_not_found"
+    anyone = httpx.post(f"{ray_stack.serve_url}/v1/chat/completions", json={"model": BASE, "messages": QUESTION})
+    assert anyone.status_code == 401 and anyone.json()["error"]["code"] == "missing_internal_token"

@@ -35,6 +35,7 @@ from tests.inference_fixtures import (  # noqa: F401 (fixtures)
 )
 from tests.processes import ROOT, answers, free_port, running, running_web, wait_until
 from tests.test_inference_gateway import QUESTION, _peft_answer, _suffix
+from tests.test_model_revisions_served import _publish_revision
 
 RAY_CATALOG = ROOT / "data" / "test" / "ray-models.toml"
 COLD_START_WAIT_S = 5  # a request waits this long for a starting replica: the first gets a 503
@@ -209,15 +210,16 @@ def test_ray_follows_json_schemas_with_an_adapter(dana, make_adapter):
 
 @pytest.mark.engine
 @pytest.mark.django_db(transaction=True)
-def test_ray_answers_a_republished_model_with_its_new_revision_and_a_pinned_one_with_its_own(dana, make_adapter):
+def test_on_ray_a_stream_that_began_on_r1_ends_on_r1_while_r2_is_published(dana, make_adapter):
     name = publish_fine_tuned_model(dana, _suffix("ray-revisions"), make_adapter(seed=20))
     first = _ask(dana, name).choices[0].message.content
-    adapter_store().publish(name, make_adapter(seed=21), 2)  # retrained: revision 2
-    from finetuning.models import FineTunedModel, ModelRevision
-
-    model = FineTunedModel.objects.get(name=name)
-    ModelRevision.objects.create(model=model, number=2, job=model.job)
-    second = _ask(dana, name)
+    stream = _ask(dana, name, stream=True)
+    chunks = [next(stream)]  # streaming on r1
+    _publish_revision(name, make_adapter(seed=21), 2)
+    second = _ask(dana, name)  # answered while the stream is still open
+    chunks += list(stream)
+    assert "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices) == first
+    assert {chunk.model for chunk in chunks} == {f"{name}@r1"}
     assert second.model == f"{name}@r2" and second.choices[0].message.content != first
     assert _ask(dana, f"{name}@r1").choices[0].message.content == first
 

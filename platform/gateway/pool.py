@@ -49,13 +49,15 @@ def pool_url(path: str) -> str:
     return f"{settings.INFERENCE_POOL_URL.rstrip('/')}{path}"
 
 
+def ray_url(path: str) -> str:
+    return f"{settings.RAY_SERVE_URL.rstrip('/')}{path}"
+
+
 def serving_url(model: str, path: str) -> str:
     """Where a model's requests go: the embedded pool, or the Ray Serve application for a base
     model the catalog gives ``backend = "ray"`` (both answer the same routes the same way)."""
     base = settings.MODEL_CATALOG.get(parse_model_name(model).base_model_id)
-    if base is not None and base.backend == "ray":
-        return f"{settings.RAY_SERVE_URL.rstrip('/')}{path}"
-    return pool_url(path)
+    return ray_url(path) if base is not None and base.backend == "ray" else pool_url(path)
 
 
 def pool_headers() -> dict[str, str]:
@@ -78,65 +80,67 @@ def pool_health() -> tuple[int, dict]:
 
 @dataclass(frozen=True)
 class Serving:
-    """What the pool's health document says runs: each base model's state ("ready", "starting",
-    "cold"), and on how many ready replicas each model (base, or adapter revision) is loaded."""
+    """What the backends' health documents say runs: each base model's state ("ready",
+    "starting", "cold"), and on how many ready replicas each model (base, or adapter revision) is
+    loaded."""
 
     states: dict[str, str]
     loaded: Counter[str]
 
     @classmethod
-    def from_health(cls, body: dict) -> Serving:
+    def from_health(cls, *bodies: dict) -> Serving:
+        """From the health documents of the backends that answered (the pool's, Ray Serve's)."""
+        states: dict[str, str] = {}
         loaded: Counter[str] = Counter()
-        for replica in body.get("replicas", []):
-            if replica.get("healthy"):
-                loaded.update([replica["model"], *replica.get("adapters", [])])
-        return cls({model: state.get("state", "") for model, state in body.get("models", {}).items()}, loaded)
+        for body in bodies:
+            states |= {model: state.get("state", "") for model, state in body.get("models", {}).items()}
+            for replica in body.get("replicas", []):
+                if replica.get("healthy"):
+                    loaded.update([replica["model"], *replica.get("adapters", [])])
+        return cls(states, loaded)
 
-    def of(self, model: UsableModel) -> dict[str, Any]:
+    def of(self, model: UsableModel) -> dict[str, Any] | None:
         """``{"state", "replicas"}``: "loaded" on N replicas; "ready" (a fine-tune whose base model
         runs: its adapter loads on its first request, in well under a second); "starting"; "cold"
-        (scaled to zero: its next request starts a replica and waits for it)."""
+        (scaled to zero: its next request starts a replica and waits for it). None: its backend
+        did not say."""
         replicas = self.loaded.get(model.served_as, 0)
         if replicas:
             return {"state": "loaded", "replicas": replicas}
-        base = self.states.get(model.base_model_id, "cold")
+        base = self.states.get(model.base_model_id)
+        if base is None:
+            return None
         return {"state": "ready" if base == "ready" else base, "replicas": 0}
 
 
-def _ray_health_url() -> str | None:
-    """The Ray Serve application's health document, when the catalog has a model it serves."""
-    if any(model.backend == "ray" for model in settings.MODEL_CATALOG.models):
-        return f"{settings.RAY_SERVE_URL.rstrip('/')}/health"
-    return None
+def _health_urls() -> list[str]:
+    """The health documents of the backends the catalog's models use."""
+    backends = {model.backend for model in settings.MODEL_CATALOG.models}
+    return [url for backend, url in (("embedded", pool_url("/health")), ("ray", ray_url("/health"))) if backend in backends]
 
 
 def serving() -> Serving:
-    """From the pool's health document (and Ray Serve's); PoolUnavailable when one does not answer."""
-    body = pool_health()[1]
-    if (ray_url := _ray_health_url()) is not None:
+    """From the backends' health documents; PoolUnavailable when none answers."""
+    bodies, problems = [], []
+    for url in _health_urls():
         try:
-            body = _merged(body, httpx.get(ray_url, headers=pool_headers(), timeout=HEALTH_TIMEOUT_S).json())
+            bodies.append(httpx.get(url, headers=pool_headers(), timeout=HEALTH_TIMEOUT_S).json())
         except (httpx.HTTPError, ValueError) as exc:
-            raise PoolUnavailable(f"{ray_url}: {exc}") from None
-    return Serving.from_health(body)
-
-
-def _merged(pool: dict, ray: dict) -> dict:
-    return {
-        "models": {**pool.get("models", {}), **ray.get("models", {})},
-        "replicas": [*pool.get("replicas", []), *ray.get("replicas", [])],
-    }
+            problems.append(f"{url}: {exc}")
+    if not bodies:
+        raise PoolUnavailable("; ".join(problems))
+    return Serving.from_health(*bodies)
 
 
 async def serving_async() -> Serving | None:
-    """As ``serving``, for an async view; None when the pool does not answer (the caller says "unknown")."""
-    try:
-        body = (await pool_client().get(pool_url("/health"), timeout=HEALTH_TIMEOUT_S)).json()
-        if (ray_url := _ray_health_url()) is not None:
-            body = _merged(body, (await pool_client().get(ray_url, timeout=HEALTH_TIMEOUT_S)).json())
-        return Serving.from_health(body)
-    except (httpx.HTTPError, ValueError):
-        return None
+    """As ``serving``, for an async view; None when no backend answers (the caller says "unknown")."""
+    bodies = []
+    for url in _health_urls():
+        try:
+            bodies.append((await pool_client().get(url, timeout=HEALTH_TIMEOUT_S)).json())
+        except (httpx.HTTPError, ValueError):
+            continue
+    return Serving.from_health(*bodies) if bodies else None
 
 
 def preload(model: str) -> int:

@@ -62,8 +62,7 @@ class BaseModel:
     backend: str  # one of BACKENDS
     weights: Path
     prepare_from: GgufSource | None
-    replicas: int  # local vLLM processes the pool starts
-    remote_replicas: tuple[str, ...]  # URLs of vLLM servers running elsewhere
+    replicas: int  # the most replicas: vLLM processes the pool starts, or Ray Serve's max_replicas
     lora: LoraConfig
     engine: EngineConfig
     autoscaling: Autoscaling
@@ -141,7 +140,6 @@ def _parse_model(table: _Table, data_dir: Path, default_lora_path: str) -> BaseM
         weights=weights if weights.is_absolute() else data_dir / weights,
         prepare_from=GgufSource(prepare.get("package", str), prepare.get("file", str)) if prepare.data else None,
         replicas=replicas,
-        remote_replicas=tuple(table.get("remote_replicas", list, [])),
         lora=LoraConfig(
             dynamic_lora_loading_path=lora.get("dynamic_lora_loading_path", str, "") or default_lora_path,
             max_num_adapters_per_replica=lora.positive("max_num_adapters_per_replica", 8),

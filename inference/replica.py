@@ -1,4 +1,4 @@
-"""One vLLM OpenAI server process (or a remote one) serving a base model with runtime LoRA loading."""
+"""One vLLM OpenAI server process serving a base model with runtime LoRA loading."""
 
 from __future__ import annotations
 
@@ -105,7 +105,7 @@ def vllm_environment(model: BaseModel, api_key: str, one_process_engine: bool = 
 class Replica:
     model: BaseModel
     url: str
-    port: int | None = None  # None: a remote replica we route to but do not start
+    port: int | None = None  # None: a server the pool routes to but does not start (tests: a stand-in)
     api_key: str = field(default="", repr=False)  # what a managed replica requires: the internal token
     process: subprocess.Popen | None = None
     healthy: bool = False
@@ -321,9 +321,6 @@ class Replica:
 
 
 def replicas_for(model: BaseModel, first_port: int, api_key: str) -> list[Replica]:
-    """Remote replicas are started by someone else, with the same token (see the README)."""
-    local = [
-        Replica(model, f"http://127.0.0.1:{port}", port, api_key)
-        for port in range(first_port, first_port + model.replicas)
-    ]
-    return local + [Replica(model, url.rstrip("/")) for url in model.remote_replicas]
+    """A model's replicas on this host, on consecutive ports. (Replicas on other hosts are Ray
+    Serve's: ``backend = "ray"``, ``inference.ray_serve``.)"""
+    return [Replica(model, f"http://127.0.0.1:{port}", port, api_key) for port in range(first_port, first_port + model.replicas)]

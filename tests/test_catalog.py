@@ -35,7 +35,7 @@ def test_it_resolves_weights_under_the_data_folder_and_keeps_an_explicit_lora_pa
     model = catalog.get("a/b")
     assert model.weights == tmp_path / "data" / "models" / "b"
     assert model.lora.dynamic_lora_loading_path == "s3://bucket/loras"
-    assert model.replicas == 1 and model.remote_replicas == ()
+    assert model.replicas == 1
 
 
 @pytest.mark.parametrize(

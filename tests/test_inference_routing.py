@@ -25,7 +25,7 @@ from inference.http_client import UpstreamBroken, UpstreamUnavailable
 from inference.metrics import Metrics
 from inference.internal_auth import ReplicaGuard
 from inference.pool import Pool
-from inference.replica import vllm_command, vllm_environment
+from inference.replica import Replica, vllm_command, vllm_environment
 from inference.router import HOT_ADAPTER_INFLIGHT, choose_replica, rendezvous_order
 from inference.server import admin_client, create_app
 from tests.s3 import running_s3_server, s3_server
@@ -162,9 +162,9 @@ def _vllm_error(message: str, code: int) -> dict:
     return {"error": {"message": message, "type": "Error", "param": None, "code": code}}
 
 
-def _base_model(dynamic_path: str, remote: tuple[str, ...], max_adapters: int = 2) -> BaseModel:
+def _base_model(dynamic_path: str, max_adapters: int = 2) -> BaseModel:
     return BaseModel(
-        id=BASE, backend="embedded", weights=Path("unused"), prepare_from=None, replicas=0, remote_replicas=remote,
+        id=BASE, backend="embedded", weights=Path("unused"), prepare_from=None, replicas=0,
         lora=LoraConfig(dynamic_path, max_adapters, max_lora_rank=16),
         engine=EngineConfig(2048, "float32", 2, 1, ()),
         autoscaling=Autoscaling(min_replicas=0, target_ongoing_requests=16, downscale_delay_s=600, cold_start_wait_s=0),
@@ -185,8 +185,9 @@ class PoolUnderTest:
         self.store = adapter_store(self.dynamic, s3)
         self.tmp = tmp_path
         urls = tuple(f"http://replica-{i}" for i in range(replicas))
-        self.model = _base_model(self.dynamic, urls, max_adapters)
+        self.model = _base_model(self.dynamic, max_adapters)
         self.pool = Pool(Catalog((self.model,)), first_replica_port=1, internal_token=TOKEN)
+        self.pool.replicas = [Replica(self.model, url) for url in urls]  # not started: FakeVllm answers for them
         for replica in self.pool.replicas:
             replica.healthy = True
         self.vllm = FakeVllm()
@@ -554,7 +555,7 @@ async def test_it_keeps_a_replica_that_refuses_the_internal_token_out_of_routing
 
 
 def test_it_starts_replicas_that_require_the_token_without_showing_it_on_their_command_line():
-    model = _base_model("unused", ())
+    model = _base_model("unused")
     command = vllm_command(model, 8200)
     assert TOKEN not in " ".join(command)  # ps shows every user of the machine each command line
     assert vllm_environment(model, TOKEN)["VLLM_API_KEY"] == TOKEN  # vLLM's --api-key reads it too
@@ -575,7 +576,7 @@ def test_a_replica_inherits_what_vllm_needs_and_none_of_the_platforms_secrets(mo
     }  # fmt: skip
     for name, value in {**secrets, **needed}.items():
         monkeypatch.setenv(name, value)
-    environment = vllm_environment(_base_model("unused", ()), TOKEN)
+    environment = vllm_environment(_base_model("unused"), TOKEN)
     assert set(secrets).isdisjoint(environment)
     assert {name: environment.get(name) for name in needed} == needed and environment["VLLM_API_KEY"] == TOKEN
 

@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+from ray.exceptions import RayActorError, RayError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
@@ -39,6 +40,7 @@ from inference.pool import COLD_START_RETRY_AFTER_S
 from inference.protocol import routed_fields, with_fields
 from inference.ray_serve.replica import STARTED, Head
 
+_ATTEMPTS = 3  # replicas a request may be offered to when the first ones die before taking it
 _COMPLETIONS = {"/v1/chat/completions": "chat/completions", "/v1/completions": "completions"}
 
 
@@ -102,26 +104,38 @@ class Ingress:
         if fine_tuned:
             adapter = await self._pinned(base, fields.model)
             body = body if adapter == fields.model else with_fields(body, model=adapter)
-        handle = self.replicas[base.id].options(stream=True, multiplexed_model_id=adapter)
-        answer = handle.answer.remote(endpoint, body)
-        await self._started(answer, base)
-        head: Head = await answer.__anext__()
-        if fields.stream and head.status < 400:
-            return StreamingResponse(
-                _rest(answer), status_code=head.status, media_type=head.content_type,
-                headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
-            )  # fmt: skip
-        raw = b"".join([chunk async for chunk in answer])
+        answer = await self._taken(base, adapter, endpoint, body)
+        try:
+            head: Head = await answer.__anext__()
+            if fields.stream and head.status < 400:
+                return StreamingResponse(
+                    _rest(answer), status_code=head.status, media_type=head.content_type,
+                    headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
+                )  # fmt: skip
+            raw = b"".join([chunk async for chunk in answer])
+        except RayActorError as exc:  # it died with the request: never sent again (it may have run)
+            raise api_errors.replica_lost(f"Ray: {type(exc).__name__}") from None
+        except RayError as exc:
+            raise api_errors.replica_failed(str(exc).splitlines()[0]) from None
         return Response(raw, status_code=head.status, media_type=head.content_type)
 
-    async def _started(self, answer: Any, base: BaseModel) -> None:
-        """Until a replica takes the request: none runs (scaled to zero), or all are full."""
-        try:
-            item = await asyncio.wait_for(answer.__anext__(), base.autoscaling.cold_start_wait_s)
-        except TimeoutError:
-            answer.cancel()
-            raise api_errors.model_starting(base.id, COLD_START_RETRY_AFTER_S) from None
-        assert item == STARTED
+    async def _taken(self, base: BaseModel, adapter: str, endpoint: str, body: bytes) -> Any:
+        """The request's answer stream, once a replica has taken the request. It waits while none
+        can (scaled to zero, or all full), up to the model's ``cold_start_wait_s``; a replica that
+        dies before it takes the request (a node lost) is replaced by another."""
+        handle = self.replicas[base.id].options(stream=True, multiplexed_model_id=adapter)
+        for _ in range(_ATTEMPTS):
+            answer = handle.answer.remote(endpoint, body)
+            try:
+                item = await asyncio.wait_for(answer.__anext__(), base.autoscaling.cold_start_wait_s)
+            except TimeoutError:
+                answer.cancel()
+                raise api_errors.model_starting(base.id, COLD_START_RETRY_AFTER_S) from None
+            except RayActorError:
+                continue
+            assert item == STARTED
+            return answer
+        raise api_errors.no_replica(base.id)
 
     async def _preload(self, body: bytes) -> Response:
         try:
@@ -159,6 +173,8 @@ async def _rest(answer: Any) -> AsyncIterator[bytes]:
     try:
         async for chunk in answer:
             yield chunk
+    except RayError as exc:  # the headers are sent: the error travels as one more event, as vLLM does it
+        yield b"data: " + api_errors.replica_failed(f"Ray: {type(exc).__name__}").json_bytes() + b"\n\n"
     finally:
         answer.cancel()  # a caller that went away: the replica stops relaying, and vLLM generating
 

@@ -31,6 +31,7 @@ from tests.inference_fixtures import (  # noqa: F401 (fixtures)
     adapter_store,
     internal_headers,
     make_adapter,
+    monitoring_headers,
     publish_fine_tuned_model,
 )
 from tests.processes import ROOT, answers, free_port, running, running_web, wait_until
@@ -166,6 +167,8 @@ def test_a_model_scaled_to_zero_on_ray_starts_for_its_first_request(dana, ray_st
     assert _health(ray_stack)["models"][BASE] == {"state": "ready", "ready_replicas": 1}
     cards = {card.id: card for card in dana.client.models.list().data}
     assert cards[BASE].model_extra["serving"] == {"state": "loaded", "replicas": 1}
+    health = httpx.get(f"{ray_stack.gateway}/healthz", headers=monitoring_headers(), timeout=30).json()
+    assert health["checks"]["inference_pool"] == {"ok": True, "detail": f"Ray Serve: {BASE} ready, 1 ready"}
 
 
 @pytest.mark.engine

@@ -70,7 +70,20 @@ class PoolUnavailable(Exception):
 
 def pool_health() -> tuple[int, dict]:
     """The status code and body of the pool's health document."""
-    url = pool_url("/health")
+    return _health_document(pool_url("/health"))
+
+
+def ray_health() -> tuple[int, dict]:
+    """The same of the Ray Serve application (``inference.ray_serve``)."""
+    return _health_document(ray_url("/health"))
+
+
+def backends() -> set[str]:
+    """The backends the catalog's models use: "embedded", "ray"."""
+    return {model.backend for model in settings.MODEL_CATALOG.models}
+
+
+def _health_document(url: str) -> tuple[int, dict]:
     try:
         response = httpx.get(url, headers=pool_headers(), timeout=HEALTH_TIMEOUT_S)
         return response.status_code, response.json()
@@ -115,8 +128,8 @@ class Serving:
 
 def _health_urls() -> list[str]:
     """The health documents of the backends the catalog's models use."""
-    backends = {model.backend for model in settings.MODEL_CATALOG.models}
-    return [url for backend, url in (("embedded", pool_url("/health")), ("ray", ray_url("/health"))) if backend in backends]
+    used = backends()
+    return [url for backend, url in (("embedded", pool_url("/health")), ("ray", ray_url("/health"))) if backend in used]
 
 
 def serving() -> Serving:
@@ -124,9 +137,9 @@ def serving() -> Serving:
     bodies, problems = [], []
     for url in _health_urls():
         try:
-            bodies.append(httpx.get(url, headers=pool_headers(), timeout=HEALTH_TIMEOUT_S).json())
-        except (httpx.HTTPError, ValueError) as exc:
-            problems.append(f"{url}: {exc}")
+            bodies.append(_health_document(url)[1])
+        except PoolUnavailable as exc:
+            problems.append(str(exc))
     if not bodies:
         raise PoolUnavailable("; ".join(problems))
     return Serving.from_health(*bodies)

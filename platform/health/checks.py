@@ -8,7 +8,7 @@ from django.conf import settings
 from django.db import connection
 
 from core.redis_ping import redis_problem
-from gateway.pool import PoolUnavailable, pool_health
+from gateway.pool import PoolUnavailable, backends, pool_health, ray_health
 from server.celery import REQUIRED_QUEUES, queue_consumers
 
 TIMEOUT_S = 1.0
@@ -62,6 +62,22 @@ def _unread(consumers: dict[str, list[str]]) -> list[str]:
 
 
 def inference_pool() -> CheckResult:
+    """The replicas of each backend the catalog's models use: the embedded pool, Ray Serve."""
+    used = backends()
+    results = [check() for backend, check in (("embedded", _embedded_pool), ("ray", _ray_serve)) if backend in used]
+    return CheckResult(all(result.ok for result in results), "; ".join(result.detail for result in results))
+
+
+def _ray_serve() -> CheckResult:
+    try:
+        _, body = ray_health()
+    except PoolUnavailable as exc:
+        return CheckResult(False, f"Ray Serve: {exc}")
+    states = ", ".join(f"{model} {state['state']}, {state['ready_replicas']} ready" for model, state in body["models"].items())
+    return CheckResult(True, f"Ray Serve: {states}")
+
+
+def _embedded_pool() -> CheckResult:
     try:
         status, body = pool_health()
     except PoolUnavailable as exc:

@@ -49,7 +49,9 @@ BACKENDS = {  # the name in the table: the catalog's backend, and the command th
 def _catalog(backend: str) -> Path:
     """The repository catalog's model, on ``backend``, scaled to zero; a request waits for it."""
     text = (ROOT / "models.toml").read_text()
-    text = text.replace('backend = "embedded"', f'backend = "{backend}"').replace("min_replicas = 1", "min_replicas = 0")
+    text = text.replace('backend = "embedded"', f'backend = "{backend}"').replace(
+        "min_replicas = 1", "min_replicas = 0"
+    )
     text = text.replace("cold_start_wait_s = 60", "cold_start_wait_s = 600")
     path = SCRATCH / f"{backend}.toml"
     path.write_text(text)
@@ -65,7 +67,9 @@ def _body(model: str, stream: bool = False) -> dict:
 
 def first_token_s(url: str, headers: dict[str, str]) -> float:
     started = time.perf_counter()
-    with httpx.stream("POST", f"{url}/v1/chat/completions", json=_body(BASE, stream=True), headers=headers, timeout=900) as answer:
+    with httpx.stream(
+        "POST", f"{url}/v1/chat/completions", json=_body(BASE, stream=True), headers=headers, timeout=900
+    ) as answer:
         answer.raise_for_status()
         for line in answer.iter_lines():
             if line.startswith("data: ") and '"content":"' in line and '"content":""' not in line:
@@ -75,7 +79,9 @@ def first_token_s(url: str, headers: dict[str, str]) -> float:
 
 async def tokens_per_s(url: str, headers: dict[str, str], models: list[str]) -> float:
     order = [models[i % len(models)] for i in range(CONCURRENCY)]
-    async with httpx.AsyncClient(timeout=900, headers=headers, limits=httpx.Limits(max_connections=2 * CONCURRENCY)) as client:
+    async with httpx.AsyncClient(
+        timeout=900, headers=headers, limits=httpx.Limits(max_connections=2 * CONCURRENCY)
+    ) as client:
 
         async def one(model: str) -> int:
             response = await client.post(f"{url}/v1/chat/completions", json=_body(model))
@@ -101,7 +107,9 @@ def measure(name: str, backend: str, command: list[str], adapters: list[str], to
         wait_until(lambda: answers(f"{url}/health", headers=headers), 300, name, process)
         results = {"cold start to first token, s": first_token_s(url, headers)}
         results[f"{CONCURRENCY} at once, base, tok/s"] = asyncio.run(tokens_per_s(url, headers, [BASE]))
-        results[f"{CONCURRENCY} at once, {ADAPTERS} adapters, tok/s"] = asyncio.run(tokens_per_s(url, headers, adapters))
+        results[f"{CONCURRENCY} at once, {ADAPTERS} adapters, tok/s"] = asyncio.run(
+            tokens_per_s(url, headers, adapters)
+        )
     return results
 
 
@@ -120,8 +128,12 @@ def main() -> None:
             results[name].append(measure(name, backend, command, adapters, token))
             print(f"  round {round_number}: {name}: {results[name][-1]}", flush=True)
 
-    embedded, ray = ({metric: statistics.median(run[metric] for run in runs) for metric in runs[0]} for runs in results.values())
-    print(f"\n{'median of ' + str(args.rounds) + ' rounds':<40}{'embedded pool':>15}{'Ray Serve':>15}{'Ray / pool':>12}")
+    embedded, ray = (
+        {metric: statistics.median(run[metric] for run in runs) for metric in runs[0]} for runs in results.values()
+    )
+    print(
+        f"\n{'median of ' + str(args.rounds) + ' rounds':<40}{'embedded pool':>15}{'Ray Serve':>15}{'Ray / pool':>12}"
+    )
     for metric in embedded:
         print(f"{metric:<40}{embedded[metric]:>15.1f}{ray[metric]:>15.1f}{ray[metric] / embedded[metric]:>11.2f}x")
 

@@ -13,6 +13,7 @@ from urllib.parse import urlsplit
 
 import dj_database_url
 
+from core.catalog import load_catalog
 from core.env import ConfigError, env_bool, env_int, env_list, env_path, env_str, env_token, env_url
 from core.internal_token import derive_internal_token
 
@@ -295,12 +296,14 @@ def shell_exports() -> str:
     """The values the shell scripts need, as ``export`` lines, so bash never repeats a default."""
     config = load_config()
     redis = urlsplit(config.redis_url)
+    catalog = load_catalog(config.model_catalog, config.data_dir, config.dynamic_lora_path)
     values = {
         "WEB_PORT": config.web_port,
         "REDIS_PORT": redis.port or 6379,
         "REDIS_IS_LOCAL": int(redis.hostname in ("127.0.0.1", "localhost", "::1")),
         "DATA_DIR": config.data_dir,
         "DEV_MODE": int(config.debug),  # bin/run bootstraps the demo user only then
+        "USES_RAY": int(bool(catalog.served_by("ray").models)),  # bin/run then starts Ray Serve too
     }
     return "\n".join(f"export {name}={shlex.quote(str(value))}" for name, value in values.items())
 

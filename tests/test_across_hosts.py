@@ -81,7 +81,9 @@ def ray_node(arguments: list[str], environment: dict[str, str]) -> Iterator[Path
 
 def stop_node(folder: Path) -> None:
     """Every process of the node whose temporary folder is ``folder``, killed as a host that dies."""
-    doomed = [p for p in psutil.process_iter(["cmdline"]) if any(str(folder) in part for part in p.info["cmdline"] or [])]
+    doomed = [
+        p for p in psutil.process_iter(["cmdline"]) if any(str(folder) in part for part in p.info["cmdline"] or [])
+    ]
     for process in doomed:
         for child in process.children(recursive=True):  # the replicas' vLLM servers
             child.kill()
@@ -135,7 +137,12 @@ def test_two_trainers_and_two_ray_nodes_share_only_the_database_redis_and_s3(ali
             files={"file": ("train.jsonl", good_dataset(12))}, timeout=60,
         )  # fmt: skip
         assert uploaded.status_code == 200, uploaded.text
-        body = {"model": BASE, "training_file": uploaded.json()["id"], "suffix": "fleet", "hyperparameters": {"n_epochs": 3, "batch_size": 2}}
+        body = {
+            "model": BASE,
+            "training_file": uploaded.json()["id"],
+            "suffix": "fleet",
+            "hyperparameters": {"n_epochs": 3, "batch_size": 2},
+        }
         job_id = httpx.post(f"{web}/v1/fine_tuning/jobs", json=body, headers=headers, timeout=60).json()["id"]
         sweeper = celery_worker_command("default", "sweeper-hosts", "--beat", "--schedule", str(tmp_path / "beat"))
         stack.enter_context(running("sweeper-hosts", sweeper, host["web"]))
@@ -153,7 +160,9 @@ def test_two_trainers_and_two_ray_nodes_share_only_the_database_redis_and_s3(ali
 
         # --- two Ray nodes: the model answers from S3; a node stops, traffic moves --------------
         head_port = free_port()
-        stack.enter_context(ray_node(["--head", f"--port={head_port}", "--num-cpus=1", "--include-dashboard=false"], host["a"]))
+        stack.enter_context(
+            ray_node(["--head", f"--port={head_port}", "--num-cpus=1", "--include-dashboard=false"], host["a"])
+        )
         worker_node = stack.enter_context(ray_node(worker_node_arguments(head_port), host["b"]))
         launcher = {**host["web"], "RAY_ADDRESS": f"127.0.0.1:{head_port}"}
         serve = stack.enter_context(running("ray-serve-hosts", [sys.executable, "-m", "inference.ray_serve"], launcher))

@@ -161,7 +161,9 @@ def test_a_model_scaled_to_zero_on_ray_starts_for_its_first_request(dana, ray_st
             assert exc.status_code == 503 and exc.body["code"] == "model_starting", exc.body
             refusals.append(exc)
             time.sleep(min(int(exc.response.headers["Retry-After"]), 2))
-    print(f"\nRay Serve cold start, from zero replicas to the first answer (4 tokens): {time.monotonic() - requested:.1f} s")
+    print(
+        f"\nRay Serve cold start, from zero replicas to the first answer (4 tokens): {time.monotonic() - requested:.1f} s"
+    )
     assert answer.choices[0].message.content
     assert refusals, f"a CPU engine does not start within the {COLD_START_WAIT_S} s a request waits"
     assert _health(ray_stack)["models"][BASE] == {"state": "ready", "ready_replicas": 1}
@@ -192,6 +194,32 @@ def test_ray_streams_the_same_answer_with_usage(dana, make_adapter):
     assert len([chunk for chunk in chunks if chunk.choices]) > 3
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
     assert text == _ask(dana, name).choices[0].message.content
+
+
+@pytest.mark.engine
+@pytest.mark.django_db(transaction=True)
+def test_usage_on_ray_is_counted_at_the_gateway_as_the_engine_answered(dana, ray_stack):
+    started = int(time.time())
+    whole = _ask(dana, BASE)
+    streamed = list(_ask(dana, BASE, stream=True, stream_options={"include_usage": True}))
+    assert streamed[-1].usage == whole.usage
+
+    def reported() -> dict | None:
+        page = httpx.get(
+            f"{ray_stack.gateway}/v1/organization/usage/completions",
+            params={"start_time": started, "bucket_width": "1d", "group_by": "model"},
+            headers={"Authorization": f"Bearer {dana.api_key}"},
+        ).json()
+        results = [result for bucket in page["data"] for result in bucket["results"]]
+        return results[0] if results and results[0]["num_model_requests"] == 2 else None
+
+    wait_until(reported, 30, "the gateway's usage flush")
+    result = reported()
+    assert (result["model"], result["input_tokens"], result["output_tokens"]) == (
+        BASE,
+        2 * whole.usage.prompt_tokens,
+        2 * whole.usage.completion_tokens,
+    )
 
 
 @pytest.mark.engine

@@ -141,7 +141,9 @@ class Ingress:
         try:
             model = str(json.loads(body)["model"])
         except (ValueError, KeyError, TypeError):
-            raise api_errors.ApiError('The body must be {"model": "<base_model_id>:<suffix>"}.', param="model") from None
+            raise api_errors.ApiError(
+                'The body must be {"model": "<base_model_id>:<suffix>"}.', param="model"
+            ) from None
         base, fine_tuned = self._served(model)
         if not fine_tuned:
             raise api_errors.model_not_found(model)

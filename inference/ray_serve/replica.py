@@ -78,7 +78,9 @@ class VllmReplica:
         )  # fmt: skip
         self.admin = httpx.AsyncClient(headers={"Authorization": bearer(self.token)}, timeout=_ADMIN_TIMEOUT_S)
         self.http = HttpClient(headers={"Authorization": bearer(self.token)})
-        cache = Path(tempfile.mkdtemp(prefix="adapter-cache-", dir=config.data_dir if config.data_dir.is_dir() else None))
+        cache = Path(
+            tempfile.mkdtemp(prefix="adapter-cache-", dir=config.data_dir if config.data_dir.is_dir() else None)
+        )
         store = adapter_store(model.lora.dynamic_lora_loading_path, config.s3)
         self.source = AdapterSource(store, cache, Metrics(), model.id)
         self.inflight: Counter[str] = Counter()

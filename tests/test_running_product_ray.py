@@ -1,0 +1,76 @@
+"""The product as it runs with a model on Ray Serve: ``bin/run`` with a catalog whose model says
+``backend = "ray"`` (scaled to zero), driven from outside.
+
+``bin/run`` installs Ray and starts Ray Serve beside its other processes; ``/healthz`` says the
+model is cold; an adapter trained elsewhere is uploaded; the official ``openai`` client (which
+retries a 503 after its Retry-After) gets the base model's answer, then the adapter's, from a
+replica Ray started for the first request; ``/v1/models`` and the dashboard's models page (in a
+real browser) say on how many replicas it runs; the usage API counted it.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+import httpx
+import openai
+import pytest
+import redis
+
+from tests.browser import screenshot
+from tests.inference_fixtures import AdapterMaker
+from tests.processes import free_port
+from tests.running_platform import bin_run
+from tests.test_ray_backend import _catalog_text
+from tests.test_running_product import BASE, _archive
+
+pytestmark = [pytest.mark.product, pytest.mark.engine]
+
+REDIS_URL = "redis://127.0.0.1:6379/14"  # the platform's own database: neither the suite's nor a user's
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def platform(tmp_path_factory):
+    redis.Redis.from_url(REDIS_URL).flushdb()
+    catalog = tmp_path_factory.mktemp("catalog") / "models.toml"
+    catalog.write_text(_catalog_text().replace("cold_start_wait_s = 5", "cold_start_wait_s = 20"))
+    settings = {"MODEL_CATALOG": str(catalog), "RAY_SERVE_URL": f"http://127.0.0.1:{free_port()}"}
+    with bin_run(tmp_path_factory.mktemp("platform-ray"), REDIS_URL, settings=settings) as running:
+        yield running
+
+
+def test_bin_run_serves_a_model_on_ray_serve_from_zero_replicas_to_the_browser(platform, page, tmp_path):
+    health = httpx.get(
+        f"{platform.url}/healthz", headers={"Authorization": f"Bearer {platform.internal_token}"}, timeout=30
+    )
+    assert f"Ray Serve: {BASE} cold, 0 ready" in health.json()["checks"]["inference_pool"]["detail"]
+
+    api = httpx.Client(
+        base_url=f"{platform.url}/v1", headers={"Authorization": f"Bearer {platform.api_key}"}, timeout=120
+    )
+    uploaded = api.post(
+        "/fine_tuning/adapters", files={"file": ("adapter.tar.gz", _archive(AdapterMaker(tmp_path)(seed=2)))},
+        data={"model": BASE, "suffix": "on-ray"},
+    )  # fmt: skip
+    assert uploaded.status_code == 200, uploaded.text
+    adapter = uploaded.json()["id"]
+
+    client = openai.OpenAI(base_url=f"{platform.url}/v1", api_key=platform.api_key, max_retries=10)  # as users run it
+    started = time.monotonic()
+    base = client.chat.completions.create(model=BASE, messages=QUESTION, max_tokens=12, temperature=0)
+    print(f"\nbin/run on Ray Serve: first answer from zero replicas in {time.monotonic() - started:.1f} s")
+    tuned = client.chat.completions.create(model=adapter, messages=QUESTION, max_tokens=12, temperature=0)
+    assert "Paris" in base.choices[0].message.content
+    assert tuned.model == f"{adapter}@r1" and tuned.choices[0].message.content != base.choices[0].message.content
+    assert client.models.retrieve(BASE).serving == {"state": "loaded", "replicas": 1}
+
+    page.goto(f"{platform.url}/login")
+    page.fill("#id_username", "demo")
+    page.fill("#id_password", "demo")
+    page.click("button[type=submit]")
+    page.wait_for_url(re.compile(r"/jobs$"))
+    page.goto(f"{platform.url}/models")
+    assert page.inner_text(f'tr[data-model="{BASE}"] .serving-cell').strip() == "loaded on 1 replica"
+    screenshot(page, "product-ray-models")

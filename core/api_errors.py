@@ -296,6 +296,14 @@ def pool_unreachable(detail: str) -> ApiError:
     )  # fmt: skip
 
 
+def mix_not_supported(model_id: str) -> ApiError:
+    return ApiError(
+        f"`{model_id}` is served on Ray Serve, which does not mix adapters per request: name one fine-tuned "
+        "model in `model`, or compose the mix into a model of its own (POST /v1/fine_tuning/models).",
+        param="adapters", code="mix_not_supported",
+    )  # fmt: skip
+
+
 def replica_lost(detail: str) -> ApiError:
     # Not retried on another replica: the request may have reached this one, and a generation must
     # never run twice. The client decides (the official clients retry a 503 after Retry-After).

@@ -46,6 +46,7 @@ from inference.pool import Pool
 from inference.protocol import RoutedFields, adapter_scales, routed_fields, with_fields
 from inference.replica import Replica
 from inference.router import choose_replica
+from inference.served_model import served_model
 
 MAX_ATTEMPTS = 3
 _JSON = "application/json"
@@ -70,7 +71,7 @@ class CompletionsHandler:
     async def handle(self, body: bytes, endpoint: str) -> Response:
         started = time.perf_counter()
         fields = routed_fields(body)
-        base, fine_tuned = self._served_model(fields.model)
+        base, fine_tuned = served_model(self.catalog, fields.model)
         if fields.adapters is not None:
             request = await self._mix_request(body, endpoint, fields, base, started)
         elif fine_tuned:
@@ -91,7 +92,7 @@ class CompletionsHandler:
         """Load a just-published adapter on the replica its requests will be routed to, before any
         request names it: its first request finds it loaded. The revision loaded, and on how many
         replicas it is now."""
-        base, fine_tuned = self._served_model(model)
+        base, fine_tuned = served_model(self.catalog, model)
         if not fine_tuned:
             raise api_errors.model_not_found(model)
         pinned, version = await self.adapters.pinned(base.id, model)
@@ -104,14 +105,6 @@ class CompletionsHandler:
         except ReplicaUnavailable as exc:
             raise _down(replica, str(exc)).failure from None
         return pinned, sum(1 for replica in self.pool.replicas if replica.adapters.version(pinned) is not None)
-
-    def _served_model(self, model: str) -> tuple[BaseModel, bool]:
-        """The catalog's base model ``model`` names, and whether it names a fine-tune of it; 404 otherwise."""
-        name = parse_model_name(model)
-        base = self.catalog.get(name.base_model_id)
-        if base is None or (name.suffix is not None and not is_valid_suffix(name.suffix)):
-            raise api_errors.model_not_found(model)
-        return base, name.suffix is not None
 
     async def _mix_request(
         self, body: bytes, endpoint: str, fields: RoutedFields, base: BaseModel, started: float

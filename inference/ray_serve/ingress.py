@@ -30,15 +30,16 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from core import api_errors
 from core.adapter_store import adapter_store
-from core.catalog import BaseModel
+from core.catalog import BaseModel, Catalog
 from core.config import load_config
 from core.internal_token import presents
-from core.model_names import is_valid_suffix, parse_model_name, pinned_name
+from core.model_names import pinned_name
 from inference.adapter_source import AdapterSource
 from inference.metrics import Metrics
 from inference.pool import COLD_START_RETRY_AFTER_S
 from inference.protocol import routed_fields, with_fields
 from inference.ray_serve.replica import STARTED, Head
+from inference.served_model import served_model
 
 _ATTEMPTS = 3  # replicas a request may be offered to when the first ones die before taking it
 _COMPLETIONS = {"/v1/chat/completions": "chat/completions", "/v1/completions": "completions"}
@@ -55,7 +56,7 @@ class Ingress:
         config = load_config()
         self.token = config.internal_token
         self.replicas, self.app_name = replicas, app_name
-        self.models = {model.id: model for model in models}
+        self.catalog = Catalog(models)
         self.sources = {  # for "which revision is published now?" only: nothing is downloaded here
             model.id: AdapterSource(
                 adapter_store(model.lora.dynamic_lora_loading_path, config.s3), Path("."), Metrics(), model.id
@@ -78,13 +79,6 @@ class Ingress:
         except api_errors.ApiError as exc:
             return _error(exc)
 
-    def _served(self, model: str) -> tuple[BaseModel, bool]:
-        name = parse_model_name(model)
-        base = self.models.get(name.base_model_id)
-        if base is None or (name.suffix is not None and not is_valid_suffix(name.suffix)):
-            raise api_errors.model_not_found(model)
-        return base, name.suffix is not None
-
     async def _pinned(self, base: BaseModel, model: str) -> str:
         version = await self.sources[base.id].version(model)
         if version is None:
@@ -93,13 +87,9 @@ class Ingress:
 
     async def _complete(self, body: bytes, endpoint: str) -> Response:
         fields = routed_fields(body)
-        base, fine_tuned = self._served(fields.model)
+        base, fine_tuned = served_model(self.catalog, fields.model)
         if fields.adapters is not None:
-            raise api_errors.ApiError(
-                f"`{base.id}` is served on Ray Serve, which does not mix adapters per request: name one "
-                "fine-tuned model in `model`, or compose the mix into a model of its own (POST /v1/fine_tuning/models).",
-                param="adapters", code="mix_not_supported",
-            )  # fmt: skip
+            raise api_errors.mix_not_supported(base.id)
         adapter = ""
         if fine_tuned:
             adapter = await self._pinned(base, fields.model)
@@ -144,7 +134,7 @@ class Ingress:
             raise api_errors.ApiError(
                 'The body must be {"model": "<base_model_id>:<suffix>"}.', param="model"
             ) from None
-        base, fine_tuned = self._served(model)
+        base, fine_tuned = served_model(self.catalog, model)
         if not fine_tuned:
             raise api_errors.model_not_found(model)
         pinned = await self._pinned(base, model)
@@ -157,7 +147,7 @@ class Ingress:
         status = await asyncio.to_thread(serve.status)
         deployments = status.applications[self.app_name].deployments
         models, replicas = {}, []
-        for model_id in self.models:
+        for model_id in self.catalog.ids:
             # Serve's ReplicaState is a str enum: its counts read by the states' names.
             replica_states = deployments[deployment_name(model_id)].replica_states
             states = {str(getattr(state, "value", state)): count for state, count in replica_states.items()}

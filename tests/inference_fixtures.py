@@ -20,12 +20,15 @@ BASE = "HuggingFaceTB/SmolLM2-135M-Instruct"
 TEST_CATALOG = ROOT / "data" / "test" / "inference-models.toml"
 TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
-# The repository catalog's model with a small adapter cache, so eviction shows with a few adapters.
-_CATALOG = f"""
+def catalog_text(backend: str = "embedded", replicas: int = 1, autoscaling: str = "") -> str:
+    """The repository catalog's model with a small adapter cache, so eviction shows with a few
+    adapters; ``autoscaling``: the lines of its ``[models.autoscaling]`` table."""
+    text = f"""
 [[models]]
 id = "{BASE}"
+backend = "{backend}"
 weights = "models/{BASE}"
-replicas = 1
+replicas = {replicas}
 
 [models.lora_config]
 max_num_adapters_per_replica = 3
@@ -37,12 +40,13 @@ dtype = "float32"
 max_loras = 3
 kv_cache_space_gib = 1
 """
+    return text + (f"\n[models.autoscaling]\n{autoscaling}\n" if autoscaling else "")
 
 
 def pool_environment() -> dict[str, str]:
     """Environment for the test session's pool (and gateway): the test catalog."""
     TEST_CATALOG.parent.mkdir(parents=True, exist_ok=True)
-    TEST_CATALOG.write_text(_CATALOG)
+    TEST_CATALOG.write_text(catalog_text())
     return {"MODEL_CATALOG": str(TEST_CATALOG)}
 
 

@@ -32,7 +32,7 @@ import redis
 
 from core.adapter_store import S3AdapterStore
 from finetuning.models import JobStatus
-from tests.inference_fixtures import BASE, internal_headers
+from tests.inference_fixtures import BASE, catalog_text, internal_headers
 from tests.personas import good_dataset
 from tests.processes import celery_worker_command, free_port, running, running_web, wait_until
 from tests.s3 import running_s3_server
@@ -44,27 +44,8 @@ REDIS_URL = "redis://127.0.0.1:6379/12"  # neither the suite's broker nor the ot
 RAY = str(Path(sys.executable).with_name("ray"))
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
-_CATALOG = f"""
-[[models]]
-id = "{BASE}"
-backend = "ray"
-weights = "models/{BASE}"
-replicas = 2
-
-[models.lora_config]
-max_num_adapters_per_replica = 3
-max_lora_rank = 16
-
-[models.engine]
-max_model_len = 2048
-dtype = "float32"
-max_loras = 3
-kv_cache_space_gib = 1
-
-[models.autoscaling]
-min_replicas = 2
-cold_start_wait_s = 30
-"""
+# A replica on each node; a request waits up to 30 s for one to take it.
+_CATALOG = catalog_text("ray", replicas=2, autoscaling="min_replicas = 2\ncold_start_wait_s = 30")
 
 
 @contextmanager

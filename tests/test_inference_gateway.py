@@ -41,6 +41,22 @@ pytestmark = [pytest.mark.engine, pytest.mark.django_db(transaction=True)]
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
+# A JSON schema a small model's free answer would not follow by chance.
+PLACE_FORMAT = {
+    "type": "json_schema",
+    "json_schema": {
+        "name": "place",
+        "strict": True,
+        "schema": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 24}, "country": {"type": "string", "maxLength": 24}},
+            "required": ["city", "country"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
 def _suffix(label: str) -> str:
     return f"{label}-{uuid.uuid4().hex[:8]}"
 
@@ -185,16 +201,7 @@ def test_it_evicts_the_least_recently_used_adapter_and_answers_every_request(ali
 
 def test_it_follows_json_mode_and_json_schemas_with_an_adapter(alice, make_adapter):
     name = publish_fine_tuned_model(alice, _suffix("json"), make_adapter(seed=6))
-    schema = {
-        "type": "object",
-        "properties": {"city": {"type": "string", "maxLength": 24}, "country": {"type": "string", "maxLength": 24}},
-        "required": ["city", "country"],
-        "additionalProperties": False,
-    }
-    answer = _ask(
-        alice.client, name, max_tokens=60,
-        response_format={"type": "json_schema", "json_schema": {"name": "place", "schema": schema, "strict": True}},
-    )  # fmt: skip
+    answer = _ask(alice.client, name, max_tokens=60, response_format=PLACE_FORMAT)
     assert set(json.loads(answer)) == {"city", "country"}
     answer = alice.client.chat.completions.create(
         model=name, max_tokens=200, temperature=0, response_format={"type": "json_object"},

@@ -29,43 +29,24 @@ from tests.inference_fixtures import (  # noqa: F401 (fixtures)
     Persona,
     _persona,
     adapter_store,
+    catalog_text,
     internal_headers,
     make_adapter,
     monitoring_headers,
     publish_fine_tuned_model,
 )
 from tests.processes import ROOT, answers, free_port, running, running_web, wait_until
-from tests.test_inference_gateway import QUESTION, _peft_answer, _suffix
+from tests.test_inference_gateway import PLACE_FORMAT, QUESTION, _peft_answer, _suffix
 from tests.test_model_revisions_served import _publish_revision
+from tests.test_usage_served import usage_reported
 
 RAY_CATALOG = ROOT / "data" / "test" / "ray-models.toml"
 COLD_START_WAIT_S = 5  # a request waits this long for a starting replica: the first gets a 503
 
 
 def _catalog_text(backend: str = "ray", min_replicas: int = 0) -> str:
-    return f"""
-[[models]]
-id = "{BASE}"
-backend = "{backend}"
-weights = "models/{BASE}"
-replicas = 1
-
-[models.lora_config]
-max_num_adapters_per_replica = 3
-max_lora_rank = 16
-
-[models.engine]
-max_model_len = 2048
-dtype = "float32"
-max_loras = 3
-kv_cache_space_gib = 1
-
-[models.autoscaling]
-min_replicas = {min_replicas}
-target_ongoing_requests = 8
-downscale_delay_s = 600
-cold_start_wait_s = {COLD_START_WAIT_S}
-"""
+    autoscaling = f"min_replicas = {min_replicas}\ntarget_ongoing_requests = 8\ndownscale_delay_s = 600\n"
+    return catalog_text(backend, autoscaling=autoscaling + f"cold_start_wait_s = {COLD_START_WAIT_S}")
 
 
 def _load(tmp_path: Path, text: str):
@@ -204,17 +185,8 @@ def test_usage_on_ray_is_counted_at_the_gateway_as_the_engine_answered(dana, ray
     streamed = list(_ask(dana, BASE, stream=True, stream_options={"include_usage": True}))
     assert streamed[-1].usage == whole.usage
 
-    def reported() -> dict | None:
-        page = httpx.get(
-            f"{ray_stack.gateway}/v1/organization/usage/completions",
-            params={"start_time": started, "bucket_width": "1d", "group_by": "model"},
-            headers={"Authorization": f"Bearer {dana.api_key}"},
-        ).json()
-        results = [result for bucket in page["data"] for result in bucket["results"]]
-        return results[0] if results and results[0]["num_model_requests"] == 2 else None
-
-    wait_until(reported, 30, "the gateway's usage flush")
-    result = reported()
+    wait_until(lambda: usage_reported(ray_stack.gateway, dana.api_key, started, 2), 30, "the gateway's usage flush")
+    result = usage_reported(ray_stack.gateway, dana.api_key, started, 2)
     assert (result["model"], result["input_tokens"], result["output_tokens"]) == (
         BASE,
         2 * whole.usage.prompt_tokens,
@@ -226,16 +198,7 @@ def test_usage_on_ray_is_counted_at_the_gateway_as_the_engine_answered(dana, ray
 @pytest.mark.django_db(transaction=True)
 def test_ray_follows_json_schemas_with_an_adapter(dana, make_adapter):
     name = publish_fine_tuned_model(dana, _suffix("ray-json"), make_adapter(seed=6))
-    schema = {
-        "type": "object",
-        "properties": {"city": {"type": "string", "maxLength": 24}, "country": {"type": "string", "maxLength": 24}},
-        "required": ["city", "country"],
-        "additionalProperties": False,
-    }
-    answer = _ask(
-        dana, name, max_tokens=60,
-        response_format={"type": "json_schema", "json_schema": {"name": "place", "schema": schema, "strict": True}},
-    )  # fmt: skip
+    answer = _ask(dana, name, max_tokens=60, response_format=PLACE_FORMAT)
     assert set(json.loads(answer.choices[0].message.content)) == {"city", "country"}
 
 

@@ -19,10 +19,9 @@ import pytest
 import redis
 
 from tests.browser import screenshot
-from tests.inference_fixtures import AdapterMaker
+from tests.inference_fixtures import AdapterMaker, catalog_text
 from tests.processes import free_port
 from tests.running_platform import bin_run
-from tests.test_ray_backend import _catalog_text
 from tests.test_running_product import BASE, _archive
 
 pytestmark = [pytest.mark.product, pytest.mark.engine]
@@ -35,7 +34,7 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 def platform(tmp_path_factory):
     redis.Redis.from_url(REDIS_URL).flushdb()
     catalog = tmp_path_factory.mktemp("catalog") / "models.toml"
-    catalog.write_text(_catalog_text().replace("cold_start_wait_s = 5", "cold_start_wait_s = 20"))
+    catalog.write_text(catalog_text("ray", autoscaling="min_replicas = 0\ncold_start_wait_s = 20"))
     settings = {"MODEL_CATALOG": str(catalog), "RAY_SERVE_URL": f"http://127.0.0.1:{free_port()}"}
     with bin_run(tmp_path_factory.mktemp("platform-ray"), REDIS_URL, settings=settings) as running:
         yield running

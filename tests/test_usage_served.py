@@ -18,6 +18,17 @@ pytestmark = [pytest.mark.engine, pytest.mark.django_db(transaction=True)]
 QUESTION = [{"role": "user", "content": "Name three colours."}]
 
 
+def usage_reported(gateway: str, api_key: str, started: int, requests: int) -> dict | None:
+    """The usage API's one result (by model) since ``started``, once it counts ``requests``."""
+    page = httpx.get(
+        f"{gateway}/v1/organization/usage/completions",
+        params={"start_time": started, "bucket_width": "1d", "group_by": "model"},
+        headers={"Authorization": f"Bearer {api_key}"},
+    ).json()
+    results = [result for bucket in page["data"] for result in bucket["results"]]
+    return results[0] if results and results[0]["num_model_requests"] == requests else None
+
+
 def test_the_usage_api_reports_the_tokens_the_engine_answered_with(alice, gateway):
     started = int(time.time())
     ask = {"model": BASE, "messages": QUESTION, "max_tokens": 12, "temperature": 0}
@@ -27,17 +38,8 @@ def test_the_usage_api_reports_the_tokens_the_engine_answered_with(alice, gatewa
     assert with_usage[-1].usage == whole.usage  # the same request, greedy: the same tokens
     assert all(chunk.usage is None for chunk in without)  # not asked for, not sent, though the gateway asked
 
-    def reported() -> dict | None:
-        page = httpx.get(
-            f"{gateway}/v1/organization/usage/completions",
-            params={"start_time": started, "bucket_width": "1d", "group_by": "model"},
-            headers={"Authorization": f"Bearer {alice.api_key}"},
-        ).json()
-        results = [result for bucket in page["data"] for result in bucket["results"]]
-        return results[0] if results and results[0]["num_model_requests"] == 3 else None
-
-    wait_until(reported, 30, "the gateway's usage flush")
-    result = reported()
+    wait_until(lambda: usage_reported(gateway, alice.api_key, started, 3), 30, "the gateway's usage flush")
+    result = usage_reported(gateway, alice.api_key, started, 3)
     assert (result["model"], result["input_tokens"], result["output_tokens"]) == (
         BASE, 3 * whole.usage.prompt_tokens, 3 * whole.usage.completion_tokens
     )

@@ -72,10 +72,14 @@ class VllmReplica:
         self.token = config.internal_token
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        environment = vllm_environment(model, self.token)
+        # Ray sets OMP_NUM_THREADS to the actor's num_cpus (1), which would hold the engine to one
+        # core (0.65x the pool's tokens/s on two cores, benchmarks/backends_bench.py): its threads
+        # are vLLM's to choose, as on the embedded pool.
+        environment.pop("OMP_NUM_THREADS", None)
         self.process = subprocess.Popen(
-            vllm_command(model, self.port), env=vllm_environment(model, self.token), cwd=REPO_ROOT,
-            start_new_session=True,
-        )  # fmt: skip
+            vllm_command(model, self.port), env=environment, cwd=REPO_ROOT, start_new_session=True
+        )
         self.admin = httpx.AsyncClient(headers={"Authorization": bearer(self.token)}, timeout=_ADMIN_TIMEOUT_S)
         self.http = HttpClient(headers={"Authorization": bearer(self.token)})
         cache = Path(

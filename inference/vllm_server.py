@@ -27,7 +27,8 @@ _ENTRY_POINT = "vllm.entrypoints.launchers.api_server.entry"  # what `python -m 
 
 
 def stop_with_parent() -> None:
-    """SIGTERM this server when the pool that started it dies, however it dies: no orphan keeps the port."""
+    """SIGTERM this process when the one that started it dies, however it dies: no orphan server keeps
+    the port, and no orphan engine its memory."""
     if not sys.platform.startswith("linux"):
         return
     parent = os.getppid()
@@ -85,10 +86,10 @@ def serve() -> None:
     main()
 
 
-if __name__ == "__main__":
-    stop_with_parent()  # first: importing vLLM takes seconds
-
 if __name__ in ("__main__", "__mp_main__"):  # the server, or a process vLLM spawned from it
+    # First (importing vLLM takes seconds): the server stops with whoever started it, and the
+    # engine process it spawns with the server, however either dies (a SIGKILL runs no shutdown).
+    stop_with_parent()
     install_kernels()
 
 if __name__ == "__main__":

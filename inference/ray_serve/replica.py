@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import signal
 import socket
 import subprocess
 import tempfile
@@ -48,6 +50,7 @@ STARTED = "started"
 ENGINE_START_TIMEOUT_S = 900.0
 _POLL_S = 0.5
 _ADMIN_TIMEOUT_S = 60.0
+_STOP_GRACE_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -172,9 +175,15 @@ class VllmReplica:
         log.info("unloaded %s", name)
 
     def __del__(self) -> None:
+        """Serve stopping the replica: the server and the engine it spawned (its process group)."""
         process = getattr(self, "process", None)
-        if process is not None and process.poll() is None:
-            process.terminate()
+        if process is None or process.poll() is not None:
+            return
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(_STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
 
 
 def _multiplexed_model_id() -> str:

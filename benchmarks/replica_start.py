@@ -26,7 +26,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT)]  # the repository's packages, for the imports below
 os.environ.setdefault("DEBUG", "true")  # a local measurement: development mode, as bin/run starts it locally
 
-from core.catalog import load_catalog
 from core.config import load_config
 from core.internal_token import bearer
 from inference.replica import vllm_command, vllm_environment
@@ -69,7 +68,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
     config = load_config()
-    model = load_catalog(config.model_catalog, config.data_dir, config.dynamic_lora_path).models[0]
+    model = config.catalog().models[0]
     results: dict[str, list[dict[str, float]]] = {name: [] for name in LAYOUTS}
     for round_number in range(1, args.rounds + 1):
         for name, one_process in LAYOUTS.items():

@@ -13,7 +13,7 @@ from urllib.parse import urlsplit
 
 import dj_database_url
 
-from core.catalog import load_catalog
+from core.catalog import Catalog, load_catalog
 from core.env import ConfigError, env_bool, env_int, env_list, env_path, env_str, env_token, env_url
 from core.internal_token import derive_internal_token
 
@@ -179,6 +179,10 @@ class Config:
     limits: TenantLimits  # what one organization may use
     lora_kernels: str  # FINESERVE_KERNELS or STOCK_KERNELS, for the CPU replicas
 
+    def catalog(self) -> Catalog:
+        """The model catalog MODEL_CATALOG names, read now."""
+        return load_catalog(self.model_catalog, self.data_dir, self.dynamic_lora_path)
+
 
 def _database(data_dir: Path) -> dj_database_url.DBConfig:
     default = f"sqlite:///{data_dir / 'platform.sqlite3'}"
@@ -296,7 +300,7 @@ def shell_exports() -> str:
     """The values the shell scripts need, as ``export`` lines, so bash never repeats a default."""
     config = load_config()
     redis = urlsplit(config.redis_url)
-    catalog = load_catalog(config.model_catalog, config.data_dir, config.dynamic_lora_path)
+    catalog = config.catalog()
     values = {
         "WEB_PORT": config.web_port,
         "REDIS_PORT": redis.port or 6379,

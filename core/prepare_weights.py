@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from core.catalog import BaseModel, GgufSource, load_catalog
+from core.catalog import BaseModel, GgufSource
 from core.config import load_config
 from core.env import ConfigError
 
@@ -68,7 +68,7 @@ def prepare(model: BaseModel) -> bool:
 def main() -> int:
     try:
         config = load_config()
-        catalog = load_catalog(config.model_catalog, config.data_dir, config.dynamic_lora_path)
+        catalog = config.catalog()
         for model in catalog.models:
             prepare(model)
         catalog.check_weights()

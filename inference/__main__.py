@@ -10,7 +10,7 @@ import httpx
 import uvicorn
 
 from core.adapter_store import adapter_store
-from core.catalog import Catalog, load_catalog
+from core.catalog import Catalog
 from core.config import Config, load_config
 from core.env import ConfigError
 from inference.adapter_source import AdapterSource
@@ -43,7 +43,7 @@ def main() -> int:
     try:
         config = load_config()
         # The models with backend = "ray" are inference.ray_serve's.
-        catalog = load_catalog(config.model_catalog, config.data_dir, config.dynamic_lora_path).served_by("embedded")
+        catalog = config.catalog().served_by("embedded")
         catalog.check_weights()
     except ConfigError as exc:
         print(f"configuration error: {exc}", file=sys.stderr)

@@ -101,6 +101,23 @@ def vllm_environment(model: BaseModel, api_key: str, one_process_engine: bool = 
     return environment
 
 
+def start_vllm_server(model: BaseModel, port: int, environment: dict[str, str]) -> subprocess.Popen:
+    """The server of ``vllm_command``, in a process group of its own (with the engine it spawns)."""
+    return subprocess.Popen(vllm_command(model, port), env=environment, cwd=REPO_ROOT, start_new_session=True)
+
+
+def stop_vllm_server(process: subprocess.Popen, grace_s: float = _STOP_GRACE_S) -> None:
+    """Stop the server and the engine processes it started (its own process group)."""
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(grace_s)
+    except ProcessLookupError:
+        return
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+
 @dataclass(eq=False)  # replicas are compared and hashed by identity
 class Replica:
     model: BaseModel
@@ -178,10 +195,7 @@ class Replica:
     def start(self) -> None:
         assert self.port is not None, "only a managed replica has a process to start"
         log.info("starting replica %s for %s", self.url, self.model.id)
-        self.process = subprocess.Popen(
-            vllm_command(self.model, self.port), env=vllm_environment(self.model, self.api_key), cwd=REPO_ROOT,
-            start_new_session=True,
-        )  # fmt: skip
+        self.process = start_vllm_server(self.model, self.port, vllm_environment(self.model, self.api_key))
 
     @property
     def state(self) -> str:
@@ -292,17 +306,8 @@ class Replica:
             pass
 
     def stop(self, grace_s: float = _STOP_GRACE_S) -> None:
-        """Stop the server and the engine processes it started (its own process group)."""
-        if self.process is None:
-            return
-        try:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            self.process.wait(grace_s)
-        except ProcessLookupError:
-            return
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
+        if self.process is not None:
+            stop_vllm_server(self.process, grace_s)
 
     def status(self) -> dict:
         return {

@@ -16,7 +16,6 @@ import sys
 import threading
 from urllib.parse import urlsplit
 
-from core.catalog import load_catalog
 from core.config import REPO_ROOT, load_config
 from core.env import ConfigError
 
@@ -25,7 +24,7 @@ def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         config = load_config()
-        catalog = load_catalog(config.model_catalog, config.data_dir, config.dynamic_lora_path).served_by("ray")
+        catalog = config.catalog().served_by("ray")
         catalog.check_weights()
     except ConfigError as exc:
         print(f"configuration error: {exc}", file=sys.stderr)

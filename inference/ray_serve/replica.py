@@ -21,10 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import signal
 import socket
-import subprocess
 import tempfile
 import time
 from collections import Counter
@@ -37,12 +34,12 @@ import httpx
 from core import api_errors
 from core.adapter_store import adapter_store
 from core.catalog import BaseModel
-from core.config import REPO_ROOT, load_config
+from core.config import load_config
 from core.internal_token import bearer
 from inference.adapter_source import AdapterSource, check_adapter
 from inference.http_client import HttpClient, UpstreamError
 from inference.metrics import Metrics
-from inference.replica import vllm_command, vllm_environment
+from inference.replica import start_vllm_server, stop_vllm_server, vllm_environment
 
 log = logging.getLogger("inference.ray_serve.replica")
 
@@ -50,7 +47,6 @@ STARTED = "started"
 ENGINE_START_TIMEOUT_S = 900.0
 _POLL_S = 0.5
 _ADMIN_TIMEOUT_S = 60.0
-_STOP_GRACE_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -80,9 +76,7 @@ class VllmReplica:
         # core (0.65x the pool's tokens/s on two cores, benchmarks/backends_bench.py): its threads
         # are vLLM's to choose, as on the embedded pool.
         environment.pop("OMP_NUM_THREADS", None)
-        self.process = subprocess.Popen(
-            vllm_command(model, self.port), env=environment, cwd=REPO_ROOT, start_new_session=True
-        )
+        self.process = start_vllm_server(model, self.port, environment)
         self.admin = httpx.AsyncClient(headers={"Authorization": bearer(self.token)}, timeout=_ADMIN_TIMEOUT_S)
         self.http = HttpClient(headers={"Authorization": bearer(self.token)})
         cache = Path(
@@ -175,15 +169,10 @@ class VllmReplica:
         log.info("unloaded %s", name)
 
     def __del__(self) -> None:
-        """Serve stopping the replica: the server and the engine it spawned (its process group)."""
+        """Serve stopping the replica: the server and the engine it spawned."""
         process = getattr(self, "process", None)
-        if process is None or process.poll() is not None:
-            return
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(_STOP_GRACE_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
+        if process is not None and process.poll() is None:
+            stop_vllm_server(process)
 
 
 def _multiplexed_model_id() -> str:

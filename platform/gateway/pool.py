@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 from django.conf import settings
 
+from core.catalog import BACKENDS
 from core.internal_token import bearer
 from core.model_names import parse_model_name
 from finetuning.registry import UsableModel
@@ -45,19 +46,21 @@ def pool_client() -> httpx.AsyncClient:
     return client
 
 
+def backend_url(backend: str, path: str) -> str:
+    """A backend's address: the embedded pool's, or the Ray Serve application's (``backend = "ray"``);
+    both answer the same routes the same way."""
+    root = settings.RAY_SERVE_URL if backend == "ray" else settings.INFERENCE_POOL_URL
+    return f"{root.rstrip('/')}{path}"
+
+
 def pool_url(path: str) -> str:
-    return f"{settings.INFERENCE_POOL_URL.rstrip('/')}{path}"
-
-
-def ray_url(path: str) -> str:
-    return f"{settings.RAY_SERVE_URL.rstrip('/')}{path}"
+    return backend_url("embedded", path)
 
 
 def serving_url(model: str, path: str) -> str:
-    """Where a model's requests go: the embedded pool, or the Ray Serve application for a base
-    model the catalog gives ``backend = "ray"`` (both answer the same routes the same way)."""
+    """Where a model's requests go: its base model's backend (a model not in the catalog: the pool's 404)."""
     base = settings.MODEL_CATALOG.get(parse_model_name(model).base_model_id)
-    return ray_url(path) if base is not None and base.backend == "ray" else pool_url(path)
+    return backend_url(base.backend if base is not None else "embedded", path)
 
 
 def pool_headers() -> dict[str, str]:
@@ -75,7 +78,7 @@ def pool_health() -> tuple[int, dict]:
 
 def ray_health() -> tuple[int, dict]:
     """The same of the Ray Serve application (``inference.ray_serve``)."""
-    return _health_document(ray_url("/health"))
+    return _health_document(backend_url("ray", "/health"))
 
 
 def backends() -> set[str]:
@@ -129,7 +132,7 @@ class Serving:
 def _health_urls() -> list[str]:
     """The health documents of the backends the catalog's models use."""
     used = backends()
-    return [url for backend, url in (("embedded", pool_url("/health")), ("ray", ray_url("/health"))) if backend in used]
+    return [backend_url(backend, "/health") for backend in BACKENDS if backend in used]
 
 
 def serving() -> Serving:

@@ -1,10 +1,9 @@
 """Django settings: a thin mapping of ``core.config`` (where every variable is parsed) onto Django."""
 
-from core.catalog import load_catalog
 from core.config import REPO_ROOT, load_config
 
 CONFIG = load_config()
-MODEL_CATALOG = load_catalog(CONFIG.model_catalog, CONFIG.data_dir, CONFIG.dynamic_lora_path)
+MODEL_CATALOG = CONFIG.catalog()
 
 DEBUG = CONFIG.debug
 SECRET_KEY = CONFIG.secret_key

@@ -7,13 +7,19 @@ weights, so adapters ran at a fraction of the base model's speed; it does this i
 even for batches without any adapter, and a token without an adapter (index -1) picks the last
 adapter slot there.
 
-Here each projection applies the batch's adapters with dense matrix products instead: ``h = x @ A``
-over the adapter slots the batch uses and all the projection's slices at once (q, k, v share one
-product), a mask that keeps each token's own slot, then ``y += h @ B`` per slice. Only the slots
-the batch uses are computed, and only up to the largest rank among them (vLLM pads every adapter
-to ``max_lora_rank`` with zeros); the weights in that shape are prepared once and reused while the
-batch's adapters stay the same; a batch without adapters skips LoRA. The arithmetic is
-vLLM's reference semantics, ``y[t] += scale * x[t] @ A[i_t] @ B[i_t]``, nothing where ``i_t == -1``.
+Here each projection multiplies every token by its own adapter only, in batched products: the
+batch's tokens are arranged in groups, one per adapter slot the batch uses, and ``h = x @ A`` for
+all the projection's slices at once (q, k, v share one product), then ``y += h @ B`` per slice,
+are each one ``bmm`` over the groups. A decode batch is one row per slot; the few slots that are
+prefilling a prompt have more tokens than the rest, and their tokens past the others' form a
+second, narrower set of groups (``_tiers``), so padding stays small. The work grows with the
+tokens, not with tokens x adapters: an earlier version of these kernels multiplied every token by
+every adapter in the batch and masked, which with 32 adapters in a batch cost more than the base
+model's own projections. Computation stops at the largest rank among the batch's adapters (vLLM
+pads every adapter to ``max_lora_rank`` with zeros); the weights in the batched shape are prepared
+once and reused while the batch's adapters stay the same; a batch without adapters skips LoRA. The
+arithmetic is vLLM's reference semantics, ``y[t] += scale * x[t] @ A[i_t] @ B[i_t]``, nothing
+where ``i_t == -1``.
 
 Only ``add_lora_linear`` (the projections adapters train) is replaced; embeddings and logits keep
 vLLM's code. ``install`` decides once per process whether these kernels run, so that a vLLM
@@ -127,7 +133,7 @@ def _vllm_version() -> str:
 def _replacements(wrapper: type, manager: type) -> list[Replacement]:
     return [
         Replacement(wrapper, "update_metadata", _wrap_update_metadata(wrapper.update_metadata)),  # type: ignore[attr-defined]
-        Replacement(wrapper, "add_lora_linear", _dense_add_lora_linear),
+        Replacement(wrapper, "add_lora_linear", _grouped_add_lora_linear),
         Replacement(manager, "activate_adapter", _wrap_activate_adapter(manager.activate_adapter)),  # type: ignore[attr-defined]
     ]
 
@@ -161,6 +167,18 @@ def _patch(wrapper: type, replacements: list[Replacement]) -> None:
 # --- the kernel --------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class _Tier:
+    """Tokens arranged for one batched product: ``groups`` groups of ``width`` rows, each group one
+    adapter slot's, so that every token is multiplied by its own adapter only."""
+
+    slots: torch.Tensor | None  # each group's slot, as an index into the step's slots; None: one group per slot, in order
+    width: int
+    rows: torch.Tensor  # groups*width: the token each row computes (padding repeats one; its result is never read)
+    tokens: torch.Tensor | None  # the tokens this tier adds to; None: the step's first len(results) tokens, in order
+    results: torch.Tensor  # for each of those tokens, its row among the tier's results
+
+
 @dataclass
 class _Step:
     """What one engine step's batch needs, worked out once per step instead of once per layer."""
@@ -169,10 +187,11 @@ class _Step:
     slots: torch.Tensor  # LongTensor: the adapter slots the batch uses
     all_slots: bool  # the batch uses every slot: the stacked weights need no selection
     rank: int | None  # the largest rank among them; None: keep vLLM's max_lora_rank
-    mask: torch.Tensor  # tokens x len(slots) x 1: 1 where the token uses that slot
+    tokens: int  # the tokens vLLM scheduled (the layer's input may have padding rows past them)
+    tiers: list[_Tier]
 
 
-def _dense_add_lora_linear(
+def _grouped_add_lora_linear(
     self: Any,
     y: torch.Tensor,
     x: torch.Tensor,
@@ -186,26 +205,38 @@ def _dense_add_lora_linear(
 ) -> None:
     import torch
 
-    if kwargs:  # an argument vLLM 0.32.0 never passed here (it may change the meaning): vLLM's own code
+    step: _Step | None = self._fineserve_step
+    x = x.view(-1, x.shape[-1])
+    if kwargs or (step is not None and x.size(0) < step.tokens):
+        # An argument vLLM 0.32.0 never passed here (it may change the meaning), or fewer rows than
+        # the tokens planned for: vLLM's own code.
         self._fineserve_stock_add_lora_linear(
             y, x, lora_a_stacked, lora_b_stacked, scale, output_slices, buffer=buffer, **kwargs
         )
         return
-    step: _Step | None = self._fineserve_step
     if step is None:  # no token in this batch uses an adapter
         return
-    x = x.view(-1, x.shape[-1])
-    tokens, used = x.size(0), step.mask.size(1)
     shrink, expands, rank = _prepared(self, lora_a_stacked, lora_b_stacked, output_slices, step)
-    # One product for every slice and slot (tokens x slices*slots*rank), then only the token's own slot.
-    shrunk = torch.matmul(x, shrink.t()).view(tokens, len(expands), used, rank) * _mask_rows(step, tokens, x.dtype)
-    if scale != 1.0:
-        shrunk = shrunk * scale
-    shrunk = shrunk.view(tokens, len(expands), used * rank)
-    offset = 0
-    for index, (expand, size) in enumerate(zip(expands, output_slices)):
-        y[:, offset : offset + size].addmm_(shrunk[:, index], expand)
-        offset += size
+    for tier in step.tiers:
+        tier_shrink, tier_expands = shrink, expands
+        if tier.slots is not None:  # a few slots' overflow: a copy of just their weights
+            tier_shrink = shrink.index_select(0, tier.slots)
+            tier_expands = [expand.index_select(0, tier.slots) for expand in expands]
+        groups = tier_shrink.size(0)
+        # groups x width x (slices*rank): each row times its own slot's A, every slice at once.
+        shrunk = torch.bmm(x.index_select(0, tier.rows).view(groups, tier.width, -1), tier_shrink)
+        if scale != 1.0:
+            shrunk.mul_(scale)
+        offset = 0
+        for index, (expand, size) in enumerate(zip(tier_expands, output_slices)):
+            result = torch.bmm(shrunk[:, :, index * rank : (index + 1) * rank], expand).view(-1, size)
+            added = result.index_select(0, tier.results)
+            target = y[:, offset : offset + size]
+            if tier.tokens is None:
+                target[: added.size(0)].add_(added)
+            else:
+                target.index_add_(0, tier.tokens, added)
+            offset += size
 
 
 _Prepared = tuple["torch.Tensor", list["torch.Tensor"], int]
@@ -218,10 +249,11 @@ def _prepared(
     output_slices: tuple[int, ...],
     step: _Step,
 ) -> _Prepared:
-    """The layer's weights for the slots and rank of this step, as matrices; rebuilt only when they change.
+    """The layer's weights for the slots and rank of this step, for batched products; rebuilt only
+    when they change.
 
-    A: slots x 1 x rank x in, one per slice, stacked into (slices*slots*rank) x in;
-    B: slots x 1 x out x rank, one (slots*rank) x out matrix per slice.
+    A: slots x 1 x rank x in, one per slice, side by side as slots x in x (slices*rank);
+    B: slots x 1 x out x rank, one slots x rank x out per slice.
     """
     import torch
 
@@ -231,27 +263,15 @@ def _prepared(
     if entry is not None and entry[0] is lora_a_stacked[0] and entry[1] == step.key:
         return entry[2]
     rank = min(step.rank or lora_a_stacked[0].size(2), lora_a_stacked[0].size(2))
-    used = step.mask.size(1)
     shrinks, expands = [], []
-    for lora_a, lora_b, size in zip(lora_a_stacked, lora_b_stacked, output_slices):
+    for lora_a, lora_b in zip(lora_a_stacked, lora_b_stacked):
         if not step.all_slots:
             lora_a, lora_b = lora_a.index_select(0, step.slots), lora_b.index_select(0, step.slots)
-        shrinks.append(lora_a[:, 0, :rank, :].reshape(used * rank, -1))
-        expands.append(lora_b[:, 0, :, :rank].transpose(1, 2).reshape(used * rank, size))
-    prepared = (torch.cat(shrinks), expands, rank)
+        shrinks.append(lora_a[:, 0, :rank, :].transpose(1, 2))
+        expands.append(lora_b[:, 0, :, :rank].transpose(1, 2).contiguous())
+    prepared = (torch.cat(shrinks, dim=2), expands, rank)
     cache[layer] = (lora_a_stacked[0], step.key, prepared)
     return prepared
-
-
-def _mask_rows(step: _Step, tokens: int, dtype: torch.dtype) -> torch.Tensor:
-    import torch
-
-    if step.mask.dtype != dtype:  # built once per step, converted once per step
-        step.mask = step.mask.to(dtype)
-    mask = step.mask
-    if mask.size(0) < tokens:  # rows past the scheduled tokens (padding) get no adapter
-        mask = torch.cat([mask, mask.new_zeros((tokens - mask.size(0), *mask.shape[1:]))])
-    return mask[:tokens].unsqueeze(1)  # tokens x 1 (slices) x slots x 1
 
 
 def _plan(indices: torch.Tensor, lora_index_to_id: list[int | None]) -> _Step | None:
@@ -265,15 +285,66 @@ def _plan(indices: torch.Tensor, lora_index_to_id: list[int | None]) -> _Step | 
     rank = max(r for r in ranks if r is not None) if all(r is not None for r in ranks) else None
     lookup = torch.full((len(lora_index_to_id) + 1,), -1, dtype=torch.long)
     lookup[slots] = torch.arange(len(slots))
-    compact = lookup[indices.clamp(min=0)]
-    mask = torch.nn.functional.one_hot(compact.clamp(min=0), len(slots)) * used.unsqueeze(1)
+    tokens = used.nonzero().squeeze(1)
     return _Step(
         key=(_generation, tuple((slot, lora_index_to_id[slot]) for slot in slots), rank),
         slots=torch.tensor(slots, dtype=torch.long),
         all_slots=slots == list(range(len(lora_index_to_id))),
         rank=rank,
-        mask=mask.unsqueeze(-1).to(torch.float32),
+        tokens=indices.numel(),
+        tiers=_tiers(tokens, lookup[indices[tokens]], len(slots), every_token=bool(used.all())),
     )
+
+
+def _tiers(tokens: torch.Tensor, token_slots: torch.Tensor, slots: int, every_token: bool) -> list[_Tier]:
+    """Arrange the adapter tokens (``token_slots``: each one's index among the step's slots) in groups.
+
+    The first tier has one group per slot, as wide as the median slot's token count: a decode batch
+    is one row per slot, and no weight is copied. The tokens past that width (the few slots that
+    are prefilling a prompt) make a second tier, one group per such slot, with just their weights
+    copied. Padding is at most the difference to the widest slot, within each tier.
+    """
+    import torch
+
+    order = torch.argsort(token_slots, stable=True)
+    tokens, token_slots = tokens[order], token_slots[order]
+    counts = torch.bincount(token_slots, minlength=slots)
+    within = torch.arange(tokens.numel()) - (torch.cumsum(counts, 0) - counts)[token_slots]  # place in its slot
+    width = int(counts.median())
+    first = within < width
+    tiers = [_tier(tokens[first], token_slots[first], within[first], width, slots, None, every_token and bool(first.all()))]
+    if not bool(first.all()):
+        over = ~first
+        overflowing = torch.unique(token_slots[over])  # sorted
+        group_of = torch.full((slots,), -1, dtype=torch.long)
+        group_of[overflowing] = torch.arange(overflowing.numel())
+        overflow_width = int((counts[overflowing] - width).max())
+        tiers.append(_tier(tokens[over], group_of[token_slots[over]], within[over] - width, overflow_width,
+                           overflowing.numel(), overflowing, False))  # fmt: skip
+    return tiers
+
+
+def _tier(
+    tokens: torch.Tensor,
+    groups: torch.Tensor,
+    within: torch.Tensor,
+    width: int,
+    group_count: int,
+    slots: torch.Tensor | None,
+    whole: bool,
+) -> _Tier:
+    """``groups``/``within``: each token's group and place in it. ``whole``: these are all the
+    step's tokens, so results are added to its rows in order, without an indexed add."""
+    import torch
+
+    places = groups * width + within
+    rows = torch.full((group_count * width,), int(tokens[0]), dtype=torch.long)
+    rows[places] = tokens
+    if whole:
+        results = torch.empty_like(places)
+        results[tokens] = places
+        return _Tier(slots, width, rows, None, results)
+    return _Tier(slots, width, rows, tokens, places)
 
 
 def _wrap_update_metadata(original: Callable[..., None]) -> Callable[..., None]:

@@ -78,7 +78,9 @@ _ADAPTERS = {9001: 8, 9002: 16, 9003: 4}  # vLLM adapter id -> rank, in slots 0,
 # Slot 3 stays empty, as vLLM leaves a free slot zeroed: vLLM 0.32.0's CPU kernel reads the last
 # slot for a token without an adapter, ours reads nothing; the two agree only while it is empty.
 _SLOTS = 4
-_TOKENS = (0, 1, -1, 2, 2, 0, -1, 1, 1, 0)  # each token's slot; -1: no adapter
+# Each token's slot; -1: no adapter. Slot 0 has more tokens than the others (as a prompt being
+# prefilled has), which our kernel computes in a second tier.
+_TOKENS = (0, 1, -1, 2, 2, 0, -1, 1, 1, 0, 0, 0)
 _SCALE = 0.5
 _TOLERANCE = 1e-4  # float32; the orders of summation differ, the layout and semantics must not
 

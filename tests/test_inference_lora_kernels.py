@@ -46,6 +46,9 @@ def _reference(x, lora_a, lora_b, indices):
         ([8, 8, 8, 8], [0, 1, -1, 3, 2, 0, -1]),  # every slot, tokens without an adapter
         ([8, 16, 4, 8], [2, 2, -1, 0, 2]),  # some slots: computed up to their largest rank only
         ([8, 16, 4, 8], [1, -1, 1]),  # one slot of full rank
+        ([8, 8, 8, 8], [3, 0, 2, 1]),  # a decode batch: one token per slot, added in order
+        ([8, 8, 8, 8], [0, 0, 0, 0, 0, 1, 2]),  # one slot prefilling: its tokens past the others' go in a second tier
+        ([8, 16, 4, 8], [1, 1, 1, 2, 2, 2, 2, 2, -1, 0, 3, 1]),  # two slots past the median, by different counts
     ],
 )
 def test_it_matches_the_reference_per_token_computation(ranks, indices):
@@ -56,15 +59,34 @@ def test_it_matches_the_reference_per_token_computation(ranks, indices):
     x = torch.randn(len(indices), FAN_IN, generator=torch.Generator().manual_seed(1))
     wrapper = types.SimpleNamespace(_fineserve_step=lora_kernels._plan(indices, ids), _fineserve_prepared={})
     y = torch.zeros(len(indices), sum(SLICES))
-    lora_kernels._dense_add_lora_linear(wrapper, y, x, lora_a, lora_b, 1.0, SLICES)
+    lora_kernels._grouped_add_lora_linear(wrapper, y, x, lora_a, lora_b, 1.0, SLICES)
     torch.testing.assert_close(y, _reference(x, lora_a, lora_b, indices), rtol=1e-4, atol=1e-4)
+
+
+def test_rows_past_the_scheduled_tokens_get_no_adapter_and_fewer_rows_go_to_vllms_own_code():
+    lora_a, lora_b = _stacked(slots=2, max_rank=8, ranks=[8, 8])
+    ids, indices = [301, 302], torch.tensor([0, 1, 1])
+    lora_kernels._RANKS.update(zip(ids, [8, 8]))
+    calls = []
+    wrapper = types.SimpleNamespace(
+        _fineserve_step=lora_kernels._plan(indices, ids),
+        _fineserve_prepared={},
+        _fineserve_stock_add_lora_linear=lambda *args, **kwargs: calls.append(args[1].shape),
+    )
+    x = torch.randn(5, FAN_IN, generator=torch.Generator().manual_seed(3))  # two padding rows
+    y = torch.zeros(5, sum(SLICES))
+    lora_kernels._grouped_add_lora_linear(wrapper, y, x, lora_a, lora_b, 1.0, SLICES)
+    torch.testing.assert_close(y[:3], _reference(x[:3], lora_a, lora_b, indices), rtol=1e-4, atol=1e-4)
+    assert torch.equal(y[3:], torch.zeros(2, sum(SLICES))) and not calls
+    lora_kernels._grouped_add_lora_linear(wrapper, y[:2], x[:2], lora_a, lora_b, 1.0, SLICES)
+    assert calls == [(2, FAN_IN)]
 
 
 def test_it_skips_batches_without_adapters():
     assert lora_kernels._plan(torch.tensor([-1, -1, -1]), [101, 102]) is None
     wrapper = types.SimpleNamespace(_fineserve_step=None, _fineserve_prepared={})
     y = torch.ones(3, sum(SLICES))
-    lora_kernels._dense_add_lora_linear(wrapper, y, torch.randn(3, FAN_IN), *_stacked(2, 8, [8, 8]), 1.0, SLICES)
+    lora_kernels._grouped_add_lora_linear(wrapper, y, torch.randn(3, FAN_IN), *_stacked(2, 8, [8, 8]), 1.0, SLICES)
     assert torch.equal(y, torch.ones(3, sum(SLICES)))
 
 
@@ -78,7 +100,7 @@ def test_it_prepares_weights_once_and_again_when_a_slot_gets_new_weights():
     def apply() -> torch.Tensor:
         wrapper._fineserve_step = lora_kernels._plan(indices, ids)
         y = torch.zeros(3, sum(SLICES))
-        lora_kernels._dense_add_lora_linear(wrapper, y, x, lora_a, lora_b, 1.0, SLICES)
+        lora_kernels._grouped_add_lora_linear(wrapper, y, x, lora_a, lora_b, 1.0, SLICES)
         return y
 
     first = apply()
@@ -98,7 +120,7 @@ def test_it_hands_a_call_with_arguments_it_does_not_know_to_vllms_own_code():
         _fineserve_step=None, _fineserve_stock_add_lora_linear=lambda *args, **kwargs: calls.append(kwargs)
     )
     y = torch.zeros(3, sum(SLICES))
-    lora_kernels._dense_add_lora_linear(
+    lora_kernels._grouped_add_lora_linear(
         wrapper, y, torch.randn(3, FAN_IN), *_stacked(2, 8, [8, 8]), 1.0, SLICES, add_inputs=False
     )
     assert calls == [{"buffer": None, "add_inputs": False}]
@@ -129,7 +151,7 @@ def test_it_installs_ours_after_the_check_passes_on_the_installed_vllm(vllm_clas
     state = lora_kernels.install("fineserve")
     assert (state.active, state.requested, state.fell_back) == ("fineserve", "fineserve", False)
     assert "checked against vLLM" in state.reason
-    assert vllm_classes.wrapper.add_lora_linear is lora_kernels._dense_add_lora_linear
+    assert vllm_classes.wrapper.add_lora_linear is lora_kernels._grouped_add_lora_linear
     assert PunicaWrapperCPU.add_lora_linear is stock  # the fixture's subclass was patched, not vLLM's class
     assert lora_kernels.state() == state and lora_kernels._RANKS.keys().isdisjoint({9001, 9002, 9003})
 

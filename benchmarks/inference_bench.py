@@ -13,7 +13,9 @@ prints one table whose ratios are against baselines measured in the same run:
 2. throughput: CONCURRENCY requests x TOKENS tokens, all base model, then spread over 1, 4, 16 and
    MANY_ADAPTERS adapters (round robin: each of them once, CONCURRENCY in flight), through the
    gateway; tokens per second as a ratio to the base model's (each round has its own base run,
-   and the median ratio over rounds is reported);
+   and the median ratio over rounds is reported), and how many adapters the pool loaded during
+   the timed runs (0: the warm tier held them all, and each batch's slot swaps were host-memory
+   copies);
 3. gateway overhead: sequential one-token completions straight to the vLLM replica, to the pool,
    and through the gateway, interleaved; medians of the per-request differences;
 4. mixes (README: Mixing adapters): CONCURRENCY chat requests x TOKENS tokens spread over
@@ -38,6 +40,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -192,8 +195,11 @@ def _request_body(target: dict, endpoint: str) -> dict:
     return {**target, **text, "max_tokens": TOKENS, "min_tokens": TOKENS, "ignore_eos": True, "temperature": 0.8}
 
 
-async def _throughput(url: str, targets: list[dict], api_key: str | None, endpoint: str) -> float:
-    """Every target at least once (more targets than CONCURRENCY: round robin), CONCURRENCY in flight."""
+async def _throughput(
+    url: str, targets: list[dict], api_key: str | None, endpoint: str, warmed: Callable[[], None] = lambda: None
+) -> float:
+    """Every target at least once (more targets than CONCURRENCY: round robin), CONCURRENCY in flight;
+    ``warmed`` is called between the untimed warm-up and the timed run."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     order = [targets[i % len(targets)] for i in range(max(CONCURRENCY, len(targets)))]
     random.shuffle(order)
@@ -208,23 +214,36 @@ async def _throughput(url: str, targets: list[dict], api_key: str | None, endpoi
     limits = httpx.Limits(max_connections=CONCURRENCY * 2)
     async with httpx.AsyncClient(timeout=900, limits=limits) as client:
         await asyncio.gather(*(one(client, target) for target in targets))  # warm: adapters loaded (mixes built)
+        warmed()
         started = time.perf_counter()
         tokens = await asyncio.gather(*(one(client, target) for target in order))
         return sum(tokens) / (time.perf_counter() - started)
 
 
 def throughput_rounds(
-    url: str, loads: Loads, api_key: str | None, rounds: int, load_adapters=None, endpoint: str = "completions"
+    url: str,
+    loads: Loads,
+    api_key: str | None,
+    rounds: int,
+    load_adapters=None,
+    endpoint: str = "completions",
+    pool: str | None = None,
 ) -> dict:
-    """tok/s per load, and each round's ratio to that round's run of the first load."""
-    results: dict[str, dict[str, list[float]]] = {load: {"tok_s": [], "ratio": []} for load in loads}
+    """tok/s per load, and each round's ratio to that round's run of the first load; with ``pool``,
+    also the adapters the pool loaded during each timed run (0: every slot swap was a copy from
+    host memory, none a read from the store)."""
+    results: dict[str, dict[str, list[float]]] = {load: {"tok_s": [], "ratio": [], "loads": []} for load in loads}
     baseline = next(iter(loads))
     for round_number in range(rounds):
         base = None
         for load, targets in loads.items():
             if load_adapters:
                 load_adapters([target["model"] for target in targets])
-            tok_s = asyncio.run(_throughput(url, targets, api_key, endpoint))
+            loads_before: list[float] = []
+            warmed = (lambda: loads_before.append(adapter_churn(pool)["loads"])) if pool else (lambda: None)
+            tok_s = asyncio.run(_throughput(url, targets, api_key, endpoint, warmed))
+            if pool:
+                results[load]["loads"].append(adapter_churn(pool)["loads"] - loads_before[0])
             base = tok_s if base is None else base
             results[load]["tok_s"].append(tok_s)
             results[load]["ratio"].append(tok_s / base)
@@ -333,13 +352,13 @@ def _report_publish(publish: dict[str, list]) -> None:
 
 def _report_throughput(throughput: dict, stock: dict | None) -> None:
     print(f"(2) throughput, {CONCURRENCY} concurrent x {TOKENS} tokens, through the gateway (median of rounds)")
-    header = f"    {'load':<14}{'tok/s':>9}{'ratio to base':>15}"
+    header = f"    {'load':<14}{'tok/s':>9}{'ratio to base':>15}{'loads timed':>13}"
     if stock:
         header += f"{'stock vLLM tok/s':>18}{'ratio':>7}"
     print(header)
     for load, values in throughput.items():
         ratio = statistics.median(values["ratio"])
-        line = f"    {load:<14}{statistics.median(values['tok_s']):9.1f}{ratio:15.2f}"
+        line = f"    {load:<14}{statistics.median(values['tok_s']):9.1f}{ratio:15.2f}{max(values['loads'], default=0):13.0f}"
         if stock:
             line += f"{statistics.median(stock[load]['tok_s']):18.1f}{statistics.median(stock[load]['ratio']):7.2f}"
         if load in ("4 adapters", f"{MANY_ADAPTERS} adapters"):
@@ -476,7 +495,9 @@ def main() -> int:
             }
         if "throughput" in sections:
             print("(2) throughput ...", flush=True)
-            throughput = throughput_rounds(gateway, adapter_loads(list(folders)), persona.api_key, args.rounds)
+            throughput = throughput_rounds(
+                gateway, adapter_loads(list(folders)), persona.api_key, args.rounds, pool=pool_url
+            )
         if "mix" in sections:
             print("(4) mixes ...", flush=True)
             mixes = mix_section(persona, gateway, pool_url, list(folders), first, args.rounds)

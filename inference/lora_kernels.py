@@ -46,8 +46,9 @@ log = logging.getLogger("inference.lora_kernels")
 
 # Rank of each loaded adapter, by vLLM's adapter id; filled when vLLM puts it in a slot. Per process.
 _RANKS: dict[int, int] = {}
-# Bumped whenever vLLM writes adapter weights into a slot: prepared weights from before are stale.
-_generation = 0
+# How many times vLLM wrote each adapter into a slot, by adapter id: a slot's prepared weights are
+# stale once another adapter, or the same one written again, is in it.
+_WRITES: dict[int, int] = {}
 
 
 @dataclass(frozen=True)
@@ -134,6 +135,7 @@ def _replacements(wrapper: type, manager: type) -> list[Replacement]:
     return [
         Replacement(wrapper, "update_metadata", _wrap_update_metadata(wrapper.update_metadata)),  # type: ignore[attr-defined]
         Replacement(wrapper, "add_lora_linear", _grouped_add_lora_linear),
+        Replacement(wrapper, "add_lora_logits", _add_lora_logits),
         Replacement(manager, "activate_adapter", _wrap_activate_adapter(manager.activate_adapter)),  # type: ignore[attr-defined]
     ]
 
@@ -142,8 +144,10 @@ def _wrapper_state(wrapper: type) -> dict[str, Any]:
     """What the replaced wrapper methods keep on the class (the originals looked up before patching)."""
     return {
         "_fineserve_step": None,
-        "_fineserve_prepared": {},  # per layer: (its A, step key, prepared weights); shared by instances
+        "_fineserve_prepared": {},  # per layer: its _LayerWeights; shared by instances
+        "_fineserve_logits": {},  # per logits layer: which slots hold an lm_head delta (_adapts_logits)
         "_fineserve_stock_add_lora_linear": wrapper.add_lora_linear,  # type: ignore[attr-defined]
+        "_fineserve_stock_add_lora_logits": wrapper.add_lora_logits,  # type: ignore[attr-defined]
     }
 
 
@@ -183,10 +187,10 @@ class _Tier:
 class _Step:
     """What one engine step's batch needs, worked out once per step instead of once per layer."""
 
-    key: tuple[object, ...]  # which weights the batch uses: layers reuse their prepared weights while it holds
+    slot_state: tuple[tuple[object, int], ...]  # per slot: its adapter's id and how many times it was written
+    rank: int | None  # the largest rank among the adapters in the slots; None: vLLM's max_lora_rank
     slots: torch.Tensor  # LongTensor: the adapter slots the batch uses
-    all_slots: bool  # the batch uses every slot: the stacked weights need no selection
-    rank: int | None  # the largest rank among them; None: keep vLLM's max_lora_rank
+    all_slots: bool  # the batch uses every slot: the prepared weights need no selection
     tokens: int  # the tokens vLLM scheduled (the layer's input may have padding rows past them)
     tiers: list[_Tier]
 
@@ -216,7 +220,7 @@ def _grouped_add_lora_linear(
         return
     if step is None:  # no token in this batch uses an adapter
         return
-    shrink, expands, rank = _prepared(self, lora_a_stacked, lora_b_stacked, output_slices, step)
+    shrink, expands, rank = _prepared(self, lora_a_stacked, lora_b_stacked, step)
     for tier in step.tiers:
         tier_shrink, tier_expands = shrink, expands
         if tier.slots is not None:  # a few slots' overflow: a copy of just their weights
@@ -239,39 +243,105 @@ def _grouped_add_lora_linear(
             offset += size
 
 
-_Prepared = tuple["torch.Tensor", list["torch.Tensor"], int]
+def _add_lora_logits(
+    self: Any,
+    y: torch.Tensor,
+    x: torch.Tensor,
+    lora_a_stacked: torch.Tensor,
+    lora_b_stacked: torch.Tensor,
+    scale: float,
+    *,
+    buffer: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> None:
+    """vLLM applies an lm_head LoRA to every step's logits, whether or not an adapter has one: on
+    the CPU a per-token copy of a vocabulary-sized matrix, about a fifth of a decode step for
+    SmolLM2, base model included. Adapters trained here never adapt lm_head (PEFT's all-linear
+    leaves it out), so that delta is zero: skip it unless some slot holds a non-zero one."""
+    step: _Step | None = self._fineserve_step
+    if not kwargs and (step is None or not _adapts_logits(self, lora_b_stacked, step)):
+        return
+    self._fineserve_stock_add_lora_logits(y, x, lora_a_stacked, lora_b_stacked, scale, buffer=buffer, **kwargs)
+
+
+def _adapts_logits(wrapper: Any, lora_b_stacked: torch.Tensor, step: _Step) -> bool:
+    """Whether some slot's lm_head B is not all zero; a slot is looked at again only when vLLM puts
+    another adapter in it (vLLM zeroes a slot for an adapter without lm_head weights)."""
+    cache: dict[int, tuple[torch.Tensor, tuple[tuple[object, int], ...], list[bool]]] = wrapper._fineserve_logits
+    entry = cache.get(id(lora_b_stacked))
+    if entry is None or entry[0] is not lora_b_stacked:
+        nonzero = [bool(lora_b_stacked[slot].any()) for slot in range(lora_b_stacked.size(0))]
+    else:
+        nonzero = [
+            bool(lora_b_stacked[slot].any()) if now != then else known
+            for slot, (now, then, known) in enumerate(zip(step.slot_state, entry[1], entry[2]))
+        ]
+    cache[id(lora_b_stacked)] = (lora_b_stacked, step.slot_state, nonzero)
+    return any(nonzero)
+
+
+@dataclass
+class _LayerWeights:
+    """One layer's adapter weights in the batched shape, for every slot: A as slots x in x
+    (slices*rank), the slices side by side; B as one slots x rank x out per slice. A slot is
+    copied again only when vLLM writes another adapter into it, so a batch whose adapters change
+    every step (many adapters in round robin) costs one slot's copy per change, not all of them."""
+
+    source: torch.Tensor  # vLLM's stacked A of the first slice: another tensor means another layer
+    rank: int
+    slot_state: tuple[tuple[object, int], ...]
+    shrink: torch.Tensor
+    expands: list[torch.Tensor]
+    subset: tuple[object, torch.Tensor, list[torch.Tensor]] | None = None  # the last step's slots, when not all
 
 
 def _prepared(
     wrapper: Any,
     lora_a_stacked: tuple[torch.Tensor, ...],
     lora_b_stacked: tuple[torch.Tensor, ...],
-    output_slices: tuple[int, ...],
     step: _Step,
-) -> _Prepared:
-    """The layer's weights for the slots and rank of this step, for batched products; rebuilt only
-    when they change.
+) -> tuple[torch.Tensor, list[torch.Tensor], int]:
+    """The layer's weights for the slots of this step, and the rank they are computed to."""
+    cache: dict[int, _LayerWeights] = wrapper._fineserve_prepared
+    layer = id(lora_a_stacked[0])
+    rank = min(step.rank or lora_a_stacked[0].size(2), lora_a_stacked[0].size(2))
+    weights = cache.get(layer)
+    if weights is None or weights.source is not lora_a_stacked[0] or weights.rank != rank:
+        weights = cache[layer] = _all_slots(lora_a_stacked, lora_b_stacked, rank, step.slot_state)
+    elif weights.slot_state != step.slot_state:
+        for slot, (now, then) in enumerate(zip(step.slot_state, weights.slot_state)):
+            if now != then:
+                _copy_slot(weights, lora_a_stacked, lora_b_stacked, slot)
+        weights.slot_state, weights.subset = step.slot_state, None
+    if step.all_slots:
+        return weights.shrink, weights.expands, rank
+    key = tuple(step.slots.tolist())
+    if weights.subset is None or weights.subset[0] != key:
+        expands = [expand.index_select(0, step.slots) for expand in weights.expands]
+        weights.subset = (key, weights.shrink.index_select(0, step.slots), expands)
+    return weights.subset[1], weights.subset[2], rank
 
-    A: slots x 1 x rank x in, one per slice, side by side as slots x in x (slices*rank);
-    B: slots x 1 x out x rank, one slots x rank x out per slice.
-    """
+
+def _all_slots(
+    lora_a_stacked: tuple[torch.Tensor, ...],
+    lora_b_stacked: tuple[torch.Tensor, ...],
+    rank: int,
+    slot_state: tuple[tuple[object, int], ...],
+) -> _LayerWeights:
     import torch
 
-    cache: dict[int, tuple[torch.Tensor, tuple[object, ...], _Prepared]] = wrapper._fineserve_prepared
-    layer = id(lora_a_stacked[0])
-    entry = cache.get(layer)
-    if entry is not None and entry[0] is lora_a_stacked[0] and entry[1] == step.key:
-        return entry[2]
-    rank = min(step.rank or lora_a_stacked[0].size(2), lora_a_stacked[0].size(2))
-    shrinks, expands = [], []
-    for lora_a, lora_b in zip(lora_a_stacked, lora_b_stacked):
-        if not step.all_slots:
-            lora_a, lora_b = lora_a.index_select(0, step.slots), lora_b.index_select(0, step.slots)
-        shrinks.append(lora_a[:, 0, :rank, :].transpose(1, 2))
-        expands.append(lora_b[:, 0, :, :rank].transpose(1, 2).contiguous())
-    prepared = (torch.cat(shrinks, dim=2), expands, rank)
-    cache[layer] = (lora_a_stacked[0], step.key, prepared)
-    return prepared
+    shrink = torch.cat([lora_a[:, 0, :rank, :].transpose(1, 2) for lora_a in lora_a_stacked], dim=2)
+    expands = [lora_b[:, 0, :, :rank].transpose(1, 2).contiguous() for lora_b in lora_b_stacked]
+    return _LayerWeights(lora_a_stacked[0], rank, slot_state, shrink, expands)
+
+
+def _copy_slot(
+    weights: _LayerWeights, lora_a_stacked: tuple[torch.Tensor, ...], lora_b_stacked: tuple[torch.Tensor, ...], slot: int
+) -> None:
+    rank = weights.rank
+    for index, (lora_a, lora_b) in enumerate(zip(lora_a_stacked, lora_b_stacked)):
+        weights.shrink[slot, :, index * rank : (index + 1) * rank].copy_(lora_a[slot, 0, :rank, :].t())
+        weights.expands[index][slot].copy_(lora_b[slot, 0, :, :rank].t())
 
 
 def _plan(indices: torch.Tensor, lora_index_to_id: list[int | None]) -> _Step | None:
@@ -281,16 +351,20 @@ def _plan(indices: torch.Tensor, lora_index_to_id: list[int | None]) -> _Step | 
     if not bool(used.any()):
         return None
     slots = sorted(set(indices[used].tolist()))
-    ranks = [_RANKS.get(lora_index_to_id[slot]) for slot in slots]
+    if 2 * len(slots) > len(lora_index_to_id):
+        # Most slots: a group for every slot, the unused ones padding only, rather than a copy of
+        # the used slots' weights (with many adapters in round robin, the set changes every step).
+        slots = list(range(len(lora_index_to_id)))
+    ranks = [_RANKS.get(lora_id) for lora_id in lora_index_to_id if lora_id is not None]
     rank = max(r for r in ranks if r is not None) if all(r is not None for r in ranks) else None
     lookup = torch.full((len(lora_index_to_id) + 1,), -1, dtype=torch.long)
     lookup[slots] = torch.arange(len(slots))
     tokens = used.nonzero().squeeze(1)
     return _Step(
-        key=(_generation, tuple((slot, lora_index_to_id[slot]) for slot in slots), rank),
+        slot_state=tuple((lora_id, _WRITES.get(lora_id, 0)) for lora_id in lora_index_to_id),  # type: ignore[arg-type]
+        rank=rank,
         slots=torch.tensor(slots, dtype=torch.long),
         all_slots=slots == list(range(len(lora_index_to_id))),
-        rank=rank,
         tokens=indices.numel(),
         tiers=_tiers(tokens, lookup[indices[tokens]], len(slots), every_token=bool(used.all())),
     )
@@ -310,7 +384,7 @@ def _tiers(tokens: torch.Tensor, token_slots: torch.Tensor, slots: int, every_to
     tokens, token_slots = tokens[order], token_slots[order]
     counts = torch.bincount(token_slots, minlength=slots)
     within = torch.arange(tokens.numel()) - (torch.cumsum(counts, 0) - counts)[token_slots]  # place in its slot
-    width = int(counts.median())
+    width = int(counts[counts > 0].median())
     first = within < width
     tiers = [_tier(tokens[first], token_slots[first], within[first], width, slots, None, every_token and bool(first.all()))]
     if not bool(first.all()):
@@ -359,10 +433,9 @@ def _wrap_update_metadata(original: Callable[..., None]) -> Callable[..., None]:
 
 def _wrap_activate_adapter(original: Callable[[Any, int], bool]) -> Callable[[Any, int], bool]:
     def activate_adapter(self: Any, lora_id: int) -> bool:
-        global _generation
         activated = original(self, lora_id)
         if activated:  # just put in a slot (the original read it from _registered_adapters)
-            _generation += 1
+            _WRITES[lora_id] = _WRITES.get(lora_id, 0) + 1
             rank = _adapter_rank(self, lora_id)
             if rank is None:  # computed up to max_lora_rank: slower, still right
                 _RANKS.pop(lora_id, None)

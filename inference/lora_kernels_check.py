@@ -10,7 +10,7 @@ So, at a replica's start, before its engine serves (milliseconds, on small tenso
 - one known answer: a small batch (several adapter slots of different ranks, tokens of mixed slots
   and without an adapter, three output slices, a scale other than 1) goes through vLLM's own
   ``update_metadata`` and ``add_lora_linear`` and through ours, as prefill and as decode, and the
-  results must agree.
+  results must agree; so must ``add_lora_logits``'s, with and without an lm_head delta.
 
 ``refusal`` says why not, or None. It imports nothing of ours: ``inference.lora_kernels`` passes in
 what it would patch.
@@ -82,6 +82,7 @@ _SLOTS = 4
 # prefilled has), which our kernel computes in a second tier.
 _TOKENS = (0, 1, -1, 2, 2, 0, -1, 1, 1, 0, 0, 0)
 _SCALE = 0.5
+_VOCAB = 40  # the logits' width
 _TOLERANCE = 1e-4  # float32; the orders of summation differ, the layout and semantics must not
 
 
@@ -122,6 +123,25 @@ def _step(wrapper_class: type, batch: _Batch, is_prefill: bool) -> torch.Tensor:
     return y
 
 
+def _logits_step(wrapper_class: type, batch: _Batch, lm_head_slot: int | None) -> torch.Tensor:
+    """The logits' LoRA in one decode step, with a non-zero lm_head delta in ``lm_head_slot`` only."""
+    import torch
+    from vllm.lora.layers import LoRAMapping
+
+    slot_ids: list[int | None] = [*_ADAPTERS, None]
+    lora_ids = tuple((slot_ids[slot] or 0) if slot >= 0 else 0 for slot in _TOKENS)
+    wrapper = wrapper_class(max_num_batched_tokens=len(_TOKENS), max_batches=len(_TOKENS), device="cpu")
+    mapping = LoRAMapping(index_mapping=lora_ids, prompt_mapping=lora_ids, is_prefill=False)
+    wrapper.update_metadata(mapping, slot_ids, len(slot_ids) + 1, _VOCAB)
+    lora_a = batch.lora_a[0]  # slots x 1 x rank x in
+    lora_b = torch.zeros(_SLOTS, 1, _VOCAB, _MAX_RANK)
+    if lm_head_slot is not None:
+        lora_b[lm_head_slot, 0] = torch.randn(_VOCAB, _MAX_RANK, generator=torch.Generator().manual_seed(1))
+    y = torch.randn(len(_TOKENS), _VOCAB, generator=torch.Generator().manual_seed(2))
+    wrapper.add_lora_logits(y, batch.x, lora_a, lora_b, 1.0)
+    return y
+
+
 def known_answer_refusal(stock_wrapper: type, patched_wrapper: type, ranks: MutableMapping[int, int]) -> str | None:
     import torch
 
@@ -129,6 +149,15 @@ def known_answer_refusal(stock_wrapper: type, patched_wrapper: type, ranks: Muta
     ranks.update({lora_id: _ADAPTERS[lora_id] for lora_id in seeded})
     try:
         batch = _batch()
+        # Logits: ours skip vLLM's lm_head LoRA while every slot's delta is zero, and run it otherwise.
+        for lm_head_slot in (None, 1):
+            try:
+                expected = _logits_step(stock_wrapper, batch, lm_head_slot)
+                got = _logits_step(patched_wrapper, batch, lm_head_slot)
+            except Exception as exc:
+                return f"the logits' known-answer step failed on this vLLM: {exc!r}"
+            if not torch.allclose(got, expected, rtol=_TOLERANCE, atol=_TOLERANCE):
+                return f"the logits' known-answer step (lm_head delta in slot {lm_head_slot}) differs from vLLM's own"
         for is_prefill in (True, False):
             phase = "prefill" if is_prefill else "decode"
             try:

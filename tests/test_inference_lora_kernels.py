@@ -90,28 +90,63 @@ def test_it_skips_batches_without_adapters():
     assert torch.equal(y, torch.ones(3, sum(SLICES)))
 
 
-def test_it_prepares_weights_once_and_again_when_a_slot_gets_new_weights():
-    lora_a, lora_b = _stacked(slots=2, max_rank=8, ranks=[8, 8])
-    ids, indices = [201, 202], torch.tensor([0, 1, 1])
-    lora_kernels._RANKS.update(zip(ids, [8, 8]))
+def test_it_prepares_weights_once_and_copies_again_only_the_slot_that_gets_another_adapter():
+    lora_a, lora_b = _stacked(slots=3, max_rank=8, ranks=[8, 8, 8])
+    ids, indices = [201, 202, 203], torch.tensor([0, 1, 1, 2])
+    lora_kernels._RANKS.update(zip(ids, [8, 8, 8]))
     wrapper = types.SimpleNamespace(_fineserve_prepared={})
-    x = torch.randn(3, FAN_IN, generator=torch.Generator().manual_seed(2))
+    x = torch.randn(4, FAN_IN, generator=torch.Generator().manual_seed(2))
 
-    def apply() -> torch.Tensor:
-        wrapper._fineserve_step = lora_kernels._plan(indices, ids)
-        y = torch.zeros(3, sum(SLICES))
-        lora_kernels._grouped_add_lora_linear(wrapper, y, x, lora_a, lora_b, 1.0, SLICES)
+    def apply(step_indices: torch.Tensor = indices) -> torch.Tensor:
+        wrapper._fineserve_step = lora_kernels._plan(step_indices, ids)
+        y = torch.zeros(len(step_indices), sum(SLICES))
+        lora_kernels._grouped_add_lora_linear(wrapper, y, x[: len(step_indices)], lora_a, lora_b, 1.0, SLICES)
         return y
 
     first = apply()
-    prepared = next(iter(wrapper._fineserve_prepared.values()))[2]
+    prepared = next(iter(wrapper._fineserve_prepared.values()))
+    shrink, untouched = prepared.shrink, prepared.shrink[0].clone()
     apply()
-    assert next(iter(wrapper._fineserve_prepared.values()))[2] is prepared  # reused, not rebuilt
+    assert next(iter(wrapper._fineserve_prepared.values())) is prepared and prepared.shrink is shrink  # reused
     for a in lora_a:
-        a[1].mul_(2)  # vLLM writes other weights into slot 1 (activating an adapter there)...
-    lora_kernels._generation += 1  # ...which the patched activate_adapter records
+        a[1].mul_(2)  # vLLM writes another adapter into slot 1...
+    ids[1] = 204
+    lora_kernels._RANKS[204] = 8
+    lora_kernels._WRITES[204] = lora_kernels._WRITES.get(204, 0) + 1  # ...as the patched activate_adapter records
     torch.testing.assert_close(apply(), _reference(x, lora_a, lora_b, indices), rtol=1e-4, atol=1e-4)
     assert not torch.allclose(apply(), first)
+    assert prepared.shrink is shrink and torch.equal(shrink[0], untouched)  # slot 1 copied in place, slot 0 kept
+    for a in lora_a:
+        a[2].mul_(3)  # the same adapter written again into its slot (reloaded in place)
+    lora_kernels._WRITES[203] = lora_kernels._WRITES.get(203, 0) + 1
+    torch.testing.assert_close(apply(), _reference(x, lora_a, lora_b, indices), rtol=1e-4, atol=1e-4)
+    some = torch.tensor([2, 0])  # a batch of some slots only: their weights selected
+    torch.testing.assert_close(apply(some), _reference(x[:2], lora_a, lora_b, some), rtol=1e-4, atol=1e-4)
+
+
+def test_the_logits_skip_vllms_lm_head_lora_until_a_slot_holds_a_non_zero_one():
+    ids, indices = [401, 402], torch.tensor([0, 1, 1])
+    lora_kernels._RANKS.update(zip(ids, [8, 8]))
+    calls = []
+    wrapper = types.SimpleNamespace(
+        _fineserve_step=lora_kernels._plan(indices, ids),
+        _fineserve_logits={},
+        _fineserve_stock_add_lora_logits=lambda *args, **kwargs: calls.append(args),
+    )
+    vocab = 40
+    lora_a, lora_b = torch.randn(2, 1, 8, FAN_IN), torch.zeros(2, 1, vocab, 8)  # adapters without lm_head
+    y = torch.ones(3, vocab)
+    lora_kernels._add_lora_logits(wrapper, y, torch.randn(3, FAN_IN), lora_a, lora_b, 1.0)
+    assert not calls and torch.equal(y, torch.ones(3, vocab))  # nothing to add, nothing computed
+    lora_b[1, 0] = 1.0  # vLLM puts an adapter with lm_head weights in slot 1...
+    ids[1] = 403
+    lora_kernels._WRITES[403] = lora_kernels._WRITES.get(403, 0) + 1
+    wrapper._fineserve_step = lora_kernels._plan(indices, ids)
+    lora_kernels._add_lora_logits(wrapper, y, torch.randn(3, FAN_IN), lora_a, lora_b, 1.0)
+    assert len(calls) == 1  # ...and vLLM's own code adds its delta
+    wrapper._fineserve_step = None  # a batch of base-model requests only
+    lora_kernels._add_lora_logits(wrapper, y, torch.randn(3, FAN_IN), lora_a, lora_b, 1.0)
+    assert len(calls) == 1
 
 
 def test_it_hands_a_call_with_arguments_it_does_not_know_to_vllms_own_code():

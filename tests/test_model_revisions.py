@@ -153,3 +153,44 @@ def test_a_pinned_revision_or_checkpoint_resolves_only_for_its_organization_and_
     assert resolve_model(charlie.organization, f"{NAME}@r1") is None
     refused = alice.api.delete(f"/v1/models/{NAME}@r1")
     assert refused.status_code == 400 and error_of(refused)["code"] == "model_not_deletable"
+
+
+@pytest.mark.training
+@pytest.mark.django_db(transaction=True)
+def test_a_job_that_published_nothing_keeps_its_checkpoints_for_the_retention_period_then_they_go(
+    alice, not_queued, monkeypatch
+):
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from core.adapter_store import StoreUnavailable
+    from finetuning import storage
+    from finetuning.registry import expire_unpublished_checkpoints
+
+    published_suffix = f"kept-{uuid.uuid4().hex[:8]}"  # the dynamic path outlives each test's database
+    trained(alice, suffix=published_suffix)
+    kept = Checkpoint.objects.select_related("job").get().name
+
+    def unreachable(self, name: str, revision: int, source_dir: Path) -> None:
+        raise StoreUnavailable("the bucket did not answer")
+
+    monkeypatch.setattr(type(store()), "write_revision", unreachable)  # the model's publish fails; checkpoints landed
+    suffix = f"unpublished-{uuid.uuid4().hex[:8]}"
+    job_id = create(alice, BASE, suffix, n_epochs=2).json()["id"]
+    assert run_job(job_id, worker="in-test") == "failed"
+    job = FineTuningJob.objects.get(pk=job_id)
+    names = sorted(checkpoint.name for checkpoint in job.checkpoints.select_related("job"))
+    assert job.error_code == "storage_unavailable" and names == [f"{BASE}:{suffix}:ckpt-step-{n}" for n in (1, 2)]
+    assert (Path(settings.CONFIG.files_path) / storage.checkpoints_prefix(job_id)).is_dir()
+
+    assert expire_unpublished_checkpoints(timezone.now() + timedelta(days=6)) == []  # within the 7 days
+    assert all(resolve_model(alice.organization, name) is not None for name in names)  # still servable
+
+    assert expire_unpublished_checkpoints(timezone.now() + timedelta(days=8)) == [job_id]
+    assert not job.checkpoints.exists() and all(resolve_model(alice.organization, name) is None for name in names)
+    assert all(store().version(name) is None for name in names)
+    assert not (Path(settings.CONFIG.files_path) / storage.checkpoints_prefix(job_id)).exists()
+    assert "Deleted its 2 checkpoint(s)" in job.events.values_list("message", flat=True).first()
+    # A job that published its model keeps its checkpoints as long as the model.
+    assert resolve_model(alice.organization, kept) is not None and store().version(kept) is not None

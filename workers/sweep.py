@@ -7,6 +7,8 @@ The database says which jobs wait; a broker message only wakes a trainer for one
   hand-off never came) are sent again, oldest first and no more per organization than it has free
   slots (``finetuning.jobs``: fair share); a duplicate is harmless, as only one ``claim`` wins;
 - each queued job's events say what it waits for, when that changes.
+- the checkpoints of jobs that ended without publishing go once their retention is over
+  (``finetuning.registry.expire_unpublished_checkpoints``).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from django.conf import settings
 from django.utils import timezone
 from kombu.exceptions import OperationalError
 
-from finetuning import jobs
+from finetuning import jobs, registry
 from finetuning.models import FineTuningJob, JobStatus, record_event
 from server.celery import TRAIN_JOB, TRAINING_QUEUE, queue_consumers, waiting_task_args
 from workers.run_job import drop_training_states
@@ -41,7 +43,14 @@ def sweep(stale_after: timedelta | None = None, lost_after: timedelta = LOST_AFT
         note = jobs.waiting_note(job, trainers)
         if job.events.filter(type="message").values_list("message", flat=True).first() != note:
             record_event(job, note)  # only when what it waits for has changed
-    return {"requeued": recovered.requeued, "failed": recovered.failed, "resent": resent, "trainers": trainers}
+    expired = registry.expire_unpublished_checkpoints(timezone.now())
+    return {
+        "requeued": recovered.requeued,
+        "failed": recovered.failed,
+        "resent": resent,
+        "trainers": trainers,
+        "checkpoints_expired": expired,
+    }
 
 
 def _resend_lost(lost_after: timedelta) -> list[str]:

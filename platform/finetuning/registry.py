@@ -8,7 +8,7 @@ caller is "not found", whether or not it exists for someone else.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 
 from django.conf import settings
 from django.db import transaction
@@ -16,7 +16,7 @@ from django.db import transaction
 from accounts.models import Organization
 from core.model_names import ModelName, parse_model_name
 from finetuning import storage
-from finetuning.models import Checkpoint, FineTunedModel
+from finetuning.models import Checkpoint, FineTunedModel, FineTuningJob, JobStatus, record_event
 
 SYSTEM_OWNER = "system"
 _EPOCH = datetime(2024, 1, 1, tzinfo=timezone.utc)  # catalog models have no creation date of their own
@@ -109,10 +109,34 @@ def delete_fine_tuned_model(model: FineTunedModel) -> None:
     with transaction.atomic():
         Checkpoint.objects.filter(pk__in=[checkpoint.pk for checkpoint in checkpoints]).delete()
         model.delete()
-    base = settings.MODEL_CATALOG.get(model.base_model)
+    _delete_stored(model.base_model, [model.name, *{checkpoint.name for checkpoint in checkpoints}], job_ids)
+
+
+def expire_unpublished_checkpoints(now: datetime) -> list[str]:
+    """Retention for jobs that published nothing (failed or cancelled): their checkpoints stay
+    servable and downloadable for ``UNPUBLISHED_CHECKPOINTS_DAYS`` after the job ended, then go
+    (rows, adapters, files). The ids of the jobs whose checkpoints went."""
+    days = settings.CONFIG.unpublished_checkpoints_days
+    ended = FineTuningJob.objects.filter(
+        status__in=(JobStatus.FAILED, JobStatus.CANCELLED), finished_at__lt=now - timedelta(days=days)
+    )
+    expired = []
+    for job in ended.filter(checkpoints__isnull=False).distinct():
+        checkpoints = list(job.checkpoints.select_related("job"))
+        Checkpoint.objects.filter(pk__in=[checkpoint.pk for checkpoint in checkpoints]).delete()
+        _delete_stored(job.model, [checkpoint.name for checkpoint in checkpoints], {job.pk})
+        record_event(job, f"Deleted its {len(checkpoints)} checkpoint(s): the job ended without publishing a "
+                          f"model more than {days} day(s) ago (UNPUBLISHED_CHECKPOINTS_DAYS).")  # fmt: skip
+        expired.append(job.pk)
+    return expired
+
+
+def _delete_stored(base_model: str, adapter_names: list[str], job_ids: set[str]) -> None:
+    """The adapters under these names, and the jobs' checkpoint files; the registry rows are gone already."""
+    base = settings.MODEL_CATALOG.get(base_model)
     if base is not None:
         adapters = storage.adapters(base.lora.dynamic_lora_loading_path)
-        for name in [model.name, *{checkpoint.name for checkpoint in checkpoints}]:
+        for name in adapter_names:
             adapters.delete(name)
     for job_id in job_ids:
         storage.files().delete_prefix(storage.checkpoints_prefix(job_id))

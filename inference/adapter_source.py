@@ -100,6 +100,9 @@ class AdapterSource:
         """A local folder holding this adapter; for S3 one download however many callers wait."""
         if self.is_local:
             return self.store.fetch(name, self.cache_dir)
+        cached = self.cache_dir / f"{name}@{version}"  # S3 copies are named as version folders are
+        if (cached / CONFIG_FILE).is_file():  # this version was downloaded and verified already
+            return cached
         key = (name, version)
         task = self._fetches.get(key)
         if task is None:

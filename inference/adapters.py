@@ -19,10 +19,11 @@ It is unloaded once a part is republished or deleted, and its folder goes when n
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import shutil
 import time
-from collections.abc import Coroutine, Iterable
+from collections.abc import Awaitable, Coroutine, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -111,6 +112,15 @@ class AdapterManager:
                 await self._load_version(replica, name, version, source)
             finally:
                 slots.loading.discard(name)
+
+    def prefetch(self, base_id: str, name: str, version: str) -> None:
+        """Fetch this version of an adapter into the local cache in the background while its
+        request waits for a replica to start, so that the download overlaps the start instead of
+        following it (``AdapterSource.folder``: the request's own load joins it). A failure is left
+        to that load, which reports it."""
+        source = self.sources[base_id]
+        if not source.is_local:  # a local store's adapter is read where it lies
+            self._spawn(_quietly(source.folder(name, version)))
 
     async def _load_version(self, replica: Replica, name: str, version: str, source: AdapterSource) -> None:
         folder = await self._checked_folder(replica.model, source, name, version)
@@ -331,6 +341,11 @@ class AdapterManager:
             return await self.client.post(f"{replica.url}/v1/{action}", json=payload, timeout=VLLM_ADMIN_TIMEOUT_S)
         except httpx.TransportError as exc:
             raise ReplicaUnavailable(f"{replica.url}: {exc!r}") from exc
+
+
+async def _quietly(work: Awaitable[object]) -> None:
+    with contextlib.suppress(Exception):
+        await work
 
 
 async def _until_idle(slots: AdapterSlots, name: str) -> None:

@@ -124,6 +124,8 @@ class CompletionsHandler:
     async def _forward(self, request: _Request) -> Response:
         skip: set[Replica] = set()
         failure = api_errors.no_replica(request.base_id)
+        if request.version is not None and not self.pool.ready(request.base_id):
+            self.adapters.prefetch(request.base_id, request.model, request.version)  # while a replica starts
         await self.pool.ready_or_start(request.base_id)  # a cold model starts, and the request waits for it
         for _ in range(MAX_ATTEMPTS):
             candidates = [replica for replica in self.pool.ready(request.base_id) if replica not in skip]

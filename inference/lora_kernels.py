@@ -181,6 +181,7 @@ class _Tier:
     rows: torch.Tensor  # groups*width: the token each row computes (padding repeats one; its result is never read)
     tokens: torch.Tensor | None  # the tokens this tier adds to; None: the step's first len(results) tokens, in order
     results: torch.Tensor  # for each of those tokens, its row among the tier's results
+    in_order: bool  # row i is token i, every token once: no gathering either way
 
 
 @dataclass
@@ -189,8 +190,8 @@ class _Step:
 
     slot_state: tuple[tuple[object, int], ...]  # per slot: its adapter's id and how many times it was written
     rank: int | None  # the largest rank among the adapters in the slots; None: vLLM's max_lora_rank
-    slots: torch.Tensor  # LongTensor: the adapter slots the batch uses
-    all_slots: bool  # the batch uses every slot: the prepared weights need no selection
+    slots: torch.Tensor  # LongTensor: the slots that get a group (those the batch uses, or all of them)
+    all_slots: bool  # every slot gets a group: the prepared weights need no selection
     tokens: int  # the tokens vLLM scheduled (the layer's input may have padding rows past them)
     tiers: list[_Tier]
 
@@ -226,21 +227,27 @@ def _grouped_add_lora_linear(
         if tier.slots is not None:  # a few slots' overflow: a copy of just their weights
             tier_shrink = shrink.index_select(0, tier.slots)
             tier_expands = [expand.index_select(0, tier.slots) for expand in expands]
-        groups = tier_shrink.size(0)
+        groups, rows = tier_shrink.size(0), tier.rows.numel()
+        grouped = x[:rows] if tier.in_order else x.index_select(0, tier.rows)
         # groups x width x (slices*rank): each row times its own slot's A, every slice at once.
-        shrunk = torch.bmm(x.index_select(0, tier.rows).view(groups, tier.width, -1), tier_shrink)
+        shrunk = torch.bmm(grouped.view(groups, tier.width, -1), tier_shrink)
         if scale != 1.0:
             shrunk.mul_(scale)
         offset = 0
         for index, (expand, size) in enumerate(zip(tier_expands, output_slices)):
-            result = torch.bmm(shrunk[:, :, index * rank : (index + 1) * rank], expand).view(-1, size)
-            added = result.index_select(0, tier.results)
+            part = shrunk[:, :, index * rank : (index + 1) * rank]
+            if tier.width > 1:
+                part = part.contiguous()  # a strided left operand halves bmm's speed here
             target = y[:, offset : offset + size]
+            offset += size
+            if tier.in_order:
+                target[:rows].view(groups, tier.width, size).baddbmm_(part, expand)
+                continue
+            added = torch.bmm(part, expand).view(-1, size).index_select(0, tier.results)
             if tier.tokens is None:
                 target[: added.size(0)].add_(added)
             else:
                 target.index_add_(0, tier.tokens, added)
-            offset += size
 
 
 def _add_lora_logits(
@@ -417,8 +424,9 @@ def _tier(
     if whole:
         results = torch.empty_like(places)
         results[tokens] = places
-        return _Tier(slots, width, rows, None, results)
-    return _Tier(slots, width, rows, tokens, places)
+        in_order = rows.numel() == tokens.numel() and bool(torch.equal(rows, torch.arange(rows.numel())))
+        return _Tier(slots, width, rows, None, results, in_order)
+    return _Tier(slots, width, rows, tokens, places, False)
 
 
 def _wrap_update_metadata(original: Callable[..., None]) -> Callable[..., None]:

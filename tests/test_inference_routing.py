@@ -750,3 +750,27 @@ async def test_it_removes_the_cached_copy_of_a_deleted_s3_adapter(tmp_path, s3, 
     await _settle()
     assert not pool.pool.replicas[0].holds(name)
     assert not list((tmp_path / "cache").rglob("adapter_model.safetensors"))
+
+
+@pytest.mark.anyio
+async def test_it_downloads_an_s3_adapter_while_its_request_waits_for_a_replica_to_start(tmp_path, s3, monkeypatch):
+    pool = PoolUnderTest(tmp_path, replicas=1, dynamic=f"s3://adapters/{tmp_path.name}", s3=s3)
+    name = pool.publish("early")
+    replica = pool.pool.replicas[0]
+    replica.healthy = False  # cold: no replica runs
+    downloads = pool.metrics.adapter_downloads.labels(BASE)
+    downloaded_during_start: list[float] = []
+
+    async def start_replica(model_id: str) -> list:
+        for _ in range(200):  # a replica's start takes seconds; the download, without prefetch, never starts
+            if downloads._value.get() == 1:
+                break
+            await asyncio.sleep(0.05)
+        downloaded_during_start.append(downloads._value.get())
+        replica.healthy = True
+        return [replica]
+
+    monkeypatch.setattr(pool.pool, "ready_or_start", start_replica)
+    response = await pool.chat(name)
+    assert response.status_code == 200 and downloaded_during_start == [1]
+    assert downloads._value.get() == 1  # the request's own load used the copy fetched meanwhile

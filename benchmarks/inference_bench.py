@@ -66,6 +66,7 @@ import httpx
 from django.conf import settings
 from django.core.management import call_command
 
+from core.model_names import pinned_name
 from inference.replica import vllm_command, vllm_environment
 from tests.inference_fixtures import (
     BASE,
@@ -287,9 +288,13 @@ DIRECT, POOL, GATEWAY = "vLLM replica, direct", "pool (route, adapter check)", "
 
 
 def overhead(replica: str, pool: str, gateway: str, api_key: str, model: str, samples: int) -> dict[str, list[float]]:
-    body = {"model": model, "prompt": "Hi", "max_tokens": 1, "temperature": 0}
+    """The replica holds a fine-tuned model under its revision's name; the pool and the gateway pin it."""
+    found = adapter_store().version(model) if model != BASE else None
+    held_as = pinned_name(model, found.version) if found else model
     paths = {
-        DIRECT: (replica, INTERNAL), POOL: (pool, INTERNAL), GATEWAY: (gateway, {"Authorization": f"Bearer {api_key}"})
+        DIRECT: (replica, INTERNAL, held_as),
+        POOL: (pool, INTERNAL, model),
+        GATEWAY: (gateway, {"Authorization": f"Bearer {api_key}"}, model),
     }
     times: dict[str, list[float]] = {name: [] for name in paths}
     with httpx.Client(timeout=60) as client:
@@ -297,7 +302,8 @@ def overhead(replica: str, pool: str, gateway: str, api_key: str, model: str, sa
             order = list(paths.items())[::-1]  # warm-up: the gateway first, so the adapter is loaded
             if round_number >= 5:
                 random.shuffle(order)  # no path always goes first
-            for name, (url, headers) in order:
+            for name, (url, headers, named) in order:
+                body = {"model": named, "prompt": "Hi", "max_tokens": 1, "temperature": 0}
                 started = time.perf_counter()
                 client.post(f"{url}/v1/completions", json=body, headers=headers).raise_for_status()
                 if round_number >= 5:  # warm-up rounds do not count

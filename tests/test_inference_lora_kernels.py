@@ -187,6 +187,7 @@ def test_it_installs_ours_after_the_check_passes_on_the_installed_vllm(vllm_clas
     assert (state.active, state.requested, state.fell_back) == ("fineserve", "fineserve", False)
     assert "checked against vLLM" in state.reason
     assert vllm_classes.wrapper.add_lora_linear is lora_kernels._grouped_add_lora_linear
+    assert vllm_classes.wrapper.add_lora_logits is lora_kernels._add_lora_logits
     assert PunicaWrapperCPU.add_lora_linear is stock  # the fixture's subclass was patched, not vLLM's class
     assert lora_kernels.state() == state and lora_kernels._RANKS.keys().isdisjoint({9001, 9002, 9003})
 

@@ -5,7 +5,8 @@ A user's path, step by step: the load balancer's ``/healthz``, then the official
 started from the dashboard's form in a real browser on the same web process; then adapters
 trained elsewhere, uploaded, mixed per request, composed into a model and downloaded; then a
 model fine-tuned again (r2), rolled back to r1, and its checkpoints served by name; then the
-usage of it all, in the usage API and on the dashboard. The timings a user feels are written to
+usage of it all, in the usage API and on the dashboard; last, a job cancelled after its first
+checkpoint, whose checkpoints the sweeper deletes once their retention is over. The timings a user feels are written to
 test-artifacts/product-timings.json.
 """
 
@@ -43,7 +44,8 @@ FINISHED = ("succeeded", "failed", "cancelled")
 @pytest.fixture(scope="module")
 def platform(tmp_path_factory):
     redis.Redis.from_url(REDIS_URL).flushdb()  # no message from an earlier run
-    settings = {"TOKENS_PER_MINUTE_PER_KEY": str(TOKENS_PER_MINUTE_PER_KEY)}
+    # No retention for a job that publishes nothing: its checkpoints go at the sweeper's next pass.
+    settings = {"TOKENS_PER_MINUTE_PER_KEY": str(TOKENS_PER_MINUTE_PER_KEY), "UNPUBLISHED_CHECKPOINTS_DAYS": "0"}
     with bin_run(tmp_path_factory.mktemp("platform"), REDIS_URL, settings=settings) as running:
         yield running
 
@@ -274,3 +276,25 @@ def test_usage_reports_the_completions_served_and_the_tokens_trained_in_the_api_
     totals = page.inner_text("#usage-totals")
     assert BASE in totals and f"{BASE}:revised" in totals
     screenshot(page, "product-usage")
+
+
+def test_a_cancelled_jobs_checkpoints_answer_until_the_sweeper_deletes_them_after_the_retention(platform):
+    client = openai.OpenAI(base_url=f"{platform.url}/v1", api_key=platform.api_key, max_retries=0)
+    training = client.files.create(file=("train.jsonl", good_dataset(12)), purpose="fine-tune")
+    job = client.fine_tuning.jobs.create(
+        model=BASE, training_file=training.id, suffix="abandoned", hyperparameters={"n_epochs": 50, "batch_size": 12}
+    )
+    wait_until(lambda: client.fine_tuning.jobs.checkpoints.list(job.id).data, 300, "the job's first checkpoint")
+    checkpoint = client.fine_tuning.jobs.checkpoints.list(job.id).data[-1].fine_tuned_model_checkpoint
+    question = [{"role": "user", "content": "Hi"}]
+    answer = client.chat.completions.create(model=checkpoint, messages=question, max_tokens=2)
+    assert answer.model == checkpoint  # servable while the job trains
+    assert client.fine_tuning.jobs.cancel(job.id).status in ("cancelled", "running")
+    assert wait_for_status(client, job.id, FINISHED, timeout_s=120).status == "cancelled"
+
+    wait_until(lambda: not client.fine_tuning.jobs.checkpoints.list(job.id).data, 90, "the sweeper's next pass")
+    events = [event.message for event in client.fine_tuning.jobs.list_events(job.id, limit=20).data]
+    assert any("checkpoint(s)" in message and "UNPUBLISHED_CHECKPOINTS_DAYS" in message for message in events)
+    time.sleep(1.1)  # another web process may remember the grant for its GRANT_TTL_S
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model=checkpoint, messages=question, max_tokens=2)

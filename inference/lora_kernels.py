@@ -358,9 +358,10 @@ def _plan(indices: torch.Tensor, lora_index_to_id: list[int | None]) -> _Step | 
     if not bool(used.any()):
         return None
     slots = sorted(set(indices[used].tolist()))
-    if 2 * len(slots) > len(lora_index_to_id):
-        # Most slots: a group for every slot, the unused ones padding only, rather than a copy of
-        # the used slots' weights (with many adapters in round robin, the set changes every step).
+    if 4 * len(slots) > len(lora_index_to_id):
+        # More than a few slots: a group for every slot, the unused ones padding only, rather than a
+        # copy of the used slots' weights (with many adapters in round robin the set changes at
+        # nearly every step, and each change would copy them all again).
         slots = list(range(len(lora_index_to_id)))
     ranks = [_RANKS.get(lora_id) for lora_id in lora_index_to_id if lora_id is not None]
     rank = max(r for r in ranks if r is not None) if all(r is not None for r in ranks) else None

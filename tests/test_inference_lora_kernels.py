@@ -40,6 +40,13 @@ def _reference(x, lora_a, lora_b, indices):
     return y
 
 
+def _wrapper(ids: list[int], indices: torch.Tensor, ranks: list[int], **stock) -> types.SimpleNamespace:
+    """What the patched wrapper holds after vLLM's update_metadata for this batch (``stock``: vLLM's own methods)."""
+    lora_kernels._RANKS.update(zip(ids, ranks))
+    step = lora_kernels._plan(indices, ids)
+    return types.SimpleNamespace(_fineserve_step=step, _fineserve_prepared={}, _fineserve_logits={}, **stock)
+
+
 @pytest.mark.parametrize(
     "ranks, indices",
     [
@@ -53,11 +60,9 @@ def _reference(x, lora_a, lora_b, indices):
 )
 def test_it_matches_the_reference_per_token_computation(ranks, indices):
     lora_a, lora_b = _stacked(slots=4, max_rank=16, ranks=ranks)
-    ids = [101, 102, 103, 104]  # vLLM's adapter ids in the slots
-    lora_kernels._RANKS.update(zip(ids, ranks))
     indices = torch.tensor(indices)
     x = torch.randn(len(indices), FAN_IN, generator=torch.Generator().manual_seed(1))
-    wrapper = types.SimpleNamespace(_fineserve_step=lora_kernels._plan(indices, ids), _fineserve_prepared={})
+    wrapper = _wrapper([101, 102, 103, 104], indices, ranks)  # vLLM's adapter ids in the slots
     y = torch.zeros(len(indices), sum(SLICES))
     lora_kernels._grouped_add_lora_linear(wrapper, y, x, lora_a, lora_b, 1.0, SLICES)
     torch.testing.assert_close(y, _reference(x, lora_a, lora_b, indices), rtol=1e-4, atol=1e-4)
@@ -65,14 +70,9 @@ def test_it_matches_the_reference_per_token_computation(ranks, indices):
 
 def test_rows_past_the_scheduled_tokens_get_no_adapter_and_fewer_rows_go_to_vllms_own_code():
     lora_a, lora_b = _stacked(slots=2, max_rank=8, ranks=[8, 8])
-    ids, indices = [301, 302], torch.tensor([0, 1, 1])
-    lora_kernels._RANKS.update(zip(ids, [8, 8]))
-    calls = []
-    wrapper = types.SimpleNamespace(
-        _fineserve_step=lora_kernels._plan(indices, ids),
-        _fineserve_prepared={},
-        _fineserve_stock_add_lora_linear=lambda *args, **kwargs: calls.append(args[1].shape),
-    )
+    indices, calls = torch.tensor([0, 1, 1]), []
+    stock = {"_fineserve_stock_add_lora_linear": lambda *args, **kwargs: calls.append(args[1].shape)}
+    wrapper = _wrapper([301, 302], indices, [8, 8], **stock)
     x = torch.randn(5, FAN_IN, generator=torch.Generator().manual_seed(3))  # two padding rows
     y = torch.zeros(5, sum(SLICES))
     lora_kernels._grouped_add_lora_linear(wrapper, y, x, lora_a, lora_b, 1.0, SLICES)
@@ -125,14 +125,8 @@ def test_it_prepares_weights_once_and_copies_again_only_the_slot_that_gets_anoth
 
 
 def test_the_logits_skip_vllms_lm_head_lora_until_a_slot_holds_a_non_zero_one():
-    ids, indices = [401, 402], torch.tensor([0, 1, 1])
-    lora_kernels._RANKS.update(zip(ids, [8, 8]))
-    calls = []
-    wrapper = types.SimpleNamespace(
-        _fineserve_step=lora_kernels._plan(indices, ids),
-        _fineserve_logits={},
-        _fineserve_stock_add_lora_logits=lambda *args, **kwargs: calls.append(args),
-    )
+    ids, indices, calls = [401, 402], torch.tensor([0, 1, 1]), []
+    wrapper = _wrapper(ids, indices, [8, 8], _fineserve_stock_add_lora_logits=lambda *args, **kwargs: calls.append(args))
     vocab = 40
     lora_a, lora_b = torch.randn(2, 1, 8, FAN_IN), torch.zeros(2, 1, vocab, 8)  # adapters without lm_head
     y = torch.ones(3, vocab)

@@ -1,0 +1,115 @@
+"""The LoRA step of one engine step, without an engine: our CPU kernels against vLLM's own.
+
+    .venv/bin/python benchmarks/lora_kernels_replay.py [--steps 10] [--slots 32] [--rank 8]
+
+Replays what a replica's LoRA layers do in one step on the catalog's default base model: every
+adapted projection (q/k/v, o, gate/up, down, per layer; the shapes read from the model's
+config.json), for batches of decode and prefill tokens spread over the adapter slots, through
+vLLM's ``update_metadata`` and ``add_lora_linear`` and through ours (``inference.lora_kernels``).
+It prints milliseconds of LoRA per step for each and their ratio. The engine's own profile puts
+these steps' LoRA at about a quarter of a decode step with 32 adapters in one batch
+(README: LoRA kernels); this is where to make it cheaper, seconds per try instead of minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "platform")]
+
+import torch  # noqa: E402
+
+from core.config import load_config  # noqa: E402
+from inference import lora_kernels  # noqa: E402
+
+MAX_RANK = 16  # the catalog's max_lora_rank: vLLM pads every adapter to it
+
+
+def projections(config: dict) -> list[tuple[int, tuple[int, ...]]]:
+    """(input size, output slices) of each adapted projection, in the order a step runs them."""
+    hidden, inner = config["hidden_size"], config["intermediate_size"]
+    head = config.get("head_dim") or hidden // config["num_attention_heads"]
+    q, kv = config["num_attention_heads"] * head, config["num_key_value_heads"] * head
+    layer = [(hidden, (q, kv, kv)), (q, (hidden,)), (hidden, (inner, inner)), (inner, (hidden,))]
+    return layer * config["num_hidden_layers"]
+
+
+def stacked(slots: int, rank: int, fan_in: int, outs: tuple[int, ...]) -> tuple[tuple, tuple]:
+    lora_a = tuple(torch.zeros(slots, 1, MAX_RANK, fan_in) for _ in outs)
+    lora_b = tuple(torch.zeros(slots, 1, out, MAX_RANK) for out in outs)
+    for a, b in zip(lora_a, lora_b):
+        a[:, :, :rank].normal_(std=0.02)
+        b[:, :, :, :rank].normal_(std=0.02)
+    return lora_a, lora_b
+
+
+def batches(slots: int) -> dict[str, tuple[list[int], bool]]:
+    """Each token's slot, and whether vLLM sees a prefill, for the batches a busy replica runs."""
+    return {
+        f"decode, 32 tokens over {slots} slots": ([t % slots for t in range(32)], False),
+        "decode, 32 tokens over 4 slots": ([t % 4 for t in range(32)], False),
+        "decode, 32 tokens, 1 slot": ([0] * 32, False),
+        f"31 decoding + a 12-token prompt, {slots} slots": ([t % slots for t in range(31)] + [31 % slots] * 12, True),
+        f"prefill burst, 32 prompts x 12 tokens, {slots} slots": ([p % slots for p in range(32) for _ in range(12)], True),
+    }
+
+
+def wrapper_for(wrapper_class: type, slot_of_token: list[int], is_prefill: bool, lora_ids: list[int]) -> object:
+    from vllm.lora.layers import LoRAMapping
+
+    mapping_ids = tuple(lora_ids[slot] for slot in slot_of_token)
+    wrapper = wrapper_class(max_num_batched_tokens=len(slot_of_token), max_batches=len(slot_of_token), device="cpu")
+    mapping = LoRAMapping(index_mapping=mapping_ids, prompt_mapping=mapping_ids, is_prefill=is_prefill)
+    wrapper.update_metadata(mapping, list(lora_ids), len(lora_ids) + 1, 32)
+    return wrapper
+
+
+def time_step(wrapper: object, layers: list, inputs: list[torch.Tensor], steps: int) -> float:
+    """Median milliseconds of one step's LoRA: every projection once."""
+    outputs = [torch.zeros(x.size(0), sum(outs)) for x, (_, outs, _, _) in zip(inputs, layers)]
+    samples = []
+    for _ in range(steps + 2):  # two warm-up steps: our kernels prepare their weights in the first
+        started = time.perf_counter()
+        for x, y, (_, outs, lora_a, lora_b) in zip(inputs, outputs, layers):
+            wrapper.add_lora_linear(y, x, lora_a, lora_b, 1.0, outs)
+        samples.append(time.perf_counter() - started)
+    return statistics.median(samples[2:]) * 1000
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--slots", type=int, default=32, help="adapter slots (the catalog's max_loras)")
+    parser.add_argument("--rank", type=int, default=8)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    base = load_config().catalog().models[0]
+    config = json.loads((Path(base.weights) / "config.json").read_text())
+    layers = [(fan_in, outs, *stacked(args.slots, args.rank, fan_in, outs)) for fan_in, outs in projections(config)]
+    lora_ids = list(range(9001, 9001 + args.slots))
+    lora_kernels._RANKS.update(dict.fromkeys(lora_ids, args.rank))
+    stock_class, _ = lora_kernels._vllm_classes()
+    ours_class = type("Ours", (stock_class,), {
+        **lora_kernels._wrapper_state(stock_class),
+        "update_metadata": lora_kernels._wrap_update_metadata(stock_class.update_metadata),
+        "add_lora_linear": lora_kernels._grouped_add_lora_linear,
+    })  # fmt: skip
+    print(f"{base.id}: {len(layers)} adapted projections, {args.slots} slots, rank {args.rank} (max {MAX_RANK}), "
+          f"{torch.get_num_threads()} threads; ms of LoRA per step, median of {args.steps}")  # fmt: skip
+    print(f"    {'batch':<50}{'vLLM':>9}{'ours':>9}{'ratio':>8}")
+    for label, (slot_of_token, is_prefill) in batches(args.slots).items():
+        inputs = [torch.randn(len(slot_of_token), fan_in) for fan_in, *_ in layers]
+        stock = time_step(wrapper_for(stock_class, slot_of_token, is_prefill, lora_ids), layers, inputs, args.steps)
+        ours = time_step(wrapper_for(ours_class, slot_of_token, is_prefill, lora_ids), layers, inputs, args.steps)
+        print(f"    {label:<50}{stock:9.1f}{ours:9.1f}{stock / ours:7.1f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

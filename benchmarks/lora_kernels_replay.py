@@ -27,6 +27,7 @@ import torch  # noqa: E402
 
 from core.config import load_config  # noqa: E402
 from inference import lora_kernels  # noqa: E402
+from inference.lora_kernels_check import updated_wrapper  # noqa: E402
 
 MAX_RANK = 16  # the catalog's max_lora_rank: vLLM pads every adapter to it
 
@@ -60,16 +61,6 @@ def batches(slots: int) -> dict[str, tuple[list[int], bool]]:
     }
 
 
-def wrapper_for(wrapper_class: type, slot_of_token: list[int], is_prefill: bool, lora_ids: list[int]) -> object:
-    from vllm.lora.layers import LoRAMapping
-
-    mapping_ids = tuple(lora_ids[slot] for slot in slot_of_token)
-    wrapper = wrapper_class(max_num_batched_tokens=len(slot_of_token), max_batches=len(slot_of_token), device="cpu")
-    mapping = LoRAMapping(index_mapping=mapping_ids, prompt_mapping=mapping_ids, is_prefill=is_prefill)
-    wrapper.update_metadata(mapping, list(lora_ids), len(lora_ids) + 1, 32)
-    return wrapper
-
-
 def time_step(wrapper: object, layers: list, inputs: list[torch.Tensor], steps: int) -> float:
     """Median milliseconds of one step's LoRA: every projection once."""
     outputs = [torch.zeros(x.size(0), sum(outs)) for x, (_, outs, _, _) in zip(inputs, layers)]
@@ -92,21 +83,17 @@ def main() -> int:
     base = load_config().catalog().models[0]
     config = json.loads((Path(base.weights) / "config.json").read_text())
     layers = [(fan_in, outs, *stacked(args.slots, args.rank, fan_in, outs)) for fan_in, outs in projections(config)]
-    lora_ids = list(range(9001, 9001 + args.slots))
+    lora_ids: list[int | None] = list(range(9001, 9001 + args.slots))
     lora_kernels._RANKS.update(dict.fromkeys(lora_ids, args.rank))
-    stock_class, _ = lora_kernels._vllm_classes()
-    ours_class = type("Ours", (stock_class,), {
-        **lora_kernels._wrapper_state(stock_class),
-        "update_metadata": lora_kernels._wrap_update_metadata(stock_class.update_metadata),
-        "add_lora_linear": lora_kernels._grouped_add_lora_linear,
-    })  # fmt: skip
+    stock_class, manager_class = lora_kernels._vllm_classes()
+    ours_class = lora_kernels._checked_copy(stock_class, lora_kernels._replacements(stock_class, manager_class))
     print(f"{base.id}: {len(layers)} adapted projections, {args.slots} slots, rank {args.rank} (max {MAX_RANK}), "
           f"{torch.get_num_threads()} threads; ms of LoRA per step, median of {args.steps}")  # fmt: skip
     print(f"    {'batch':<50}{'vLLM':>9}{'ours':>9}{'ratio':>8}")
     for label, (slot_of_token, is_prefill) in batches(args.slots).items():
         inputs = [torch.randn(len(slot_of_token), fan_in) for fan_in, *_ in layers]
-        stock = time_step(wrapper_for(stock_class, slot_of_token, is_prefill, lora_ids), layers, inputs, args.steps)
-        ours = time_step(wrapper_for(ours_class, slot_of_token, is_prefill, lora_ids), layers, inputs, args.steps)
+        stock = time_step(updated_wrapper(stock_class, slot_of_token, lora_ids, is_prefill), layers, inputs, args.steps)
+        ours = time_step(updated_wrapper(ours_class, slot_of_token, lora_ids, is_prefill), layers, inputs, args.steps)
         print(f"    {label:<50}{stock:9.1f}{ours:9.1f}{stock / ours:7.1f}x")
     return 0
 

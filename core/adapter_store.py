@@ -87,6 +87,11 @@ def _next_revision(published: list[str]) -> int:
     return max(numbers, default=0) + 1
 
 
+def cached_copy(cache_dir: Path, name: str, version: str) -> Path:
+    """Where a store's copy of this version of an adapter is kept in a local cache."""
+    return cache_dir / f"{name}@{version}"
+
+
 def version_of_folder(folder: Path) -> str:
     """Version folders (local, and S3 copies in a cache) are named ``<name>@<version>``."""
     return folder.name.rpartition("@")[2]
@@ -234,7 +239,7 @@ class S3AdapterStore:
             current = self.version(name)
             if current is None:
                 raise AdapterNotFound(name)
-            target = cache_dir / f"{name}@{current.version}"
+            target = cached_copy(cache_dir, name, current.version)
             if (target / CONFIG_FILE).is_file():
                 return target
             try:

@@ -20,7 +20,14 @@ import shutil
 import time
 from pathlib import Path
 
-from core.adapter_store import CONFIG_FILE, WEIGHTS_FILE, AdapterStore, LocalAdapterStore, StoreUnavailable
+from core.adapter_store import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    AdapterStore,
+    LocalAdapterStore,
+    StoreUnavailable,
+    cached_copy,
+)
 from core import api_errors
 from inference.metrics import Metrics
 
@@ -100,7 +107,7 @@ class AdapterSource:
         """A local folder holding this adapter; for S3 one download however many callers wait."""
         if self.is_local:
             return self.store.fetch(name, self.cache_dir)
-        cached = self.cache_dir / f"{name}@{version}"  # S3 copies are named as version folders are
+        cached = cached_copy(self.cache_dir, name, version)
         if (cached / CONFIG_FILE).is_file():  # this version was downloaded and verified already
             return cached
         key = (name, version)

@@ -21,8 +21,9 @@ once and reused while the batch's adapters stay the same; a batch without adapte
 arithmetic is vLLM's reference semantics, ``y[t] += scale * x[t] @ A[i_t] @ B[i_t]``, nothing
 where ``i_t == -1``.
 
-Only ``add_lora_linear`` (the projections adapters train) is replaced; embeddings and logits keep
-vLLM's code. ``install`` decides once per process whether these kernels run, so that a vLLM
+Besides ``add_lora_linear`` (the projections adapters train), ``add_lora_logits`` is replaced only
+to skip vLLM's lm_head LoRA while no slot holds one (``_add_lora_logits``); embeddings keep vLLM's
+code. ``install`` decides once per process whether these kernels run, so that a vLLM
 upgrade can make a replica slower but never wrong or dead: vLLM's own kernels stay when
 ``LORA_KERNELS=stock`` asks for them, on any platform but vLLM's CPU one, and when the start-up
 check (``inference.lora_kernels_check``: the replaced methods' signatures, one known-answer step
@@ -365,7 +366,7 @@ def _plan(indices: torch.Tensor, lora_index_to_id: list[int | None]) -> _Step | 
         slots = list(range(len(lora_index_to_id)))
     ranks = [_RANKS.get(lora_id) for lora_id in lora_index_to_id if lora_id is not None]
     rank = max(r for r in ranks if r is not None) if all(r is not None for r in ranks) else None
-    lookup = torch.full((len(lora_index_to_id) + 1,), -1, dtype=torch.long)
+    lookup = torch.full((len(lora_index_to_id),), -1, dtype=torch.long)  # slot -> its index among `slots`
     lookup[slots] = torch.arange(len(slots))
     tokens = used.nonzero().squeeze(1)
     return _Step(

@@ -19,7 +19,7 @@ what it would patch.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -109,15 +109,23 @@ def _batch() -> _Batch:
     return _Batch(x, y, lora_a, lora_b)
 
 
-def _step(wrapper_class: type, batch: _Batch, is_prefill: bool) -> torch.Tensor:
-    """One layer's LoRA in one engine step, called as vLLM's model manager and linear layers call it."""
+def updated_wrapper(
+    wrapper_class: type, token_slots: Sequence[int], slot_ids: list[int | None], is_prefill: bool, vocab_size: int = 32
+) -> Any:
+    """A punica wrapper after vLLM's ``update_metadata`` for a batch whose tokens use these slots
+    (-1: no adapter), called as vLLM's model manager calls it."""
     from vllm.lora.layers import LoRAMapping
 
-    slot_ids: list[int | None] = [*_ADAPTERS, None]
-    lora_ids = tuple((slot_ids[slot] or 0) if slot >= 0 else 0 for slot in _TOKENS)  # 0: no adapter
-    wrapper = wrapper_class(max_num_batched_tokens=len(_TOKENS), max_batches=len(_TOKENS), device="cpu")
+    lora_ids = tuple((slot_ids[slot] or 0) if slot >= 0 else 0 for slot in token_slots)  # 0: no adapter
+    wrapper = wrapper_class(max_num_batched_tokens=len(token_slots), max_batches=len(token_slots), device="cpu")
     mapping = LoRAMapping(index_mapping=lora_ids, prompt_mapping=lora_ids, is_prefill=is_prefill)
-    wrapper.update_metadata(mapping, slot_ids, len(slot_ids) + 1, 32)  # max_loras: slots + 1, as vLLM passes it
+    wrapper.update_metadata(mapping, slot_ids, len(slot_ids) + 1, vocab_size)  # max_loras: slots + 1, as vLLM passes it
+    return wrapper
+
+
+def _step(wrapper_class: type, batch: _Batch, is_prefill: bool) -> torch.Tensor:
+    """One layer's LoRA in one engine step, called as vLLM's linear layers call it."""
+    wrapper = updated_wrapper(wrapper_class, _TOKENS, [*_ADAPTERS, None], is_prefill)
     y = batch.y.clone()
     wrapper.add_lora_linear(y, batch.x, batch.lora_a, batch.lora_b, _SCALE, _SLICES)
     return y
@@ -126,13 +134,8 @@ def _step(wrapper_class: type, batch: _Batch, is_prefill: bool) -> torch.Tensor:
 def _logits_step(wrapper_class: type, batch: _Batch, lm_head_slot: int | None) -> torch.Tensor:
     """The logits' LoRA in one decode step, with a non-zero lm_head delta in ``lm_head_slot`` only."""
     import torch
-    from vllm.lora.layers import LoRAMapping
 
-    slot_ids: list[int | None] = [*_ADAPTERS, None]
-    lora_ids = tuple((slot_ids[slot] or 0) if slot >= 0 else 0 for slot in _TOKENS)
-    wrapper = wrapper_class(max_num_batched_tokens=len(_TOKENS), max_batches=len(_TOKENS), device="cpu")
-    mapping = LoRAMapping(index_mapping=lora_ids, prompt_mapping=lora_ids, is_prefill=False)
-    wrapper.update_metadata(mapping, slot_ids, len(slot_ids) + 1, _VOCAB)
+    wrapper = updated_wrapper(wrapper_class, _TOKENS, [*_ADAPTERS, None], False, _VOCAB)
     lora_a = batch.lora_a[0]  # slots x 1 x rank x in
     lora_b = torch.zeros(_SLOTS, 1, _VOCAB, _MAX_RANK)
     if lm_head_slot is not None:

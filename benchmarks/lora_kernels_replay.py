@@ -5,8 +5,10 @@
 Replays what a replica's LoRA layers do in one step on the catalog's default base model: every
 adapted projection (q/k/v, o, gate/up, down, per layer; the shapes read from the model's
 config.json), for batches of decode and prefill tokens spread over the adapter slots, through
-vLLM's ``update_metadata`` and ``add_lora_linear`` and through ours (``inference.lora_kernels``).
-It prints milliseconds of LoRA per step for each and their ratio. The engine's own profile puts
+vLLM's ``update_metadata`` and ``add_lora_linear`` and through ours (``inference.lora_kernels``),
+both of them: torch's batched products, and the C kernel with adapter weights in half precision
+(``inference.lora_gemv``), which replicas run where it builds. It prints milliseconds of LoRA per
+step for each, and vLLM's time over the C kernel's. The engine's own profile puts
 these steps' LoRA at about a quarter of a decode step with 32 adapters in one batch
 (README: LoRA kernels); this is where to make it cheaper, seconds per try instead of minutes.
 """
@@ -25,8 +27,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "platform")]
 
 import torch  # noqa: E402
 
-from core.config import load_config  # noqa: E402
-from inference import lora_kernels  # noqa: E402
+from core.config import configured_data_dir, load_config  # noqa: E402
+from inference import lora_gemv, lora_kernels  # noqa: E402
 from inference.lora_kernels_check import updated_wrapper  # noqa: E402
 
 MAX_RANK = 16  # the catalog's max_lora_rank: vLLM pads every adapter to it
@@ -86,15 +88,22 @@ def main() -> int:
     lora_ids: list[int | None] = list(range(9001, 9001 + args.slots))
     lora_kernels._RANKS.update(dict.fromkeys(lora_ids, args.rank))
     stock_class, manager_class = lora_kernels._vllm_classes()
-    ours_class = lora_kernels._checked_copy(stock_class, lora_kernels._replacements(stock_class, manager_class))
+    replacements = lora_kernels._replacements(stock_class, manager_class)
+    classes = {
+        "vLLM": stock_class,
+        "products": lora_kernels._checked_copy(stock_class, replacements, None),
+        "C kernel": lora_kernels._checked_copy(stock_class, replacements, lora_gemv.load(configured_data_dir() / "build")),
+    }
     print(f"{base.id}: {len(layers)} adapted projections, {args.slots} slots, rank {args.rank} (max {MAX_RANK}), "
           f"{torch.get_num_threads()} threads; ms of LoRA per step, median of {args.steps}")  # fmt: skip
-    print(f"    {'batch':<50}{'vLLM':>9}{'ours':>9}{'ratio':>8}")
+    print(f"    {'batch':<50}" + "".join(f"{name:>10}" for name in classes) + f"{'vLLM/C':>8}")
     for label, (slot_of_token, is_prefill) in batches(args.slots).items():
         inputs = [torch.randn(len(slot_of_token), fan_in) for fan_in, *_ in layers]
-        stock = time_step(updated_wrapper(stock_class, slot_of_token, lora_ids, is_prefill), layers, inputs, args.steps)
-        ours = time_step(updated_wrapper(ours_class, slot_of_token, lora_ids, is_prefill), layers, inputs, args.steps)
-        print(f"    {label:<50}{stock:9.1f}{ours:9.1f}{stock / ours:7.1f}x")
+        times = [
+            time_step(updated_wrapper(wrapper_class, slot_of_token, lora_ids, is_prefill), layers, inputs, args.steps)
+            for wrapper_class in classes.values()
+        ]
+        print(f"    {label:<50}" + "".join(f"{ms:10.1f}" for ms in times) + f"{times[0] / times[-1]:7.1f}x")
     return 0
 
 

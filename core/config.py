@@ -254,10 +254,16 @@ def _csrf_trusted_origins(debug: bool) -> list[str]:
     return origins
 
 
+def configured_data_dir() -> Path:
+    """Where the platform keeps what it makes (database, files, adapters, built kernels) by default.
+    Read on its own too, by a replica process that has only its environment."""
+    return env_path("DATA_DIR", REPO_ROOT / "data")
+
+
 def load_config() -> Config:
     debug = env_bool("DEBUG", False)
     secret_key = _secret_key(debug)
-    data_dir = env_path("DATA_DIR", REPO_ROOT / "data")
+    data_dir = configured_data_dir()
     job_heartbeat_s, job_stale_after_s = _job_liveness()
     internal_token = env_token("INTERNAL_TOKEN") or derive_internal_token(secret_key)
     hsts_seconds = env_int("HSTS_SECONDS", _HSTS_ONE_YEAR_S, minimum=0)

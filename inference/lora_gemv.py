@@ -1,0 +1,169 @@
+"""The C kernel for multi-LoRA (``lora_gemv.c``): built on first use, loaded with ctypes.
+
+A decode batch whose 32 tokens use 32 adapters reads 32 adapters' weights at every projection: the
+step's LoRA is bound by those bytes, not by arithmetic. Torch's batched products read them in
+float32, after gathering the tokens into groups; this kernel reads each token's adapter once, in
+half precision (half the bytes), in one call per projection. On the catalog model's projections
+that is about 9 ms of LoRA per decode step where torch's products take 25
+(``benchmarks/lora_kernels_replay.py``).
+
+Half precision rounds each weight to 11 significant bits (a relative error of at most 2^-11; vLLM's
+GPU kernels hold adapters in a half-precision model's dtype alike); the arithmetic stays float32. A
+weight past half precision's range (65,504) would become infinite: ``HalfWeights.fits`` says so, and
+that projection is computed without this kernel.
+
+The library is built with the machine's C compiler into ``<DATA_DIR>/build``, named by a hash of
+the source and flags, so an edited source is built again and a built one is only loaded. A machine
+without a compiler, or a CPU without AVX2, FMA and F16C, gets ``Unavailable`` with the reason, and
+``inference.lora_kernels`` uses torch's products instead.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import itertools
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+SOURCE = Path(__file__).with_name("lora_gemv.c")
+# -fopenmp: the tokens are split among OpenMP threads. The library needs libgomp.so.1, which torch
+# has loaded already (torch's own copy), so both share one OpenMP runtime and its thread pool.
+_FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
+_CPU_FEATURES = ("avx2", "fma", "f16c")
+
+
+class Unavailable(Exception):
+    """Why this machine cannot run the C kernel."""
+
+
+def load(build_dir: Path) -> LoraGemv:
+    """The kernel, built first if no build of this source is in ``build_dir``."""
+    missing = [feature for feature in _CPU_FEATURES if feature not in _cpu_flags()]
+    if missing:
+        raise Unavailable(f"this CPU lacks {', '.join(missing)}")
+    source = SOURCE.read_bytes()
+    digest = hashlib.sha256(source + " ".join(_FLAGS).encode()).hexdigest()[:16]
+    library = build_dir / f"lora_gemv-{digest}.so"
+    if not library.exists():
+        _build(library)
+    try:
+        return LoraGemv(ctypes.CDLL(str(library)))
+    except (OSError, AttributeError) as exc:
+        raise Unavailable(f"{library} does not load ({exc})") from None
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()  # not Linux: the flags are unknown, so the kernel is not used
+    return {flag for line in text.splitlines() if line.startswith("flags") for flag in line.split(":", 1)[1].split()}
+
+
+def _build(target: Path) -> None:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise Unavailable(f"no C compiler (cc) to build {SOURCE.name}")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+        built = Path(scratch) / target.name
+        try:
+            result = subprocess.run(
+                [compiler, *_FLAGS, str(SOURCE), "-o", str(built)], capture_output=True, text=True, timeout=300
+            )
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise Unavailable(f"{compiler} did not build {SOURCE.name} ({exc})") from None
+        if result.returncode != 0:
+            said = (result.stderr.strip().splitlines() or ["no message"])[-1]
+            raise Unavailable(f"{compiler} could not build {SOURCE.name}: {said}")
+        os.replace(built, target)  # whole or absent: another replica may be building it at the same moment
+
+
+class LoraGemv:
+    """``y[t] += scale * x[t] @ A[s_t] @ B[s_t]`` for each token t whose slot s_t is not negative."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        pointer, size = ctypes.c_void_p, ctypes.c_int64
+        self._function = library.lora_gemv
+        self._function.argtypes = [pointer, size, pointer, size, pointer, size,
+                                   pointer, pointer, size, size, size, pointer, ctypes.c_float]  # fmt: skip
+        self._function.restype = None
+
+    @staticmethod
+    def accepts(y: torch.Tensor, x: torch.Tensor) -> bool:
+        """Whether these are the float32 row-major matrices the kernel reads and writes."""
+        import torch
+
+        return (
+            y.dim() == x.dim() == 2
+            and y.dtype == x.dtype == torch.float32
+            and y.stride(1) == x.stride(1) == 1
+            and y.device.type == x.device.type == "cpu"
+        )
+
+    def add(self, y: torch.Tensor, x: torch.Tensor, token_slots: torch.Tensor, weights: HalfWeights, scale: float) -> None:
+        """``token_slots``: int64, contiguous, one per token from the first row of ``x`` and ``y``."""
+        slices = weights.offsets.numel() - 1
+        self._function(
+            y.data_ptr(), y.stride(0), x.data_ptr(), x.stride(0), token_slots.data_ptr(), token_slots.numel(),
+            weights.a.data_ptr(), weights.b.data_ptr(), weights.a.size(2), weights.rank, slices,
+            weights.offsets.data_ptr(), scale,
+        )  # fmt: skip
+
+
+@dataclass
+class HalfWeights:
+    """One projection's adapter weights, every slot, in the kernel's layout (``lora_gemv.c``)."""
+
+    source: torch.Tensor  # vLLM's stacked A of the first slice: another tensor means another layer
+    rank: int
+    slot_state: tuple[tuple[object, int], ...]  # what was in each slot when it was copied
+    a: torch.Tensor  # slots x (slices*rank) x in, float16
+    b: torch.Tensor  # slots x rank x out, float16, the slices side by side
+    offsets: torch.Tensor  # int64: slice i's columns of b are offsets[i]..offsets[i+1]
+    unfit_slots: set[int] = field(default_factory=set)  # slots with a weight past half precision's range
+
+    @property
+    def fits(self) -> bool:
+        return not self.unfit_slots
+
+    @classmethod
+    def of(
+        cls,
+        lora_a_stacked: tuple[torch.Tensor, ...],
+        lora_b_stacked: tuple[torch.Tensor, ...],
+        rank: int,
+        slot_state: tuple[tuple[object, int], ...],
+    ) -> HalfWeights:
+        """From vLLM's layout: per slice, A slots x 1 x max_rank x in, B slots x 1 x out x max_rank."""
+        import torch
+
+        a = torch.cat([lora_a[:, 0, :rank, :] for lora_a in lora_a_stacked], dim=1).half()
+        b = torch.cat([lora_b[:, 0, :, :rank].transpose(1, 2) for lora_b in lora_b_stacked], dim=2).half()
+        ends = itertools.accumulate(lora_b.size(2) for lora_b in lora_b_stacked)
+        offsets = torch.tensor([0, *ends], dtype=torch.int64)
+        weights = cls(lora_a_stacked[0], rank, slot_state, a.contiguous(), b.contiguous(), offsets)
+        weights.unfit_slots = {slot for slot in range(a.size(0)) if not weights._slot_fits(slot)}
+        return weights
+
+    def copy_slot(self, lora_a_stacked: tuple[torch.Tensor, ...], lora_b_stacked: tuple[torch.Tensor, ...], slot: int) -> None:
+        rank, offsets = self.rank, self.offsets.tolist()
+        for index, (lora_a, lora_b) in enumerate(zip(lora_a_stacked, lora_b_stacked)):
+            self.a[slot, index * rank : (index + 1) * rank].copy_(lora_a[slot, 0, :rank])
+            self.b[slot, :, offsets[index] : offsets[index + 1]].copy_(lora_b[slot, 0, :, :rank].t())
+        if self._slot_fits(slot):
+            self.unfit_slots.discard(slot)
+        else:
+            self.unfit_slots.add(slot)
+
+    def _slot_fits(self, slot: int) -> bool:
+        return bool(self.a[slot].isfinite().all() and self.b[slot].isfinite().all())

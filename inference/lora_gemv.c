@@ -68,3 +68,30 @@ void lora_gemv(float *y, int64_t y_stride, const float *x, int64_t x_stride, con
                   offsets, scale);
     }
 }
+
+/* dst[r][c] = src[r][c] rounded to half precision (to nearest, ties to even, as torch's .half()), for
+ * r < rows and c < cols, strides in elements: a slot's weights copied from vLLM's float32 layout.
+ * Returns how many became infinite (past half precision's range). */
+int64_t to_half(uint16_t *dst, int64_t dst_row, int64_t dst_col, const float *src, int64_t src_row, int64_t src_col,
+                int64_t rows, int64_t cols) {
+    int64_t infinite = 0;
+    for (int64_t r = 0; r < rows; r++) {
+        uint16_t *out = dst + r * dst_row;
+        const float *in = src + r * src_row;
+        int64_t c = 0;
+        if (dst_col == 1 && src_col == 1) {
+            for (; c + 8 <= cols; c += 8) {
+                __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(in + c), _MM_FROUND_TO_NEAREST_INT);
+                _mm_storeu_si128((__m128i *)(out + c), h);
+                __m128i magnitude = _mm_and_si128(h, _mm_set1_epi16(0x7fff));
+                infinite += __builtin_popcount(_mm_movemask_epi8(_mm_cmpeq_epi16(magnitude, _mm_set1_epi16(0x7c00)))) / 2;
+            }
+        }
+        for (; c < cols; c++) {
+            uint16_t h = _cvtss_sh(in[c * src_col], _MM_FROUND_TO_NEAREST_INT);
+            out[c * dst_col] = h;
+            infinite += (h & 0x7fff) == 0x7c00;
+        }
+    }
+    return infinite;
+}

@@ -27,7 +27,7 @@ import os
 import shutil
 import subprocess
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -97,6 +97,9 @@ class LoraGemv:
         self._function.argtypes = [pointer, size, pointer, size, pointer, size,
                                    pointer, pointer, size, size, size, pointer, ctypes.c_float]  # fmt: skip
         self._function.restype = None
+        self._to_half = library.to_half
+        self._to_half.argtypes = [pointer, size, size, pointer, size, size, size, size]
+        self._to_half.restype = size
 
     @staticmethod
     def accepts(y: torch.Tensor, x: torch.Tensor) -> bool:
@@ -119,51 +122,66 @@ class LoraGemv:
             weights.offsets.data_ptr(), scale,
         )  # fmt: skip
 
+    def prepare(
+        self,
+        lora_a_stacked: tuple[torch.Tensor, ...],
+        lora_b_stacked: tuple[torch.Tensor, ...],
+        rank: int,
+        slot_state: tuple[tuple[object, int], ...],
+    ) -> HalfWeights:
+        """Every slot's weights, from vLLM's layout (per slice, A slots x 1 x max_rank x in, B slots x
+        1 x out x max_rank), up to ``rank``."""
+        import torch
+
+        slots, fan_in = lora_a_stacked[0].size(0), lora_a_stacked[0].size(3)
+        ends = list(itertools.accumulate(lora_b.size(2) for lora_b in lora_b_stacked))
+        a = torch.empty(slots, len(lora_a_stacked) * rank, fan_in, dtype=torch.float16)
+        b = torch.empty(slots, rank, ends[-1], dtype=torch.float16)
+        offsets = torch.tensor([0, *ends], dtype=torch.int64)
+        weights = HalfWeights(self, lora_a_stacked[0], rank, slot_state, a, b, offsets, set())
+        weights.copy_slots(lora_a_stacked, lora_b_stacked, list(range(slots)))
+        return weights
+
+    def to_half(self, target: torch.Tensor, source: torch.Tensor) -> int:
+        """Copy the float32 matrix ``source`` into the float16 ``target`` (same shape, any strides):
+        how many values became infinite."""
+        if target.shape != source.shape or target.dim() != 2:
+            raise ValueError(f"to_half copies a matrix into one of its shape, not {tuple(source.shape)} into {tuple(target.shape)}")
+        return int(self._to_half(
+            target.data_ptr(), target.stride(0), target.stride(1), source.data_ptr(), source.stride(0), source.stride(1),
+            source.size(0), source.size(1),
+        ))  # fmt: skip
+
 
 @dataclass
 class HalfWeights:
     """One projection's adapter weights, every slot, in the kernel's layout (``lora_gemv.c``)."""
 
+    gemv: LoraGemv  # which converts them
     source: torch.Tensor  # vLLM's stacked A of the first slice: another tensor means another layer
     rank: int
     slot_state: tuple[tuple[object, int], ...]  # what was in each slot when it was copied
     a: torch.Tensor  # slots x (slices*rank) x in, float16
     b: torch.Tensor  # slots x rank x out, float16, the slices side by side
     offsets: torch.Tensor  # int64: slice i's columns of b are offsets[i]..offsets[i+1]
-    unfit_slots: set[int] = field(default_factory=set)  # slots with a weight past half precision's range
+    unfit_slots: set[int]  # slots with a weight past half precision's range
 
     @property
     def fits(self) -> bool:
         return not self.unfit_slots
 
-    @classmethod
-    def of(
-        cls,
-        lora_a_stacked: tuple[torch.Tensor, ...],
-        lora_b_stacked: tuple[torch.Tensor, ...],
-        rank: int,
-        slot_state: tuple[tuple[object, int], ...],
-    ) -> HalfWeights:
-        """From vLLM's layout: per slice, A slots x 1 x max_rank x in, B slots x 1 x out x max_rank."""
-        import torch
-
-        a = torch.cat([lora_a[:, 0, :rank, :] for lora_a in lora_a_stacked], dim=1).half()
-        b = torch.cat([lora_b[:, 0, :, :rank].transpose(1, 2) for lora_b in lora_b_stacked], dim=2).half()
-        ends = itertools.accumulate(lora_b.size(2) for lora_b in lora_b_stacked)
-        offsets = torch.tensor([0, *ends], dtype=torch.int64)
-        weights = cls(lora_a_stacked[0], rank, slot_state, a.contiguous(), b.contiguous(), offsets)
-        weights.unfit_slots = {slot for slot in range(a.size(0)) if not weights._slot_fits(slot)}
-        return weights
-
-    def copy_slot(self, lora_a_stacked: tuple[torch.Tensor, ...], lora_b_stacked: tuple[torch.Tensor, ...], slot: int) -> None:
+    def copy_slots(self, lora_a_stacked: tuple[torch.Tensor, ...], lora_b_stacked: tuple[torch.Tensor, ...], slots: list[int]) -> None:
+        """Copy these slots again from vLLM's layout."""
         rank, offsets = self.rank, self.offsets.tolist()
-        for index, (lora_a, lora_b) in enumerate(zip(lora_a_stacked, lora_b_stacked)):
-            self.a[slot, index * rank : (index + 1) * rank].copy_(lora_a[slot, 0, :rank])
-            self.b[slot, :, offsets[index] : offsets[index + 1]].copy_(lora_b[slot, 0, :, :rank].t())
-        if self._slot_fits(slot):
-            self.unfit_slots.discard(slot)
-        else:
-            self.unfit_slots.add(slot)
-
-    def _slot_fits(self, slot: int) -> bool:
-        return bool(self.a[slot].isfinite().all() and self.b[slot].isfinite().all())
+        for slot in slots:
+            infinite = 0
+            for number, (lora_a, lora_b) in enumerate(zip(lora_a_stacked, lora_b_stacked)):
+                rows = slice(number * rank, (number + 1) * rank)
+                infinite += self.gemv.to_half(self.a[slot, rows], lora_a[slot, 0, :rank])
+                columns = slice(offsets[number], offsets[number + 1])
+                # Row by row of vLLM's B (out x rank): its reads are in order, the writes go to rank rows.
+                infinite += self.gemv.to_half(self.b[slot, :, columns].t(), lora_b[slot, 0, :, :rank])
+            if infinite:
+                self.unfit_slots.add(slot)
+            else:
+                self.unfit_slots.discard(slot)

@@ -7,19 +7,26 @@ weights, so adapters ran at a fraction of the base model's speed; it does this i
 even for batches without any adapter, and a token without an adapter (index -1) picks the last
 adapter slot there.
 
-Here each projection multiplies every token by its own adapter only, in batched products: the
-batch's tokens are arranged in groups, one per adapter slot the batch uses, and ``h = x @ A`` for
-all the projection's slices at once (q, k, v share one product), then ``y += h @ B`` per slice,
-are each one ``bmm`` over the groups. A decode batch is one row per slot; the few slots that are
-prefilling a prompt have more tokens than the rest, and their tokens past the others' form a
-second, narrower set of groups (``_tiers``), so padding stays small. The work grows with the
+Here each projection multiplies every token by its own adapter only, so the work grows with the
 tokens, not with tokens x adapters: an earlier version of these kernels multiplied every token by
 every adapter in the batch and masked, which with 32 adapters in a batch cost more than the base
-model's own projections. Computation stops at the largest rank among the batch's adapters (vLLM
-pads every adapter to ``max_lora_rank`` with zeros); the weights in the batched shape are prepared
-once and reused while the batch's adapters stay the same; a batch without adapters skips LoRA. The
-arithmetic is vLLM's reference semantics, ``y[t] += scale * x[t] @ A[i_t] @ B[i_t]``, nothing
-where ``i_t == -1``.
+model's own projections. What remains is bound by the bytes of adapter weights read, one adapter's
+per token, and two ways compute it:
+
+- the C kernel (``inference.lora_gemv``), one call per projection, the weights in half precision:
+  half the bytes; what replicas run wherever it builds;
+- torch's batched products, where it does not build: the batch's tokens are arranged in groups,
+  one per adapter slot the batch uses, and ``h = x @ A`` for all the projection's slices at once
+  (q, k, v share one product), then ``y += h @ B`` per slice, are each one ``bmm`` over the groups.
+  A decode batch is one row per slot; the few slots that are prefilling a prompt have more tokens
+  than the rest, and their tokens past the others' form a second, narrower set of groups
+  (``_tiers``), so padding stays small.
+
+Either way computation stops at the largest rank among the batch's adapters (vLLM pads every
+adapter to ``max_lora_rank`` with zeros); the weights in the kernel's layout are prepared once per
+layer and a slot is copied again only when vLLM writes another adapter into it; a batch without
+adapters skips LoRA. The arithmetic is vLLM's reference semantics, ``y[t] += scale * x[t] @
+A[i_t] @ B[i_t]``, nothing where ``i_t == -1``.
 
 Besides ``add_lora_linear`` (the projections adapters train), ``add_lora_logits`` is replaced only
 to skip vLLM's lm_head LoRA while no slot holds one (``_add_lora_logits``); embeddings keep vLLM's
@@ -35,7 +42,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from core.config import FINESERVE_KERNELS, LORA_KERNELS_SETTING, STOCK_KERNELS, configured_data_dir
 from inference import lora_gemv
@@ -238,7 +245,8 @@ def _add_lora_linear(
     if gemv is None:
         _add_grouped(self, y, x, lora_a_stacked, lora_b_stacked, scale, output_slices, step)
         return
-    weights = _layer_weights(self, lora_a_stacked, lora_b_stacked, step, lora_gemv.HalfWeights)
+    weights = _layer_weights(self, lora_a_stacked, lora_b_stacked, step)
+    assert isinstance(weights, lora_gemv.HalfWeights)
     if gemv.accepts(y, x) and weights.fits:
         gemv.add(y, x, step.token_slots, weights, scale)
     else:  # not float32 rows, or an adapter's weight past half precision's range: vLLM's own code
@@ -350,15 +358,15 @@ class _LayerWeights:
         expands = [lora_b[:, 0, :, :rank].transpose(1, 2).contiguous() for lora_b in lora_b_stacked]
         return cls(lora_a_stacked[0], rank, slot_state, shrink, expands)
 
-    def copy_slot(self, lora_a_stacked: tuple[torch.Tensor, ...], lora_b_stacked: tuple[torch.Tensor, ...], slot: int) -> None:
-        rank = self.rank
-        for index, (lora_a, lora_b) in enumerate(zip(lora_a_stacked, lora_b_stacked)):
-            self.shrink[slot, :, index * rank : (index + 1) * rank].copy_(lora_a[slot, 0, :rank, :].t())
-            self.expands[index][slot].copy_(lora_b[slot, 0, :, :rank].t())
+    def copy_slots(self, lora_a_stacked: tuple[torch.Tensor, ...], lora_b_stacked: tuple[torch.Tensor, ...], slots: list[int]) -> None:
+        """Copy these slots again from vLLM's layout; a few operations per slice however many slots."""
+        import torch
+
+        rank, index = self.rank, torch.tensor(slots)
+        for number, (lora_a, lora_b) in enumerate(zip(lora_a_stacked, lora_b_stacked)):
+            self.shrink[:, :, number * rank : (number + 1) * rank].index_copy_(0, index, lora_a[index, 0, :rank].transpose(1, 2))
+            self.expands[number].index_copy_(0, index, lora_b[index, 0, :, :rank].transpose(1, 2))
         self.subset = None
-
-
-_Weights = TypeVar("_Weights", _LayerWeights, lora_gemv.HalfWeights)
 
 
 def _layer_weights(
@@ -366,21 +374,22 @@ def _layer_weights(
     lora_a_stacked: tuple[torch.Tensor, ...],
     lora_b_stacked: tuple[torch.Tensor, ...],
     step: _Step,
-    layout: type[_Weights],
-) -> _Weights:
-    """The layer's adapter weights in ``layout``, prepared once and computed up to the step's rank. A
-    slot is copied again only when vLLM writes another adapter into it, so a batch whose adapters
-    change every step (many adapters in round robin) costs one slot's copy per change, not all."""
-    cache: dict[int, Any] = wrapper._fineserve_prepared
+) -> _LayerWeights | lora_gemv.HalfWeights:
+    """The layer's adapter weights in the layout of the wrapper's kernel, prepared once and computed
+    up to the step's rank. A slot is copied again only when vLLM writes another adapter into it, so
+    a batch whose adapters change every step (many adapters in round robin) costs one slot's copy
+    per change, not all."""
+    cache: dict[int, _LayerWeights | lora_gemv.HalfWeights] = wrapper._fineserve_prepared
+    gemv: lora_gemv.LoraGemv | None = wrapper._fineserve_gemv
     layer = id(lora_a_stacked[0])
     rank = min(step.rank or lora_a_stacked[0].size(2), lora_a_stacked[0].size(2))
     weights = cache.get(layer)
-    if not isinstance(weights, layout) or weights.source is not lora_a_stacked[0] or weights.rank != rank:
-        weights = cache[layer] = layout.of(lora_a_stacked, lora_b_stacked, rank, step.slot_state)
+    if weights is None or weights.source is not lora_a_stacked[0] or weights.rank != rank:
+        prepare = _LayerWeights.of if gemv is None else gemv.prepare
+        weights = cache[layer] = prepare(lora_a_stacked, lora_b_stacked, rank, step.slot_state)
     elif weights.slot_state != step.slot_state:
-        for slot, (now, then) in enumerate(zip(step.slot_state, weights.slot_state)):
-            if now != then:
-                weights.copy_slot(lora_a_stacked, lora_b_stacked, slot)
+        changed = [slot for slot, (now, then) in enumerate(zip(step.slot_state, weights.slot_state)) if now != then]
+        weights.copy_slots(lora_a_stacked, lora_b_stacked, changed)
         weights.slot_state = step.slot_state
     return weights
 
@@ -392,7 +401,8 @@ def _grouped_weights(
     step: _Step,
 ) -> tuple[torch.Tensor, list[torch.Tensor], int]:
     """The batched products' weights for the slots of this step, and the rank they are computed to."""
-    weights = _layer_weights(wrapper, lora_a_stacked, lora_b_stacked, step, _LayerWeights)
+    weights = _layer_weights(wrapper, lora_a_stacked, lora_b_stacked, step)
+    assert isinstance(weights, _LayerWeights)
     if step.all_slots:
         return weights.shrink, weights.expands, weights.rank
     key = tuple(step.slots.tolist())

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from inference import lora_kernels
+from inference import lora_gemv, lora_kernels
 from tests.inference_fixtures import make_adapter  # noqa: F401 (a fixture)
 
 FAN_IN, SLICES = 64, (64, 32, 32)  # a small fused q/k/v projection
@@ -40,11 +40,34 @@ def _reference(x, lora_a, lora_b, indices):
     return y
 
 
-def _wrapper(ids: list[int], indices: torch.Tensor, ranks: list[int], **stock) -> types.SimpleNamespace:
+@pytest.fixture(scope="session")
+def built_gemv(tmp_path_factory) -> lora_gemv.LoraGemv:
+    return lora_gemv.load(tmp_path_factory.mktemp("build"))
+
+
+@pytest.fixture(params=["c_kernel", "products"])
+def gemv(request, built_gemv) -> lora_gemv.LoraGemv | None:
+    """Each way ours compute: the C kernel (adapter weights in half precision), and torch's batched
+    products (where the C kernel cannot be built)."""
+    return built_gemv if request.param == "c_kernel" else None
+
+
+def _assert_matches(y: torch.Tensor, expected: torch.Tensor, gemv: lora_gemv.LoraGemv | None) -> None:
+    if gemv is None:
+        torch.testing.assert_close(y, expected, rtol=1e-4, atol=1e-4)
+    else:  # each weight rounded to half precision: 2^-11 of it at most
+        torch.testing.assert_close(y, expected, rtol=2e-3, atol=2e-3 * float(expected.abs().max()))
+
+
+def _wrapper(
+    ids: list[int], indices: torch.Tensor, ranks: list[int], gemv: lora_gemv.LoraGemv | None = None, **stock
+) -> types.SimpleNamespace:
     """What the patched wrapper holds after vLLM's update_metadata for this batch (``stock``: vLLM's own methods)."""
     lora_kernels._RANKS.update(zip(ids, ranks))
-    step = lora_kernels._plan(indices, ids)
-    return types.SimpleNamespace(_fineserve_step=step, _fineserve_prepared={}, _fineserve_logits={}, **stock)
+    step = lora_kernels._plan(indices, ids, grouped=gemv is None)
+    return types.SimpleNamespace(
+        _fineserve_step=step, _fineserve_gemv=gemv, _fineserve_prepared={}, _fineserve_logits={}, **stock
+    )
 
 
 @pytest.mark.parametrize(
@@ -58,70 +81,111 @@ def _wrapper(ids: list[int], indices: torch.Tensor, ranks: list[int], **stock) -
         ([8, 16, 4, 8], [1, 1, 1, 2, 2, 2, 2, 2, -1, 0, 3, 1]),  # two slots past the median, by different counts
     ],
 )
-def test_it_matches_the_reference_per_token_computation(ranks, indices):
+def test_it_matches_the_reference_per_token_computation(ranks, indices, gemv):
     lora_a, lora_b = _stacked(slots=4, max_rank=16, ranks=ranks)
     indices = torch.tensor(indices)
     x = torch.randn(len(indices), FAN_IN, generator=torch.Generator().manual_seed(1))
-    wrapper = _wrapper([101, 102, 103, 104], indices, ranks)  # vLLM's adapter ids in the slots
+    wrapper = _wrapper([101, 102, 103, 104], indices, ranks, gemv)  # vLLM's adapter ids in the slots
     y = torch.zeros(len(indices), sum(SLICES))
-    lora_kernels._grouped_add_lora_linear(wrapper, y, x, lora_a, lora_b, 1.0, SLICES)
-    torch.testing.assert_close(y, _reference(x, lora_a, lora_b, indices), rtol=1e-4, atol=1e-4)
+    lora_kernels._add_lora_linear(wrapper, y, x, lora_a, lora_b, 0.5, SLICES)
+    _assert_matches(y, 0.5 * _reference(x, lora_a, lora_b, indices), gemv)
 
 
-def test_rows_past_the_scheduled_tokens_get_no_adapter_and_fewer_rows_go_to_vllms_own_code():
+def test_rows_past_the_scheduled_tokens_get_no_adapter_and_fewer_rows_go_to_vllms_own_code(gemv):
     lora_a, lora_b = _stacked(slots=2, max_rank=8, ranks=[8, 8])
     indices, calls = torch.tensor([0, 1, 1]), []
     stock = {"_fineserve_stock_add_lora_linear": lambda *args, **kwargs: calls.append(args[1].shape)}
-    wrapper = _wrapper([301, 302], indices, [8, 8], **stock)
+    wrapper = _wrapper([301, 302], indices, [8, 8], gemv, **stock)
     x = torch.randn(5, FAN_IN, generator=torch.Generator().manual_seed(3))  # two padding rows
     y = torch.zeros(5, sum(SLICES))
-    lora_kernels._grouped_add_lora_linear(wrapper, y, x, lora_a, lora_b, 1.0, SLICES)
-    torch.testing.assert_close(y[:3], _reference(x[:3], lora_a, lora_b, indices), rtol=1e-4, atol=1e-4)
+    lora_kernels._add_lora_linear(wrapper, y, x, lora_a, lora_b, 1.0, SLICES)
+    _assert_matches(y[:3], _reference(x[:3], lora_a, lora_b, indices), gemv)
     assert torch.equal(y[3:], torch.zeros(2, sum(SLICES))) and not calls
-    lora_kernels._grouped_add_lora_linear(wrapper, y[:2], x[:2], lora_a, lora_b, 1.0, SLICES)
+    lora_kernels._add_lora_linear(wrapper, y[:2], x[:2], lora_a, lora_b, 1.0, SLICES)
     assert calls == [(2, FAN_IN)]
 
 
-def test_it_skips_batches_without_adapters():
-    assert lora_kernels._plan(torch.tensor([-1, -1, -1]), [101, 102]) is None
-    wrapper = types.SimpleNamespace(_fineserve_step=None, _fineserve_prepared={})
+def test_it_skips_batches_without_adapters(gemv):
+    assert lora_kernels._plan(torch.tensor([-1, -1, -1]), [101, 102], grouped=gemv is None) is None
+    wrapper = types.SimpleNamespace(_fineserve_step=None, _fineserve_gemv=gemv, _fineserve_prepared={})
     y = torch.ones(3, sum(SLICES))
-    lora_kernels._grouped_add_lora_linear(wrapper, y, torch.randn(3, FAN_IN), *_stacked(2, 8, [8, 8]), 1.0, SLICES)
+    lora_kernels._add_lora_linear(wrapper, y, torch.randn(3, FAN_IN), *_stacked(2, 8, [8, 8]), 1.0, SLICES)
     assert torch.equal(y, torch.ones(3, sum(SLICES)))
 
 
-def test_it_prepares_weights_once_and_copies_again_only_the_slot_that_gets_another_adapter():
+def test_it_prepares_weights_once_and_copies_again_only_the_slot_that_gets_another_adapter(gemv):
     lora_a, lora_b = _stacked(slots=3, max_rank=8, ranks=[8, 8, 8])
     ids, indices = [201, 202, 203], torch.tensor([0, 1, 1, 2])
     lora_kernels._RANKS.update(zip(ids, [8, 8, 8]))
-    wrapper = types.SimpleNamespace(_fineserve_prepared={})
+    wrapper = types.SimpleNamespace(_fineserve_gemv=gemv, _fineserve_prepared={})
     x = torch.randn(4, FAN_IN, generator=torch.Generator().manual_seed(2))
 
     def apply(step_indices: torch.Tensor = indices) -> torch.Tensor:
-        wrapper._fineserve_step = lora_kernels._plan(step_indices, ids)
+        wrapper._fineserve_step = lora_kernels._plan(step_indices, ids, grouped=gemv is None)
         y = torch.zeros(len(step_indices), sum(SLICES))
-        lora_kernels._grouped_add_lora_linear(wrapper, y, x[: len(step_indices)], lora_a, lora_b, 1.0, SLICES)
+        lora_kernels._add_lora_linear(wrapper, y, x[: len(step_indices)], lora_a, lora_b, 1.0, SLICES)
         return y
+
+    def shrink_of(prepared) -> torch.Tensor:  # the A matrices, slot first, in either layout
+        return prepared.a if gemv is not None else prepared.shrink
 
     first = apply()
     prepared = next(iter(wrapper._fineserve_prepared.values()))
-    shrink, untouched = prepared.shrink, prepared.shrink[0].clone()
+    shrink, untouched = shrink_of(prepared), shrink_of(prepared)[0].clone()
     apply()
-    assert next(iter(wrapper._fineserve_prepared.values())) is prepared and prepared.shrink is shrink  # reused
+    assert next(iter(wrapper._fineserve_prepared.values())) is prepared and shrink_of(prepared) is shrink  # reused
     for a in lora_a:
         a[1].mul_(2)  # vLLM writes another adapter into slot 1...
     ids[1] = 204
     lora_kernels._RANKS[204] = 8
     lora_kernels._WRITES[204] = lora_kernels._WRITES.get(204, 0) + 1  # ...as the patched activate_adapter records
-    torch.testing.assert_close(apply(), _reference(x, lora_a, lora_b, indices), rtol=1e-4, atol=1e-4)
+    _assert_matches(apply(), _reference(x, lora_a, lora_b, indices), gemv)
     assert not torch.allclose(apply(), first)
-    assert prepared.shrink is shrink and torch.equal(shrink[0], untouched)  # slot 1 copied in place, slot 0 kept
+    assert shrink_of(prepared) is shrink and torch.equal(shrink[0], untouched)  # slot 1 copied in place, slot 0 kept
     for a in lora_a:
         a[2].mul_(3)  # the same adapter written again into its slot (reloaded in place)
     lora_kernels._WRITES[203] = lora_kernels._WRITES.get(203, 0) + 1
-    torch.testing.assert_close(apply(), _reference(x, lora_a, lora_b, indices), rtol=1e-4, atol=1e-4)
-    some = torch.tensor([2, 0])  # a batch of some slots only: their weights selected
-    torch.testing.assert_close(apply(some), _reference(x[:2], lora_a, lora_b, some), rtol=1e-4, atol=1e-4)
+    _assert_matches(apply(), _reference(x, lora_a, lora_b, indices), gemv)
+    some = torch.tensor([2, 0])  # a batch of some slots only
+    _assert_matches(apply(some), _reference(x[:2], lora_a, lora_b, some), gemv)
+
+
+def test_the_c_kernel_leaves_a_projection_to_vllms_own_code_while_a_weight_is_past_half_precision(built_gemv):
+    lora_a, lora_b = _stacked(slots=2, max_rank=8, ranks=[8, 8])
+    indices, calls = torch.tensor([0, 1]), []
+    stock = {"_fineserve_stock_add_lora_linear": lambda *args, **kwargs: calls.append(args[1].shape)}
+    wrapper = _wrapper([501, 502], indices, [8, 8], built_gemv, **stock)
+    x = torch.randn(2, FAN_IN, generator=torch.Generator().manual_seed(4))
+    lora_kernels._add_lora_linear(wrapper, torch.zeros(2, sum(SLICES)), x, lora_a, lora_b, 1.0, SLICES)
+    assert not calls
+    lora_b[1][1, 0, 0, 0] = 1e5  # float16's largest is 65,504: vLLM writes such an adapter into slot 1
+    lora_kernels._WRITES[502] = lora_kernels._WRITES.get(502, 0) + 1
+    wrapper._fineserve_step = lora_kernels._plan(indices, [501, 502], grouped=False)
+    lora_kernels._add_lora_linear(wrapper, torch.zeros(2, sum(SLICES)), x, lora_a, lora_b, 1.0, SLICES)
+    assert calls == [(2, FAN_IN)]
+
+
+def test_the_c_kernel_is_built_once_per_source_and_its_absence_says_why(tmp_path, monkeypatch):
+    lora_gemv.load(tmp_path)
+    [library] = tmp_path.glob("lora_gemv-*.so")
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    assert isinstance(lora_gemv.load(tmp_path), lora_gemv.LoraGemv)  # built already: only loaded
+    with pytest.raises(lora_gemv.Unavailable, match=r"no-such-compiler did not build lora_gemv\.c"):
+        lora_gemv.load(tmp_path / "elsewhere")
+    monkeypatch.setattr(lora_gemv, "_cpu_flags", lambda: {"avx2", "fma"})
+    with pytest.raises(lora_gemv.Unavailable, match=r"^this CPU lacks f16c$"):
+        lora_gemv.load(tmp_path)
+    assert list(tmp_path.glob("lora_gemv-*.so")) == [library]
+
+
+def test_without_the_c_kernel_a_replica_computes_with_torch_and_says_why(vllm_classes, monkeypatch, caplog):
+    monkeypatch.setattr(lora_gemv, "_cpu_flags", lambda: set())
+    with caplog.at_level("WARNING", logger="inference.lora_kernels"):
+        state = lora_kernels.install("fineserve")
+    assert state.active == "fineserve" and not state.fell_back
+    assert state.reason.startswith("torch's batched products (not the C kernel: this CPU lacks avx2, fma, f16c)")
+    assert vllm_classes.wrapper._fineserve_gemv is None
+    assert "not the C kernel: this CPU lacks avx2, fma, f16c" in caplog.text
 
 
 def test_the_logits_skip_vllms_lm_head_lora_until_a_slot_holds_a_non_zero_one():
@@ -135,7 +199,7 @@ def test_the_logits_skip_vllms_lm_head_lora_until_a_slot_holds_a_non_zero_one():
     lora_b[1, 0] = 1.0  # vLLM puts an adapter with lm_head weights in slot 1...
     ids[1] = 403
     lora_kernels._WRITES[403] = lora_kernels._WRITES.get(403, 0) + 1
-    wrapper._fineserve_step = lora_kernels._plan(indices, ids)
+    wrapper._fineserve_step = lora_kernels._plan(indices, ids, grouped=True)
     lora_kernels._add_lora_logits(wrapper, y, torch.randn(3, FAN_IN), lora_a, lora_b, 1.0)
     assert len(calls) == 1  # ...and vLLM's own code adds its delta
     wrapper._fineserve_step = None  # a batch of base-model requests only
@@ -149,9 +213,7 @@ def test_it_hands_a_call_with_arguments_it_does_not_know_to_vllms_own_code():
         _fineserve_step=None, _fineserve_stock_add_lora_linear=lambda *args, **kwargs: calls.append(kwargs)
     )
     y = torch.zeros(3, sum(SLICES))
-    lora_kernels._grouped_add_lora_linear(
-        wrapper, y, torch.randn(3, FAN_IN), *_stacked(2, 8, [8, 8]), 1.0, SLICES, add_inputs=False
-    )
+    lora_kernels._add_lora_linear(wrapper, y, torch.randn(3, FAN_IN), *_stacked(2, 8, [8, 8]), 1.0, SLICES, add_inputs=False)
     assert calls == [{"buffer": None, "add_inputs": False}]
 
 
@@ -179,8 +241,9 @@ def test_it_installs_ours_after_the_check_passes_on_the_installed_vllm(vllm_clas
     stock = PunicaWrapperCPU.add_lora_linear
     state = lora_kernels.install("fineserve")
     assert (state.active, state.requested, state.fell_back) == ("fineserve", "fineserve", False)
-    assert "checked against vLLM" in state.reason
-    assert vllm_classes.wrapper.add_lora_linear is lora_kernels._grouped_add_lora_linear
+    assert state.reason.startswith("the C kernel, adapter weights in half precision; checked against vLLM")
+    assert isinstance(vllm_classes.wrapper._fineserve_gemv, lora_gemv.LoraGemv)
+    assert vllm_classes.wrapper.add_lora_linear is lora_kernels._add_lora_linear
     assert vllm_classes.wrapper.add_lora_logits is lora_kernels._add_lora_logits
     assert PunicaWrapperCPU.add_lora_linear is stock  # the fixture's subclass was patched, not vLLM's class
     assert lora_kernels.state() == state and lora_kernels._RANKS.keys().isdisjoint({9001, 9002, 9003})

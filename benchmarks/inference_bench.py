@@ -78,6 +78,9 @@ from tests.inference_fixtures import (
 from tests.processes import answers, free_port, running, wait_until
 
 CONCURRENCY = 32
+# Every load's timed run sends as many requests, two waves of CONCURRENCY: the base model and 64
+# adapters do the same work in the same pattern (64 adapters need 64 requests to use each once).
+TIMED_REQUESTS = 2 * CONCURRENCY
 TOKENS = 64
 MANY_ADAPTERS = 64  # (2)'s widest load: far more adapters than a replica's batch slots (max_loras)
 MIX_WIDTH = 8  # plain adapters, and mixes, in flight at once: the catalog's slots (max_loras) hold them all
@@ -199,10 +202,10 @@ def _request_body(target: dict, endpoint: str) -> dict:
 async def _throughput(
     url: str, targets: list[dict], api_key: str | None, endpoint: str, warmed: Callable[[], None] = lambda: None
 ) -> float:
-    """Every target at least once (more targets than CONCURRENCY: round robin), CONCURRENCY in flight;
-    ``warmed`` is called between the untimed warm-up and the timed run."""
+    """TIMED_REQUESTS requests over the targets in round robin (every target at least once),
+    CONCURRENCY in flight; ``warmed`` is called between the untimed warm-up and the timed run."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    order = [targets[i % len(targets)] for i in range(max(CONCURRENCY, len(targets)))]
+    order = [targets[i % len(targets)] for i in range(max(TIMED_REQUESTS, len(targets)))]
     random.shuffle(order)
     in_flight = asyncio.Semaphore(CONCURRENCY)
 

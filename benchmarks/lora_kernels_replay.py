@@ -89,10 +89,11 @@ def main() -> int:
     lora_kernels._RANKS.update(dict.fromkeys(lora_ids, args.rank))
     stock_class, manager_class = lora_kernels._vllm_classes()
     replacements = lora_kernels._replacements(stock_class, manager_class)
+    gemv = lora_gemv.load(configured_data_dir() / "build")
     classes = {
         "vLLM": stock_class,
         "products": lora_kernels._checked_copy(stock_class, replacements, None),
-        "C kernel": lora_kernels._checked_copy(stock_class, replacements, lora_gemv.load(configured_data_dir() / "build")),
+        "C kernel": lora_kernels._checked_copy(stock_class, replacements, gemv),
     }
     print(f"{base.id}: {len(layers)} adapted projections, {args.slots} slots, rank {args.rank} (max {MAX_RANK}), "
           f"{torch.get_num_threads()} threads; ms of LoRA per step, median of {args.steps}")  # fmt: skip

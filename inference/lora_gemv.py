@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     import torch
 
 SOURCE = Path(__file__).with_name("lora_gemv.c")
+Stacked = tuple["torch.Tensor", ...]  # vLLM's per-slice weights for every slot
 # -fopenmp: the tokens are split among OpenMP threads. The library needs libgomp.so.1, which torch
 # has loaded already (torch's own copy), so both share one OpenMP runtime and its thread pool.
 _FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
@@ -113,7 +114,9 @@ class LoraGemv:
             and y.device.type == x.device.type == "cpu"
         )
 
-    def add(self, y: torch.Tensor, x: torch.Tensor, token_slots: torch.Tensor, weights: HalfWeights, scale: float) -> None:
+    def add(
+        self, y: torch.Tensor, x: torch.Tensor, token_slots: torch.Tensor, weights: HalfWeights, scale: float
+    ) -> None:
         """``token_slots``: int64, contiguous, one per token from the first row of ``x`` and ``y``."""
         slices = weights.offsets.numel() - 1
         self._function(
@@ -124,8 +127,8 @@ class LoraGemv:
 
     def prepare(
         self,
-        lora_a_stacked: tuple[torch.Tensor, ...],
-        lora_b_stacked: tuple[torch.Tensor, ...],
+        lora_a_stacked: Stacked,
+        lora_b_stacked: Stacked,
         rank: int,
         slot_state: tuple[tuple[object, int], ...],
     ) -> HalfWeights:
@@ -146,10 +149,10 @@ class LoraGemv:
         """Copy the float32 matrix ``source`` into the float16 ``target`` (same shape, any strides):
         how many values became infinite."""
         if target.shape != source.shape or target.dim() != 2:
-            raise ValueError(f"to_half copies a matrix into one of its shape, not {tuple(source.shape)} into {tuple(target.shape)}")
+            raise ValueError(f"to_half: a {list(source.shape)} matrix into a {list(target.shape)} one")
         return int(self._to_half(
-            target.data_ptr(), target.stride(0), target.stride(1), source.data_ptr(), source.stride(0), source.stride(1),
-            source.size(0), source.size(1),
+            target.data_ptr(), target.stride(0), target.stride(1),
+            source.data_ptr(), source.stride(0), source.stride(1), source.size(0), source.size(1),
         ))  # fmt: skip
 
 
@@ -170,7 +173,7 @@ class HalfWeights:
     def fits(self) -> bool:
         return not self.unfit_slots
 
-    def copy_slots(self, lora_a_stacked: tuple[torch.Tensor, ...], lora_b_stacked: tuple[torch.Tensor, ...], slots: list[int]) -> None:
+    def copy_slots(self, lora_a_stacked: Stacked, lora_b_stacked: Stacked, slots: list[int]) -> None:
         """Copy these slots again from vLLM's layout."""
         rank, offsets = self.rank, self.offsets.tolist()
         for slot in slots:

@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 from core.config import FINESERVE_KERNELS, LORA_KERNELS_SETTING, STOCK_KERNELS, configured_data_dir
 from inference import lora_gemv
+from inference.lora_gemv import Stacked
 from inference.lora_kernels_check import Replacement, refusal
 
 if TYPE_CHECKING:
@@ -165,7 +166,7 @@ def _wrapper_state(wrapper: type, gemv: lora_gemv.LoraGemv | None) -> dict[str, 
     return {
         "_fineserve_step": None,
         "_fineserve_gemv": gemv,  # the C kernel; None: torch's batched products
-        "_fineserve_prepared": {},  # per layer: its _LayerWeights; shared by instances
+        "_fineserve_prepared": {},  # per layer: its weights in the kernel's layout; shared by instances
         "_fineserve_logits": {},  # per logits layer: which slots hold an lm_head delta (_adapts_logits)
         "_fineserve_stock_add_lora_linear": wrapper.add_lora_linear,  # type: ignore[attr-defined]
         "_fineserve_stock_add_lora_logits": wrapper.add_lora_logits,  # type: ignore[attr-defined]
@@ -358,14 +359,13 @@ class _LayerWeights:
         expands = [lora_b[:, 0, :, :rank].transpose(1, 2).contiguous() for lora_b in lora_b_stacked]
         return cls(lora_a_stacked[0], rank, slot_state, shrink, expands)
 
-    def copy_slots(self, lora_a_stacked: tuple[torch.Tensor, ...], lora_b_stacked: tuple[torch.Tensor, ...], slots: list[int]) -> None:
-        """Copy these slots again from vLLM's layout; a few operations per slice however many slots."""
-        import torch
-
-        rank, index = self.rank, torch.tensor(slots)
-        for number, (lora_a, lora_b) in enumerate(zip(lora_a_stacked, lora_b_stacked)):
-            self.shrink[:, :, number * rank : (number + 1) * rank].index_copy_(0, index, lora_a[index, 0, :rank].transpose(1, 2))
-            self.expands[number].index_copy_(0, index, lora_b[index, 0, :, :rank].transpose(1, 2))
+    def copy_slots(self, lora_a_stacked: Stacked, lora_b_stacked: Stacked, slots: list[int]) -> None:
+        """Copy these slots again from vLLM's layout."""
+        rank = self.rank
+        for slot in slots:
+            for number, (lora_a, lora_b) in enumerate(zip(lora_a_stacked, lora_b_stacked)):
+                self.shrink[slot, :, number * rank : (number + 1) * rank].copy_(lora_a[slot, 0, :rank, :].t())
+                self.expands[number][slot].copy_(lora_b[slot, 0, :, :rank].t())
         self.subset = None
 
 

@@ -69,7 +69,8 @@ CPU_BUILD = _cpu_build()
 # platform's secrets (SECRET_KEY, the database's and Redis's URLs with their passwords, S3 keys, the
 # monitoring token), which it never uses, and which an engine bug or a dependency's code must not
 # be able to read.
-REPLICA_INHERITS = {"PATH", "HOME", "USER", "LANG", "TZ", "TMPDIR", LORA_KERNELS_SETTING}
+# DATA_DIR: where the replica builds its C LoRA kernel (inference.lora_gemv), the platform's own place.
+REPLICA_INHERITS = {"PATH", "HOME", "USER", "LANG", "TZ", "TMPDIR", "DATA_DIR", LORA_KERNELS_SETTING}
 REPLICA_INHERITS_PREFIXES = (
     "LC_", "LD_", "PYTHON", "VLLM_", "HF_", "TRANSFORMERS_", "TOKENIZERS_", "TORCH", "OMP_", "KMP_", "MKL_",
     "OPENBLAS_", "CUDA_", "NVIDIA_", "NCCL_", "XDG_",

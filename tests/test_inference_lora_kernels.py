@@ -213,7 +213,8 @@ def test_it_hands_a_call_with_arguments_it_does_not_know_to_vllms_own_code():
         _fineserve_step=None, _fineserve_stock_add_lora_linear=lambda *args, **kwargs: calls.append(kwargs)
     )
     y = torch.zeros(3, sum(SLICES))
-    lora_kernels._add_lora_linear(wrapper, y, torch.randn(3, FAN_IN), *_stacked(2, 8, [8, 8]), 1.0, SLICES, add_inputs=False)
+    x = torch.randn(3, FAN_IN)
+    lora_kernels._add_lora_linear(wrapper, y, x, *_stacked(2, 8, [8, 8]), 1.0, SLICES, add_inputs=False)
     assert calls == [{"buffer": None, "add_inputs": False}]
 
 

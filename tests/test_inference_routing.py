@@ -572,7 +572,7 @@ def test_a_replica_inherits_what_vllm_needs_and_none_of_the_platforms_secrets(mo
     }  # fmt: skip
     needed = {
         "PATH": "/usr/bin", "HOME": "/home/app", "HF_HUB_OFFLINE": "1", "VLLM_LOGGING_LEVEL": "INFO", "OMP_NUM_THREADS": "2",
-        "LORA_KERNELS": "stock",
+        "LORA_KERNELS": "stock", "DATA_DIR": "/srv/fineserve",
     }  # fmt: skip
     for name, value in {**secrets, **needed}.items():
         monkeypatch.setenv(name, value)

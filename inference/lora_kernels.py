@@ -246,11 +246,12 @@ def _add_lora_linear(
     if gemv is None:
         _add_grouped(self, y, x, lora_a_stacked, lora_b_stacked, scale, output_slices, step)
         return
-    weights = _layer_weights(self, lora_a_stacked, lora_b_stacked, step)
-    assert isinstance(weights, lora_gemv.HalfWeights)
-    if gemv.accepts(y, x) and weights.fits:
+    weights = None
+    if gemv.accepts(y, x, *lora_a_stacked, *lora_b_stacked):
+        weights = _layer_weights(self, lora_a_stacked, lora_b_stacked, step)
+    if isinstance(weights, lora_gemv.HalfWeights) and weights.fits:
         gemv.add(y, x, step.token_slots, weights, scale)
-    else:  # not float32 rows, or an adapter's weight past half precision's range: vLLM's own code
+    else:  # not float32 matrices, or an adapter's weight past half precision's range: vLLM's own code
         self._fineserve_stock_add_lora_linear(y, x, lora_a_stacked, lora_b_stacked, scale, output_slices, buffer=buffer)
 
 

@@ -150,19 +150,22 @@ def test_it_prepares_weights_once_and_copies_again_only_the_slot_that_gets_anoth
     _assert_matches(apply(some), _reference(x[:2], lora_a, lora_b, some), gemv)
 
 
-def test_the_c_kernel_leaves_a_projection_to_vllms_own_code_while_a_weight_is_past_half_precision(built_gemv):
+def test_the_c_kernel_leaves_to_vllms_own_code_a_weight_past_half_precision_and_other_dtypes(built_gemv):
     lora_a, lora_b = _stacked(slots=2, max_rank=8, ranks=[8, 8])
     indices, calls = torch.tensor([0, 1]), []
-    stock = {"_fineserve_stock_add_lora_linear": lambda *args, **kwargs: calls.append(args[1].shape)}
+    stock = {"_fineserve_stock_add_lora_linear": lambda *args, **kwargs: calls.append(args[1].dtype)}
     wrapper = _wrapper([501, 502], indices, [8, 8], built_gemv, **stock)
     x = torch.randn(2, FAN_IN, generator=torch.Generator().manual_seed(4))
     lora_kernels._add_lora_linear(wrapper, torch.zeros(2, sum(SLICES)), x, lora_a, lora_b, 1.0, SLICES)
     assert not calls
+    halves = (tuple(a.bfloat16() for a in lora_a), tuple(b.bfloat16() for b in lora_b))  # a bfloat16 model's
+    lora_kernels._add_lora_linear(wrapper, torch.zeros(2, sum(SLICES)).bfloat16(), x.bfloat16(), *halves, 1.0, SLICES)
+    assert calls == [torch.bfloat16]
     lora_b[1][1, 0, 0, 0] = 1e5  # float16's largest is 65,504: vLLM writes such an adapter into slot 1
     lora_kernels._WRITES[502] = lora_kernels._WRITES.get(502, 0) + 1
     wrapper._fineserve_step = lora_kernels._plan(indices, [501, 502], grouped=False)
     lora_kernels._add_lora_linear(wrapper, torch.zeros(2, sum(SLICES)), x, lora_a, lora_b, 1.0, SLICES)
-    assert calls == [(2, FAN_IN)]
+    assert calls == [torch.bfloat16, torch.float32]
 
 
 def test_the_c_kernel_is_built_once_per_source_and_its_absence_says_why(tmp_path, monkeypatch):
@@ -392,6 +395,7 @@ def test_the_replica_runs_our_kernels_and_answers_token_for_token_as_stock_vllm(
     headers = internal_headers()
     replica = httpx.get(f"{inference_pool}/health", headers=headers).json()["replicas"][0]
     assert replica["lora_kernels"]["active"] == "fineserve", replica["lora_kernels"]
+    assert replica["lora_kernels"]["reason"].startswith("the C kernel, adapter weights in half precision")
     metrics = httpx.get(f"{inference_pool}/metrics", headers=headers).text.splitlines()
     [kernels] = [line for line in metrics if line.startswith("fineserve_replica_lora_kernels{")]
     assert 'kernels="fineserve"' in kernels and 'requested="fineserve"' in kernels and kernels.endswith(" 1.0")

@@ -96,6 +96,8 @@ def test_a_job_created_with_the_openai_client_trains_and_its_model_streams_then_
     assert job.fine_tuned_model in [model.id for model in client.models.list()]
     served = f"{job.fine_tuned_model}@r1"  # the replicas hold each revision under its own name
     assert any(served in replica["adapters"] for replica in pool_replicas(platform))
+    kernels = [replica["lora_kernels"] for replica in pool_replicas(platform) if replica["healthy"]]
+    assert kernels and all(k["reason"].startswith("the C kernel") for k in kernels), kernels  # built by bin/run's replica
     assert client.models.delete(job.fine_tuned_model).deleted
     wait_until(
         lambda: not any(served in replica["adapters"] for replica in pool_replicas(platform)),

@@ -223,8 +223,8 @@ def _add_lora_linear(
     self: Any,
     y: torch.Tensor,
     x: torch.Tensor,
-    lora_a_stacked: tuple[torch.Tensor, ...],
-    lora_b_stacked: tuple[torch.Tensor, ...],
+    lora_a_stacked: Stacked,
+    lora_b_stacked: Stacked,
     scale: float,
     output_slices: tuple[int, ...],
     *,
@@ -259,8 +259,8 @@ def _add_grouped(
     wrapper: Any,
     y: torch.Tensor,
     x: torch.Tensor,
-    lora_a_stacked: tuple[torch.Tensor, ...],
-    lora_b_stacked: tuple[torch.Tensor, ...],
+    lora_a_stacked: Stacked,
+    lora_b_stacked: Stacked,
     scale: float,
     output_slices: tuple[int, ...],
     step: _Step,
@@ -349,8 +349,8 @@ class _LayerWeights:
     @classmethod
     def of(
         cls,
-        lora_a_stacked: tuple[torch.Tensor, ...],
-        lora_b_stacked: tuple[torch.Tensor, ...],
+        lora_a_stacked: Stacked,
+        lora_b_stacked: Stacked,
         rank: int,
         slot_state: tuple[tuple[object, int], ...],
     ) -> _LayerWeights:
@@ -372,8 +372,8 @@ class _LayerWeights:
 
 def _layer_weights(
     wrapper: Any,
-    lora_a_stacked: tuple[torch.Tensor, ...],
-    lora_b_stacked: tuple[torch.Tensor, ...],
+    lora_a_stacked: Stacked,
+    lora_b_stacked: Stacked,
     step: _Step,
 ) -> _LayerWeights | lora_gemv.HalfWeights:
     """The layer's adapter weights in the layout of the wrapper's kernel, prepared once and computed
@@ -397,8 +397,8 @@ def _layer_weights(
 
 def _grouped_weights(
     wrapper: Any,
-    lora_a_stacked: tuple[torch.Tensor, ...],
-    lora_b_stacked: tuple[torch.Tensor, ...],
+    lora_a_stacked: Stacked,
+    lora_b_stacked: Stacked,
     step: _Step,
 ) -> tuple[torch.Tensor, list[torch.Tensor], int]:
     """The batched products' weights for the slots of this step, and the rank they are computed to."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import sys
@@ -11,10 +12,10 @@ import pytest
 from django.db import connection
 
 from tests.inference_fixtures import internal_headers, pool_environment
-from tests.processes import answers, celery_worker_command, running, wait_until
+from tests.processes import answers, celery_worker_command, running, running_web, wait_until
 from server.celery import app as celery_app
 
-pytest_plugins = ["tests.personas", "tests.browser"]
+pytest_plugins = ["tests.personas", "tests.browser", "tests.resource_report"]
 
 # Celery reads its settings once, lazily: read them now, before a test overrides Django settings.
 _ = celery_app.conf.broker_url
@@ -57,6 +58,10 @@ class Worker:
         self.process = None
         self._running = None
 
+    @property
+    def alive(self) -> bool:
+        return self._running is not None
+
     def start(self) -> None:
         self._running = running("worker", celery_worker_command(), self.env)
         self.process = self._running.__enter__()
@@ -75,30 +80,109 @@ class Worker:
 
 
 @pytest.fixture(scope="session")
-def celery_worker(test_database_url):
-    """Tests that hand it work must commit their rows: mark them django_db(transaction=True)."""
+def _session_worker(test_database_url):
     celery_app.control.purge()  # a task left by an aborted earlier run must not run now
     worker = Worker(test_database_url)
-    worker.start()
     yield worker
     worker.stop()
 
 
-@pytest.fixture(scope="session")
-def inference_pool():
-    """The real inference pool with one vLLM (CPU) replica of the default base model (test catalog)."""
-    from django.conf import settings
+@pytest.fixture
+def celery_worker(_session_worker):
+    """The session's worker, started on first use (and again after a scenario stopped it). Tests
+    that hand it work must commit their rows: mark them django_db(transaction=True)."""
+    if not _session_worker.alive:
+        _session_worker.start()
+    return _session_worker
 
-    with running("pool", [sys.executable, "-m", "inference"], pool_environment()) as process:
-        health = f"{settings.INFERENCE_POOL_URL}/health"
-        wait_until(lambda: answers(health, headers=internal_headers()), 300, "inference pool", process)
-        yield settings.INFERENCE_POOL_URL
+
+class SharedPool:
+    """The session's one inference pool (one vLLM replica of the test catalog's base model),
+    started on first use. A scenario that starts engines of its own stops it first
+    (``machine_to_itself``): two engines, a trainer and the test process alive at once do not fit
+    the machine, and a suite that passes by how full memory happens to be is not a test."""
+
+    def __init__(self) -> None:
+        self._running = None
+
+    def ensure(self) -> str:
+        from django.conf import settings
+
+        if self._running is None:
+            self._running = running("pool", [sys.executable, "-m", "inference"], pool_environment())
+            process = self._running.__enter__()
+            health = f"{settings.INFERENCE_POOL_URL}/health"
+            wait_until(lambda: answers(health, headers=internal_headers()), 300, "inference pool", process)
+        return settings.INFERENCE_POOL_URL
+
+    def stop(self) -> None:
+        if self._running is not None:
+            self._running.__exit__(None, None, None)
+            self._running = None
+
+
+@pytest.fixture(scope="session")
+def _shared_pool():
+    pool = SharedPool()
+    yield pool
+    pool.stop()
+
+
+@pytest.fixture
+def inference_pool(_shared_pool) -> str:
+    """The session's pool, running: its URL."""
+    return _shared_pool.ensure()
+
+
+@pytest.fixture(scope="session")
+def _gateway_web(test_database_url) -> str:
+    """The web process for the inference tests (``inference_fixtures.gateway``): it starts without the pool."""
+    with running_web("gateway", {"DATABASE_URL": test_database_url, **pool_environment()}) as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
+def machine_to_itself(_shared_pool, _session_worker) -> None:
+    """For scenarios that start engines (or Ray clusters) of their own: the session's pool and
+    worker are stopped first. These scenarios run last (``pytest_collection_modifyitems``), so
+    nothing starts the shared ones again behind them."""
+    _shared_pool.stop()
+    _session_worker.stop()
+    gc.collect()  # the test process's own models from earlier tests, before the engines start
+
+
+# What differs between PostgreSQL and SQLite, by test file: bin/test runs the whole suite on
+# PostgreSQL, then these again on SQLite (bin/run's default database; its product tests run on
+# SQLite already). The marker is ``databases``.
+DIFFERS_BY_DATABASE = {
+    "test_job_fencing.py": "claims and fenced state changes: conditional updates under concurrent writers",
+    "test_job_dispatch.py": "whose turn: ordered claims of queued jobs",
+    "test_fair_share.py": "fair turns across organizations: aggregates and ordering",
+    "test_jobs_api.py": "pagination after an id, JSON hyperparameters",
+    "test_files_api.py": "pagination, the row written with the stored bytes",
+    "test_usage.py": "usage summed by day and model: date truncation and aggregates",
+    "test_upload_quotas.py": "storage sums under the organization's lock",
+    "test_accounts.py": "unique names and memberships",
+    "test_roles.py": "owners and members under the organization's lock",
+    "test_model_revisions.py": "revision numbers and rollbacks: conditional updates",
+    "test_worker.py": "the worker's report names the database",
+}
 
 
 def pytest_collection_modifyitems(items: list) -> None:
     """The running product's tests first: bin/run starts an engine of its own, and it must not share
-    the two cores with the session's engine, which starts lazily with the first test that needs it."""
-    items.sort(key=lambda item: item.get_closest_marker("product") is None)
+    the machine with the session's engine, which starts lazily with the first test that needs it.
+    Scenarios with engines of their own last, once the session's pool is no longer needed."""
+
+    def turn(item) -> int:
+        if item.get_closest_marker("product") is not None:
+            return 0
+        return 2 if "machine_to_itself" in item.fixturenames else 1
+
+    items.sort(key=turn)  # stable: a module's tests keep their order, so its fixtures start once
+    for item in items:
+        if item.path.name in DIFFERS_BY_DATABASE:
+            item.add_marker("databases")
 
 
 @pytest.fixture

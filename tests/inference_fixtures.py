@@ -1,7 +1,7 @@
 """Fixtures for the inference tests: the test model catalog, the web gateway, personas, adapters.
 
 Import the fixtures in a test module (``from tests.inference_fixtures import *``). The pool itself
-is conftest's session ``inference_pool``, started with ``pool_environment()``.
+is conftest's ``inference_pool`` (one per session), started with ``pool_environment()``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.processes import ROOT, running_web
+from tests.processes import ROOT
 
 BASE = "HuggingFaceTB/SmolLM2-135M-Instruct"
 TEST_CATALOG = ROOT / "data" / "test" / "inference-models.toml"
@@ -64,11 +64,11 @@ def monitoring_headers() -> dict[str, str]:
     return {"Authorization": f"Bearer {settings.MONITORING_TOKEN}"}
 
 
-@pytest.fixture(scope="session")
-def gateway(test_database_url, inference_pool) -> str:
-    """The web process (Django under uvicorn, ASGI) on the test database, in front of the pool."""
-    with running_web("gateway", {"DATABASE_URL": test_database_url, **pool_environment()}) as url:
-        yield url
+@pytest.fixture
+def gateway(_gateway_web, inference_pool) -> str:
+    """The web process (Django under uvicorn, ASGI) on the test database, in front of the running
+    pool (conftest's ``_gateway_web``, one per session)."""
+    return _gateway_web
 
 
 # --- personas ----------------------------------------------------------------------------------

@@ -88,7 +88,9 @@ def ready_replicas(serve_url: str) -> int:
     return health["models"][BASE]["ready_replicas"]
 
 
-def test_two_trainers_and_two_ray_nodes_share_only_the_database_redis_and_s3(alice, test_database_url, tmp_path):
+def test_two_trainers_and_two_ray_nodes_share_only_the_database_redis_and_s3(
+    alice, test_database_url, tmp_path, machine_to_itself
+):
     redis.Redis.from_url(REDIS_URL).flushdb()
     catalog = tmp_path / "models.toml"
     catalog.write_text(_CATALOG)

@@ -101,7 +101,7 @@ class RayStack:
 
 
 @pytest.fixture(scope="module")
-def ray_stack(test_database_url) -> Iterator[RayStack]:
+def ray_stack(test_database_url, machine_to_itself) -> Iterator[RayStack]:
     """``python -m inference.ray_serve`` and a gateway in front of it, for this module's tests."""
     RAY_CATALOG.parent.mkdir(parents=True, exist_ok=True)
     RAY_CATALOG.write_text(_catalog_text())

@@ -12,10 +12,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from core import api_errors
 
 MAX_MESSAGES = 100
 MAX_MESSAGE_CHARS = 20_000
-from core import api_errors
 
 
 class PlaygroundMessage(BaseModel):

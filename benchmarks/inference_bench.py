@@ -18,7 +18,7 @@ prints one table whose ratios are against baselines measured in the same run:
    copies);
 3. gateway overhead: sequential one-token completions straight to the vLLM replica, to the pool,
    and through the gateway, interleaved; medians of the per-request differences;
-4. mixes (README: Mixing adapters): CONCURRENCY chat requests x TOKENS tokens spread over
+4. mixes (docs/api.md: Mixing adapters): CONCURRENCY chat requests x TOKENS tokens spread over
    MIX_WIDTH plain adapters, then over MIX_WIDTH mixes (each two of those adapters at scale 0.5,
    served as one combined adapter of twice the rank), through the gateway; tokens per second and
    the median over rounds of each round's mixes / plain ratio, with the adapter loads and
@@ -84,7 +84,7 @@ TIMED_REQUESTS = 2 * CONCURRENCY
 TOKENS = 64
 MANY_ADAPTERS = 64  # (2)'s widest load: far more adapters than a replica's batch slots (max_loras)
 MIX_WIDTH = 8  # plain adapters, and mixes, in flight at once: the catalog's slots (max_loras) hold them all
-MIX_SCALE = 0.5  # each of a mix's two parts, as in the README's example
+MIX_SCALE = 0.5  # each of a mix's two parts, as in docs/api.md's example
 FIRST_REQUEST_SAMPLES = 3  # (4)'s first-request pairs: each makes three fresh adapters
 INTERNAL = {"Authorization": f"Bearer {settings.INTERNAL_TOKEN}"}  # what the pool and replicas require
 PROMPT = "Write a short story about a lighthouse keeper and a storm."

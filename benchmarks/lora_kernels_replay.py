@@ -10,7 +10,7 @@ both of them: torch's batched products, and the C kernel with adapter weights in
 (``inference.lora_gemv``), which replicas run where it builds. It prints milliseconds of LoRA per
 step for each, and vLLM's time over the C kernel's. The engine's own profile puts
 these steps' LoRA at about a quarter of a decode step with 32 adapters in one batch
-(README: LoRA kernels); this is where to make it cheaper, seconds per try instead of minutes.
+(docs/lora-kernels.md); this is where to make it cheaper, seconds per try instead of minutes.
 """
 
 from __future__ import annotations

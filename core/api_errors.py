@@ -135,7 +135,7 @@ def unknown_field(name: str, endpoint: str) -> ApiError:
     # that it did nothing (``guided_json``, gone from vLLM, is the usual one).
     return ApiError(
         f"Unrecognized request argument supplied: '{name}'. /v1/{endpoint} takes OpenAI's fields and "
-        "vLLM's sampling extensions (see the README's Limits); for constrained output use response_format "
+        "vLLM's sampling extensions (see docs/limits.md); for constrained output use response_format "
         "or structured_outputs.",
         param=name, code="unknown_parameter",
     )  # fmt: skip

@@ -96,7 +96,7 @@ def lora_kernels() -> str:
 
 @dataclass(frozen=True)
 class TenantLimits:
-    """What one tenant may use, so it cannot exhaust the service for the others (README: Limits per tenant).
+    """What one tenant may use, so it cannot exhaust the service for the others (docs/limits.md: Per tenant).
     Each field's message to a refused caller names its variable, from ``LIMIT_SETTINGS``."""
 
     completions_per_minute_per_key: int

@@ -4,7 +4,7 @@ A decode batch whose 32 tokens use 32 adapters reads 32 adapters' weights at eve
 step's LoRA is bound by those bytes, not by arithmetic. Torch's batched products read them in
 float32, after gathering the tokens into groups; this kernel reads each token's adapter once, in
 half precision (half the bytes), in one call per projection: less than half the time of torch's
-products on the catalog model (README: LoRA kernels; ``benchmarks/lora_kernels_replay.py``).
+products on the catalog model (docs/lora-kernels.md; ``benchmarks/lora_kernels_replay.py``).
 
 Half precision rounds each weight to 11 significant bits (a relative error of at most 2^-11; vLLM's
 GPU kernels hold adapters in a half-precision model's dtype alike); the arithmetic stays float32. A

@@ -310,7 +310,7 @@ def _add_lora_logits(
 ) -> None:
     """vLLM applies an lm_head LoRA to every step's logits, whether or not an adapter has one: on
     the CPU a per-token copy of a vocabulary-sized matrix, about 30% of SmolLM2's decode step, base
-    model included (README: LoRA kernels). Adapters trained here never adapt lm_head (PEFT's all-linear
+    model included (docs/lora-kernels.md). Adapters trained here never adapt lm_head (PEFT's all-linear
     leaves it out), so that delta is zero: skip it unless some slot holds a non-zero one."""
     step: _Step | None = self._fineserve_step
     if not kwargs and (step is None or not _adapts_logits(self, lora_b_stacked, step)):

@@ -41,7 +41,7 @@ class RoutedFields(BaseModel):
 
     model: str
     stream: bool = False
-    # A mix of fine-tunes of the base model ``model`` names, served as one adapter (README: Mixing adapters)
+    # A mix of fine-tunes of the base model ``model`` names, served as one adapter (docs/api.md: Mixing adapters)
     adapters: list[AdapterShare] | None = None
 
 

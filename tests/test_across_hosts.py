@@ -1,6 +1,6 @@
 """Several hosts, played on one machine: a Ray cluster of two nodes serving a model with a replica
 on each, and two trainers with data folders of their own, sharing only the database, Redis and an
-S3 server (moto's, over HTTP), as the README's "Across hosts" runs them.
+S3 server (moto's, over HTTP), as docs/serving.md's "Across hosts" runs them.
 
 One scenario, in order: trainer A is killed mid-job (its host gone) and trainer B finishes the job
 from A's last checkpoint; the model answers on its first request from a Ray replica, which read

@@ -186,7 +186,7 @@ cold_start_wait_s = 5
 @pytest.mark.engine
 def test_a_real_replica_scaled_to_zero_starts_for_a_request_answers_and_stops_when_idle(tmp_path, machine_to_itself):
     """The client's side of a cold start: 503s with Retry-After while the engine starts, then the
-    answer; and the replica gone again once idle. Prints the cold start, for the README."""
+    answer; and the replica gone again once idle. Prints the cold start, for docs/benchmarks.md."""
     catalog = tmp_path / "models.toml"  # the test catalog (written by pool_environment), scaled to zero
     catalog.write_text(Path(pool_environment()["MODEL_CATALOG"]).read_text() + SCALED_TO_ZERO)
     url = f"http://127.0.0.1:{free_port()}"

@@ -108,33 +108,35 @@ def charlie(transactional_db, gateway) -> Persona:
 
 
 class AdapterMaker:
-    """Random (not zero-initialised) LoRA adapters on the base model, so each answers differently."""
+    """Random (not zero-initialised) LoRA adapters on the base model, so each answers differently.
+    An adapter is a function of its seed and rank: each is made once a session, and the base model
+    it is made on is loaded for that and let go, not held by the test process for the session."""
 
     def __init__(self, folder: Path):
         self.folder = folder
-        self._base = None
         self._lock = threading.Lock()
 
     def __call__(self, seed: int, rank: int = 8) -> Path:
+        out = self.folder / f"seed{seed}-r{rank}"
+        with self._lock:
+            if not (out / "adapter_config.json").exists():
+                self._make(out, seed, rank)
+        return out
+
+    @staticmethod
+    def _make(out: Path, seed: int, rank: int) -> None:
         import torch
         from peft import LoraConfig, get_peft_model
+        from transformers import AutoModelForCausalLM
 
-        with self._lock:
-            if self._base is None:
-                from transformers import AutoModelForCausalLM
-
-                self._base = AutoModelForCausalLM.from_pretrained(ROOT / "data" / "models" / BASE, dtype=torch.float32)
-            torch.manual_seed(seed)
-            config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGET_MODULES, init_lora_weights=False)
-            model = get_peft_model(self._base, config)
-            out = self.folder / f"seed{seed}-r{rank}"
-            model.save_pretrained(out)
-            self._base = model.unload()  # the base model again, for the next adapter
+        base = AutoModelForCausalLM.from_pretrained(ROOT / "data" / "models" / BASE, dtype=torch.float32)
+        torch.manual_seed(seed)
+        config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGET_MODULES, init_lora_weights=False)
+        get_peft_model(base, config).save_pretrained(out)
         config_file = out / "adapter_config.json"
         saved = json.loads(config_file.read_text())
         saved["base_model_name_or_path"] = BASE  # what the platform's training writes
         config_file.write_text(json.dumps(saved))
-        return out
 
 
 @pytest.fixture(scope="session")

@@ -300,3 +300,43 @@ def test_a_cancelled_jobs_checkpoints_answer_until_the_sweeper_deletes_them_afte
     time.sleep(1.1)  # another web process may remember the grant for its GRANT_TTL_S
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model=checkpoint, messages=question, max_tokens=2)
+
+
+def test_requests_that_once_broke_the_platform_are_refused_with_a_400_that_names_what_is_wrong(platform, tmp_path):
+    """The hostile requests that answered 500 (or were stored) on a fresh bin/run, sent to it as a
+    stranger would: each is now a 400 in OpenAI's error shape whose message names the problem."""
+    api = httpx.Client(base_url=f"{platform.url}/v1", headers={"Authorization": f"Bearer {platform.api_key}"}, timeout=60)
+    chat = '{"model": "%s", "messages": [{"role": "user", "content": "Hi"}], %s}'
+    adapter = AdapterMaker(tmp_path)(seed=2)
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    whole = _archive(adapter)
+
+    def upload(archive: bytes, suffix: str) -> httpx.Response:
+        files = {"file": ("adapter.tar.gz", archive)}
+        return api.post("/fine_tuning/adapters", files=files, data={"model": BASE, "suffix": suffix})
+
+    def with_config(**changes) -> bytes:
+        (tmp_path / "bad").mkdir(exist_ok=True)
+        (tmp_path / "bad" / "adapter_config.json").write_text(json.dumps(config | changes))
+        (tmp_path / "bad" / "adapter_model.safetensors").write_bytes((adapter / "adapter_model.safetensors").read_bytes())
+        return _archive(tmp_path / "bad")
+
+    with_config()  # then its config replaced by JSON nested 100,000 levels deep
+    (tmp_path / "bad" / "adapter_config.json").write_text("[" * 100_000 + "]" * 100_000)
+    nested = _archive(tmp_path / "bad")
+    refusals = {
+        "max_tokens NaN": api.post("/chat/completions", content=chat % (BASE, '"max_tokens": NaN'),
+                                   headers={"Content-Type": "application/json"}),
+        "n -Infinity": api.post("/chat/completions", content=chat % (BASE, '"n": -Infinity'),
+                                headers={"Content-Type": "application/json"}),
+        "start_time of 5,000 digits": api.get("/organization/usage/completions", params={"start_time": "9" * 5000}),
+        "a .tar.gz cut in half": upload(whole[: len(whole) // 2], "cut"),
+        "a deeply nested adapter_config.json": upload(nested, "nested"),
+        "lora_alpha 'x'": upload(with_config(lora_alpha="x"), "alpha"),
+    }  # fmt: skip
+    for what, response in refusals.items():
+        assert response.status_code == 400, f"{what}: {response.status_code} {response.text[:300]}"
+        error = response.json()["error"]
+        assert set(error) >= {"message", "type", "param", "code"} and error["message"], f"{what}: {error}"
+    listed = {model["id"] for model in api.get("/models").json()["data"]}
+    assert not {f"{BASE}:{suffix}" for suffix in ("cut", "nested", "alpha")} & listed  # nothing stored

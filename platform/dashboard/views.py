@@ -290,7 +290,7 @@ def playground(request: OrganizationRequest) -> HttpResponse:
 
 @require_POST
 @with_organization
-async def playground_chat(request: OrganizationRequest) -> HttpResponse:
+async def playground_chat(request: OrganizationRequest) -> HttpResponseBase:
     """The playground's chat: checked, then streamed from the pool as server-sent events."""
     try:
         answer = await complete_for_organization(request.organization, completion_body(request.body), "chat/completions")

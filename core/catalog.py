@@ -79,6 +79,13 @@ class Catalog:
     def get(self, model_id: str) -> BaseModel | None:
         return next((model for model in self.models if model.id == model_id), None)
 
+    def require(self, model_id: str) -> BaseModel:
+        """A model the caller knows is in the catalog (a fine-tune's base, checked when it was made)."""
+        model = self.get(model_id)
+        if model is None:
+            raise KeyError(f"model {model_id!r} is not in the catalog")
+        return model
+
     @property
     def ids(self) -> list[str]:
         return [model.id for model in self.models]

@@ -54,7 +54,7 @@ def passes(grader: Grader, answer: str, expected: str) -> bool:
         assert grader.pattern is not None
         return re.search(grader.pattern, answer) is not None
     if grader.type == "json_schema":
-        import jsonschema  # type: ignore[import-untyped]
+        import jsonschema
 
         try:
             jsonschema.validate(json.loads(answer), grader.schema or {})

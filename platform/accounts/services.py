@@ -11,7 +11,7 @@ from django.db.models import F
 from django.utils import timezone
 from django.utils.text import slugify
 
-from accounts.models import ApiKey, Membership, Organization, hash_key
+from accounts.models import ApiKey, ApiKeyQuerySet, Membership, Organization, hash_key
 from accounts.signals import access_withdrawn
 
 KEY_PREFIX = "sk-"
@@ -54,7 +54,7 @@ def revoke_api_key(api_key: ApiKey) -> None:
     access_withdrawn.send(sender=ApiKey)  # update() sends no model signal
 
 
-def _usable_keys():
+def _usable_keys() -> ApiKeyQuerySet:
     """Keys that may act: not revoked, made by an active user who still belongs to the key's
     organization (a key acts for its organization on its maker's behalf, so it goes with them)."""
     return ApiKey.objects.active().filter(

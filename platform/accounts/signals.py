@@ -9,6 +9,7 @@ revoked key, a deleted membership and a deactivated user (saved with ``is_active
 from __future__ import annotations
 
 from django.contrib.auth import get_user_model
+from django.contrib.auth.base_user import AbstractBaseUser
 from django.db.models.signals import post_delete, post_save
 from django.dispatch import Signal
 
@@ -17,11 +18,11 @@ from accounts.models import Membership
 access_withdrawn = Signal()
 
 
-def _membership_deleted(sender, **kwargs) -> None:
+def _membership_deleted(sender: type[Membership], **kwargs: object) -> None:
     access_withdrawn.send(sender=Membership)
 
 
-def _user_saved(sender, instance, **kwargs) -> None:
+def _user_saved(sender: type[AbstractBaseUser], instance: AbstractBaseUser, **kwargs: object) -> None:
     if not instance.is_active:
         access_withdrawn.send(sender=sender)
 

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 from django import forms
 from django.conf import settings
+from django.forms.boundfield import BoundWidget
 
 from core.api_errors import ApiError
 from core.config import ADAPTER_UPLOAD_LIMIT_SETTING, UPLOAD_LIMIT_SETTING
@@ -32,10 +35,15 @@ def file_too_large_message() -> str:
     return f"This file is larger than {limit}, the most a dataset may be ({UPLOAD_LIMIT_SETTING})."
 
 
+def choice_field(form: forms.Form, name: str) -> forms.ChoiceField:
+    """A form's choice field by name, typed as one, to set its choices (form.fields holds Fields)."""
+    return cast(forms.ChoiceField, form.fields[name])
+
+
 class UploadForm(forms.Form):
     file = forms.FileField(help_text="JSONL: one {\"messages\": [...]} or {\"prompt\", \"completion\"} object per line.")
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         # The page checks a chosen file's size before sending it (app.js): a file over the cap
         # would otherwise travel in full only to be refused.
@@ -63,9 +71,9 @@ class AdapterUploadForm(forms.Form):
     model = forms.ChoiceField(label="Base model")
     suffix = forms.CharField(required=False, max_length=64, help_text=SUFFIX_HELP)
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.fields["model"].choices = [(m, m) for m in settings.MODEL_CATALOG.ids]
+        choice_field(self, "model").choices = [(m, m) for m in settings.MODEL_CATALOG.ids]
         self.fields["file"].widget.attrs |= {
             "accept": ".tar.gz,.tgz,.zip", "data-max-bytes": settings.CONFIG.max_adapter_upload_bytes,
             "data-too-large": adapter_too_large_message(),
@@ -77,7 +85,7 @@ class ParentsField(forms.MultipleChoiceField):
     organization has (a model deleted since the page was shown, or another organization's, is
     refused by name), as the API does."""
 
-    def valid_value(self, value) -> bool:
+    def valid_value(self, value: object) -> bool:
         return True
 
 
@@ -104,9 +112,9 @@ class ComposeForm(forms.Form):
         required=False, min_value=0, max_value=2**31 - 1, help_text="dare_linear: its random drop. Empty: 0."
     )
 
-    def __init__(self, *args, models: list[str], **kwargs):
+    def __init__(self, *args: Any, models: list[str], **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.fields["parents"].choices = [(name, name) for name in models]
+        choice_field(self, "parents").choices = [(name, name) for name in models]
         most = settings.CONFIG.request_limits.mix_adapters.value
         self.fields["parents"].help_text = f"Tick 1 to {most} fine-tuned models of one base model, each with its scale."
         # A scale per model, named by the model: a model added or deleted between showing the page
@@ -121,7 +129,7 @@ class ComposeForm(forms.Form):
     def scale_field(model: str) -> str:
         return f"scale_{model}"
 
-    def rows(self) -> list[tuple[forms.BoundField, str, forms.BoundField]]:
+    def rows(self) -> list[tuple[BoundWidget, str, forms.BoundField]]:
         """(the tick box, the model's name, its scale) for each of the organization's models."""
         return [(box, box.data["value"], self[self.scale_field(box.data["value"])]) for box in self["parents"]]
 
@@ -152,12 +160,12 @@ class JobForm(forms.Form):
         choices=[(m, m) for m in TARGET_MODULES], initial=list(TARGET_MODULES), widget=forms.CheckboxSelectMultiple
     )
 
-    def __init__(self, *args, files: list[File], **kwargs):
+    def __init__(self, *args: Any, files: list[File], **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.fields["model"].choices = [(m, m) for m in settings.MODEL_CATALOG.ids]
+        choice_field(self, "model").choices = [(m, m) for m in settings.MODEL_CATALOG.ids]
         choices = [(f.id, f"{f.filename} ({f.example_count} examples, {f.token_count} tokens)") for f in files]
-        self.fields["training_file"].choices = choices
-        self.fields["validation_file"].choices = [("", "None")] + choices
+        choice_field(self, "training_file").choices = choices
+        choice_field(self, "validation_file").choices = [("", "None")] + choices
         # The page estimates training tokens from these before launch.
         self.tokens_by_file = {f.id: f.token_count for f in files}
 

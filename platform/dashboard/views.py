@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from django.contrib import messages
 from django.core.exceptions import PermissionDenied
 from django.core.paginator import Page, Paginator
+from django.db.models import QuerySet
 from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.http.response import HttpResponseBase
 from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_POST
 
@@ -14,7 +18,7 @@ from accounts.permissions import allow_members_to_manage, is_owner, may_manage, 
 from accounts.services import create_api_key, revoke_api_key
 from core.api_errors import ApiError
 from dashboard.forms import AdapterUploadForm, ApiKeyForm, ComposeForm, JobForm, UploadForm, show_api_error
-from dashboard.organizations import switch_organization, with_organization
+from dashboard.organizations import OrganizationRequest, switch_organization, with_organization
 from dashboard.playground import completion_body
 from dashboard.usage_chart import daily_tokens_chart
 from finetuning import adapters, compose, files, jobs, revisions
@@ -33,21 +37,22 @@ PAGE_SIZE = 50
 USAGE_PERIODS = (7, 14, 30)  # days the usage page can show
 
 
-def _page(request: HttpRequest, queryset) -> Page:
+def _page(request: HttpRequest, queryset: QuerySet[Any]) -> Page[Any]:
     """The ``?page=`` of a newest-first listing; an unusable number gives the nearest real page."""
     return Paginator(queryset, PAGE_SIZE).get_page(request.GET.get("page"))
 
 
 @require_POST
 @with_organization
-def switch(request: HttpRequest) -> HttpResponse:
+def switch(request: OrganizationRequest) -> HttpResponse:
     organization = switch_organization(request, int(request.POST.get("organization", 0) or 0))
     messages.info(request, f"Now working in {organization.name}.")
     return redirect("dashboard:jobs")
 
 
 @with_organization
-def datasets(request: HttpRequest) -> HttpResponse:
+def datasets(request: OrganizationRequest) -> HttpResponse:
+    line_errors: object  # a refused dataset's per-line errors, for the template
     form, line_errors = UploadForm(), []
     if request.method == "POST":
         form = UploadForm(request.POST, request.FILES)
@@ -66,7 +71,7 @@ def datasets(request: HttpRequest) -> HttpResponse:
 
 
 @with_organization
-def dataset(request: HttpRequest, file_id: str) -> HttpResponse:
+def dataset(request: OrganizationRequest, file_id: str) -> HttpResponse:
     file = get_object_or_404(File.objects.for_org(request.organization), pk=file_id)
     preview = files.load_examples(file)[:PREVIEW_EXAMPLES]
     return render(request, "dashboard/dataset.html", {"file": file, "preview": preview})
@@ -74,7 +79,7 @@ def dataset(request: HttpRequest, file_id: str) -> HttpResponse:
 
 @require_POST
 @with_organization
-def dataset_delete(request: HttpRequest, file_id: str) -> HttpResponse:
+def dataset_delete(request: OrganizationRequest, file_id: str) -> HttpResponse:
     file = get_object_or_404(File.objects.for_org(request.organization), pk=file_id)
     try:
         files.delete_file(file)
@@ -86,7 +91,7 @@ def dataset_delete(request: HttpRequest, file_id: str) -> HttpResponse:
 
 
 @with_organization
-def usage(request: HttpRequest) -> HttpResponse:
+def usage(request: OrganizationRequest) -> HttpResponse:
     """Completions and trained tokens by model, a bar a day: what ``/v1/organization/usage/*`` reports."""
     days = int(request.GET["days"]) if request.GET.get("days") in {str(days) for days in USAGE_PERIODS} else 14
     report = daily_usage(request.organization, days)
@@ -95,13 +100,13 @@ def usage(request: HttpRequest) -> HttpResponse:
 
 
 @with_organization
-def job_list(request: HttpRequest) -> HttpResponse:
+def job_list(request: OrganizationRequest) -> HttpResponse:
     page = _page(request, FineTuningJob.objects.for_org(request.organization))
     return render(request, "dashboard/jobs.html", {"page": page})
 
 
 @with_organization
-def job_new(request: HttpRequest) -> HttpResponse:
+def job_new(request: OrganizationRequest) -> HttpResponse:
     available = list(File.objects.for_org(request.organization))
     form = JobForm(request.POST or None, files=available)
     if request.method == "POST" and form.is_valid():
@@ -116,14 +121,14 @@ def job_new(request: HttpRequest) -> HttpResponse:
 
 
 @with_organization
-def job_detail(request: HttpRequest, job_id: str) -> HttpResponse:
+def job_detail(request: OrganizationRequest, job_id: str) -> HttpResponse:
     job = get_object_or_404(FineTuningJob.objects.for_org(request.organization), pk=job_id)
     context = {"job": job, "checkpoints": job.checkpoints.all(), "base_url": request.build_absolute_uri("/v1")}
     return render(request, "dashboard/job.html", context)
 
 
 @with_organization
-def checkpoint_adapter(request: HttpRequest, job_id: str, checkpoint_id: str) -> HttpResponse:
+def checkpoint_adapter(request: OrganizationRequest, job_id: str, checkpoint_id: str) -> HttpResponseBase:
     """A checkpoint's adapter as the API serves it (``GET /v1/fine_tuning/jobs/{id}/checkpoints/{ckpt}/adapter``)."""
     job = get_object_or_404(FineTuningJob.objects.for_org(request.organization), pk=job_id)
     checkpoint = get_object_or_404(job.checkpoints.select_related("job"), pk=checkpoint_id)
@@ -136,7 +141,7 @@ def checkpoint_adapter(request: HttpRequest, job_id: str, checkpoint_id: str) ->
 
 
 @with_organization
-def job_progress(request: HttpRequest, job_id: str) -> JsonResponse:
+def job_progress(request: OrganizationRequest, job_id: str) -> JsonResponse:
     """What the job page polls: the job, the metrics reports it has not seen yet (from the
     ``metrics_from``-th on, so a long job's poll stays small), and the latest messages."""
     job = get_object_or_404(FineTuningJob.objects.for_org(request.organization).select_related("organization"), pk=job_id)
@@ -154,7 +159,7 @@ def job_progress(request: HttpRequest, job_id: str) -> JsonResponse:
 
 @require_POST
 @with_organization
-def job_cancel(request: HttpRequest, job_id: str) -> HttpResponse:
+def job_cancel(request: OrganizationRequest, job_id: str) -> HttpResponse:
     job = get_object_or_404(FineTuningJob.objects.for_org(request.organization), pk=job_id)
     try:
         jobs.cancel_job(job)
@@ -165,7 +170,7 @@ def job_cancel(request: HttpRequest, job_id: str) -> HttpResponse:
 
 
 @with_organization
-def models(request: HttpRequest) -> HttpResponse:
+def models(request: OrganizationRequest) -> HttpResponse:
     """Every usable model with, for a fine-tuned one, its job and dataset; and whether it runs, where."""
     own = FineTunedModel.objects.for_org(request.organization).select_related("job").prefetch_related("revisions__job")
     fine_tuned = {model.name: model for model in own}
@@ -186,7 +191,7 @@ def models(request: HttpRequest) -> HttpResponse:
 
 @require_POST
 @with_organization
-def model_delete(request: HttpRequest, model_name: str) -> HttpResponse:
+def model_delete(request: OrganizationRequest, model_name: str) -> HttpResponse:
     model = get_object_or_404(FineTunedModel.objects.for_org(request.organization), name=model_name)
     if not may_manage(request.organization, request.user):
         raise PermissionDenied("Only an owner of the organization can delete its models, unless an owner allows members to.")
@@ -197,7 +202,7 @@ def model_delete(request: HttpRequest, model_name: str) -> HttpResponse:
 
 @require_POST
 @with_organization
-def model_rollback(request: HttpRequest, model_name: str) -> HttpResponse:
+def model_rollback(request: OrganizationRequest, model_name: str) -> HttpResponse:
     """The models page's "Answer with" button: ``POST /v1/fine_tuning/models/{model}/rollback``."""
     model = get_object_or_404(FineTunedModel.objects.for_org(request.organization), name=model_name)
     number = request.POST.get("revision", "")
@@ -213,7 +218,7 @@ def model_rollback(request: HttpRequest, model_name: str) -> HttpResponse:
 
 
 @with_organization
-def model_adapter(request: HttpRequest, model_name: str) -> HttpResponse:
+def model_adapter(request: OrganizationRequest, model_name: str) -> HttpResponseBase:
     """A fine-tuned model's adapter as the API serves it (``GET /v1/fine_tuning/models/{model}/adapter``)."""
     model = get_object_or_404(FineTunedModel.objects.for_org(request.organization), name=model_name)
     try:
@@ -225,7 +230,7 @@ def model_adapter(request: HttpRequest, model_name: str) -> HttpResponse:
 
 
 @with_organization
-def adapter_upload(request: HttpRequest) -> HttpResponse:
+def adapter_upload(request: OrganizationRequest) -> HttpResponse:
     """An adapter trained elsewhere, served as ``<model>:<suffix>`` once checked, as ``POST
     /v1/fine_tuning/adapters`` does. Any member may, as through the API; a refusal (the archive, its
     shapes, the suffix, the size, a quota) is shown on the form, and then nothing was written."""
@@ -247,7 +252,7 @@ def adapter_upload(request: HttpRequest) -> HttpResponse:
 
 
 @with_organization
-def model_compose(request: HttpRequest) -> HttpResponse:
+def model_compose(request: OrganizationRequest) -> HttpResponse:
     """A new model from a weighted combination of the organization's fine-tuned models, as ``POST
     /v1/fine_tuning/models`` makes it. A refusal is shown on the form, and then nothing was written;
     one the API answers 404 (a model the organization cannot see) is a 404 here too."""
@@ -260,14 +265,14 @@ def model_compose(request: HttpRequest) -> HttpResponse:
             show_api_error(form, error)
             status = 404 if error.status == 404 else 200
         else:
-            error = f"approximation error {model.lineage['approximation_error']:.4g}"
-            messages.success(request, f"{model.name} is published ({error}): it answers on its first request.")
+            approximation = f"approximation error {model.lineage['approximation_error']:.4g}"
+            messages.success(request, f"{model.name} is published ({approximation}): it answers on its first request.")
             return redirect("dashboard:models")
     return render(request, "dashboard/model_compose.html", {"form": form}, status=status)
 
 
 @with_organization
-def playground(request: HttpRequest) -> HttpResponse:
+def playground(request: OrganizationRequest) -> HttpResponse:
     """One pane, or two side by side (``?compare=1``). The first pane starts on ``?model=``, else on
     the newest fine-tune; the second on its base model, the comparison people want first."""
     usable = list_usable_models(request.organization)  # base models, then fine-tunes newest first
@@ -285,7 +290,7 @@ def playground(request: HttpRequest) -> HttpResponse:
 
 @require_POST
 @with_organization
-async def playground_chat(request: HttpRequest) -> HttpResponse:
+async def playground_chat(request: OrganizationRequest) -> HttpResponseBase:
     """The playground's chat: checked, then streamed from the pool as server-sent events."""
     try:
         answer = await complete_for_organization(request.organization, completion_body(request.body), "chat/completions")
@@ -297,7 +302,7 @@ async def playground_chat(request: HttpRequest) -> HttpResponse:
 
 
 @with_organization
-def api_keys(request: HttpRequest) -> HttpResponse:
+def api_keys(request: OrganizationRequest) -> HttpResponse:
     form, new_key = ApiKeyForm(request.POST or None), None
     if request.method == "POST" and form.is_valid():
         _, new_key = create_api_key(request.organization, request.user, form.cleaned_data["name"])
@@ -309,7 +314,7 @@ def api_keys(request: HttpRequest) -> HttpResponse:
 
 @require_POST
 @with_organization
-def api_key_revoke(request: HttpRequest, key_prefix: str) -> HttpResponse:
+def api_key_revoke(request: OrganizationRequest, key_prefix: str) -> HttpResponse:
     api_key = get_object_or_404(ApiKey.objects.filter(organization=request.organization), prefix=key_prefix)
     if not may_revoke(api_key, request.user):
         raise PermissionDenied("Members revoke their own keys; only an owner can revoke another's, unless an owner allows members to.")
@@ -320,7 +325,7 @@ def api_key_revoke(request: HttpRequest, key_prefix: str) -> HttpResponse:
 
 @require_POST
 @with_organization
-def members_may_manage(request: HttpRequest) -> HttpResponse:
+def members_may_manage(request: OrganizationRequest) -> HttpResponse:
     allowed = request.POST.get("allowed") == "on"
     allow_members_to_manage(request.organization, request.user, allowed)
     messages.success(request, "Members may now revoke any key and delete models." if allowed else "Only owners may now revoke others' keys and delete models.")

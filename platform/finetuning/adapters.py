@@ -124,6 +124,7 @@ def check_suffix_free(name: ModelName) -> None:
 def _register(organization: Organization, name: ModelName, size: int, composition: dict | None) -> FineTunedModel:
     """The registry row before the adapter is published, so that of two uploads under one name only
     one publishes (the unique name decides). Until it is published a request for it is a 404."""
+    assert name.suffix is not None  # a fine-tuned model's name (jobs.chosen_suffix)
     try:
         with transaction.atomic():
             quotas.check_storage(organization, size, locked=True)

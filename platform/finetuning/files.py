@@ -7,7 +7,7 @@ to check it, then to store it. The web process never holds a whole file in memor
 
 from __future__ import annotations
 
-from typing import BinaryIO
+from typing import BinaryIO, cast
 
 from django.conf import settings
 from django.contrib.auth.models import User
@@ -52,11 +52,12 @@ def dataset_error(dataset: Dataset) -> ApiError:
 def upload_file(organization: Organization, user: User | None, upload: UploadedFile, purpose: str) -> File:
     if purpose != PURPOSE:
         raise ApiError(f"purpose must be '{PURPOSE}', not '{purpose}'", param="purpose", code="invalid_purpose")
+    assert upload.size is not None  # Django sizes every file it receives (None only for a File made by hand)
     if upload.size > settings.CONFIG.max_upload_bytes:
         raise upload_too_large(upload.size)  # before reading it into memory
     quotas.charge_upload(organization)
     upload.seek(0)
-    dataset, counts = check_dataset(upload.file, keep_examples=False)
+    dataset, counts = check_dataset(cast(BinaryIO, upload.file), keep_examples=False)
     if not dataset.ok:
         raise dataset_error(dataset)
     size = upload.size
@@ -68,7 +69,7 @@ def upload_file(organization: Organization, user: User | None, upload: UploadedF
     file.storage_key = f"files/{organization.pk}/{file.id}.jsonl"
     # Bytes first, row second: a crash between leaves an orphan object, never a row without data.
     upload.seek(0)
-    storage.files().put_stream(file.storage_key, upload.file)
+    storage.files().put_stream(file.storage_key, cast(BinaryIO, upload.file))  # a received file's bytes
     try:
         with transaction.atomic():
             # Again, under the organization's lock (held only this long, not while the bytes are

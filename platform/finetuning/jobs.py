@@ -32,7 +32,7 @@ from datetime import datetime, timedelta, timezone as dt_timezone
 from django.conf import settings
 from django.contrib.auth.models import User
 from django.db import IntegrityError, transaction
-from django.db.models import Count, F, Max, Min
+from django.db.models import Count, F, Max, Min, QuerySet
 from django.utils import timezone
 from kombu.exceptions import OperationalError
 
@@ -414,7 +414,7 @@ def claim_next(woken_by: str, worker: str) -> Claim | None:
             .order_by("queued_at").values_list("pk", flat=True).first()
         )  # fmt: skip
         attempt = claim(job_id, worker) if job_id else None
-        if attempt is not None:
+        if job_id and attempt is not None:
             if job_id != woken_by:
                 _send_again(woken_by)
             return Claim(job_id, attempt)
@@ -447,11 +447,11 @@ def send_waiting(organization_id: int) -> list[str]:
     return [job_id for job_id in oldest if _send_again(job_id)]
 
 
-def _this_attempt(job_id: str, attempt: int):
+def _this_attempt(job_id: str, attempt: int) -> QuerySet[FineTuningJob]:
     return FineTuningJob.objects.filter(pk=job_id, status=JobStatus.RUNNING, attempts=attempt)
 
 
-def heartbeat(job_id: str, attempt: int, **fields) -> bool:
+def heartbeat(job_id: str, attempt: int, **fields: object) -> bool:
     """Say the attempt's worker is alive; False when the job no longer runs this attempt (cancelled,
     or given up on and queued again): the attempt must stop, and write nothing more."""
     return bool(_this_attempt(job_id, attempt).update(heartbeat_at=timezone.now(), **fields))

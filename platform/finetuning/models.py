@@ -25,7 +25,7 @@ def new_id(prefix: str) -> str:
 
 
 class OrgQuerySet(models.QuerySet):
-    def for_org(self, organization: Organization):
+    def for_org(self, organization: Organization) -> OrgQuerySet:
         return self.filter(organization=organization)
 
 

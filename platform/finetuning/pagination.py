@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from django.db.models import Q, QuerySet
+from django.http import QueryDict
 
 from core.api_errors import ApiError
 
@@ -19,7 +21,7 @@ def _limit(raw: str | None) -> int:
     return int(raw)
 
 
-def list_page(query_params, queryset: QuerySet, represent: Callable[[object], dict]) -> dict:
+def list_page(query_params: QueryDict, queryset: QuerySet[Any], represent: Callable[[Any], dict[str, Any]]) -> dict[str, Any]:
     limit = _limit(query_params.get("limit"))
     after = query_params.get("after")
     if after:

@@ -18,7 +18,7 @@ def metrics_csv(job: FineTuningJob) -> bytes:
     its last checkpoint): the later attempt's row is the one its adapter comes from."""
     rows: dict[int, dict] = {}
     for data in job.events.filter(type="metrics").order_by("created_at", "pk").values_list("data", flat=True):
-        if "step" in data:  # an evaluation's scores are metrics too, of no step
+        if data and "step" in data:  # an evaluation's scores are metrics too, of no step
             rows[data["step"]] = data
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")

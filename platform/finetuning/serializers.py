@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING, Any
 
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
@@ -19,14 +20,14 @@ MAX_METADATA_KEYS = 16
 class StrictIntegerField(serializers.IntegerField):
     """JSON numbers only: "3", 3.5 and true are type errors, not quietly converted."""
 
-    def to_internal_value(self, data):
+    def to_internal_value(self, data: Any) -> int:
         if isinstance(data, bool) or not isinstance(data, int):
             self.fail("invalid")
         return super().to_internal_value(data)
 
 
 class StrictFloatField(serializers.FloatField):
-    def to_internal_value(self, data):
+    def to_internal_value(self, data: Any) -> float:
         if isinstance(data, bool) or not isinstance(data, (int, float)):
             self.fail("invalid")
         return super().to_internal_value(data)
@@ -36,11 +37,11 @@ class StrictFloatField(serializers.FloatField):
 class AutoOr(serializers.Field):
     """OpenAI's hyperparameter shape: the string "auto" or a number in range."""
 
-    def __init__(self, number: serializers.Field, **kwargs):
+    def __init__(self, number: serializers.IntegerField | serializers.FloatField, **kwargs: Any) -> None:
         self.number = number
         super().__init__(**kwargs)
 
-    def to_internal_value(self, data):
+    def to_internal_value(self, data: Any) -> Any:
         if data == AUTO:
             return AUTO
         try:
@@ -48,20 +49,26 @@ class AutoOr(serializers.Field):
         except serializers.ValidationError as exc:
             raise serializers.ValidationError(f'must be "auto" or {_describe(self.number)}') from exc
 
-    def to_representation(self, value):
+    def to_representation(self, value: Any) -> Any:
         return value
 
 
-def _describe(field: serializers.Field) -> str:
+def _describe(field: serializers.IntegerField | serializers.FloatField) -> str:
     kind = "a whole number" if isinstance(field, serializers.IntegerField) else "a number"
     low, high = field.min_value, field.max_value
     return f"{kind} from {low} to {high}"
 
 
-class RejectUnknownKeys:
+if TYPE_CHECKING:  # the serializers the mixin below goes into, for the type checker
+    _Serializer = serializers.Serializer
+else:
+    _Serializer = object
+
+
+class RejectUnknownKeys(_Serializer):
     """A misspelt parameter is an error, not silently ignored (as OpenAI's API answers)."""
 
-    def to_internal_value(self, data):
+    def to_internal_value(self, data: Any) -> Any:
         if isinstance(data, dict):
             unknown = sorted(set(data) - set(self.fields))
             if unknown:
@@ -85,7 +92,7 @@ class GraderSerializer(RejectUnknownKeys, serializers.Serializer):
     pattern = serializers.CharField(required=False, max_length=1000, help_text="regex: what the answer must match")
     schema = serializers.DictField(required=False, help_text="json_schema: the JSON Schema the answer must satisfy")
 
-    def validate(self, data):
+    def validate(self, data: dict[str, Any]) -> dict[str, Any]:
         if data["type"] == "regex":
             if "pattern" not in data:
                 raise serializers.ValidationError({"pattern": "a regex grader needs a pattern"})
@@ -107,7 +114,8 @@ class GraderSerializer(RejectUnknownKeys, serializers.Serializer):
 
 class EvaluationSerializer(RejectUnknownKeys, serializers.Serializer):
     file = serializers.CharField(required=False, allow_null=True, help_text="Held-out examples (default: validation_file)")
-    graders = GraderSerializer(many=True, allow_empty=False, max_length=8)
+    # The stubs' Serializer.__init__ lacks the list's max_length, which many=True hands to the ListSerializer.
+    graders = GraderSerializer(many=True, allow_empty=False, max_length=8)  # type: ignore[call-arg]
     threshold = StrictFloatField(
         default=0.0, min_value=-1.0, max_value=1.0,
         help_text="The new adapter must score at least the reference's score plus this (0: no worse than it)",
@@ -127,12 +135,12 @@ class JobCreateSerializer(RejectUnknownKeys, serializers.Serializer):
     # A gate on publishing (``workers.evaluation``): scored against the base model or the parent.
     evaluation = EvaluationSerializer(required=False, allow_null=True)
 
-    def validate_metadata(self, value):
+    def validate_metadata(self, value: dict[str, str] | None) -> dict[str, str] | None:
         if value is not None and len(value) > MAX_METADATA_KEYS:
             raise serializers.ValidationError(f"at most {MAX_METADATA_KEYS} keys")
         return value
 
-    def validate_method(self, value):
+    def validate_method(self, value: dict[str, Any]) -> dict[str, Any]:
         if value.get("type", "supervised") != "supervised":
             raise serializers.ValidationError("only the 'supervised' method is supported")
         hyperparameters = (value.get("supervised") or {}).get("hyperparameters") or {}

@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from django.conf import settings
 
 from core.catalog import BaseModel
 from core.chat_tokens import example_token_count, load_tokenizer
 from core.datasets import Example
+
+if TYPE_CHECKING:  # importing transformers costs seconds: only the type checker reads it here
+    from transformers import PreTrainedTokenizerBase
 
 
 def default_model() -> BaseModel:
@@ -22,8 +26,8 @@ def default_model() -> BaseModel:
 
 
 @functools.lru_cache(maxsize=None)
-def _tokenizer(model_id: str):
-    return load_tokenizer(settings.MODEL_CATALOG.get(model_id).weights)  # a second or two, once
+def _tokenizer(model_id: str) -> PreTrainedTokenizerBase:
+    return load_tokenizer(settings.MODEL_CATALOG.require(model_id).weights)  # a second or two, once
 
 
 def token_counter(model: BaseModel) -> Callable[[Example], int]:

@@ -4,8 +4,9 @@ shape."""
 
 from __future__ import annotations
 
-from typing import IO
+from typing import IO, Any
 
+from django.db.models import QuerySet
 from django.http import FileResponse, HttpResponse
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, extend_schema, extend_schema_view
@@ -17,6 +18,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from accounts.authentication import caller_of, organization_of
 from core.api_errors import ApiError, model_not_found, not_found
 from finetuning import adapters, compose, files, jobs, revisions
 from finetuning.models import File, FineTunedModel, FineTuningJob
@@ -50,13 +52,13 @@ class AnyAcceptRenderer(JSONRenderer):
 class OrganizationScoped:
     """Rows of the caller's organization only; anything else is "no such ..." (404)."""
 
-    model: type
+    model: type[File] | type[FineTuningJob]
     noun: str
 
-    def scoped(self, request: Request):
-        return self.model.objects.for_org(request.auth.organization)
+    def scoped(self, request: Request) -> QuerySet[Any]:
+        return self.model.objects.for_org(organization_of(request))
 
-    def get_row(self, request: Request, pk: str):
+    def get_row(self, request: Request, pk: str) -> Any:
         row = self.scoped(request).filter(pk=pk).first()
         if row is None:
             raise not_found(self.noun, pk)
@@ -95,7 +97,7 @@ class FileViewSet(OrganizationScoped, viewsets.ViewSet):
         serializer = FileUploadSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
         data = serializer.validated_data
-        created = files.upload_file(request.auth.organization, request.user, data["file"], data["purpose"])
+        created = files.upload_file(organization_of(request), caller_of(request), data["file"], data["purpose"])
         return Response(file_object(created))
 
     def retrieve(self, request: Request, pk: str) -> Response:
@@ -128,7 +130,7 @@ class FileViewSet(OrganizationScoped, viewsets.ViewSet):
 class JobViewSet(OrganizationScoped, viewsets.ViewSet):
     model, noun = FineTuningJob, "fine-tuning job"
 
-    def scoped(self, request: Request):
+    def scoped(self, request: Request) -> QuerySet[Any]:
         return super().scoped(request).select_related("organization")
 
     def list(self, request: Request) -> Response:
@@ -139,7 +141,7 @@ class JobViewSet(OrganizationScoped, viewsets.ViewSet):
             raise ApiError("The request body must be a JSON object.", code="invalid_body")
         serializer = JobCreateSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
-        job = jobs.create_job(request.auth.organization, request.user, serializer.to_job_request())
+        job = jobs.create_job(organization_of(request), caller_of(request), serializer.to_job_request())
         return Response(job_object(job))
 
     def retrieve(self, request: Request, pk: str) -> Response:
@@ -187,7 +189,7 @@ class ModelAdapterView(APIView):
 
 
 def _own_model(request: Request, name: str) -> FineTunedModel:
-    row = FineTunedModel.objects.for_org(request.auth.organization).filter(name=name).first()
+    row = FineTunedModel.objects.for_org(organization_of(request)).filter(name=name).first()
     if row is None:
         raise model_not_found(name)
     return row
@@ -235,7 +237,7 @@ class AdapterUploadView(APIView):
         serializer = AdapterUploadSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
         data = serializer.validated_data
-        model = adapters.upload_adapter(request.auth.organization, request.user, data["file"], data["model"], data.get("suffix"))
+        model = adapters.upload_adapter(organization_of(request), caller_of(request), data["file"], data["model"], data.get("suffix"))
         return Response(model_object(model))
 
 
@@ -251,4 +253,4 @@ class ComposeModelView(APIView):
             raise ApiError("The request body must be a JSON object.", code="invalid_body")
         serializer = CompositionSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
-        return Response(model_object(compose.compose_model(request.auth.organization, serializer.to_composition())))
+        return Response(model_object(compose.compose_model(organization_of(request), serializer.to_composition())))

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from accounts.models import ApiKey, Organization, hash_key
 from accounts.permissions import may_manage
@@ -97,11 +98,14 @@ def _delete_model(api_key: ApiKey, model: UsableModel) -> None:
     delete_fine_tuned_model(fine_tuned)
 
 
-def _in_thread(function: Callable):
+_T = TypeVar("_T")
+
+
+def _in_thread(function: Callable[..., _T]) -> Callable[..., Awaitable[_T]]:
     """``function`` as a coroutine run in the shared thread pool."""
 
     @functools.wraps(function)
-    def call(*args):
+    def call(*args: Any) -> _T:
         with outage_as_api_error():
             return function(*args)
 
@@ -128,7 +132,7 @@ async def authorize(raw_key: str, model_name: str | None) -> Access:
     return access
 
 
-def forget_grants(**_signal) -> None:
+def forget_grants(**_signal: object) -> None:
     """Forget every remembered grant: access was withdrawn somewhere (rare, so no bookkeeping of
     which grants it touched; the next request of each caller pays one check again)."""
     _grants.clear()

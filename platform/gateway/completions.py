@@ -154,7 +154,7 @@ async def _relay(upstream: UpstreamResponse, tokens: StreamTokens, caller: Calle
         METER.record(caller, tokens.tokens)
 
 
-def pool_response(answer: PoolAnswer) -> HttpResponse:
+def pool_response(answer: PoolAnswer) -> HttpResponse | StreamingHttpResponse:
     """The pool's answer as it came: a stream stays a stream."""
     if answer.stream is not None:
         return StreamingHttpResponse(

@@ -35,7 +35,7 @@ def estimated_tokens(data: dict[str, Any], endpoint: str, model: UsableModel | N
         return 0  # refused as not found right after; only the request counts
     prompt = estimated_prompt_tokens(data, endpoint)
     asked = data.get("max_completion_tokens") or data.get("max_tokens")
-    context = settings.MODEL_CATALOG.get(model.base_model_id).engine.max_model_len
+    context = settings.MODEL_CATALOG.require(model.base_model_id).engine.max_model_len
     choices = max(1, int(data.get("n") or 1))
     return prompt + choices * int(min(asked, context) if asked else context)
 

@@ -9,12 +9,16 @@ lists are pydantic models, rendered from their own JSON schema.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from inference.protocol import REQUEST_FIELDS, AdapterShare, ModelCard, ModelList
 
+if TYPE_CHECKING:
+    from drf_spectacular.generators import SchemaGenerator
+    from rest_framework.request import Request
+
 ERROR = {"$ref": "#/components/schemas/InferenceError"}
-BEARER = [{"InferenceKey": []}]
+BEARER: list[dict[str, list[str]]] = [{"InferenceKey": []}]
 # The fields the gateway checks (types and caps: ``gateway.request_limits``), and the messages' shape.
 _COUNT = {"type": "integer", "minimum": 0}
 _TYPED_FIELDS: dict[str, dict] = {
@@ -67,7 +71,7 @@ def _operation(operation_id: str, summary: str, responses: dict, **more: Any) ->
     return {"operationId": operation_id, "summary": summary, "tags": ["inference"], "security": BEARER, "responses": responses, **more}
 
 
-def add_inference_endpoints(result: dict, generator, request, public) -> dict:
+def add_inference_endpoints(result: dict, generator: SchemaGenerator, request: Request | None, public: bool) -> dict:
     """drf-spectacular's POSTPROCESSING_HOOKS signature."""
     completion = {"type": "object", "description": "OpenAI's completion object, or with stream=true a text/event-stream"}
     card, listing = {"$ref": "#/components/schemas/ModelCard"}, {"$ref": "#/components/schemas/ModelList"}

@@ -7,9 +7,12 @@ under uvicorn): they serve WSGI, Django's test client and the schema fuzzer, and
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 import httpx
 from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.http.response import HttpResponseBase
 from django.views.decorators.csrf import csrf_exempt
 
 from core import api_errors
@@ -23,13 +26,16 @@ from server.api_errors import api_error
 from server.monitoring import from_monitoring
 
 
-def openai_endpoint(name: str, *methods: str):
+_AsyncView = Callable[..., Coroutine[Any, Any, HttpResponseBase]]
+
+
+def openai_endpoint(name: str, *methods: str) -> Callable[[_AsyncView], _AsyncView]:
     """Answer errors in OpenAI's shape and count every request; API clients send no CSRF token."""
 
-    def decorate(view):
+    def decorate(view: _AsyncView) -> _AsyncView:
         @csrf_exempt
         @functools.wraps(view)
-        async def wrapper(request: HttpRequest, *args, **kwargs) -> HttpResponse:
+        async def wrapper(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponseBase:
             try:
                 if request.method not in methods:
                     raise api_errors.method_not_allowed(" or ".join(methods))
@@ -44,17 +50,17 @@ def openai_endpoint(name: str, *methods: str):
     return decorate
 
 
-async def _completion(request: HttpRequest, endpoint: str) -> HttpResponse:
+async def _completion(request: HttpRequest, endpoint: str) -> HttpResponseBase:
     return pool_response(await complete(request.headers.get("Authorization"), request.body, endpoint))
 
 
 @openai_endpoint("chat/completions", "POST")
-async def chat_completions(request: HttpRequest) -> HttpResponse:
+async def chat_completions(request: HttpRequest) -> HttpResponseBase:
     return await _completion(request, "chat/completions")
 
 
 @openai_endpoint("completions", "POST")
-async def completions(request: HttpRequest) -> HttpResponse:
+async def completions(request: HttpRequest) -> HttpResponseBase:
     return await _completion(request, "completions")
 
 

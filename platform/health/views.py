@@ -1,4 +1,4 @@
-from django.http import JsonResponse
+from django.http import HttpRequest, JsonResponse
 from django.views.decorators.http import require_GET
 
 from health.checks import ALL_CHECKS
@@ -6,11 +6,11 @@ from server.monitoring import from_monitoring
 
 
 @require_GET
-def healthz(request):
+def healthz(request: HttpRequest) -> JsonResponse:
     """Up or down for anyone (a load balancer); which part is down, and why, for monitoring only."""
     results = {name: check() for name, check in ALL_CHECKS.items()}
     healthy = all(result.ok for result in results.values())
-    body = {"status": "ok" if healthy else "unavailable"}
+    body: dict[str, object] = {"status": "ok" if healthy else "unavailable"}
     if from_monitoring(request):
         body["checks"] = {name: {"ok": r.ok, "detail": r.detail} for name, r in results.items()}
         body["down"] = [name for name, result in results.items() if not result.ok]

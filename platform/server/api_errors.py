@@ -13,6 +13,7 @@ its debug pages instead. So /v1/ does not rely on them alone: an unknown path un
 from __future__ import annotations
 
 import re
+from typing import Any
 
 from django.http import Http404, HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import render
@@ -34,7 +35,7 @@ def api_error(error: ApiError) -> HttpResponse:
     return HttpResponse(error.json_bytes(), status=error.status, content_type="application/json", headers=error.headers())
 
 
-def _first_validation_error(detail, path: str = "") -> tuple[str | None, str]:
+def _first_validation_error(detail: object, path: str = "") -> tuple[str | None, str]:
     """DRF nests field errors; OpenAI names one param. Take the first, with its dotted path."""
     if isinstance(detail, dict):
         key, value = next(iter(detail.items()))
@@ -61,7 +62,7 @@ def _translate(exc: exceptions.APIException) -> ApiError:
     return ApiError(str(exc.detail), status=exc.status_code, code=exc.default_code)
 
 
-def exception_handler(exc, context) -> Response | None:
+def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | None:
     if isinstance(exc, Http404):
         exc = exceptions.NotFound("Not found.")
     if isinstance(exc, exceptions.APIException):
@@ -75,7 +76,7 @@ def exception_handler(exc, context) -> Response | None:
     return Response(exc.body(), status=exc.status, headers=headers)
 
 
-def json_404(request, exception=None) -> JsonResponse:
+def json_404(request: HttpRequest, exception: Exception | None = None) -> JsonResponse:
     """Unknown URLs answer in the API's shape too (Django's handler404)."""
     return JsonResponse(
         error_body(f"Unknown path: {request.method} {request.path}", type="invalid_request_error", code="unknown_url"),
@@ -87,7 +88,7 @@ def for_api(request: HttpRequest) -> bool:
     return request.path.startswith(API_PREFIX)
 
 
-def page_not_found(request, exception=None):
+def page_not_found(request: HttpRequest, exception: Exception | None = None) -> HttpResponse:
     if for_api(request):
         return json_404(request, exception)
     return render(request, "404.html", {"path": request.path}, status=404)
@@ -98,14 +99,14 @@ def unknown_api_path(request: HttpRequest) -> JsonResponse:
     return json_404(request)
 
 
-def bad_request(request, exception=None):
+def bad_request(request: HttpRequest, exception: Exception) -> HttpResponse:
     """A request Django refuses (a Host header not in ALLOWED_HOSTS, a body over its size limit, ...)."""
     if for_api(request):
         return JsonResponse(error_body("Bad request.", type="invalid_request_error", code="bad_request"), status=400)
     return defaults.bad_request(request, exception)
 
 
-def permission_denied(request, exception=None):
+def permission_denied(request: HttpRequest, exception: Exception) -> HttpResponse:
     if for_api(request):
         body = error_body("You may not do this.", type="invalid_request_error", code="permission_denied")
         return JsonResponse(body, status=403)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import cast
 
 from django.db import DataError, InterfaceError, OperationalError
 
@@ -54,5 +55,5 @@ def outage_as_api_error() -> Iterator[None]:
     try:
         yield
     except DATABASE_ERRORS as exc:
-        raise as_api_error(exc) from exc
+        raise cast(ApiError, as_api_error(exc)) from exc  # an outage's error is always the 503
 

@@ -15,10 +15,11 @@ from collections import Counter, defaultdict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, overload
 
 from django.db.models import Aggregate, Count, QuerySet, Sum
 from django.db.models.functions import Trunc
+from django.http import QueryDict
 
 from accounts.models import Organization
 from core.api_errors import ApiError
@@ -88,6 +89,10 @@ class UsageQuery:
 LAST_SECOND = 253402300799  # 9999-12-31T23:59:59Z, the last second a datetime holds
 
 
+@overload
+def _whole_number(params: Mapping[str, Any], name: str, default: int, unit: str = ...) -> int: ...
+@overload
+def _whole_number(params: Mapping[str, Any], name: str, default: None = None, unit: str = ...) -> int | None: ...
 def _whole_number(params: Mapping[str, Any], name: str, default: int | None = None, unit: str = "Unix seconds") -> int | None:
     raw = params.get(name)
     if raw is None or raw == "":
@@ -97,13 +102,13 @@ def _whole_number(params: Mapping[str, Any], name: str, default: int | None = No
     return int(raw)
 
 
-def _list(params, name: str) -> list[str]:
+def _list(params: QueryDict, name: str) -> list[str]:
     """``name=a&name=b``, ``name=a,b`` and ``name[]=a`` all give ``[a, b]``."""
     values = [*params.getlist(name), *params.getlist(f"{name}[]")]
     return [item.strip() for value in values for item in value.split(",") if item.strip()]
 
 
-def parse_query(params, source: Source, now: float | None = None) -> UsageQuery:
+def parse_query(params: QueryDict, source: Source, now: float | None = None) -> UsageQuery:
     """The query string of a usage request (a Django ``QueryDict``); a 400 that names what to fix."""
     start = _whole_number(params, "start_time")
     if start is None:

@@ -3,12 +3,15 @@ usage, in OpenAI's usage API shape (``usage.report``)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from accounts.authentication import organization_of
 from usage import report
 
 _PARAMETERS = [
@@ -27,10 +30,10 @@ class _UsageView(APIView):
 
     def get(self, request: Request) -> Response:
         query = report.parse_query(request.query_params, self.source)
-        return Response(report.usage_page(request.auth.organization, self.source, query))
+        return Response(report.usage_page(organization_of(request), self.source, query))
 
 
-def _documented(summary: str):
+def _documented(summary: str) -> Callable[[type[_UsageView]], type[_UsageView]]:
     return extend_schema(responses=OpenApiTypes.OBJECT, parameters=_PARAMETERS, summary=summary)
 
 

@@ -22,7 +22,7 @@ DEMO_PASSWORD = "demo"
 class Command(BaseCommand):
     help = "Create the demo user (password 'demo') with an API key, and print the key."
 
-    def handle(self, *args, **options) -> None:
+    def handle(self, *args: str, **options: object) -> None:
         if not settings.DEBUG:
             raise CommandError(
                 "The demo user exists only in development (DEBUG=true). Create users with "

@@ -6,7 +6,7 @@ The owner then signs in to the dashboard and creates the organization's API keys
 from __future__ import annotations
 
 from django.contrib.auth.models import User
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from accounts.services import create_organization
 
@@ -14,11 +14,11 @@ from accounts.services import create_organization
 class Command(BaseCommand):
     help = "Create an organization with OWNER (a user, e.g. from createsuperuser) as its owner."
 
-    def add_arguments(self, parser) -> None:
+    def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("name", help="the organization's name, e.g. 'Acme'")
         parser.add_argument("--owner", required=True, help="the username of its owner")
 
-    def handle(self, *args, name: str, owner: str, **options) -> None:
+    def handle(self, *args: str, name: str, owner: str, **options: object) -> None:
         user = User.objects.filter(username=owner).first()
         if user is None:
             raise CommandError(f"No user named {owner!r}: create one first with 'manage.py createsuperuser'.")

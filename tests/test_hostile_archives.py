@@ -1,0 +1,388 @@
+# ruff: noqa: F811 (pytest fixtures are imported, then named as arguments)
+"""Hostile adapter archives at both doors that take one: the API (``POST /v1/fine_tuning/adapters``)
+and the dashboard's upload form. Every kind of bad archive gets a 400 whose message names what is
+wrong, nothing is written (no model row, nothing in the adapter store, no unpacking folder left),
+and the web process's memory stays bounded: the Python memory allocated while the request is
+handled (tracemalloc's peak, which sees every bytes, str and NumPy buffer) stays under
+``MEMORY_BOUND``. A header bomb of ~100 MiB (a GNU long name or a pax header of 96 MiB, ~100 KiB
+packed) or a zip listing 150,000 members is far over that bound if it is read whole.
+
+The adapters here are tiny (rank 1, one module of one layer) and built with NumPy, so that each
+cell's memory is the archive's doing, not the adapter's size.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import struct
+import tarfile
+import tempfile
+import tracemalloc
+import warnings
+import zipfile
+import zlib
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import numpy as np
+import pytest
+from django.urls import reverse
+from safetensors.numpy import save
+
+from core.adapter_store import CONFIG_FILE, WEIGHTS_FILE
+from finetuning.models import FineTunedModel
+from tests.inference_fixtures import BASE, adapter_store
+from tests.limits import own_counters  # noqa: F401 (a fixture: each test's upload counter is its own)
+from tests.test_adapter_io import tar_gz
+
+pytestmark = pytest.mark.django_db
+
+MEMORY_BOUND = 64 * 1024 * 1024  # bytes of Python memory one hostile upload may cost the web process
+BOMB = 96 * 1024 * 1024  # a header bomb's size once unpacked
+SUFFIX = "hostile"
+HIDDEN, Q_OUT = 576, 576  # SmolLM2-135M: q_proj is 576 -> 576
+A_NAME = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+B_NAME = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"
+PEAKS: dict[str, int] = {}
+
+
+# --- a tiny valid adapter, and ways to spoil it ------------------------------------------------
+
+
+def config(**changes) -> bytes:
+    base = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": BASE, "r": 1, "lora_alpha": 2,
+        "lora_dropout": 0.0, "target_modules": ["q_proj"], "bias": "none", "use_rslora": False, "use_dora": False,
+    }  # fmt: skip
+    return json.dumps(base | changes).encode()
+
+
+def weights(a: np.ndarray | None = None, b: np.ndarray | None = None) -> bytes:
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((1, HIDDEN)).astype(np.float32) if a is None else a
+    b = rng.standard_normal((Q_OUT, 1)).astype(np.float32) if b is None else b
+    return save({A_NAME: a, B_NAME: b})
+
+
+def files(**replaced: bytes) -> dict[str, bytes]:
+    return {CONFIG_FILE: replaced.get("config", config()), WEIGHTS_FILE: replaced.get("weights", weights())}
+
+
+def bfloat16_weights(a_value: float) -> bytes:
+    """A safetensors file with A in bfloat16 (NumPy has no bfloat16: its bytes are a float32's upper half)."""
+    a = (np.full((1, HIDDEN), a_value, np.float32).view(np.uint32) >> 16).astype("<u2").tobytes()
+    b = np.full((Q_OUT, 1), 0.5, np.float32).astype("<f4").tobytes()
+    header = {
+        A_NAME: {"dtype": "BF16", "shape": [1, HIDDEN], "data_offsets": [0, len(a)]},
+        B_NAME: {"dtype": "F32", "shape": [Q_OUT, 1], "data_offsets": [len(a), len(a) + len(b)]},
+    }
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text + a + b
+
+
+def b_with(value: float, dtype=np.float32) -> np.ndarray:
+    b = np.full((Q_OUT, 1), 0.5, dtype=dtype)
+    b[7, 0] = value
+    return b
+
+
+def zip_of(members: dict[str, bytes], symlinks: Iterable[str] = ()) -> bytes:
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as archive:
+        for name, data in members.items():
+            info = zipfile.ZipInfo(name)
+            info.compress_type = zipfile.ZIP_DEFLATED
+            if name in symlinks:
+                info.external_attr = 0o120777 << 16
+            archive.writestr(info, data)
+    return out.getvalue()
+
+
+def encrypted_zip() -> bytes:
+    """The "encrypted" flag set on every member, in its local header and in the central directory
+    (zipfile writes no encrypted members: the flag is what a reader goes by)."""
+    archive = bytearray(zip_of(files()))
+    with zipfile.ZipFile(io.BytesIO(bytes(archive))) as listing:
+        local_headers = [info.header_offset for info in listing.infolist()]
+    for offset in local_headers:
+        archive[offset + 6] |= 0x1
+    position = archive.find(b"PK\x01\x02")
+    while position >= 0:
+        archive[position + 8] |= 0x1
+        position = archive.find(b"PK\x01\x02", position + 4)
+    return bytes(archive)
+
+
+def stored_zip(members: dict[str, bytes]) -> bytes:
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as archive:
+        for name, data in members.items():
+            archive.writestr(name, data)
+    return out.getvalue()
+
+
+def bad_crc_zip() -> bytes:
+    """A member's bytes changed after its CRC was written (one bit flipped in transit)."""
+    archive = stored_zip(files())
+    return archive.replace(b'"lora_alpha": 2', b'"lora_alpha": 3', 1)
+
+
+def bad_crc_gzip() -> bytes:
+    """Every byte of the tar intact, the gzip trailer's CRC-32 wrong."""
+    archive = bytearray(tar_gz(files()))
+    archive[-8] ^= 0xFF
+    return bytes(archive)
+
+
+def tar_header(name: bytes, size: int, kind: bytes) -> bytes:
+    """A raw ustar header block (tarfile refuses to write the hostile ones)."""
+    header = bytearray(512)
+    header[0 : len(name)] = name
+    header[100:108] = b"0000644\0"
+    header[108:116] = header[116:124] = b"0000000\0"
+    header[124:136] = b"%011o\0" % size
+    header[136:148] = b"%011o\0" % 0
+    header[148:156] = b" " * 8
+    header[156:157] = kind
+    header[257:265] = b"ustar\x0000"
+    header[148:156] = b"%06o\0 " % sum(header)
+    return bytes(header)
+
+
+def padded(data: bytes) -> bytes:
+    return data + bytes(-len(data) % 512)
+
+
+def gzipped(parts: Iterable[bytes | tuple[bytes, int]]) -> bytes:
+    """gzip of ``parts``, each bytes or (a byte, how many times): a bomb packed without building it."""
+    packer, out = zlib.compressobj(6, zlib.DEFLATED, 31), []
+    for part in parts:
+        if isinstance(part, tuple):
+            byte, count = part
+            chunk = byte * (1 << 20)
+            for _ in range(count >> 20):
+                out.append(packer.compress(chunk))
+            out.append(packer.compress(byte * (count & ((1 << 20) - 1))))
+        else:
+            out.append(packer.compress(part))
+    out.append(packer.flush())
+    return b"".join(out)
+
+
+def plain_members(members: dict[str, bytes]) -> list[bytes]:
+    return [tar_header(name.encode(), len(data), b"0") + padded(data) for name, data in members.items()]
+
+
+def header_bomb(kind: bytes) -> bytes:
+    """A GNU long name (``L``) or pax (``x``) header of ``BOMB`` bytes before the adapter's files."""
+    if kind == b"x":
+        record_size = BOMB  # "<size> comment=aaa...\n", its size counting itself
+        prefix = b"%d comment=" % record_size
+        body: list[bytes | tuple[bytes, int]] = [prefix, (b"a", BOMB - len(prefix) - 1), b"\n"]
+        name = b"././@PaxHeader"
+    else:
+        body, name = [(b"a", BOMB)], b"././@LongLink"
+    return gzipped([tar_header(name, BOMB, kind), *body, *plain_members(files()), bytes(1024)])
+
+
+def tar_count_bomb(count: int = 100_000) -> bytes:
+    """The root folder's entry, over and over: each is a member tarfile keeps."""
+    entry = tar_header(b"./", 0, b"5")
+    return gzipped([entry * count, *plain_members(files()), bytes(1024)])
+
+
+def zip_count_bomb(count: int = 150_000, declared: int | None = None) -> bytes:
+    """One member, listed ``count`` times in the central directory; the end record says ``declared``."""
+    name = CONFIG_FILE.encode()
+    data = config()
+    crc = zlib.crc32(data)
+    local = struct.pack("<4s5H3L2H", b"PK\x03\x04", 20, 0, 0, 0, 0, crc, len(data), len(data), len(name), 0) + name
+    entry = struct.pack(
+        "<4s6H3L5H2L", b"PK\x01\x02", 20, 20, 0, 0, 0, 0, crc, len(data), len(data), len(name), 0, 0, 0, 0, 0, 0
+    ) + name
+    directory = entry * count
+    listed = min(count if declared is None else declared, 0xFFFF)
+    end = struct.pack("<4s4H2LH", b"PK\x05\x06", 0, 0, listed, listed, len(directory), len(local) + len(data), 0)
+    return local + data + directory + end
+
+
+def tar_with_link(kind: bytes, target: bytes) -> bytes:
+    header = bytearray(tar_header(WEIGHTS_FILE.encode(), 0, kind))
+    header[157 : 157 + len(target)] = target
+    header[148:156] = b" " * 8
+    header[148:156] = b"%06o\0 " % sum(header)
+    return gzipped([*plain_members({CONFIG_FILE: config()}), bytes(header), bytes(1024)])
+
+
+def sparse_tar() -> bytes:
+    return gzipped([*plain_members({CONFIG_FILE: config()}), tar_header(WEIGHTS_FILE.encode(), 0, b"S"), bytes(1024)])
+
+
+def duplicate_tar() -> bytes:
+    parts = plain_members(files()) + plain_members({CONFIG_FILE: config(lora_alpha=4)})
+    return gzipped([*parts, bytes(1024)])
+
+
+def duplicate_zip() -> bytes:
+    out = io.BytesIO()
+    with warnings.catch_warnings(), zipfile.ZipFile(out, "w") as archive:
+        warnings.simplefilter("ignore")  # zipfile warns of the duplicate name, and writes it
+        for name, data in [*files().items(), (CONFIG_FILE, config(lora_alpha=4))]:
+            archive.writestr(name, data)
+    return out.getvalue()
+
+
+def nan_json() -> bytes:
+    return config().replace(b'"lora_alpha": 2', b'"lora_alpha": NaN')
+
+
+CASES: dict[str, tuple[Callable[[], bytes], str]] = {
+    # case: (the uploaded file, words the refusal must hold)
+    "truncated tar.gz": (lambda: tar_gz(files())[: len(tar_gz(files())) // 2], "cut short"),
+    "truncated zip": (lambda: zip_of(files())[:-200], "cut short"),
+    "bad CRC in a zip member": (bad_crc_zip, "damaged"),
+    "bad CRC in the gzip trailer": (bad_crc_gzip, "damaged"),
+    "encrypted zip members": (encrypted_zip, "encrypted"),
+    "GNU long name header bomb": (lambda: header_bomb(b"L"), "GNU long name"),
+    "pax header bomb": (lambda: header_bomb(b"x"), "pax header"),
+    "tar member-count bomb": (tar_count_bomb, "more than 8 members"),
+    "zip member-count bomb": (zip_count_bomb, "more than 8 members"),
+    "zip directory larger than it says": (lambda: zip_count_bomb(declared=2), "central directory"),
+    "tar symlink": (lambda: tar_with_link(b"2", b"/etc/passwd"), "symbolic link"),
+    "tar hard link": (lambda: tar_with_link(b"1", CONFIG_FILE.encode()), "hard link"),
+    "zip symlink": (lambda: zip_of(files(), symlinks=[WEIGHTS_FILE]), "symbolic link"),
+    "tar sparse member": (sparse_tar, "not a regular file"),
+    "tar absolute path": (lambda: tar_gz(files() | {"/etc/evil.json": b"{}"}), "absolute path"),
+    "tar .. path": (lambda: tar_gz(files() | {"../evil.json": b"{}"}), "outside the archive root"),
+    "zip absolute path": (lambda: zip_of(files() | {"/etc/evil.json": b"{}"}), "absolute path"),
+    "zip .. path": (lambda: zip_of(files() | {"../../evil.json": b"{}"}), "outside the archive root"),
+    "tar duplicate names": (duplicate_tar, "twice"),
+    "zip duplicate names": (duplicate_zip, "twice"),
+    "deeply nested JSON config": (lambda: tar_gz(files(config=b"[" * 30_000 + b"]" * 30_000)), "nested"),
+    "oversized config": (lambda: tar_gz(files(config=config(notes="x" * 200_000))), "adapter_config.json is"),
+    "lora_alpha a string": (lambda: tar_gz(files(config=config(lora_alpha="x"))), "lora_alpha"),
+    "lora_alpha NaN": (lambda: tar_gz(files(config=nan_json())), "NaN"),
+    "lora_alpha past a float": (lambda: tar_gz(files(config=config().replace(b'"lora_alpha": 2', b'"lora_alpha": 1e400'))), "lora_alpha"),
+    "r a boolean": (lambda: tar_gz(files(config=config(r=True))), "r (the LoRA rank)"),
+    "r a float": (lambda: tar_gz(files(config=config(r=1.0))), "r (the LoRA rank)"),
+    "lora_dropout out of range": (lambda: tar_gz(files(config=config(lora_dropout=7))), "lora_dropout"),
+    "use_rslora a string": (lambda: tar_gz(files(config=config(use_rslora="yes"))), "use_rslora"),
+    "NaN weights": (lambda: tar_gz(files(weights=weights(b=b_with(np.nan)))), B_NAME),
+    "infinite half-precision weights": (lambda: tar_gz(files(weights=weights(a=np.full((1, HIDDEN), np.inf, np.float16)))), A_NAME),
+    "weights past half precision": (lambda: tar_gz(files(weights=weights(a=np.full((1, HIDDEN), 1e6, np.float32)))), "65504"),
+    "bfloat16 weights past half precision": (lambda: tar_gz(files(weights=bfloat16_weights(1e5))), A_NAME),
+    "weights past half precision once scaled": (lambda: tar_gz(files(weights=weights(b=b_with(40_000.0)))), "lora_alpha / r"),
+    "not an archive": (lambda: b"just some bytes, " * 100, "not a readable .tar.gz or .zip"),
+    "empty file": (lambda: b"", "empty"),
+}
+
+
+# --- the two doors -----------------------------------------------------------------------------
+
+
+def through_the_api(alice, web, archive: bytes) -> tuple[int, str]:
+    handle = io.BytesIO(archive)
+    handle.name = "adapter.tar.gz"
+    response = alice.api.post("/v1/fine_tuning/adapters", {"file": handle, "model": BASE, "suffix": SUFFIX}, format="multipart")
+    return response.status_code, response.json()["error"]["message"]
+
+
+def through_the_form(alice, web, archive: bytes) -> tuple[int, str]:
+    from tests.test_dashboard_adapters import field_of
+
+    handle = io.BytesIO(archive)
+    handle.name = "adapter.tar.gz"
+    fields = {"adapter-file": handle, "adapter-model": BASE, "adapter-suffix": SUFFIX}
+    response = web.post(reverse("dashboard:adapter_upload"), fields)
+    page = response.content.decode()
+    return response.status_code, field_of(page, "file") if 'id="field-file"' in page else page
+
+
+DOORS = {"api": through_the_api, "form": through_the_form}
+
+
+@pytest.fixture
+def web(client, alice, settings):
+    settings.INFERENCE_POOL_URL = "http://127.0.0.1:9"  # which models are loaded does not matter here
+    client.force_login(alice.user)
+    return client
+
+
+@pytest.fixture(autouse=True)
+def _fresh_store():
+    adapter_store().delete(f"{BASE}:{SUFFIX}")
+    yield
+    adapter_store().delete(f"{BASE}:{SUFFIX}")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _report_peaks():
+    yield
+    if PEAKS:
+        print(f"\nPeak Python memory per hostile upload (bound {MEMORY_BOUND >> 20} MiB):")
+        for cell, peak in sorted(PEAKS.items(), key=lambda item: -item[1]):
+            print(f"  {peak / (1 << 20):8.2f} MiB  {cell}")
+
+
+@pytest.fixture
+def own_temp(tmp_path, monkeypatch) -> Path:
+    """Temporary files of this test only, to see that a refused upload leaves none behind."""
+    folder = tmp_path / "temp"
+    folder.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(folder))
+    return folder
+
+
+def measured(upload: Callable[[], tuple[int, str]]) -> tuple[int, str, int]:
+    tracemalloc.start()
+    try:
+        status, message = upload()
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    return status, message, peak
+
+
+def test_the_tiny_adapter_itself_is_accepted_at_both_doors(alice, web, own_temp):
+    """The control: every refusal below is the spoiling's doing."""
+    for door, suffix in (("api", "hostile"), ("form", "hostile-form")):
+        handle = io.BytesIO(tar_gz(files()))
+        handle.name = "adapter.tar.gz"
+        if door == "api":
+            response = alice.api.post("/v1/fine_tuning/adapters", {"file": handle, "model": BASE, "suffix": suffix}, format="multipart")
+            assert response.status_code == 200, response.json()
+        else:
+            fields = {"adapter-file": handle, "adapter-model": BASE, "adapter-suffix": suffix}
+            response = web.post(reverse("dashboard:adapter_upload"), fields)
+            assert response.status_code == 302, response.content.decode()[:2000]
+        assert adapter_store().version(f"{BASE}:{suffix}") is not None
+        adapter_store().delete(f"{BASE}:{suffix}")
+
+
+@pytest.mark.parametrize("door", DOORS)
+@pytest.mark.parametrize("case", CASES)
+def test_a_hostile_archive_is_a_400_naming_the_problem_writes_nothing_and_costs_bounded_memory(
+    alice, web, own_temp, door, case
+):
+    make, expected = CASES[case]
+    archive = make()
+    status, message, peak = measured(lambda: DOORS[door](alice, web, archive))
+    PEAKS[f"{door}: {case}"] = peak
+
+    assert status == 400, (status, message[:2000])
+    assert expected in message, message[:2000]
+    assert "/tmp" not in message and "Traceback" not in message and len(message) < 4000, message[:2000]
+    assert not FineTunedModel.objects.filter(suffix=SUFFIX).exists()
+    assert adapter_store().version(f"{BASE}:{SUFFIX}") is None
+    assert not [path.name for path in own_temp.iterdir() if path.name.startswith("adapter-upload-")]
+    assert peak < MEMORY_BOUND, f"{peak / (1 << 20):.1f} MiB"
+
+
+def test_a_bfloat16_adapter_within_half_precisions_range_is_accepted(alice, own_temp):
+    """The value check reads bfloat16 (which NumPy cannot) as the float32 it stands for."""
+    handle = io.BytesIO(tar_gz(files(weights=bfloat16_weights(60_000.0))))
+    handle.name = "adapter.tar.gz"
+    response = alice.api.post("/v1/fine_tuning/adapters", {"file": handle, "model": BASE, "suffix": SUFFIX}, format="multipart")
+    assert response.status_code == 200, response.json()

@@ -386,3 +386,85 @@ def test_a_bfloat16_adapter_within_half_precisions_range_is_accepted(alice, own_
     handle.name = "adapter.tar.gz"
     response = alice.api.post("/v1/fine_tuning/adapters", {"file": handle, "model": BASE, "suffix": SUFFIX}, format="multipart")
     assert response.status_code == 200, response.json()
+
+
+# --- the header scan on its own (no web request) -----------------------------------------------
+
+
+def unpacked_or_refusal(archive: bytes, tmp_path: Path) -> str:
+    """"unpacked", or the refusal's message: ``core.adapter_archive.unpack`` alone."""
+    from core.adapter_archive import unpack
+    from core.api_errors import ApiError
+
+    tmp_path.mkdir(exist_ok=True)
+    path, into = tmp_path / "archive", tmp_path / "unpacked"
+    path.write_bytes(archive)
+    into.mkdir(exist_ok=True)
+    try:
+        unpack(path, into, 16 * 1024 * 1024)
+    except ApiError as error:
+        return error.message
+    return "unpacked"
+
+
+@pytest.mark.parametrize("tool", [
+    ["tar", "-czf"], ["tar", "--format=posix", "-czf"], ["tar", "--format=gnu", "-cjf"], ["zip", "-q", "-j"],
+])  # fmt: skip
+def test_archives_packed_by_the_usual_tools_pass_the_header_scan(tool, tmp_path):
+    import shutil
+    import subprocess
+
+    if shutil.which(tool[0]) is None:
+        pytest.skip(f"no {tool[0]} here")
+    folder = tmp_path / "adapter"
+    folder.mkdir()
+    for name, data in files().items():
+        (folder / name).write_bytes(data)
+    archive = tmp_path / "packed"
+    names = [CONFIG_FILE, WEIGHTS_FILE]
+    if tool[0] == "zip":
+        subprocess.run([*tool, str(archive) + ".zip", *[str(folder / name) for name in names]], check=True)
+        archive = archive.with_suffix(".zip")
+    else:
+        subprocess.run([*tool, str(archive), "-C", str(folder), *names], check=True)
+    assert unpacked_or_refusal(archive.read_bytes(), tmp_path / "out") == "unpacked"
+
+
+def pax_member(records: bytes, padding_records: bytes = b"") -> bytes:
+    """A pax header (``records`` as its declared data, ``padding_records`` in its block padding) before the adapter."""
+    data = records + padding_records
+    return gzipped([tar_header(b"././@PaxHeader", len(records), b"x"), padded(data), *plain_members(files()), bytes(1024)])
+
+
+def pax_record(keyword: bytes, value: bytes) -> bytes:
+    body = b" " + keyword + b"=" + value + b"\n"
+    size = len(body) + len(str(len(body)))
+    size += len(str(size)) - len(str(len(body)))
+    return b"%d" % size + body
+
+
+def test_a_pax_header_that_sets_a_members_size_is_refused_even_in_its_padding(tmp_path):
+    """tarfile takes a pax ``size`` over the header's own, and reads records in the block's padding:
+    a size set either way would make it read the archive differently from the scan."""
+    assert "pax header setting size" in unpacked_or_refusal(pax_member(pax_record(b"size", b"4096")), tmp_path)
+    hidden = pax_member(pax_record(b"comment", b"hi"), padding_records=pax_record(b"size", b"4096"))
+    assert "pax header setting size" in unpacked_or_refusal(hidden, tmp_path)
+    assert unpacked_or_refusal(pax_member(pax_record(b"path", CONFIG_FILE.encode())), tmp_path) == "unpacked"
+
+
+def test_an_old_style_folder_entry_hides_nothing_from_the_scan(tmp_path):
+    """A regular-file entry named "x/" is a folder to tarfile, which reads no data after it, however
+    large its declared size: the scan reads the next header where tarfile does, and sees the bomb."""
+    folder = tar_header(b"x/", BOMB, b"\0")
+    bomb = gzipped([folder, tar_header(b"././@LongLink", BOMB, b"L"), (b"a", BOMB), *plain_members(files()), bytes(1024)])
+    assert "GNU long name header" in unpacked_or_refusal(bomb, tmp_path)
+
+
+def test_a_zip64_end_record_listing_many_members_is_refused(tmp_path):
+    """zipfile takes a zip64 end record's figures over the plain one's."""
+    plain = zip_of(files())
+    end = plain.rindex(b"PK\x05\x06")
+    directory_at, directory_size = struct.unpack("<2L", plain[end + 12 : end + 20])
+    record = struct.pack("<4sQ2H2L4Q", b"PK\x06\x06", 44, 45, 45, 0, 0, 10**6, 10**6, directory_size, directory_at)
+    locator = struct.pack("<4sLQL", b"PK\x06\x07", 0, end, 1)
+    assert "1000000 listed" in unpacked_or_refusal(plain[:end] + record + locator + plain[end:], tmp_path)

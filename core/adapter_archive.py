@@ -73,7 +73,7 @@ def unpack(archive: Path, into: Path, max_bytes: int) -> None:
         if name in IGNORED_FILES:
             written += size
             continue
-        with stream() as source, (into / name).open("wb") as target:
+        with _opened(stream) as source, (into / name).open("wb") as target:
             for block in _blocks(source):
                 written += len(block)
                 if written > max_bytes:
@@ -161,6 +161,14 @@ def _zip_members(archive: Path) -> Iterator[tuple[str | None, int, _Opener]]:
                 yield name, info.file_size, _zip_opener(zip_file, info)
     except UnsafeArchive as exc:
         raise invalid_adapter(str(exc)) from None
+    except _READ_ERRORS as exc:
+        raise _unreadable(exc) from None
+
+
+def _opened(opener: _Opener) -> IO[bytes]:
+    """A member opened for reading; a damaged header of its own (a zip's local header) as a refusal."""
+    try:
+        return opener()
     except _READ_ERRORS as exc:
         raise _unreadable(exc) from None
 

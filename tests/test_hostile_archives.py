@@ -245,6 +245,7 @@ CASES: dict[str, tuple[Callable[[], bytes], str]] = {
     "bad CRC in a zip member": (bad_crc_zip, "damaged"),
     "bad CRC in the gzip trailer": (bad_crc_gzip, "damaged"),
     "encrypted zip members": (encrypted_zip, "encrypted"),
+    "damaged zip member header": (lambda: b"PK\x03\x05" + zip_of(files())[4:], "damaged"),
     "GNU long name header bomb": (lambda: header_bomb(b"L"), "GNU long name"),
     "pax header bomb": (lambda: header_bomb(b"x"), "pax header"),
     "tar member-count bomb": (tar_count_bomb, "more than 8 members"),

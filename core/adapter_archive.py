@@ -97,8 +97,8 @@ def _members(archive: Path, max_bytes: int) -> Iterator[tuple[str | None, int, _
                 _check_count(count)
                 name = _checked_name(member.name, is_dir=member.isdir())
                 if not (member.isfile() or (member.isdir() and name is None)):
-                    what = "a symbolic link" if member.issym() else "a hard link" if member.islnk() else "not a regular file"
-                    raise invalid_adapter(f"the archive member {_shown(member.name)} is {what}; only regular files are accepted")
+                    what = "a symbolic link" if member.issym() else "a hard link" if member.islnk() else "not a file"
+                    raise invalid_adapter(f"{_member(member.name)} is {what}; only regular files are accepted")
                 yield name, member.size, _tar_opener(tar, member)
     except _READ_ERRORS as exc:
         raise _unreadable(exc) from None
@@ -148,14 +148,14 @@ def _zip_members(archive: Path) -> Iterator[tuple[str | None, int, _Opener]]:
                 _check_count(count)
                 name = _checked_name(info.filename, is_dir=info.is_dir())
                 if (info.external_attr >> 16) & 0o170000 == 0o120000:  # the Unix mode says "symlink"
-                    raise invalid_adapter(f"the archive member {_shown(info.filename)} is a symbolic link; only regular files are accepted")
+                    raise invalid_adapter(f"{_member(info.filename)} is a symbolic link; only regular files are accepted")
                 if info.is_dir() and name is not None:
-                    raise invalid_adapter(f"the archive member {_shown(info.filename)} is a folder; the files must be at the root")
+                    raise invalid_adapter(f"{_member(info.filename)} is a folder; the files must be at the root")
                 if info.flag_bits & 0x1:
-                    raise invalid_adapter(f"the archive member {_shown(info.filename)} is encrypted; pack the files without a password")
+                    raise invalid_adapter(f"{_member(info.filename)} is encrypted; pack the files without a password")
                 if info.compress_type not in _ZIP_METHODS:
                     raise invalid_adapter(
-                        f"the archive member {_shown(info.filename)} is compressed with a method not accepted "
+                        f"{_member(info.filename)} is compressed with a method not accepted "
                         f"(zip method {info.compress_type}); pack it with deflate, zip's usual method"
                     )
                 yield name, info.file_size, _zip_opener(zip_file, info)
@@ -217,8 +217,12 @@ def _check_count(count: int) -> None:
         )
 
 
+def _member(raw: str) -> str:
+    """A member for a message: its name quoted, and cut short (a name can be as long as the archive)."""
+    return "the archive member " + _shown(raw)
+
+
 def _shown(raw: str) -> str:
-    """A member's name for a message: quoted, and cut short (a name can be as long as the archive)."""
     return repr(raw if len(raw) <= 80 else raw[:80] + "...")
 
 
@@ -226,15 +230,15 @@ def _checked_name(raw: str, is_dir: bool) -> str | None:
     """The member's file name, when it is one of the adapter's at the root; None for the root itself."""
     path = PurePosixPath(raw.replace("\\", "/"))
     if path.is_absolute() or raw.startswith(("/", "\\")) or (len(raw) > 1 and raw[1] == ":"):
-        raise invalid_adapter(f"the archive member {_shown(raw)} has an absolute path; paths must be relative to the archive root")
+        raise invalid_adapter(f"{_member(raw)} has an absolute path; paths must be relative to the archive root")
     parts = [part for part in path.parts if part != "."]
     if ".." in parts:
-        raise invalid_adapter(f"the archive member {_shown(raw)} points outside the archive root ('..')")
+        raise invalid_adapter(f"{_member(raw)} points outside the archive root ('..')")
     if not parts:
         return None
     if is_dir or len(parts) > 1:
         raise invalid_adapter(
-            f"the archive member {_shown(raw)} is not at the archive root; pack the folder's files, not the folder "
+            f"{_member(raw)} is not at the archive root; pack the folder's files, not the folder "
             "(tar -czf adapter.tar.gz -C <folder> adapter_config.json adapter_model.safetensors)"
         )
     name = parts[0]
@@ -244,5 +248,5 @@ def _checked_name(raw: str, is_dir: bool) -> str | None:
             f"as {WEIGHTS_FILE})"
         )
     if name not in ADAPTER_FILES and name not in IGNORED_FILES:
-        raise invalid_adapter(f"the archive member {_shown(name)} is not part of a PEFT LoRA adapter ({', '.join(ADAPTER_FILES)})")
+        raise invalid_adapter(f"{_member(name)} is not part of a PEFT LoRA adapter ({', '.join(ADAPTER_FILES)})")
     return name

@@ -19,7 +19,7 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import numpy as np
 from safetensors import safe_open
@@ -110,7 +110,8 @@ def check_adapter(folder: Path, base: BaseModel) -> CheckedAdapter:
     _check_fields(config)
     targets = _target_modules(config)
     _check_tensors(folder / WEIGHTS_FILE, architecture(base.weights), base.id, rank, targets)
-    check_weight_values(folder / WEIGHTS_FILE, scaling, "lora_alpha / sqrt(r)" if config.get("use_rslora") else "lora_alpha / r")
+    formula = "lora_alpha / sqrt(r)" if config.get("use_rslora") else "lora_alpha / r"
+    check_weight_values(folder / WEIGHTS_FILE, scaling, formula)
     return CheckedAdapter(rank, targets)
 
 
@@ -121,10 +122,12 @@ def check_weight_values(path: Path, scaling: float, scaling_is: str = "lora_alph
     for name, values in _tensor_slices(path):
         factor = scaling if name.endswith("lora_B.weight") else 1.0
         if not np.isfinite(values).all():
-            raise invalid_adapter(f"the tensor {name} holds NaN or infinite values; every weight must be a finite number")
+            raise invalid_adapter(f"the tensor {name} holds NaN or infinite values; every weight must be finite")
         largest = float(np.abs(values).max(initial=0.0))
         if largest * abs(factor) > HALF_MAX:
-            scaled = f", which times its scaling ({scaling_is} = {factor:g}) is {largest * abs(factor):g}" if factor != 1.0 else ""
+            scaled = ""
+            if factor != 1.0:
+                scaled = f", which times its scaling ({scaling_is} = {factor:g}) is {largest * abs(factor):g}"
             raise invalid_adapter(
                 f"the tensor {name} holds a value of {largest:g}{scaled}, past {HALF_MAX:g}, the largest value of "
                 "half precision, in which the inference engine holds adapter weights"
@@ -146,7 +149,9 @@ class _Constant(str):
 def _config(path: Path) -> dict[str, Any]:
     size = path.stat().st_size
     if size > MAX_CONFIG_BYTES:
-        raise invalid_adapter(f"{CONFIG_FILE} is {size} bytes; a LoRA config takes about one KiB (at most {MAX_CONFIG_BYTES} accepted)")
+        raise invalid_adapter(
+            f"{CONFIG_FILE} is {size} bytes; a LoRA config takes about one KiB (at most {MAX_CONFIG_BYTES} accepted)"
+        )
     try:
         config = json.loads(path.read_text(encoding="utf-8"), parse_constant=_Constant)
     except RecursionError:
@@ -174,9 +179,9 @@ def _check_values(config: dict[str, Any]) -> None:
     while stack:
         where, value, depth = stack.pop()
         if depth > MAX_CONFIG_DEPTH:
-            raise invalid_adapter(f"{CONFIG_FILE} is nested too deeply (at {_shown(where)}); a LoRA config is a flat object")
+            raise invalid_adapter(f"{CONFIG_FILE} is nested too deeply (at {_cut(where)}); a LoRA config is a flat object")
         if isinstance(value, _Constant) or (isinstance(value, float) and not math.isfinite(value)):
-            raise invalid_adapter(f"{where} is {value}; the numbers in {CONFIG_FILE} must be finite")
+            raise invalid_adapter(f"{_cut(where)} is {value}; the numbers in {CONFIG_FILE} must be finite")
         if isinstance(value, dict):
             stack.extend((f"{where}.{key}", item, depth + 1) for key, item in value.items())
         elif isinstance(value, list):
@@ -185,7 +190,10 @@ def _check_values(config: dict[str, Any]) -> None:
 
 def _shown(value: Any) -> str:
     """A config value for a message, cut short: a field can hold a long string."""
-    text = repr(value)
+    return _cut(repr(value))
+
+
+def _cut(text: str) -> str:
     return text if len(text) <= 80 else text[:80] + "..."
 
 
@@ -202,7 +210,7 @@ def _scaling(config: dict[str, Any], rank: int) -> float:
     """The adapter's scaling, ``lora_alpha / r`` (``/ sqrt(r)`` with rsLoRA), as PEFT and vLLM compute it.
     vLLM requires lora_alpha (PEFT always writes it)."""
     alpha = config.get("lora_alpha")
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
+    if not _is_number(alpha):
         raise invalid_adapter(f"lora_alpha (the numerator of the LoRA scaling) must be a number, not {_shown(alpha)}")
     if not 0 < alpha <= HALF_MAX:
         raise invalid_adapter(
@@ -212,10 +220,14 @@ def _scaling(config: dict[str, Any], rank: int) -> float:
     return alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
 
 
+def _is_number(value: Any) -> TypeGuard[int | float]:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)  # JSON's true is not 1
+
+
 def _check_fields(config: dict[str, Any]) -> None:
     """The other fields PEFT's LoraConfig gives a type to that matter here."""
     dropout = config.get("lora_dropout")
-    if dropout is not None and (isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout <= 1):
+    if dropout is not None and not (_is_number(dropout) and 0 <= dropout <= 1):
         raise invalid_adapter(f"lora_dropout must be a number from 0 to 1, not {_shown(dropout)}")
     layers = config.get("layers_to_transform")
     listed = layers if isinstance(layers, list) else [layers] if layers is not None else []
@@ -247,7 +259,7 @@ def _check_tensors(path: Path, arch: Architecture, base_id: str, rank: int, targ
         with safe_open(str(path), framework="numpy") as weights:
             shapes = {name: (weights.get_slice(name).get_shape(), weights.get_slice(name).get_dtype()) for name in weights.keys()}
     except Exception:  # safetensors raises its own error types for a bad header; their words name internals
-        raise invalid_adapter(f"{WEIGHTS_FILE} is not a readable safetensors file (its header does not match its data)") from None
+        raise invalid_adapter(f"{WEIGHTS_FILE} is not a readable safetensors file (its header does not fit its data)") from None
     if not shapes:
         raise invalid_adapter(f"{WEIGHTS_FILE} holds no tensors")
     pairs: dict[tuple[int, str], set[str]] = {}

@@ -34,7 +34,8 @@ from core.adapter_store import CONFIG_FILE, WEIGHTS_FILE
 from finetuning.models import FineTunedModel
 from tests.inference_fixtures import BASE, adapter_store
 from tests.limits import own_counters  # noqa: F401 (a fixture: each test's upload counter is its own)
-from tests.test_adapter_io import tar_gz
+from tests.test_adapter_io import send, tar_gz
+from tests.test_dashboard_adapters import field_of, upload_form
 
 pytestmark = pytest.mark.django_db
 
@@ -80,6 +81,10 @@ def bfloat16_weights(a_value: float) -> bytes:
     text = json.dumps(header).encode()
     text += b" " * (-len(text) % 8)
     return len(text).to_bytes(8, "little") + text + a + b
+
+
+def a_of(value: float, dtype=np.float32) -> np.ndarray:
+    return np.full((1, HIDDEN), value, dtype=dtype)
 
 
 def b_with(value: float, dtype=np.float32) -> np.ndarray:
@@ -234,8 +239,9 @@ def duplicate_zip() -> bytes:
     return out.getvalue()
 
 
-def nan_json() -> bytes:
-    return config().replace(b'"lora_alpha": 2', b'"lora_alpha": NaN')
+def alpha_written_as(text: bytes) -> bytes:
+    """A config whose lora_alpha is ``text`` as written (json.dumps writes neither NaN's nor 1e400's way)."""
+    return config().replace(b'"lora_alpha": 2', b'"lora_alpha": ' + text)
 
 
 CASES: dict[str, tuple[Callable[[], bytes], str]] = {
@@ -264,15 +270,15 @@ CASES: dict[str, tuple[Callable[[], bytes], str]] = {
     "deeply nested JSON config": (lambda: tar_gz(files(config=b"[" * 30_000 + b"]" * 30_000)), "nested"),
     "oversized config": (lambda: tar_gz(files(config=config(notes="x" * 200_000))), "adapter_config.json is"),
     "lora_alpha a string": (lambda: tar_gz(files(config=config(lora_alpha="x"))), "lora_alpha"),
-    "lora_alpha NaN": (lambda: tar_gz(files(config=nan_json())), "NaN"),
-    "lora_alpha past a float": (lambda: tar_gz(files(config=config().replace(b'"lora_alpha": 2', b'"lora_alpha": 1e400'))), "lora_alpha"),
+    "lora_alpha NaN": (lambda: tar_gz(files(config=alpha_written_as(b"NaN"))), "NaN"),
+    "lora_alpha past a float": (lambda: tar_gz(files(config=alpha_written_as(b"1e400"))), "lora_alpha is inf"),
     "r a boolean": (lambda: tar_gz(files(config=config(r=True))), "r (the LoRA rank)"),
     "r a float": (lambda: tar_gz(files(config=config(r=1.0))), "r (the LoRA rank)"),
     "lora_dropout out of range": (lambda: tar_gz(files(config=config(lora_dropout=7))), "lora_dropout"),
     "use_rslora a string": (lambda: tar_gz(files(config=config(use_rslora="yes"))), "use_rslora"),
     "NaN weights": (lambda: tar_gz(files(weights=weights(b=b_with(np.nan)))), B_NAME),
-    "infinite half-precision weights": (lambda: tar_gz(files(weights=weights(a=np.full((1, HIDDEN), np.inf, np.float16)))), A_NAME),
-    "weights past half precision": (lambda: tar_gz(files(weights=weights(a=np.full((1, HIDDEN), 1e6, np.float32)))), "65504"),
+    "infinite half-precision weights": (lambda: tar_gz(files(weights=weights(a=a_of(np.inf, np.float16)))), A_NAME),
+    "weights past half precision": (lambda: tar_gz(files(weights=weights(a=a_of(1e6)))), "65504"),
     "bfloat16 weights past half precision": (lambda: tar_gz(files(weights=bfloat16_weights(1e5))), A_NAME),
     "weights past half precision once scaled": (lambda: tar_gz(files(weights=weights(b=b_with(40_000.0)))), "lora_alpha / r"),
     "not an archive": (lambda: b"just some bytes, " * 100, "not a readable .tar.gz or .zip"),
@@ -283,20 +289,21 @@ CASES: dict[str, tuple[Callable[[], bytes], str]] = {
 # --- the two doors -----------------------------------------------------------------------------
 
 
+def posted(persona, archive: bytes, suffix: str = SUFFIX):
+    return send(persona, archive, suffix)
+
+
+def form_posted(web, archive: bytes, suffix: str = SUFFIX):
+    return upload_form(web, archive, suffix)
+
+
 def through_the_api(alice, web, archive: bytes) -> tuple[int, str]:
-    handle = io.BytesIO(archive)
-    handle.name = "adapter.tar.gz"
-    response = alice.api.post("/v1/fine_tuning/adapters", {"file": handle, "model": BASE, "suffix": SUFFIX}, format="multipart")
+    response = posted(alice, archive)
     return response.status_code, response.json()["error"]["message"]
 
 
 def through_the_form(alice, web, archive: bytes) -> tuple[int, str]:
-    from tests.test_dashboard_adapters import field_of
-
-    handle = io.BytesIO(archive)
-    handle.name = "adapter.tar.gz"
-    fields = {"adapter-file": handle, "adapter-model": BASE, "adapter-suffix": SUFFIX}
-    response = web.post(reverse("dashboard:adapter_upload"), fields)
+    response = form_posted(web, archive)
     page = response.content.decode()
     return response.status_code, field_of(page, "file") if 'id="field-file"' in page else page
 
@@ -349,14 +356,11 @@ def measured(upload: Callable[[], tuple[int, str]]) -> tuple[int, str, int]:
 def test_the_tiny_adapter_itself_is_accepted_at_both_doors(alice, web, own_temp):
     """The control: every refusal below is the spoiling's doing."""
     for door, suffix in (("api", "hostile"), ("form", "hostile-form")):
-        handle = io.BytesIO(tar_gz(files()))
-        handle.name = "adapter.tar.gz"
         if door == "api":
-            response = alice.api.post("/v1/fine_tuning/adapters", {"file": handle, "model": BASE, "suffix": suffix}, format="multipart")
+            response = posted(alice, tar_gz(files()), suffix)
             assert response.status_code == 200, response.json()
         else:
-            fields = {"adapter-file": handle, "adapter-model": BASE, "adapter-suffix": suffix}
-            response = web.post(reverse("dashboard:adapter_upload"), fields)
+            response = form_posted(web, tar_gz(files()), suffix)
             assert response.status_code == 302, response.content.decode()[:2000]
         assert adapter_store().version(f"{BASE}:{suffix}") is not None
         adapter_store().delete(f"{BASE}:{suffix}")
@@ -383,9 +387,7 @@ def test_a_hostile_archive_is_a_400_naming_the_problem_writes_nothing_and_costs_
 
 def test_a_bfloat16_adapter_within_half_precisions_range_is_accepted(alice, own_temp):
     """The value check reads bfloat16 (which NumPy cannot) as the float32 it stands for."""
-    handle = io.BytesIO(tar_gz(files(weights=bfloat16_weights(60_000.0))))
-    handle.name = "adapter.tar.gz"
-    response = alice.api.post("/v1/fine_tuning/adapters", {"file": handle, "model": BASE, "suffix": SUFFIX}, format="multipart")
+    response = posted(alice, tar_gz(files(weights=bfloat16_weights(60_000.0))))
     assert response.status_code == 200, response.json()
 
 

@@ -329,7 +329,8 @@ def _fresh_store():
 def _report_peaks():
     yield
     if PEAKS:
-        print(f"\nPeak Python memory per hostile upload (bound {MEMORY_BOUND >> 20} MiB):")
+        print(f"\nPeak memory per hostile upload, bound {MEMORY_BOUND >> 20} MiB (door rows: Python's, tracemalloc;")
+        print("process rows: a fresh process's resident peak, VmHWM, growth while it unpacks):")
         for cell, peak in sorted(PEAKS.items(), key=lambda item: -item[1]):
             print(f"  {peak / (1 << 20):8.2f} MiB  {cell}")
 
@@ -471,3 +472,48 @@ def test_a_zip64_end_record_listing_many_members_is_refused(tmp_path):
     record = struct.pack("<4sQ2H2L4Q", b"PK\x06\x06", 44, 45, 45, 0, 0, 10**6, 10**6, directory_size, directory_at)
     locator = struct.pack("<4sLQL", b"PK\x06\x07", 0, end, 1)
     assert "1000000 listed" in unpacked_or_refusal(plain[:end] + record + locator + plain[end:], tmp_path)
+
+
+# The same bound on a whole process's memory (tracemalloc sees Python's allocations only, not zlib's,
+# bz2's or safetensors'): a fresh interpreter unpacks the bomb, and its peak resident size (Linux's
+# VmHWM, reset to the current size once the imports are done) may grow by at most MEMORY_BOUND.
+# Not ru_maxrss: Linux carries it over from the parent process across fork and exec.
+_UNPACK_AND_MEASURE = """
+import sys, tempfile
+from pathlib import Path
+from core.adapter_archive import unpack
+from core.api_errors import ApiError
+
+def kib(field):
+    return int(next(line for line in open("/proc/self/status") if line.startswith(field)).split()[1])
+
+with open("/proc/self/clear_refs", "w") as clear:
+    clear.write("5")  # the peak (VmHWM) starts again from the current size
+before = kib("VmRSS:")
+with tempfile.TemporaryDirectory() as into:
+    try:
+        unpack(Path(sys.argv[1]), Path(into), 200 * 1024 * 1024)
+    except ApiError as error:
+        print(error.message[:200], file=sys.stderr)
+print((kib("VmHWM:") - before) * 1024)
+"""
+
+
+@pytest.mark.parametrize("case", ["GNU long name header bomb", "pax header bomb", "zip member-count bomb", "tar member-count bomb"])  # fmt: skip
+def test_a_bomb_grows_a_fresh_process_by_less_than_the_bound(case, tmp_path):
+    import subprocess
+    import sys
+
+    if not Path("/proc/self/clear_refs").exists():
+        pytest.skip("measures with Linux's /proc")
+    archive = tmp_path / "bomb"
+    archive.write_bytes(CASES[case][0]())
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run(
+        [sys.executable, "-c", _UNPACK_AND_MEASURE, str(archive)], cwd=root, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    growth = int(done.stdout)
+    PEAKS[f"process: {case}"] = growth
+    assert growth < MEMORY_BOUND, f"{growth / (1 << 20):.1f} MiB"
+    assert CASES[case][1] in done.stderr, done.stderr

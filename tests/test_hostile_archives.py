@@ -5,7 +5,9 @@ wrong, nothing is written (no model row, nothing in the adapter store, no unpack
 and the web process's memory stays bounded: the Python memory allocated while the request is
 handled (tracemalloc's peak, which sees every bytes, str and NumPy buffer) stays under
 ``MEMORY_BOUND``. A header bomb of ~100 MiB (a GNU long name or a pax header of 96 MiB, ~100 KiB
-packed) or a zip listing 150,000 members is far over that bound if it is read whole.
+packed) or a zip listing 150,000 members is far over that bound if it is read whole. The bombs are
+also unpacked in a fresh process, whose resident peak (memory outside Python's view included, such
+as zlib's) must grow by less than the same bound.
 
 The adapters here are tiny (rank 1, one module of one layer) and built with NumPy, so that each
 cell's memory is the archive's doing, not the adapter's size.

@@ -110,13 +110,13 @@ def _kind(archive: Path) -> str:
         head = file.read(BLOCK)
     if not head:
         raise invalid_adapter("the file is empty")
+    for magic, kind in _COMPRESSIONS.items():  # before zip's test, which looks for its end record anywhere near the end
+        if head.startswith(magic):
+            return kind
     if zipfile.is_zipfile(archive):
         return "zip"
     if head.startswith(b"PK\x03\x04"):
         raise invalid_adapter("the .zip archive is cut short (its central directory, at the end, is missing)")
-    for magic, kind in _COMPRESSIONS.items():
-        if head.startswith(magic):
-            return kind
     if head.startswith(b"\xfd7zXZ\x00"):
         raise invalid_adapter("the archive is compressed with xz, which is not accepted; pack it as .tar.gz or .zip")
     if len(head) == BLOCK and is_tar_header(head):

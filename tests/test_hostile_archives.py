@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import io
 import json
+import lzma
 import struct
 import tarfile
 import tempfile
@@ -95,12 +96,12 @@ def b_with(value: float, dtype=np.float32) -> np.ndarray:
     return b
 
 
-def zip_of(members: dict[str, bytes], symlinks: Iterable[str] = ()) -> bytes:
+def zip_of(members: dict[str, bytes], symlinks: Iterable[str] = (), method: int = zipfile.ZIP_DEFLATED) -> bytes:
     out = io.BytesIO()
-    with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as archive:
+    with zipfile.ZipFile(out, "w", method) as archive:
         for name, data in members.items():
             info = zipfile.ZipInfo(name)
-            info.compress_type = zipfile.ZIP_DEFLATED
+            info.compress_type = method
             if name in symlinks:
                 info.external_attr = 0o120777 << 16
             archive.writestr(info, data)
@@ -176,6 +177,10 @@ def gzipped(parts: Iterable[bytes | tuple[bytes, int]]) -> bytes:
             out.append(packer.compress(part))
     out.append(packer.flush())
     return b"".join(out)
+
+
+def plain_tar(members: dict[str, bytes]) -> bytes:
+    return b"".join([*plain_members(members), bytes(1024)])
 
 
 def plain_members(members: dict[str, bytes]) -> list[bytes]:
@@ -283,6 +288,8 @@ CASES: dict[str, tuple[Callable[[], bytes], str]] = {
     "weights past half precision": (lambda: tar_gz(files(weights=weights(a=a_of(1e6)))), "65504"),
     "bfloat16 weights past half precision": (lambda: tar_gz(files(weights=bfloat16_weights(1e5))), A_NAME),
     "weights past half precision once scaled": (lambda: tar_gz(files(weights=weights(b=b_with(40_000.0)))), "lora_alpha / r"),
+    "tar.xz (its header sets the decoder's memory)": (lambda: lzma.compress(plain_tar(files())), "xz"),
+    "zip member compressed with LZMA": (lambda: zip_of(files(), method=zipfile.ZIP_LZMA), "method"),
     "not an archive": (lambda: b"just some bytes, " * 100, "not a readable .tar.gz or .zip"),
     "empty file": (lambda: b"", "empty"),
 }

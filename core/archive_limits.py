@@ -14,7 +14,6 @@ where that is simpler: no pax ``size`` or sparse records, no device or sparse me
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
 from typing import BinaryIO, Protocol
 
 BLOCK = 512
@@ -49,17 +48,12 @@ class ArchiveTooLarge(UnsafeArchive):
         super().__init__("the archive's files are larger than allowed")
 
 
-@dataclass(frozen=True)
-class TarSummary:
-    members: int  # headers of members (not counting GNU long names and pax headers)
-    data_bytes: int  # the regular members' sizes, as declared (a tar's data is as long as declared)
-
-
-def scan_tar(stream: Readable, max_members: int, max_bytes: int) -> TarSummary:
+def scan_tar(stream: Readable, max_members: int, max_bytes: int) -> None:
     """Read the uncompressed tar ``stream`` to its end, header by header, refusing on the way a
     GNU long name or pax header over ``MAX_HEADER_BYTES``, a member that is not a file, folder or
-    link, more than ``max_members`` members, and regular files over ``max_bytes`` in all. Reading
-    to the end lets a compressed stream check its own CRC."""
+    link, more than ``max_members`` members, and regular files over ``max_bytes`` in all (as
+    declared: a tar's data is as long as its header says). Reading to the end lets a compressed
+    stream check its own CRC."""
     members = headers = data_bytes = 0
     while True:
         block = _read(stream, BLOCK)
@@ -98,7 +92,6 @@ def scan_tar(stream: Readable, max_members: int, max_bytes: int) -> TarSummary:
             raise ArchiveTooLarge()
         data_bytes += size
         _skip(stream, _padded(size))
-    return TarSummary(members, data_bytes)
 
 
 def check_zip_directory(archive: BinaryIO, max_members: int) -> None:

@@ -8,8 +8,9 @@ products on the catalog model (docs/lora-kernels.md; ``benchmarks/lora_kernels_r
 
 Half precision rounds each weight to 11 significant bits (a relative error of at most 2^-11; vLLM's
 GPU kernels hold adapters in a half-precision model's dtype alike); the arithmetic stays float32. A
-weight past half precision's range (65,504) would become infinite: ``HalfWeights.fits`` says so, and
-that projection is computed without this kernel.
+weight past half precision's range (65,504) would become infinite: ``HalfWeights.unfit_slots`` says
+which slots hold one, and their tokens are computed without this kernel (``inference.lora_kernels``),
+the others' with it.
 
 The library is built with the machine's C compiler into ``<DATA_DIR>/build``, named by a hash of
 the source and flags, so an edited source is built again and a built one is only loaded. A machine

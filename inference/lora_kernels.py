@@ -249,10 +249,47 @@ def _add_lora_linear(
     weights = None
     if gemv.accepts(y, x, *lora_a_stacked, *lora_b_stacked):
         weights = _layer_weights(self, lora_a_stacked, lora_b_stacked, step)
-    if isinstance(weights, lora_gemv.HalfWeights) and weights.fits:
-        gemv.add(y, x, step.token_slots, weights, scale)
-    else:  # not float32 matrices, or an adapter's weight past half precision's range: vLLM's own code
+    if not isinstance(weights, lora_gemv.HalfWeights):  # not float32 matrices: vLLM's own code
         self._fineserve_stock_add_lora_linear(y, x, lora_a_stacked, lora_b_stacked, scale, output_slices, buffer=buffer)
+    elif weights.fits:
+        gemv.add(y, x, step.token_slots, weights, scale)
+    else:
+        _add_unfit_apart(gemv, y, x, lora_a_stacked, lora_b_stacked, scale, output_slices, step, weights)
+
+
+def _add_unfit_apart(
+    gemv: lora_gemv.LoraGemv,
+    y: torch.Tensor,
+    x: torch.Tensor,
+    lora_a_stacked: Stacked,
+    lora_b_stacked: Stacked,
+    scale: float,
+    output_slices: tuple[int, ...],
+    step: _Step,
+    weights: lora_gemv.HalfWeights,
+) -> None:
+    """A slot whose weights half precision cannot hold (``HalfWeights.unfit_slots``: a weight past
+    65,504) is computed apart, per slot, never per batch: its tokens in float32 with torch, from
+    vLLM's own weights; every other token by the C kernel, which skips a token whose slot is -1.
+    (Handing the whole projection to vLLM's code would give a token without an adapter the last
+    slot's adapter in its decode path.) Uploads and compositions refuse such weights; only an
+    adapter stored before that check can be one."""
+    import torch
+
+    unfit = torch.tensor(sorted(weights.unfit_slots), dtype=torch.int64)
+    apart = torch.isin(step.token_slots, unfit)
+    gemv.add(y, x, torch.where(apart, -1, step.token_slots).contiguous(), weights, scale)
+    rank = weights.rank
+    for slot in weights.unfit_slots:
+        tokens = (step.token_slots == slot).nonzero().squeeze(1)
+        if tokens.numel() == 0:
+            continue
+        rows = x.index_select(0, tokens)
+        offset = 0
+        for lora_a, lora_b, size in zip(lora_a_stacked, lora_b_stacked, output_slices):
+            delta = (rows @ lora_a[slot, 0, :rank].t()) @ lora_b[slot, 0, :, :rank].t()
+            y[:, offset : offset + size].index_add_(0, tokens, delta, alpha=scale)
+            offset += size
 
 
 def _add_grouped(

@@ -163,3 +163,25 @@ def test_another_organizations_models_cannot_be_composed(alice, charlie, parents
     assert response.status_code == 404 and response.json()["error"]["code"] == "model_not_found"
     assert response.json()["error"]["param"] == "parents"
     assert not FineTunedModel.objects.filter(suffix="refused").exists()
+
+
+def test_a_composition_whose_weights_overflow_half_precision_is_refused_naming_the_tensor(alice, tmp_path):
+    """Each parent fits what the serving kernel holds (half precision); their scaled sum does not:
+    the composed adapter is checked like an upload, and nothing is written."""
+    from tests.test_hostile_archives import A_NAME, HIDDEN, files, weights
+
+    folders = []
+    for number, value in enumerate([40_000.0, 1.0]):  # lora_alpha / r = 2 moves into A when composed
+        folder = tmp_path / f"parent-{number}"
+        folder.mkdir()
+        for file, data in files(weights=weights(a=np.full((1, HIDDEN), value, np.float32))).items():
+            (folder / file).write_bytes(data)
+        folders.append(folder)
+    left, right = published(alice, "left", folders[0]), published(alice, "right", folders[1])
+
+    response = compose(alice, parents=[{"model": left, "scale": 1.0}, {"model": right, "scale": 1.0}], suffix="refused")
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["code"] == "invalid_adapter", error
+    assert A_NAME in error["message"] and "65504" in error["message"], error
+    assert not FineTunedModel.objects.filter(suffix="refused").exists()
+    assert adapter_store().version(f"{BASE}:refused") is None

@@ -113,24 +113,24 @@ def _taken(alice, adapter):
 
 
 REFUSED = {
-    # case: (archive and suffix, the field the reason shows next to, words of the reason)
-    "wrong shapes": (lambda alice, a: (tar_gz(_wrong_shapes(a)), "dash-refused"), "file", "has shape [8, 100]"),
-    "not an archive": (lambda alice, a: (b"just some bytes", "dash-refused"), "file", "not a readable .tar.gz or .zip"),
-    "suffix taken": (_taken, "suffix", "The suffix is taken"),
-    "too large": (lambda alice, a: (tar_gz(adapter_files(a)), "dash-refused"), "file", "MAX_ADAPTER_UPLOAD_MB"),
+    # case: (archive and suffix, the field the reason shows next to, words of the reason, the API's status)
+    "wrong shapes": (lambda alice, a: (tar_gz(_wrong_shapes(a)), "dash-refused"), "file", "has shape [8, 100]", 400),
+    "not an archive": (lambda alice, a: (b"just some bytes", "dash-refused"), "file", "not a readable .tar.gz or .zip", 400),
+    "suffix taken": (_taken, "suffix", "The suffix is taken", 409),
+    "too large": (lambda alice, a: (tar_gz(adapter_files(a)), "dash-refused"), "file", "MAX_ADAPTER_UPLOAD_MB", 400),
 }
 
 
 @pytest.mark.parametrize("case", REFUSED)
 def test_a_refused_upload_shows_its_reason_on_the_form_and_registers_nothing(alice_web, alice, adapter, settings, case):
-    make, field, reason = REFUSED[case]
+    make, field, reason, status = REFUSED[case]
     archive, suffix = make(alice, adapter)
     if case == "too large":
         settings.CONFIG = dataclasses.replace(settings.CONFIG, max_adapter_upload_bytes=len(archive) - 1)
     before = set(FineTunedModel.objects.values_list("name", flat=True))
 
     response = upload_form(alice_web, archive, suffix)
-    assert response.status_code == 200  # the form again, not a redirect
+    assert response.status_code == status  # the form again (not a redirect), with the API's status
     page = response.content.decode()
     assert reason in field_of(page, field), field_of(page, field)
     assert 'class="field-error"' in field_of(page, field)
@@ -141,6 +141,7 @@ def test_a_refused_upload_shows_its_reason_on_the_form_and_registers_nothing(ali
 
 def test_an_upload_over_the_storage_quota_is_refused_on_the_form(alice_web, adapter, settings):
     lower_limits(settings, storage_bytes_per_organization=1024)
-    page = upload_form(alice_web, tar_gz(adapter_files(adapter)), "dash-refused").content.decode()
-    assert "quota" in field_of(page, "file")
+    response = upload_form(alice_web, tar_gz(adapter_files(adapter)), "dash-refused")
+    assert response.status_code == 403
+    assert "quota" in field_of(response.content.decode(), "file")
     assert not FineTunedModel.objects.exists() and adapter_store().version(f"{BASE}:dash-refused") is None

@@ -150,7 +150,7 @@ def test_it_prepares_weights_once_and_copies_again_only_the_slot_that_gets_anoth
     _assert_matches(apply(some), _reference(x[:2], lora_a, lora_b, some), gemv)
 
 
-def test_the_c_kernel_leaves_to_vllms_own_code_a_weight_past_half_precision_and_other_dtypes(built_gemv):
+def test_the_c_kernel_leaves_other_dtypes_to_vllms_own_code(built_gemv):
     lora_a, lora_b = _stacked(slots=2, max_rank=8, ranks=[8, 8])
     indices, calls = torch.tensor([0, 1]), []
     stock = {"_fineserve_stock_add_lora_linear": lambda *args, **kwargs: calls.append(args[1].dtype)}
@@ -161,11 +161,29 @@ def test_the_c_kernel_leaves_to_vllms_own_code_a_weight_past_half_precision_and_
     halves = (tuple(a.bfloat16() for a in lora_a), tuple(b.bfloat16() for b in lora_b))  # a bfloat16 model's
     lora_kernels._add_lora_linear(wrapper, torch.zeros(2, sum(SLICES)).bfloat16(), x.bfloat16(), *halves, 1.0, SLICES)
     assert calls == [torch.bfloat16]
-    lora_b[1][1, 0, 0, 0] = 1e5  # float16's largest is 65,504: vLLM writes such an adapter into slot 1
-    lora_kernels._WRITES[502] = lora_kernels._WRITES.get(502, 0) + 1
-    wrapper._fineserve_step = lora_kernels._plan(indices, [501, 502], grouped=False)
-    lora_kernels._add_lora_linear(wrapper, torch.zeros(2, sum(SLICES)), x, lora_a, lora_b, 1.0, SLICES)
-    assert calls == [torch.bfloat16, torch.float32]
+
+
+def test_a_slot_past_half_precision_is_computed_apart_and_the_rest_of_the_batch_stays_on_the_c_kernel(built_gemv):
+    """A weight past 65,504 cannot be held in half precision: that slot's tokens are computed in
+    float32, every other token by the C kernel. Never the whole projection by vLLM's own code, which
+    gives a token without an adapter (-1) the last slot's adapter in its decode path."""
+    lora_a, lora_b = _stacked(slots=3, max_rank=8, ranks=[8, 8, 8])
+    lora_b[1][1, 0, 0, 0] = 1e5  # vLLM wrote such an adapter (stored before uploads were checked) into slot 1
+    indices, calls = torch.tensor([0, 1, -1, 2, 1, -1, 0]), []
+    stock = {"_fineserve_stock_add_lora_linear": lambda *args, **kwargs: calls.append(args)}
+    wrapper = _wrapper([601, 602, 603], indices, [8, 8, 8], built_gemv, **stock)
+    x = torch.randn(len(indices), FAN_IN, generator=torch.Generator().manual_seed(5))
+    y = torch.zeros(len(indices), sum(SLICES))
+    lora_kernels._add_lora_linear(wrapper, y, x, lora_a, lora_b, 0.5, SLICES)
+
+    assert not calls
+    [prepared] = wrapper._fineserve_prepared.values()
+    assert prepared.unfit_slots == {1}
+    expected = 0.5 * _reference(x, lora_a, lora_b, indices)
+    apart, without, kernel = indices == 1, indices == -1, (indices == 0) | (indices == 2)
+    torch.testing.assert_close(y[apart], expected[apart], rtol=1e-5, atol=1e-3)  # float32, the 1e5 weight whole
+    assert torch.equal(y[without], torch.zeros_like(y[without]))
+    _assert_matches(y[kernel], expected[kernel], built_gemv)
 
 
 def test_the_c_kernel_is_built_once_per_source_and_its_absence_says_why(tmp_path, monkeypatch):

@@ -233,10 +233,11 @@ def model_adapter(request: OrganizationRequest, model_name: str) -> HttpResponse
 def adapter_upload(request: OrganizationRequest) -> HttpResponse:
     """An adapter trained elsewhere, served as ``<model>:<suffix>`` once checked, as ``POST
     /v1/fine_tuning/adapters`` does. Any member may, as through the API; a refusal (the archive, its
-    shapes, the suffix, the size, a quota) is shown on the form, and then nothing was written."""
-    form = AdapterUploadForm()
+    shapes, the suffix, the size, a quota) is shown on the form with the API's status (a 400 for a
+    bad archive), and then nothing was written."""
+    form, status = AdapterUploadForm(), 200
     if request.method == "POST":
-        form = AdapterUploadForm(request.POST, request.FILES)
+        form, status = AdapterUploadForm(request.POST, request.FILES), 400
         if form.is_valid():
             data = form.cleaned_data
             try:
@@ -245,10 +246,11 @@ def adapter_upload(request: OrganizationRequest) -> HttpResponse:
                 )
             except ApiError as error:
                 show_api_error(form, error)
+                status = error.status
             else:
                 messages.success(request, f"{model.name} is published: it answers on its first request.")
                 return redirect("dashboard:models")
-    return render(request, "dashboard/adapter_upload.html", {"form": form})
+    return render(request, "dashboard/adapter_upload.html", {"form": form}, status=status)
 
 
 @with_organization

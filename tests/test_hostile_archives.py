@@ -19,7 +19,6 @@ import io
 import json
 import lzma
 import struct
-import tarfile
 import tempfile
 import tracemalloc
 import warnings
@@ -30,7 +29,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from django.urls import reverse
 from safetensors.numpy import save
 
 from core.adapter_store import CONFIG_FILE, WEIGHTS_FILE

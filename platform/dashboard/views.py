@@ -17,8 +17,8 @@ from dashboard.forms import AdapterUploadForm, ApiKeyForm, ComposeForm, JobForm,
 from dashboard.organizations import switch_organization, with_organization
 from dashboard.playground import completion_body
 from dashboard.usage_chart import daily_tokens_chart
-from finetuning import adapters, compose, files, jobs, revisions
-from finetuning.models import File, FineTunedModel, FineTuningJob
+from finetuning import adapters, compositions, files, jobs, revisions
+from finetuning.models import Composition, File, FineTunedModel, FineTuningJob
 from finetuning.registry import delete_fine_tuned_model, list_usable_models, resolve_model
 from finetuning.representations import event_object, job_object
 from finetuning.views import archive_response
@@ -31,6 +31,7 @@ from usage.report import daily_usage
 PREVIEW_EXAMPLES = 5
 PAGE_SIZE = 50
 USAGE_PERIODS = (7, 14, 30)  # days the usage page can show
+RECENT_COMPOSITIONS = 10  # on the models page; the API lists them all
 
 
 def _page(request: HttpRequest, queryset) -> Page:
@@ -180,7 +181,11 @@ def models(request: HttpRequest) -> HttpResponse:
         dataset = datasets.get(lineage.job.training_file) if lineage and lineage.job else None
         rows.append((model, lineage, dataset, running.of(model) if running else None))
     # A composed model's parents are linked while they exist; they may be deleted before it.
-    context = {"models": rows, "pool_problem": pool_problem, "present": set(fine_tuned)}
+    recent = list(Composition.objects.for_org(request.organization)[:RECENT_COMPOSITIONS])
+    context = {
+        "models": rows, "pool_problem": pool_problem, "present": set(fine_tuned), "compositions": recent,
+        "composing": any(not composition.is_finished for composition in recent),
+    }  # fmt: skip
     return render(request, "dashboard/models.html", context)
 
 
@@ -250,18 +255,22 @@ def adapter_upload(request: HttpRequest) -> HttpResponse:
 def model_compose(request: HttpRequest) -> HttpResponse:
     """A new model from a weighted combination of the organization's fine-tuned models, as ``POST
     /v1/fine_tuning/models`` makes it. A refusal is shown on the form, and then nothing was written;
-    one the API answers 404 (a model the organization cannot see) is a 404 here too."""
+    one the API answers 404 (a model the organization cannot see) is a 404 here too. ``linear`` is
+    published at once; the other methods are queued, and the models page shows their status."""
     names = list(FineTunedModel.objects.for_org(request.organization).values_list("name", flat=True))
     form, status = ComposeForm(request.POST or None, models=names), 200
     if request.method == "POST" and form.is_valid():
         try:
-            model = compose.compose_model(request.organization, form.to_composition())
+            result = compositions.compose_or_queue(request.organization, request.user, form.to_composition())
         except ApiError as error:
             show_api_error(form, error)
             status = 404 if error.status == 404 else 200
         else:
-            error = f"approximation error {model.lineage['approximation_error']:.4g}"
-            messages.success(request, f"{model.name} is published ({error}): it answers on its first request.")
+            if isinstance(result, FineTunedModel):
+                error = f"approximation error {result.lineage['approximation_error']:.4g}"
+                messages.success(request, f"{result.name} is published ({error}): it answers on its first request.")
+            else:
+                messages.info(request, f"{result.model} is being composed ({result.method}) on a worker: its status is under Compositions below.")
             return redirect("dashboard:models")
     return render(request, "dashboard/model_compose.html", {"form": form}, status=status)
 

@@ -37,10 +37,13 @@ def charge_upload(organization: Organization) -> None:
         raise exceeded.error(param="file")
 
 
-def check_storage(organization: Organization, size: int, locked: bool = False) -> None:
+def check_storage(
+    organization: Organization, size: int, locked: bool = False, what: str = "this file", param: str = "file"
+) -> None:
     """The 403 when a file of ``size`` bytes would take the organization's files past its quota.
     ``locked``: inside the transaction that adds the file, under the organization's lock until it
-    ends, so two uploads at once cannot both take the last of the quota."""
+    ends, so two uploads at once cannot both take the last of the quota. ``what`` and ``param``
+    name what is stored in the message (a file, an adapter, a composed model)."""
     if locked:
         lock_organization(organization.pk)
     quota = settings.CONFIG.limits.storage_bytes_per_organization
@@ -48,10 +51,10 @@ def check_storage(organization: Organization, size: int, locked: bool = False) -
     if kept + size > quota:
         setting = LIMIT_SETTINGS["storage_bytes_per_organization"]
         raise ApiError(
-            f"Storing this file ({human_size(size)}) would take {organization.name} past its storage quota of "
+            f"Storing {what} ({human_size(size)}) would take {organization.name} past its storage quota of "
             f"{human_size(quota)} ({setting}); its files and uploaded adapters take {human_size(kept)}. Delete what it no longer "
             "needs, or ask the platform's operators to raise the quota.",
-            status=403, param="file", code="storage_quota_exceeded",
+            status=403, param=param, code="storage_quota_exceeded",
         )  # fmt: skip
 
 

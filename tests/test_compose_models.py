@@ -207,6 +207,20 @@ def test_a_composition_past_the_storage_quota_is_refused_before_any_merge_and_qu
     assert not FineTunedModel.objects.filter(suffix="refused").exists()
 
 
+def test_the_storage_quota_counts_the_compositions_under_way_at_their_most(alice, parents, settings, sent):
+    lower_limits(settings, storage_bytes_per_organization=stored_bytes(alice.organization) + 30 * 1024 * 1024)
+    left, right, _ = parents
+    body = {"parents": [{"model": left, "scale": 1.0}, {"model": right, "scale": 1.0}], "method": "ties"}
+    first = queued(compose(alice, **body, suffix="capped-1"))  # at most about 19.5 MB
+    refused = compose(alice, **body, suffix="capped-2")  # two of them cannot both fit in 30 MB
+    error = refused.json()["error"]
+    assert refused.status_code == 403 and error["code"] == "storage_quota_exceeded", error
+    assert "under way" in error["message"] and error["param"] == "parents"
+    assert sent == [first["id"]]
+    assert run_composition(first["id"], "test") == "succeeded"  # it took what it was promised, and no more
+    assert stored_bytes(alice.organization) <= first["estimated_bytes"] + 30 * 1024 * 1024
+
+
 def test_a_composition_whose_quota_was_taken_before_it_ran_fails_and_publishes_nothing(alice, parents, settings, sent):
     left, right, _ = parents
     body = {"parents": [{"model": left, "scale": 1.0}, {"model": right, "scale": 1.0}], "method": "ties"}

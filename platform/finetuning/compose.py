@@ -74,7 +74,8 @@ def plan_composition(organization: Organization, request: CompositionRequest) ->
     rank = _rank(request, base, {model: int(config["r"]) for model, config in configs.items()})
     estimate = most_bytes(architecture(base.weights), _target_modules(configs.values()), rank)
     # The most it can take: over the quota, it is refused before any weight is read.
-    quotas.check_storage(organization, estimate, what="the composed model", param="parents")
+    reserved = quotas.reserved_bytes(organization)
+    quotas.check_storage(organization, estimate, what="the composed model", param="parents", reserved=reserved)
     return Plan(name, dict(request.parents), request.method, rank, request.density, request.seed, estimate)
 
 

@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import json
 import time
+from datetime import timedelta
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
+from django.utils import timezone
 
 from core.adapter_store import CONFIG_FILE, WEIGHTS_FILE
 from core.lora_algebra import read_tensors
@@ -20,6 +23,7 @@ from finetuning.quotas import stored_bytes
 from tests.inference_fixtures import BASE, adapter_store, make_adapter  # noqa: F401
 from tests.limits import lower_limits, own_counters  # noqa: F401 (a fixture)
 from tests.test_adapter_io import published
+from tests.test_job_dispatch import web_without_broker  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -254,6 +258,42 @@ def test_compositions_under_way_are_capped_per_organization_with_when_to_retry_a
     run_composition(first["id"], "test")  # one has finished: a slot is free
     assert queued(compose(alice, **body, suffix="kept"))
     assert compose(alice, parents=body["parents"], suffix="blend").status_code == 200  # linear is not capped: it is done at once
+
+
+def test_the_sweeper_fails_a_composition_whose_worker_died_and_sends_again_one_whose_message_was_lost(
+    alice, parents, sent
+):
+    from workers.sweep import sweep
+
+    left = next(iter(parents))
+    body = {"parents": [{"model": left, "scale": 1.0}], "method": "svd", "rank": 4}
+    lost_message, lost_worker = (queued(compose(alice, **body, suffix=f"capped-{n}"))["id"] for n in (1, 2))
+    long_ago = timezone.now() - timedelta(minutes=30)  # longer than any worker may run it
+    finetuning_models.Composition.objects.filter(pk=lost_worker).update(status="running", started_at=long_ago)
+
+    swept = sweep(lost_after=timedelta(0))
+    assert swept["compositions_failed"] == [lost_worker] and swept["compositions_resent"] == [lost_message]
+    assert sent == [lost_message, lost_worker, lost_message]
+    failed = alice.api.get(f"{COMPOSITIONS}/{lost_worker}").json()
+    assert failed["status"] == "failed" and failed["error"]["code"] == "worker_lost"
+    assert queued(compose(alice, **body, suffix="capped-2"))  # its suffix and its slot are free again
+
+
+def test_a_composition_created_while_the_broker_is_down_answers_503_builds_nothing_and_frees_its_suffix(
+    alice, parents, web_without_broker, sent  # noqa: F811
+):
+    left, right, _ = parents
+    body = {"parents": [{"model": left, "scale": 1.0}, {"model": right, "scale": 1.0}], "method": "ties", "suffix": "refused"}
+    headers = {"Authorization": f"Bearer {alice.key}"}
+    response = httpx.post(f"{web_without_broker}{COMPOSE}", headers=headers, json=body, timeout=60)
+    assert response.status_code == 503, response.text
+    error = response.json()["error"]
+    assert error["code"] == "broker_unavailable" and "compose it again" in error["message"]
+    assert "redis" not in error["message"].lower() and "127.0.0.1" not in error["message"]  # no internal detail
+    composition = finetuning_models.Composition.objects.get(model=f"{BASE}:refused")
+    assert composition.status == "failed" and composition.error_code == "broker_unavailable"
+    assert not FineTunedModel.objects.filter(suffix="refused").exists()
+    assert queued(compose(alice, parents=body["parents"], method="ties", suffix="refused"))  # the suffix is free
 
 
 def test_compositions_per_hour_are_limited_per_organization_with_retry_after(alice, parents, settings, sent):

@@ -51,8 +51,9 @@ def most_bytes(architecture: Architecture, target_modules: Iterable[str], rank: 
     writes it (float32 A and B matrices, a safetensors header, a config): known from the base
     model's shapes before any weight is read, so a composition is measured against a quota first."""
     per_layer = sum(sum(architecture.linear(module)) for module in set(target_modules))
-    modules = len(set(target_modules)) * architecture.layers
-    return _FLOAT32_BYTES * rank * per_layer * architecture.layers + modules * 2 * _HEADER_BYTES_PER_TENSOR + _CONFIG_BYTES
+    weights = _FLOAT32_BYTES * rank * per_layer * architecture.layers
+    tensors = 2 * len(set(target_modules)) * architecture.layers  # an A and a B per module of each layer
+    return weights + tensors * _HEADER_BYTES_PER_TENSOR + _CONFIG_BYTES
 
 
 def full_rank(parts: list[Part]) -> int:

@@ -4,8 +4,6 @@ lineage, and the status of those built on a worker."""
 
 from __future__ import annotations
 
-import re
-
 import pytest
 from django.urls import reverse
 

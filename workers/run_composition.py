@@ -27,7 +27,9 @@ def run_composition(composition_id: str, worker: str) -> str:
     if composition is None:
         return f"nothing claimed for {composition_id} (it runs elsewhere or has finished)"
     try:
-        model = compose.build_composition(composition.organization, compositions.plan_of(composition), held_by=composition.pk)
+        model = compose.build_composition(
+            composition.organization, compositions.plan_of(composition), held_by=composition.pk
+        )
     except Exception as exc:
         code, message = _explained(exc, composition_id)
         retrying(compositions.fail, composition_id, code, message)
@@ -43,11 +45,20 @@ def _explained(exc: Exception, composition_id: str) -> tuple[str, str]:
     if isinstance(exc, ApiError):  # a parent deleted meanwhile, the quota taken meanwhile, a store down, ...
         return exc.code or "composition_failed", f"{exc.message} {nothing}"
     if isinstance(exc, SoftTimeLimitExceeded):  # raised by Celery wherever the task was (workers.tasks)
-        return "time_limit_exceeded", f"The composition did not finish in time. {nothing} Try fewer parents or a lower rank."
+        return (
+            "time_limit_exceeded",
+            f"The composition did not finish in time. {nothing} Try fewer parents or a lower rank.",
+        )
     if isinstance(exc, DATABASE_ERRORS):
         log.exception("composition %s: the database stayed unreachable", composition_id)
-        return "database_unavailable", f"The database was unreachable while the model was composed. {nothing} Compose it again."
+        return (
+            "database_unavailable",
+            f"The database was unreachable while the model was composed. {nothing} Compose it again.",
+        )
     if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
         return "storage_full", f"The platform ran out of disk space while composing. {nothing} Compose it again later."
     log.exception("composition %s failed", composition_id)  # a bug or a broken environment
-    return "composition_failed", f"The composition failed on the platform's side. {nothing} Compose it again; if it fails again, tell the platform's operators."
+    return (
+        "composition_failed",
+        f"The composition failed on the platform's side. {nothing} Compose it again; if it fails again, tell the platform's operators.",
+    )

@@ -270,7 +270,8 @@ def model_compose(request: HttpRequest) -> HttpResponse:
                 error = f"approximation error {result.lineage['approximation_error']:.4g}"
                 messages.success(request, f"{result.name} is published ({error}): it answers on its first request.")
             else:
-                messages.info(request, f"{result.model} is being composed ({result.method}) on a worker: its status is under Compositions below.")
+                status_note = "its status is under Compositions below"
+                messages.info(request, f"{result.model} is being composed ({result.method}) on a worker: {status_note}.")
             return redirect("dashboard:models")
     return render(request, "dashboard/model_compose.html", {"form": form}, status=status)
 

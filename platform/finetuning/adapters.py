@@ -95,7 +95,11 @@ def upload_adapter(
 
 
 def publish_new_model(
-    organization: Organization, name: ModelName, folder: Path, composition: dict | None = None, held_by: str | None = None
+    organization: Organization,
+    name: ModelName,
+    folder: Path,
+    composition: dict | None = None,
+    held_by: str | None = None,
 ) -> FineTunedModel:
     """Register and publish the adapter in ``folder`` (checked already) as ``name``: an uploaded
     adapter, or (with ``composition``) a composed one, ``held_by`` the id of the composition that
@@ -136,7 +140,12 @@ def check_suffix_free(name: ModelName, held_by: str | None = None) -> None:
 
 
 def _register(
-    organization: Organization, name: ModelName, size: int, composition: dict | None, stored: _Stored, held_by: str | None
+    organization: Organization,
+    name: ModelName,
+    size: int,
+    composition: dict | None,
+    stored: _Stored,
+    held_by: str | None,
 ) -> FineTunedModel:
     """The registry row before the adapter is published, so that of two uploads under one name only
     one publishes (the unique name decides). Until it is published a request for it is a 404."""

@@ -48,7 +48,9 @@ RETRY_AT_ONCE_S = 30
 LOST_AFTER = timedelta(minutes=20)
 
 
-def compose_or_queue(organization: Organization, user: User | None, request: compose.CompositionRequest) -> FineTunedModel | Composition:
+def compose_or_queue(
+    organization: Organization, user: User | None, request: compose.CompositionRequest
+) -> FineTunedModel | Composition:
     """The published model for ``linear``; for the other methods, the queued ``Composition``."""
     plan = compose.plan_composition(organization, request)
     if plan.method == "linear":
@@ -138,20 +140,19 @@ def claim(composition_id: str, worker: str) -> Composition | None:
 def succeed(composition_id: str, model: FineTunedModel) -> bool:
     """running -> succeeded; False when it was failed meanwhile (given up on as lost)."""
     assert model.composition is not None
+    running = Composition.objects.filter(pk=composition_id, status=CompositionStatus.RUNNING)
+    error = model.composition["approximation_error"]
     return bool(
-        Composition.objects.filter(pk=composition_id, status=CompositionStatus.RUNNING).update(
-            status=CompositionStatus.SUCCEEDED, approximation_error=model.composition["approximation_error"],
-            finished_at=timezone.now(),
-        )  # fmt: skip
+        running.update(status=CompositionStatus.SUCCEEDED, approximation_error=error, finished_at=timezone.now())
     )
 
 
 def fail(composition_id: str, code: str, message: str) -> bool:
     """queued or running -> failed, with the reason the user reads; its name is free again."""
     return bool(
-        Composition.objects.unfinished().filter(pk=composition_id).update(
-            status=CompositionStatus.FAILED, error_code=code, error_message=message, finished_at=timezone.now()
-        )
+        Composition.objects.unfinished()
+        .filter(pk=composition_id)
+        .update(status=CompositionStatus.FAILED, error_code=code, error_message=message, finished_at=timezone.now())
     )
 
 
@@ -159,4 +160,8 @@ def fail_lost() -> list[str]:
     """Fail the compositions running for longer than any worker may (its worker died): for the sweeper."""
     lost = Composition.objects.filter(status=CompositionStatus.RUNNING, started_at__lt=timezone.now() - LOST_AFTER)
     message = "The worker building this composition stopped responding; nothing was published. Compose it again."
-    return [composition_id for composition_id in lost.values_list("pk", flat=True) if fail(composition_id, "worker_lost", message)]
+    return [
+        composition_id
+        for composition_id in lost.values_list("pk", flat=True)
+        if fail(composition_id, "worker_lost", message)
+    ]

@@ -4,7 +4,16 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from finetuning.models import Checkpoint, Composition, CompositionStatus, File, FineTunedModel, FineTuningJob, JobEvent, ModelRevision
+from finetuning.models import (
+    Checkpoint,
+    Composition,
+    CompositionStatus,
+    File,
+    FineTunedModel,
+    FineTuningJob,
+    JobEvent,
+    ModelRevision,
+)
 
 
 def unix(moment: datetime | None) -> int | None:
@@ -117,7 +126,9 @@ def revision_object(revision: ModelRevision, current: int) -> dict:
 def composition_object(composition: Composition) -> dict:
     """A composition built on a worker, shaped like a job: poll it until ``status`` is
     ``succeeded`` (then ``fine_tuned_model`` answers) or ``failed`` (then ``error`` says why)."""
-    error = {"code": composition.error_code, "message": composition.error_message, "param": None} if composition.error_code else None
+    error = None
+    if composition.error_code:
+        error = {"code": composition.error_code, "message": composition.error_message, "param": None}
     succeeded = composition.status == CompositionStatus.SUCCEEDED
     return {
         "id": composition.id,

@@ -257,11 +257,14 @@ class ComposeModelView(APIView):
         result = compositions.compose_or_queue(request.auth.organization, request.user, serializer.to_composition())
         if isinstance(result, FineTunedModel):
             return Response(model_object(result))
-        return Response(composition_object(result), status=202, headers={"Location": f"/v1/fine_tuning/compositions/{result.id}"})
+        location = f"/v1/fine_tuning/compositions/{result.id}"
+        return Response(composition_object(result), status=202, headers={"Location": location})
 
 
 @extend_schema_view(
-    list=extend_schema(operation_id="v1_fine_tuning_compositions_list", responses=OpenApiTypes.OBJECT, parameters=_PAGE),
+    list=extend_schema(
+        operation_id="v1_fine_tuning_compositions_list", responses=OpenApiTypes.OBJECT, parameters=_PAGE
+    ),
     retrieve=_documented,
 )
 class CompositionViewSet(OrganizationScoped, viewsets.ViewSet):

@@ -152,8 +152,11 @@ def test_ties_and_dare_answer_202_queued_at_once_and_the_worker_publishes_them_a
     done = finished(alice, composition["id"])
     assert done["status"] == "succeeded" and done["error"] is None, done
     assert done["fine_tuned_model"] == name and done["finished_at"] >= done["created_at"]
-    lineage = FineTunedModel.objects.get(name=name).lineage
+    model = FineTunedModel.objects.get(name=name)
+    lineage = model.lineage
     assert lineage["rank"] == 16 and lineage["density"] == 0.3 and lineage["approximation_error"] > 0
+    # What the quota was asked for before the merge: at least what it took, and not much more.
+    assert model.uploaded_bytes <= done["estimated_bytes"] < 1.01 * model.uploaded_bytes
     assert ("seed" in lineage) == (method == "dare_linear")
     assert done["approximation_error"] == lineage["approximation_error"]
     assert adapter_store().version(name) is not None  # published: served on its first request

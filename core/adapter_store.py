@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import shutil
 import tempfile
@@ -75,6 +76,11 @@ class AdapterStore(Protocol):
 
     def version(self, name: str) -> AdapterVersion | None: ...
     def fetch(self, name: str, cache_dir: Path) -> Path: ...
+
+    def config(self, name: str) -> dict:
+        """The published ``adapter_config.json`` of ``name`` alone (its rank, its modules), without
+        its weights; ``AdapterNotFound`` when it is not published."""
+        ...
 
     def delete(self, name: str) -> None:
         """``name`` and all its revisions; a pinned name (``<name>@r<N>``) deletes that revision alone."""
@@ -167,6 +173,12 @@ class LocalAdapterStore:
             raise AdapterNotFound(name)
         return resolved
 
+    def config(self, name: str) -> dict:
+        try:
+            return json.loads((self.path(name) / CONFIG_FILE).read_text())
+        except FileNotFoundError:
+            raise AdapterNotFound(name) from None
+
     def delete(self, name: str) -> None:
         link = self.path(name)
         if revision_in(name) is not None:
@@ -249,6 +261,18 @@ class S3AdapterStore:
             except _VersionMoved:
                 time.sleep(0.1 * 2**attempt)  # the publisher writes the config last: give it time
         raise StoreUnavailable(f"{name} kept changing while it was read ({_FETCH_ATTEMPTS} tries)")
+
+    def config(self, name: str) -> dict:
+        from botocore.exceptions import ClientError
+
+        try:
+            with _unavailable_on_network_errors():
+                answer = self.client.get_object(Bucket=self.bucket, Key=self.key(name, CONFIG_FILE))
+                return json.loads(answer["Body"].read())
+        except ClientError as exc:
+            if exc.response["Error"]["Code"] in ("404", "NoSuchKey", "NotFound"):
+                raise AdapterNotFound(name) from None
+            raise
 
     def _download(self, name: str, version: str, target: Path) -> None:
         target.parent.mkdir(parents=True, exist_ok=True)

@@ -107,6 +107,10 @@ class TenantLimits:
     storage_bytes_per_organization: int
     running_jobs_per_organization: int  # more wait, queued, while other organizations' jobs start
     queued_jobs_per_organization: int  # creating one more is refused (429)
+    # Compositions that run on a worker (every method but linear), queued or running at once;
+    # creating one more is refused (429) until one has finished.
+    compositions_at_once_per_organization: int
+    compositions_per_hour_per_organization: int  # every composition, linear too (each publishes a model)
     sign_in_failures: int  # per username and per client address, within sign_in_window_s
     sign_in_window_s: int
 
@@ -121,6 +125,8 @@ LIMIT_SETTINGS = {
     "storage_bytes_per_organization": "STORAGE_MB_PER_ORGANIZATION",
     "running_jobs_per_organization": "RUNNING_JOBS_PER_ORGANIZATION",
     "queued_jobs_per_organization": "QUEUED_JOBS_PER_ORGANIZATION",
+    "compositions_at_once_per_organization": "COMPOSITIONS_AT_ONCE_PER_ORGANIZATION",
+    "compositions_per_hour_per_organization": "COMPOSITIONS_PER_HOUR_PER_ORGANIZATION",
     "sign_in_failures": "SIGN_IN_FAILURES",
     "sign_in_window_s": "SIGN_IN_WINDOW_SECONDS",
 }
@@ -139,6 +145,8 @@ def _limits() -> TenantLimits:
         storage_bytes_per_organization=setting("storage_bytes_per_organization", 10 * 1024) * 1024 * 1024,  # MB
         running_jobs_per_organization=setting("running_jobs_per_organization", 2),
         queued_jobs_per_organization=setting("queued_jobs_per_organization", 100),
+        compositions_at_once_per_organization=setting("compositions_at_once_per_organization", 2),
+        compositions_per_hour_per_organization=setting("compositions_per_hour_per_organization", 20),
         sign_in_failures=setting("sign_in_failures", 10),
         sign_in_window_s=setting("sign_in_window_s", 15 * 60),
     )

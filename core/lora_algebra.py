@@ -73,8 +73,9 @@ def read_tensors(path: Path) -> dict[str, np.ndarray]:
     return tensors
 
 
-def _check_mixable(config: dict, tensors: dict[str, np.ndarray]) -> None:
-    """What the platform trains is plain LoRA on linear layers; anything else is refused by name."""
+def check_mixable_config(config: dict) -> None:
+    """What the platform trains is plain LoRA on linear layers; anything else is refused by name.
+    The config alone says most of it, so a composition can be refused before any weight is read."""
     for key in ("rank_pattern", "alpha_pattern", "modules_to_save"):
         if config.get(key):
             raise CannotMix(f"it sets {key}")
@@ -83,6 +84,10 @@ def _check_mixable(config: dict, tensors: dict[str, np.ndarray]) -> None:
             raise CannotMix(f"it uses {key}")
     if config.get("bias", "none") != "none":
         raise CannotMix("it trains biases")
+
+
+def _check_mixable(config: dict, tensors: dict[str, np.ndarray]) -> None:
+    check_mixable_config(config)
     for name in tensors:
         if not name.endswith((_LORA_A, _LORA_B)):
             raise CannotMix(f"it holds {name}, not only LoRA A and B matrices")

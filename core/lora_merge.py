@@ -21,16 +21,21 @@ modules (0 for ``linear``), where ``exact`` is the linear sum.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
 
+from core.adapter_check import Architecture
 from core.lora_algebra import LoadedPart, Part, adapter_config, combine, load, modules_of, rank_of, weight_names
 
 Method = Literal["linear", "svd", "ties", "dare_linear"]
 METHODS: tuple[Method, ...] = ("linear", "svd", "ties", "dare_linear")
 _OVERSAMPLE, _POWER_ITERATIONS = 8, 2  # randomized SVD: close to the exact truncation at a few matmuls' cost
+# A merged adapter's size beyond its weights: each tensor's entry in the safetensors header (its
+# name, dtype, shape and offsets: about 130 bytes for PEFT's names), and adapter_config.json.
+_FLOAT32_BYTES, _HEADER_BYTES_PER_TENSOR, _CONFIG_BYTES = 4, 256, 8192
 
 
 @dataclass(frozen=True)
@@ -39,6 +44,16 @@ class Merged:
     tensors: dict[str, np.ndarray]
     rank: int
     approximation_error: float
+
+
+def most_bytes(architecture: Architecture, target_modules: Iterable[str], rank: int) -> int:
+    """The most an adapter of ``rank`` on ``target_modules`` of every layer can take, as ``merge``
+    writes it (float32 A and B matrices, a safetensors header, a config): known from the base
+    model's shapes before any weight is read, so a composition is measured against a quota first."""
+    per_layer = sum(sum(architecture.linear(module)) for module in set(target_modules))
+    weights = _FLOAT32_BYTES * rank * per_layer * architecture.layers
+    tensors = 2 * len(set(target_modules)) * architecture.layers  # an A and a B per module of each layer
+    return weights + tensors * _HEADER_BYTES_PER_TENSOR + _CONFIG_BYTES
 
 
 def full_rank(parts: list[Part]) -> int:

@@ -29,7 +29,7 @@ os.environ.setdefault("JOB_STALE_AFTER_SECONDS", "5")
 # the limits lower them (tests.limits).
 for _limit in (
     "COMPLETIONS_PER_MINUTE_PER_KEY", "COMPLETIONS_PER_MINUTE_PER_ORGANIZATION", "UPLOADS_PER_HOUR_PER_ORGANIZATION",
-    "SIGN_IN_FAILURES",
+    "SIGN_IN_FAILURES", "COMPOSITIONS_PER_HOUR_PER_ORGANIZATION",
 ):  # fmt: skip
     os.environ.setdefault(_limit, "1000000")
 for _limit in ("TOKENS_PER_MINUTE_PER_KEY", "TOKENS_PER_MINUTE_PER_ORGANIZATION"):

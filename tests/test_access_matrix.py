@@ -24,7 +24,7 @@ from django.test import Client
 from accounts.models import ApiKey, Membership
 from accounts.services import create_api_key, revoke_api_key
 from finetuning import files, jobs, storage
-from finetuning.models import Checkpoint, FineTuningJob, JobStatus
+from finetuning.models import Checkpoint, Composition, FineTuningJob, JobStatus
 from inference.internal_auth import ReplicaGuard
 from tests.inference_fixtures import BASE, adapter_store, make_adapter, publish_fine_tuned_model  # noqa: F401
 from tests.inference_fixtures import register_fine_tuned_model
@@ -58,7 +58,8 @@ SLASHED = (301,) * 7  # to the address without the slash, for anyone: it tells n
 
 # (surface, method, path, body, expected): {file}, {job}, {model}, {key} (its prefix), {org_id}
 # name a fresh object of Acme's, made for the one cell (so a delete does not spoil the next cell);
-# {published} is a model whose adapter is stored, {checkpoint} is "<job>/checkpoints/<checkpoint>".
+# {published} is a model whose adapter is stored, {checkpoint} is "<job>/checkpoints/<checkpoint>",
+# {composition} a composition queued for a worker.
 # The body "adapter" is an adapter archive uploaded under a suffix of its own; a composition (API or
 # form) is given a suffix of its own too. An outsider composing names Acme's models: 404.
 ROWS = [
@@ -77,6 +78,8 @@ ROWS = [
     ("api", "GET", "/v1/fine_tuning/models/{published}/adapter", None, API),
     ("api", "POST", "/v1/fine_tuning/adapters", "adapter", API_OWN_LIST),
     ("api", "POST", "/v1/fine_tuning/models", {"parents": [{"model": "{published}", "scale": 0.5}]}, API),
+    ("api", "GET", "/v1/fine_tuning/compositions", None, API_OWN_LIST),
+    ("api", "GET", "/v1/fine_tuning/compositions/{composition}", None, API),
     ("api", "GET", "/v1/fine_tuning/models/{published}/revisions", None, API),
     ("api", "POST", "/v1/fine_tuning/models/{published}/rollback", {"revision": 1}, API),
     ("api", "GET", "/v1/models", None, API_OWN_LIST),
@@ -149,6 +152,8 @@ class AcmeObjects(dict):
             checkpoint = _checkpoint(_job(alice, n), self.adapter)
             self.secrets |= {checkpoint.job_id, checkpoint.id}
             return f"{checkpoint.job_id}/checkpoints/{checkpoint.id}"
+        elif name == "composition":
+            value = _composition(alice, n).id
         elif name == "key":
             value = create_api_key(alice.organization, alice.user, f"spare {n}")[0].prefix
         elif name == "org_id":
@@ -171,6 +176,14 @@ def _job(alice: Persona, n: int) -> FineTuningJob:
     return FineTuningJob.objects.create(
         organization=alice.organization, model=BASE, training_file=training.id, suffix=f"acme-job-{n}", seed=0,
         hyperparameters={"n_epochs": 1, "batch_size": 1, "learning_rate_multiplier": 1.0}, status=JobStatus.QUEUED,
+    )  # fmt: skip
+
+
+def _composition(alice: Persona, n: int) -> Composition:
+    """A composition queued for a worker (none runs here)."""
+    return Composition.objects.create(
+        organization=alice.organization, model=f"{BASE}:acme-composed-{n}", parents=[{"model": f"{BASE}:acme", "scale": 1.0}],
+        method="svd", rank=4, density=0.5, seed=0, estimated_bytes=1,
     )  # fmt: skip
 
 

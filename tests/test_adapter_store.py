@@ -61,6 +61,17 @@ def test_a_missing_or_deleted_adapter_is_not_found(store, tmp_path):
         store.fetch(NAME, tmp_path / "cache")
 
 
+def test_a_published_adapters_config_is_read_alone_and_a_missing_one_is_not_found(store, tmp_path):
+    with pytest.raises(AdapterNotFound):
+        store.config(NAME)
+    store.publish(NAME, _adapter(tmp_path / "v1", b"one"))
+    assert store.config(NAME) == {"base_model_name_or_path": "HuggingFaceTB/SmolLM2-135M-Instruct"}
+    assert not (tmp_path / "cache").exists()  # nothing was downloaded for it
+    store.delete(NAME)
+    with pytest.raises(AdapterNotFound):
+        store.config(NAME)
+
+
 def test_a_folder_without_weights_is_refused_before_anything_is_written(store, tmp_path):
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / CONFIG_FILE).write_text("{}")

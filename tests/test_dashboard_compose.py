@@ -1,13 +1,13 @@
 """Composed models through the dashboard: the form calls the same service as ``POST
-/v1/fine_tuning/models`` (``finetuning.compose``), and the models page shows each one's lineage."""
+/v1/fine_tuning/models`` (``finetuning.compositions``), and the models page shows each one's
+lineage, and the status of those built on a worker."""
 
 from __future__ import annotations
-
-import re
 
 import pytest
 from django.urls import reverse
 
+from finetuning import models as finetuning_models
 from finetuning.models import FineTunedModel
 from tests.inference_fixtures import BASE, adapter_store, make_adapter, register_fine_tuned_model  # noqa: F401
 from tests.test_compose_models import SUFFIXES as API_SUFFIXES
@@ -89,18 +89,51 @@ def test_a_model_composed_on_the_form_is_listed_with_its_lineage_and_a_deleted_p
     assert f'href="#model-{left}"' in row
 
 
-def test_an_approximation_from_the_form_names_its_error_on_the_models_page(alice_web, parents):  # noqa: F811
+def test_an_approximation_from_the_form_is_queued_its_status_shown_and_its_error_named_once_published(
+    alice_web, alice, parents  # noqa: F811
+):
     response = compose_form(alice_web, dict.fromkeys(parents, ""), "dash-approx", method="svd", rank="12")
-    assert response.status_code == 302, response.content
-    lineage = FineTunedModel.objects.get(name=f"{BASE}:dash-approx").lineage
-    assert lineage["method"] == "svd" and lineage["rank"] == 12
-    assert [parent["scale"] for parent in lineage["parents"]] == [1.0] * 3  # an empty scale is 1
-    assert 0 < lineage["approximation_error"] < 1
+    assert response.status_code == 302 and response["Location"] == reverse("dashboard:models"), response.content
+    name = f"{BASE}:dash-approx"
+    composition = finetuning_models.Composition.objects.get(model=name)
+    assert composition.status == "queued" and composition.created_by == alice.user
+    assert [parent["scale"] for parent in composition.parents] == [1.0] * 3  # an empty scale is 1
+    assert not FineTunedModel.objects.filter(name=name).exists()  # not built in the request
 
     page = alice_web.get(reverse("dashboard:models")).content.decode()
-    error = re.search(r"dash-approx is published \(approximation error ([0-9.e-]+)\)", page)
-    assert error and float(error.group(1)) == pytest.approx(lineage["approximation_error"], rel=1e-3)
-    assert "svd, LoRA r 12, approximation error 0." in row_of(page, f"{BASE}:dash-approx")
+    assert f"{name} is being composed (svd) on a worker" in page
+    row = composition_row(page, composition.id)
+    assert 'data-status="queued"' in row and "svd, LoRA r 12" in row
+    assert "location.reload()" in page  # it looks again until the composition has finished
+
+    assert run_composition(composition.id, "test") == "succeeded"  # what the worker runs
+    lineage = FineTunedModel.objects.get(name=name).lineage
+    assert lineage["method"] == "svd" and lineage["rank"] == 12
+    assert 0 < lineage["approximation_error"] < 1
+    page = alice_web.get(reverse("dashboard:models")).content.decode()
+    assert 'data-status="succeeded"' in composition_row(page, composition.id) and "location.reload()" not in page
+    assert "svd, LoRA r 12, approximation error 0." in row_of(page, name)
+
+
+def test_a_failed_composition_shows_its_reason_on_the_models_page(alice_web, alice, parents):  # noqa: F811
+    left, right, _ = parents
+    compose_form(alice_web, {left: 1, right: 1}, "dash-approx", method="ties", rank="8")
+    composition = finetuning_models.Composition.objects.get(model=f"{BASE}:dash-approx")
+    alice_web.post(reverse("dashboard:model_delete", args=[right]))  # before the worker gets to it
+    assert run_composition(composition.id, "test") == "failed"
+    row = composition_row(alice_web.get(reverse("dashboard:models")).content.decode(), composition.id)
+    assert 'data-status="failed"' in row and right in row and "Nothing was published" in row
+
+
+def composition_row(page: str, composition_id: str) -> str:
+    start = page.index(f'data-composition="{composition_id}"')
+    return page[start : page.index("</tr>", start)]
+
+
+def run_composition(composition_id: str, worker: str) -> str:
+    from workers.run_composition import run_composition as run
+
+    return run(composition_id, worker)
 
 
 def _refusals(left: str, right: str, third: str) -> dict[str, tuple[dict, dict, str, str]]:
@@ -114,6 +147,7 @@ def _refusals(left: str, right: str, third: str) -> dict[str, tuple[dict, dict, 
         "nothing ticked": ({}, {}, "parents", "at least one"),
         "a rank for linear": ({left: 1}, {"rank": "4"}, "rank", "approximation"),
         "a rank over the served": ({left: 1}, {"method": "svd", "rank": "32"}, "rank", "max_lora_rank"),
+        "ties under a taken suffix": ({left: 1}, {"method": "ties", "suffix": "right"}, "suffix", "The suffix is taken"),
         "a scale out of range": ({left: 3}, {}, f"scale_{left}", "less than or equal to 2"),
     }
 
@@ -129,6 +163,7 @@ def test_a_refused_composition_shows_its_reason_on_the_form_and_creates_nothing(
     assert reason in block and 'class="field-error"' in block, block
     assert set(FineTunedModel.objects.values_list("name", flat=True)) == before
     assert adapter_store().version(f"{BASE}:dash-refused") is None
+    assert not finetuning_models.Composition.objects.exists()  # nothing queued either
 
 
 def test_naming_another_organizations_model_is_a_404_that_composes_nothing(

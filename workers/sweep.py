@@ -8,7 +8,9 @@ The database says which jobs wait; a broker message only wakes a trainer for one
   slots (``finetuning.jobs``: fair share); a duplicate is harmless, as only one ``claim`` wins;
 - each queued job's events say what it waits for, when that changes.
 - the checkpoints of jobs that ended without publishing go once their retention is over
-  (``finetuning.registry.expire_unpublished_checkpoints``).
+  (``finetuning.registry.expire_unpublished_checkpoints``);
+- compositions (``finetuning.compositions``) running for longer than any worker may are failed
+  (their worker died), and queued ones whose message the broker no longer holds are sent again.
 """
 
 from __future__ import annotations
@@ -20,9 +22,9 @@ from django.conf import settings
 from django.utils import timezone
 from kombu.exceptions import OperationalError
 
-from finetuning import jobs, registry
-from finetuning.models import FineTuningJob, JobStatus, record_event
-from server.celery import TRAIN_JOB, TRAINING_QUEUE, queue_consumers, waiting_task_args
+from finetuning import compositions, jobs, registry
+from finetuning.models import Composition, CompositionStatus, FineTuningJob, JobStatus, record_event
+from server.celery import COMPOSE_MODEL, TRAIN_JOB, TRAINING_QUEUE, queue_consumers, waiting_task_args
 from workers.run_job import drop_training_states
 
 log = logging.getLogger(__name__)
@@ -44,12 +46,16 @@ def sweep(stale_after: timedelta | None = None, lost_after: timedelta = LOST_AFT
         if job.events.filter(type="message").values_list("message", flat=True).first() != note:
             record_event(job, note)  # only when what it waits for has changed
     expired = registry.expire_unpublished_checkpoints(timezone.now())
+    lost_compositions = compositions.fail_lost()
+    resent_compositions = _resend_lost_compositions(lost_after)
     return {
         "requeued": recovered.requeued,
         "failed": recovered.failed,
         "resent": resent,
         "trainers": trainers,
         "checkpoints_expired": expired,
+        "compositions_failed": lost_compositions,
+        "compositions_resent": resent_compositions,
     }
 
 
@@ -68,6 +74,24 @@ def _resend_lost(lost_after: timedelta) -> list[str]:
         if free[job.organization_id] > 0 and jobs.mark_sent_again(job):
             free[job.organization_id] -= 1
             resent.append(job.pk)
+    return resent
+
+
+def _resend_lost_compositions(lost_after: timedelta) -> list[str]:
+    overdue = Composition.objects.filter(status=CompositionStatus.QUEUED, created_at__lt=timezone.now() - lost_after)
+    if not overdue.exists():
+        return []
+    held = waiting_task_args(settings.CELERY_BROKER_URL, COMPOSE_MODEL)
+    resent = []
+    for composition_id in overdue.values_list("pk", flat=True):
+        if composition_id in held:
+            continue
+        try:
+            compositions.send_to_worker(composition_id)  # twice is harmless: one claim wins
+        except OperationalError as exc:
+            log.warning("could not send composition %s to a worker: %s", composition_id, exc)
+            break
+        resent.append(composition_id)
     return resent
 
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from django.conf import settings
 
-from server.celery import SWEEP_JOBS, TRAIN_JOB, WORKER_REPORT, app
+from server.celery import COMPOSE_MODEL, SWEEP_JOBS, TRAIN_JOB, WORKER_REPORT, app
 
 if TYPE_CHECKING:
     from celery import Task
@@ -21,6 +21,11 @@ if TYPE_CHECKING:
 # ``finetuning.jobs.MAX_ATTEMPTS``).
 JOB_SOFT_LIMIT_S = settings.CONFIG.job_time_limit_s
 JOB_HARD_LIMIT_S = JOB_SOFT_LIMIT_S + 60
+# A composition takes tens of seconds (the most parents, at the served rank, on two cores); one
+# still running after this is stuck, and fails (``workers.run_composition``). The sweeper fails one
+# whose worker died (``finetuning.compositions.LOST_AFTER``, longer than the hard limit).
+COMPOSITION_SOFT_LIMIT_S = 600
+COMPOSITION_HARD_LIMIT_S = COMPOSITION_SOFT_LIMIT_S + 60
 
 
 @app.task(name=WORKER_REPORT.name, queue=WORKER_REPORT.queue)
@@ -38,6 +43,16 @@ def train_job(self: Task, job_id: str) -> str:
     from workers.run_job import run_job
 
     return run_job(job_id, worker=self.request.hostname or "unknown")
+
+
+@app.task(
+    name=COMPOSE_MODEL.name, queue=COMPOSE_MODEL.queue, bind=True, soft_time_limit=COMPOSITION_SOFT_LIMIT_S,
+    time_limit=COMPOSITION_HARD_LIMIT_S,
+)  # fmt: skip
+def compose_model(self: Task, composition_id: str) -> str:
+    from workers.run_composition import run_composition
+
+    return run_composition(composition_id, worker=self.request.hostname or "unknown")
 
 
 @app.task(name=SWEEP_JOBS.name, queue=SWEEP_JOBS.queue)

@@ -11,7 +11,7 @@ from django.forms.boundfield import BoundWidget
 from core.api_errors import ApiError
 from core.config import ADAPTER_UPLOAD_LIMIT_SETTING, UPLOAD_LIMIT_SETTING
 from core.lora_merge import METHODS
-from finetuning.compose import Composition
+from finetuning.compose import CompositionRequest
 from finetuning.jobs import JobRequest, TARGET_MODULES
 from finetuning.models import File
 from inference.protocol import MAX_ADAPTER_SCALE
@@ -133,14 +133,14 @@ class ComposeForm(forms.Form):
         """(the tick box, the model's name, its scale) for each of the organization's models."""
         return [(box, box.data["value"], self[self.scale_field(box.data["value"])]) for box in self["parents"]]
 
-    def to_composition(self) -> Composition:
+    def to_composition(self) -> CompositionRequest:
         data = self.cleaned_data
         scales: dict[str, float] = {}
         for name in data["parents"]:
             scale = data.get(self.scale_field(name))  # a model not listed here: the service refuses it by name
             scales[name] = 1.0 if scale is None else scale
         options = {name: data[name] for name in ("density", "seed") if data[name] is not None}
-        return Composition(
+        return CompositionRequest(
             parents=scales, suffix=data["suffix"] or None, method=data["method"], rank=data["rank"], **options
         )
 

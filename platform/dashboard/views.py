@@ -21,8 +21,8 @@ from dashboard.forms import AdapterUploadForm, ApiKeyForm, ComposeForm, JobForm,
 from dashboard.organizations import OrganizationRequest, switch_organization, with_organization
 from dashboard.playground import completion_body
 from dashboard.usage_chart import daily_tokens_chart
-from finetuning import adapters, compose, files, jobs, revisions
-from finetuning.models import File, FineTunedModel, FineTuningJob
+from finetuning import adapters, compositions, files, jobs, revisions
+from finetuning.models import Composition, File, FineTunedModel, FineTuningJob
 from finetuning.registry import delete_fine_tuned_model, list_usable_models, resolve_model
 from finetuning.representations import event_object, job_object
 from finetuning.views import archive_response
@@ -35,6 +35,7 @@ from usage.report import daily_usage
 PREVIEW_EXAMPLES = 5
 PAGE_SIZE = 50
 USAGE_PERIODS = (7, 14, 30)  # days the usage page can show
+RECENT_COMPOSITIONS = 10  # on the models page; the API lists them all
 
 
 def _page(request: HttpRequest, queryset: QuerySet[Any]) -> Page[Any]:
@@ -146,11 +147,11 @@ def job_progress(request: OrganizationRequest, job_id: str) -> JsonResponse:
     ``metrics_from``-th on, so a long job's poll stays small), and the latest messages."""
     job = get_object_or_404(FineTuningJob.objects.for_org(request.organization).select_related("organization"), pk=job_id)
     seen = request.GET.get("metrics_from", "0")
-    if not seen.isdigit():
+    if not seen.isdigit() or len(seen) > 9:  # int() refuses 4,300 digits and more with a ValueError
         return JsonResponse({"error": "metrics_from must be a whole number of reports already seen"}, status=400)
     reports = list(job.events.filter(type="metrics").order_by("created_at", "pk")[int(seen):])
     # Training steps only: an evaluation's scores are metrics too, shown in a section of their own.
-    metrics = [event.data for event in reports if "step" in event.data]
+    metrics = [event.data for event in reports if event.data and "step" in event.data]
     latest = [event_object(event) for event in job.events.all()[:50]]
     return JsonResponse(
         {"job": job_object(job), "metrics": metrics, "metrics_count": int(seen) + len(reports), "events": latest}
@@ -185,7 +186,11 @@ def models(request: OrganizationRequest) -> HttpResponse:
         dataset = datasets.get(lineage.job.training_file) if lineage and lineage.job else None
         rows.append((model, lineage, dataset, running.of(model) if running else None))
     # A composed model's parents are linked while they exist; they may be deleted before it.
-    context = {"models": rows, "pool_problem": pool_problem, "present": set(fine_tuned)}
+    recent = list(Composition.objects.for_org(request.organization)[:RECENT_COMPOSITIONS])
+    context = {
+        "models": rows, "pool_problem": pool_problem, "present": set(fine_tuned), "compositions": recent,
+        "composing": any(not composition.is_finished for composition in recent),
+    }  # fmt: skip
     return render(request, "dashboard/models.html", context)
 
 
@@ -257,18 +262,23 @@ def adapter_upload(request: OrganizationRequest) -> HttpResponse:
 def model_compose(request: OrganizationRequest) -> HttpResponse:
     """A new model from a weighted combination of the organization's fine-tuned models, as ``POST
     /v1/fine_tuning/models`` makes it. A refusal is shown on the form, and then nothing was written;
-    one the API answers 404 (a model the organization cannot see) is a 404 here too."""
+    one the API answers 404 (a model the organization cannot see) is a 404 here too. ``linear`` is
+    published at once; the other methods are queued, and the models page shows their status."""
     names = list(FineTunedModel.objects.for_org(request.organization).values_list("name", flat=True))
     form, status = ComposeForm(request.POST or None, models=names), 200
     if request.method == "POST" and form.is_valid():
         try:
-            model = compose.compose_model(request.organization, form.to_composition())
+            result = compositions.compose_or_queue(request.organization, request.user, form.to_composition())
         except ApiError as error:
             show_api_error(form, error)
             status = 404 if error.status == 404 else 200
         else:
-            approximation = f"approximation error {model.lineage['approximation_error']:.4g}"
-            messages.success(request, f"{model.name} is published ({approximation}): it answers on its first request.")
+            if isinstance(result, FineTunedModel):
+                approximation = f"approximation error {result.lineage['approximation_error']:.4g}"
+                messages.success(request, f"{result.name} is published ({approximation}): it answers on its first request.")
+            else:
+                status_note = "its status is under Compositions below"
+                messages.info(request, f"{result.model} is being composed ({result.method}) on a worker: {status_note}.")
             return redirect("dashboard:models")
     return render(request, "dashboard/model_compose.html", {"form": form}, status=status)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
@@ -31,7 +32,7 @@ from core.api_errors import adapter_not_found, adapter_store_unreachable, adapte
 from core.model_names import ModelName
 from core.object_store import ObjectNotFound
 from finetuning import jobs, quotas, revisions, storage
-from finetuning.models import Checkpoint, FineTunedModel, FineTuningJob
+from finetuning.models import Checkpoint, Composition, FineTunedModel, FineTuningJob
 
 
 def archive_name(name: str) -> str:
@@ -93,14 +94,22 @@ def upload_adapter(
         return publish_new_model(organization, name, folder)
 
 
-def publish_new_model(organization: Organization, name: ModelName, folder: Path, composition: dict | None = None) -> FineTunedModel:
+def publish_new_model(
+    organization: Organization,
+    name: ModelName,
+    folder: Path,
+    composition: dict | None = None,
+    held_by: str | None = None,
+) -> FineTunedModel:
     """Register and publish the adapter in ``folder`` (checked already) as ``name``: an uploaded
-    adapter, or (with ``composition``) a composed one. Its size counts against the organization's
+    adapter, or (with ``composition``) a composed one, ``held_by`` the id of the composition that
+    holds the name when it was built on a worker. Its size counts against the organization's
     storage quota. Nothing stays registered if publishing fails."""
     served_config(folder, name.base_model_id)
     size = sum((folder / file).stat().st_size for file in ADAPTER_FILES)
-    quotas.check_storage(organization, size)
-    model = _register(organization, name, size, composition)
+    stored = _Stored("the composed model", "parents") if composition is not None else _Stored("this adapter", "file")
+    quotas.check_storage(organization, size, what=stored.what, param=stored.param)
+    model = _register(organization, name, size, composition, stored, held_by)
     try:
         storage.adapters(jobs.catalog_model(name.base_model_id).lora.dynamic_lora_loading_path).publish(model.name, folder, model.revision)
     except BaseException as exc:
@@ -111,24 +120,40 @@ def publish_new_model(organization: Organization, name: ModelName, folder: Path,
     return model
 
 
-def check_suffix_free(name: ModelName) -> None:
-    """The suffix names one adapter for everyone: no model has it, and no job trains it (a job
-    holds its suffix from creation, as it will publish under it)."""
+@dataclass(frozen=True)
+class _Stored:
+    what: str  # as a quota refusal names it
+    param: str
+
+
+def check_suffix_free(name: ModelName, held_by: str | None = None) -> None:
+    """The suffix names one adapter for everyone: no model has it, no job trains it, and no
+    composition under way builds it (a job and a composition hold their suffix from creation, as
+    they will publish under it), but for ``held_by``, the composition publishing it now."""
+    compositions = Composition.objects.unfinished().filter(model=str(name)).exclude(pk=held_by)
     if (
         FineTunedModel.objects.filter(name=str(name)).exists()
         or FineTuningJob.objects.filter(model=name.base_model_id, suffix=name.suffix).exists()
+        or compositions.exists()
     ):
         raise suffix_taken(str(name))
 
 
-def _register(organization: Organization, name: ModelName, size: int, composition: dict | None) -> FineTunedModel:
+def _register(
+    organization: Organization,
+    name: ModelName,
+    size: int,
+    composition: dict | None,
+    stored: _Stored,
+    held_by: str | None,
+) -> FineTunedModel:
     """The registry row before the adapter is published, so that of two uploads under one name only
     one publishes (the unique name decides). Until it is published a request for it is a 404."""
     assert name.suffix is not None  # a fine-tuned model's name (jobs.chosen_suffix)
     try:
         with transaction.atomic():
-            quotas.check_storage(organization, size, locked=True)
-            check_suffix_free(name)
+            quotas.check_storage(organization, size, locked=True, what=stored.what, param=stored.param)
+            check_suffix_free(name, held_by)
             model = FineTunedModel.objects.create(
                 name=str(name), organization=organization, job=None, base_model=name.base_model_id,
                 suffix=name.suffix, uploaded_bytes=size, composition=composition,

@@ -7,11 +7,17 @@ rank (the sum of the parents' ranks) is more than the deployment serves, ``svd``
 ``dare_linear`` approximate it at a chosen rank and report how far off they are
 (``core.lora_merge``). It is published like an uploaded adapter (``finetuning.adapters``) and
 served on its first request; its lineage (parents, scales, method, error) is kept on the model.
+
+Everything that can refuse a composition without reading a weight is checked first
+(``plan_composition``: parents, name, rank, and the result's size against the storage quota), then
+it is built (``build_composition``): in the request for ``linear``, on a worker for the others,
+whose merges take seconds of both cores for a few rank-16 parents (``finetuning.compositions``).
 """
 
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,20 +25,20 @@ from django.conf import settings
 
 from accounts.models import Organization
 from core import api_errors
-from core.adapter_check import check_adapter
+from core.adapter_check import ATTENTION, MLP, architecture, check_adapter
 from core.adapter_store import AdapterNotFound, StoreUnavailable
 from core.api_errors import ApiError
 from core.catalog import BaseModel
-from core.lora_algebra import CannotMix, Part, write_adapter
-from core.lora_merge import Method, full_rank, merge
+from core.lora_algebra import CannotMix, Part, check_mixable_config, write_adapter
+from core.lora_merge import Method, merge, most_bytes
 from core.model_names import ModelName, parse_model_name
-from finetuning import jobs, storage
+from finetuning import jobs, quotas, storage
 from finetuning.adapters import check_suffix_free, publish_new_model
 from finetuning.models import FineTunedModel
 
 
 @dataclass(frozen=True)
-class Composition:
+class CompositionRequest:
     """What to compose: ``parents`` maps each fine-tuned model to its scale."""
 
     parents: dict[str, float]
@@ -43,33 +49,62 @@ class Composition:
     seed: int = 0  # dare_linear: its random drop
 
 
-def compose_model(organization: Organization, composition: Composition) -> FineTunedModel:
-    """Build, check, register and publish the composed model; nothing is written on a refusal."""
-    parents = _parents(organization, composition.parents)
+@dataclass(frozen=True)
+class Plan:
+    """A composition checked against everything that needs no weight read: its parents (the
+    organization's, of one base model, mixable), its name (free), its rank (served) and its size at
+    most (within the storage quota). Building it (``build_composition``) is the expensive part."""
+
+    name: ModelName
+    scales: dict[str, float]
+    method: Method
+    rank: int
+    density: float
+    seed: int
+    estimated_bytes: int
+
+
+def plan_composition(organization: Organization, request: CompositionRequest) -> Plan:
+    """Every refusal a composition can get before its weights are read; nothing is written."""
+    parents = _parents(organization, request.parents)
     base = jobs.catalog_model(parents[0].base_model)
-    name = ModelName(base.id, jobs.chosen_suffix(composition.suffix))
+    name = ModelName(base.id, jobs.chosen_suffix(request.suffix))
     check_suffix_free(name)
+    configs = _configs(parents, base)
+    rank = _rank(request, base, {model: int(config["r"]) for model, config in configs.items()})
+    estimate = most_bytes(architecture(base.weights), _target_modules(configs.values()), rank)
+    # The most it can take: over the quota, it is refused before any weight is read.
+    reserved = quotas.reserved_bytes(organization)
+    quotas.check_storage(organization, estimate, what="the composed model", param="parents", reserved=reserved)
+    return Plan(name, dict(request.parents), request.method, rank, request.density, request.seed, estimate)
+
+
+def build_composition(organization: Organization, plan: Plan, held_by: str | None = None) -> FineTunedModel:
+    """Build, check, register and publish the composed model; nothing is written on a refusal.
+    ``held_by``: the composition (``finetuning.compositions``) that holds the name meanwhile. The
+    parents are read again: one may have been deleted since the plan was made."""
+    parents = _parents(organization, plan.scales)
+    base = jobs.catalog_model(parents[0].base_model)
     with tempfile.TemporaryDirectory(prefix="compose-") as work:
-        parts = [Part(folder, composition.parents[model.name]) for model, folder in _fetched(parents, base, Path(work))]
-        rank = _rank(composition, base, {model.name: full_rank([part]) for model, part in zip(parents, parts)})
+        parts = [Part(folder, plan.scales[model.name]) for model, folder in _fetched(parents, base, Path(work))]
         try:
-            merged = merge(parts, composition.method, rank, composition.density, composition.seed)
+            merged = merge(parts, plan.method, plan.rank, plan.density, plan.seed)
         except CannotMix as exc:
             parent = next(model for model, part in zip(parents, parts) if part.folder == exc.folder)
             raise api_errors.adapter_not_mixable(parent.name, str(exc), param="parents") from None
         folder = write_adapter(merged.config, merged.tensors, Path(work) / "composed")
         check_adapter(folder, base)
         lineage = {
-            "parents": [{"model": model.name, "scale": composition.parents[model.name]} for model in parents],
-            "method": composition.method,
+            "parents": [{"model": model.name, "scale": plan.scales[model.name]} for model in parents],
+            "method": plan.method,
             "rank": merged.rank,
             "approximation_error": round(merged.approximation_error, 6),
         }
-        if composition.method in ("ties", "dare_linear"):
-            lineage["density"] = composition.density
-        if composition.method == "dare_linear":
-            lineage["seed"] = composition.seed
-        return publish_new_model(organization, name, folder, composition=lineage)
+        if plan.method in ("ties", "dare_linear"):
+            lineage["density"] = plan.density
+        if plan.method == "dare_linear":
+            lineage["seed"] = plan.seed
+        return publish_new_model(organization, plan.name, folder, composition=lineage, held_by=held_by)
 
 
 def _parents(organization: Organization, scales: dict[str, float]) -> list[FineTunedModel]:
@@ -116,7 +151,35 @@ def _fetched(parents: list[FineTunedModel], base: BaseModel, work: Path) -> list
     return folders
 
 
-def _rank(composition: Composition, base: BaseModel, ranks: dict[str, int]) -> int:
+def _configs(parents: list[FineTunedModel], base: BaseModel) -> dict[str, dict]:
+    """Each parent's published adapter config (not its weights), checked to be one a sum covers."""
+    store = storage.adapters(base.lora.dynamic_lora_loading_path)
+    configs = {}
+    for model in parents:
+        try:
+            configs[model.name] = config = store.config(model.name)
+            check_mixable_config(config)
+        except AdapterNotFound:
+            raise api_errors.adapter_not_found(model.name, param="parents") from None
+        except StoreUnavailable as exc:
+            raise api_errors.adapter_store_unreachable(model.name, str(exc)) from None
+        except CannotMix as exc:
+            raise api_errors.adapter_not_mixable(model.name, str(exc), param="parents") from None
+    return configs
+
+
+def _target_modules(configs: Iterable[dict]) -> set[str]:
+    """The modules the result adapts: every module a parent adapts (all of the base model's linear
+    layers for a parent that names them otherwise than as a list, an upper bound)."""
+    modules: set[str] = set()
+    for config in configs:
+        targets = config.get("target_modules")
+        known = isinstance(targets, list) and all(target in ATTENTION + MLP for target in targets)
+        modules |= set(targets) if known and targets is not None else set(ATTENTION + MLP)
+    return modules
+
+
+def _rank(composition: CompositionRequest, base: BaseModel, ranks: dict[str, int]) -> int:
     """The result's rank: the sum of the parents' for ``linear`` (refused over what is served), else
     the one asked for (default: the sum, capped at what is served)."""
     served = base.lora.max_lora_rank

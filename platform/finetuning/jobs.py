@@ -44,7 +44,7 @@ from core.config import LIMIT_SETTINGS
 from core.rate_limits import RATE_LIMIT_TYPE
 from core.model_names import ModelName, is_valid_suffix, parse_model_name
 from finetuning import revisions
-from finetuning.models import File, FineTunedModel, FineTuningJob, JobStatus, record_event
+from finetuning.models import Composition, File, FineTunedModel, FineTuningJob, JobStatus, record_event
 from server.celery import TRAIN_JOB, TRAINING_QUEUE, send
 
 log = logging.getLogger(__name__)
@@ -250,7 +250,9 @@ def _revision_to_publish(parent: FineTunedModel | None, name: ModelName) -> int:
         reserved = FineTuningJob.objects.filter(model=name.base_model_id, suffix=name.suffix).aggregate(Max("revision"))
         published = parent.revisions.aggregate(Max("number"))
         return max(reserved["revision__max"] or 0, published["number__max"] or 0, parent.revision) + 1
-    if FineTunedModel.objects.filter(name=str(name)).exists():  # an uploaded adapter's
+    if FineTunedModel.objects.filter(name=str(name)).exists():  # an uploaded or composed adapter's
+        raise suffix_taken(str(name))
+    if Composition.objects.unfinished().filter(model=str(name)).exists():  # a composition under way publishes it
         raise suffix_taken(str(name))
     return 1
 

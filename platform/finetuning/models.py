@@ -9,6 +9,7 @@ from __future__ import annotations
 import secrets
 import string
 from functools import partial
+from typing import Self
 
 from django.conf import settings
 from django.db import models
@@ -25,7 +26,7 @@ def new_id(prefix: str) -> str:
 
 
 class OrgQuerySet(models.QuerySet):
-    def for_org(self, organization: Organization) -> OrgQuerySet:
+    def for_org(self, organization: Organization) -> Self:
         return self.filter(organization=organization)
 
 
@@ -222,6 +223,59 @@ class ModelRevision(models.Model):
     class Meta:
         ordering = ["-number"]
         constraints = [models.UniqueConstraint(fields=["model", "number"], name="one_row_per_revision")]
+
+
+class CompositionStatus(models.TextChoices):
+    QUEUED = "queued"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+
+
+UNFINISHED_COMPOSITION_STATUSES = (CompositionStatus.QUEUED, CompositionStatus.RUNNING)
+
+
+class CompositionQuerySet(OrgQuerySet):
+    def unfinished(self) -> Self:
+        return self.filter(status__in=UNFINISHED_COMPOSITION_STATUSES)
+
+
+class Composition(models.Model):
+    """A composed model built on a worker (``finetuning.compositions``): every method but ``linear``,
+    which is cheap enough to build in the request. Everything it needs was checked when it was
+    created; the worker re-reads its parents by name, and publishes ``model`` or fails with a reason."""
+
+    id = models.CharField(primary_key=True, max_length=40, default=partial(new_id, "ftcomp"), editable=False)
+    organization = models.ForeignKey(Organization, on_delete=models.CASCADE, related_name="compositions")
+    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, on_delete=models.SET_NULL)
+    # The fine-tuned model it publishes, <base_model_id>:<suffix>: held for it from creation
+    # (``finetuning.adapters.check_suffix_free``) until it has finished.
+    model = models.CharField(max_length=300)
+    parents = models.JSONField()  # [{"model", "scale"}], in the order they were given
+    method = models.CharField(max_length=20)
+    rank = models.IntegerField()  # the result's, resolved at creation
+    density = models.FloatField()
+    seed = models.IntegerField()
+    # The result's size at most (from its rank and the base model's layers), checked against the
+    # organization's storage quota before it was queued; its real size is checked again on publishing.
+    estimated_bytes = models.BigIntegerField()
+    status = models.CharField(max_length=20, choices=CompositionStatus.choices, default=CompositionStatus.QUEUED)
+    error_code = models.CharField(max_length=64, blank=True, default="")
+    error_message = models.TextField(blank=True, default="")
+    approximation_error = models.FloatField(null=True, blank=True)  # once it has succeeded
+    worker = models.CharField(max_length=200, blank=True, default="")
+    created_at = models.DateTimeField(auto_now_add=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    objects = CompositionQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status not in UNFINISHED_COMPOSITION_STATUSES
 
 
 def record_event(job: FineTuningJob, message: str, *, level: str = "info", data: dict | None = None) -> JobEvent:

@@ -4,7 +4,16 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from finetuning.models import Checkpoint, File, FineTunedModel, FineTuningJob, JobEvent, ModelRevision
+from finetuning.models import (
+    Checkpoint,
+    Composition,
+    CompositionStatus,
+    File,
+    FineTunedModel,
+    FineTuningJob,
+    JobEvent,
+    ModelRevision,
+)
 
 
 def unix(moment: datetime | None) -> int | None:
@@ -111,4 +120,32 @@ def revision_object(revision: ModelRevision, current: int) -> dict:
         "fine_tuning_job_id": job.id if job else None,
         "trained_tokens": job.trained_tokens if job else None,
         "final_loss": revision.final_loss,
+    }
+
+
+def composition_object(composition: Composition) -> dict:
+    """A composition built on a worker, shaped like a job: poll it until ``status`` is
+    ``succeeded`` (then ``fine_tuned_model`` answers) or ``failed`` (then ``error`` says why)."""
+    error = None
+    if composition.error_code:
+        error = {"code": composition.error_code, "message": composition.error_message, "param": None}
+    succeeded = composition.status == CompositionStatus.SUCCEEDED
+    return {
+        "id": composition.id,
+        "object": "fine_tuning.composition",
+        "created_at": unix(composition.created_at),
+        "started_at": unix(composition.started_at),
+        "finished_at": unix(composition.finished_at),
+        "organization_id": composition.organization.slug,
+        "status": composition.status,
+        "model": composition.model,  # the model it publishes
+        "fine_tuned_model": composition.model if succeeded else None,
+        "parents": composition.parents,
+        "method": composition.method,
+        "rank": composition.rank,
+        "density": composition.density if composition.method in ("ties", "dare_linear") else None,
+        "seed": composition.seed if composition.method == "dare_linear" else None,
+        "approximation_error": composition.approximation_error,
+        "estimated_bytes": composition.estimated_bytes,
+        "error": error,
     }

@@ -10,7 +10,7 @@ from rest_framework import serializers
 
 from core.evaluation import GRADERS
 from core.lora_merge import METHODS
-from finetuning.compose import Composition
+from finetuning.compose import CompositionRequest
 from finetuning.jobs import AUTO, JobRequest
 from inference.protocol import MAX_ADAPTER_SCALE
 
@@ -176,12 +176,12 @@ class CompositionSerializer(RejectUnknownKeys, serializers.Serializer):
     density = StrictFloatField(default=0.5, min_value=0.01, max_value=1.0, help_text="ties, dare_linear: the share of each delta kept")
     seed = StrictIntegerField(default=0, min_value=0, max_value=2**31 - 1, help_text="dare_linear: its random drop")
 
-    def to_composition(self) -> Composition:
+    def to_composition(self) -> CompositionRequest:
         data = dict(self.validated_data)
         scales: dict[str, float] = {}
         for parent in data.pop("parents"):  # a repeated parent's scales add up: the sum is linear
             scales[parent["model"]] = scales.get(parent["model"], 0.0) + parent["scale"]
-        return Composition(parents=scales, **data)
+        return CompositionRequest(parents=scales, **data)
 
 
 class RollbackSerializer(RejectUnknownKeys, serializers.Serializer):

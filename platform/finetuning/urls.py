@@ -4,6 +4,7 @@ from rest_framework.routers import SimpleRouter
 from finetuning.views import (
     AdapterUploadView,
     ComposeModelView,
+    CompositionViewSet,
     FileViewSet,
     JobViewSet,
     ModelAdapterView,
@@ -14,6 +15,7 @@ from finetuning.views import (
 router = SimpleRouter(trailing_slash=False)
 router.register("files", FileViewSet, basename="file")
 router.register("fine_tuning/jobs", JobViewSet, basename="fine-tuning-job")
+router.register("fine_tuning/compositions", CompositionViewSet, basename="fine-tuning-composition")
 
 urlpatterns = [
     path("fine_tuning/adapters", AdapterUploadView.as_view(), name="fine-tuning-adapter-upload"),

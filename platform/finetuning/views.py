@@ -20,11 +20,12 @@ from rest_framework.views import APIView
 
 from accounts.authentication import caller_of, organization_of
 from core.api_errors import ApiError, model_not_found, not_found
-from finetuning import adapters, compose, files, jobs, revisions
-from finetuning.models import File, FineTunedModel, FineTuningJob
+from finetuning import adapters, compositions, files, jobs, revisions
+from finetuning.models import Composition, File, FineTunedModel, FineTuningJob
 from finetuning.pagination import list_page
 from finetuning.representations import (
     checkpoint_object,
+    composition_object,
     event_object,
     file_object,
     job_object,
@@ -52,7 +53,7 @@ class AnyAcceptRenderer(JSONRenderer):
 class OrganizationScoped:
     """Rows of the caller's organization only; anything else is "no such ..." (404)."""
 
-    model: type[File] | type[FineTuningJob]
+    model: type[File] | type[FineTuningJob] | type[Composition]
     noun: str
 
     def scoped(self, request: Request) -> QuerySet[Any]:
@@ -242,10 +243,12 @@ class AdapterUploadView(APIView):
 
 
 class ComposeModelView(APIView):
-    """``POST /v1/fine_tuning/models``: a new fine-tuned model composed of the organization's own."""
+    """``POST /v1/fine_tuning/models``: a new fine-tuned model composed of the organization's own.
+    ``linear`` answers the published model (200); the other methods run on a worker and answer the
+    queued composition to poll (202, ``Location`` naming it)."""
 
     @extend_schema(
-        request=CompositionSerializer, responses=OpenApiTypes.OBJECT,
+        request=CompositionSerializer, responses={200: OpenApiTypes.OBJECT, 202: OpenApiTypes.OBJECT},
         summary="Compose a fine-tuned model from a weighted combination of the organization's fine-tuned models",
     )  # fmt: skip
     def post(self, request: Request) -> Response:
@@ -253,4 +256,29 @@ class ComposeModelView(APIView):
             raise ApiError("The request body must be a JSON object.", code="invalid_body")
         serializer = CompositionSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
-        return Response(model_object(compose.compose_model(organization_of(request), serializer.to_composition())))
+        result = compositions.compose_or_queue(organization_of(request), caller_of(request), serializer.to_composition())
+        if isinstance(result, FineTunedModel):
+            return Response(model_object(result))
+        location = f"/v1/fine_tuning/compositions/{result.id}"
+        return Response(composition_object(result), status=202, headers={"Location": location})
+
+
+@extend_schema_view(
+    list=extend_schema(
+        operation_id="v1_fine_tuning_compositions_list", responses=OpenApiTypes.OBJECT, parameters=_PAGE
+    ),
+    retrieve=_documented,
+)
+class CompositionViewSet(OrganizationScoped, viewsets.ViewSet):
+    """``/v1/fine_tuning/compositions``: the compositions built on a worker, newest first, to poll."""
+
+    model, noun = Composition, "composition"
+
+    def scoped(self, request: Request) -> QuerySet[Any]:
+        return super().scoped(request).select_related("organization")
+
+    def list(self, request: Request) -> Response:
+        return Response(list_page(request.query_params, self.scoped(request), composition_object))
+
+    def retrieve(self, request: Request, pk: str) -> Response:
+        return Response(composition_object(self.get_row(request, pk)))

@@ -34,6 +34,7 @@ class TaskName:
 
 
 TRAIN_JOB = TaskName("workers.tasks.train_job", TRAINING_QUEUE)
+COMPOSE_MODEL = TaskName("workers.tasks.compose_model", DEFAULT_QUEUE)
 SWEEP_JOBS = TaskName("workers.tasks.sweep_jobs", DEFAULT_QUEUE)
 WORKER_REPORT = TaskName("workers.tasks.worker_report", DEFAULT_QUEUE)
 

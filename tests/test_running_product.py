@@ -205,6 +205,15 @@ def test_uploaded_adapters_mix_per_request_and_compose_into_a_model_served_on_it
     with tarfile.open(fileobj=io.BytesIO(download.content), mode="r:gz") as tar:
         assert sorted(tar.getnames()) == ["adapter_config.json", "adapter_model.safetensors"]
 
+    # A TIES merge runs on bin/run's worker (the default queue), not in the request.
+    queued = api.post("/fine_tuning/models", json={"parents": half_and_half, "suffix": "ties", "method": "ties"})
+    assert queued.status_code == 202 and queued.json()["status"] == "queued", queued.text
+    composition = queued.headers["Location"].removeprefix("/v1")
+    wait_until(lambda: api.get(composition).json()["status"] in ("succeeded", "failed"), 180, "the TIES composition")
+    done = api.get(composition).json()
+    assert done["status"] == "succeeded", done
+    assert ask(done["fine_tuned_model"])  # served on its first request
+
 
 def test_a_model_fine_tuned_again_answers_as_r2_rolls_back_to_r1_and_its_checkpoints_answer(platform):
     client = openai.OpenAI(base_url=f"{platform.url}/v1", api_key=platform.api_key, max_retries=0)

@@ -72,6 +72,11 @@ async def send_asgi(error: ApiError, send: Send, close_connection: bool = False)
     await send({"type": "http.response.body", "body": body})
 
 
+def shown(value: str, most: int = 40) -> str:
+    """A caller's value as a message repeats it: one of 5,000 characters is cut, not echoed whole."""
+    return value if len(value) <= most else f"{value[:most]}... ({len(value):,} characters)"
+
+
 def error_body(
     message: str, *, type: str, param: str | None = None, code: str | None = None, **extra: object
 ) -> dict:
@@ -121,6 +126,11 @@ def internal_token_required(setting: str, given: bool) -> ApiError:
 
 def invalid_body(detail: str) -> ApiError:
     return ApiError(f"The request body is not usable: {detail}", code="invalid_request_body")
+
+
+def unparsable_body(detail: str, param: str | None = None) -> ApiError:
+    """A body that is not plain JSON (``core.strict_json``); ``param`` names the value at fault."""
+    return ApiError(f"We could not parse the body of your request (JSON parse error): {detail}.", param=param, code="invalid_body")
 
 
 def invalid_fields(exc: ValidationError, hint: str = "") -> ApiError:

@@ -43,7 +43,7 @@ def django_wsgi(environ: dict, start_response):
     return [b"".join(response)] if response.streaming else [response.content]
 
 
-def _rows() -> int:
+def tenant_rows() -> int:
     """Rows of every table a tenant's request could write to. Not job events: the session's worker
     adds them to the fuzz's own queued jobs at any moment (the sweeper says what each waits for),
     which would count as a write of whatever request it lands in."""
@@ -82,7 +82,7 @@ def _pool_unreachable(case, response) -> bool:
 
 
 def _check(case, credential: str, headers: dict, findings: Findings) -> None:
-    before = _rows() if case.method.upper() in WRITES else None
+    before = tenant_rows() if case.method.upper() in WRITES else None
     response = case.call()
     status = response.status_code
     findings.calls[status] += 1
@@ -94,8 +94,8 @@ def _check(case, credential: str, headers: dict, findings: Findings) -> None:
         findings.note(case, credential, status, problem)
     if credential != "alice" and status < 400:
         findings.note(case, credential, status, "answered without a valid key")
-    if before is not None and 400 <= status < 500 and _rows() != before:
-        findings.note(case, credential, status, f"refused, yet rows changed ({before} -> {_rows()})")
+    if before is not None and 400 <= status < 500 and tenant_rows() != before:
+        findings.note(case, credential, status, f"refused, yet rows changed ({before} -> {tenant_rows()})")
     if case.method.upper() == "POST" and case.path == "/v1/fine_tuning/jobs" and status == 200:
         # Inert from now on: the session's worker would train it (the sweeper resends a queued job
         # after a minute), and its checkpoints and model would land in some later request's count.

@@ -18,7 +18,6 @@ Mixes (``adapters``) are the embedded pool's alone: they need its adapter slots.
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -28,7 +27,7 @@ from ray.exceptions import RayActorError, RayError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from core import api_errors
+from core import api_errors, strict_json
 from core.adapter_store import adapter_store
 from core.catalog import BaseModel, Catalog
 from core.config import load_config
@@ -129,7 +128,7 @@ class Ingress:
 
     async def _preload(self, body: bytes) -> Response:
         try:
-            model = str(json.loads(body)["model"])
+            model = str(strict_json.loads(body)["model"])
         except (ValueError, KeyError, TypeError):
             raise api_errors.ApiError(
                 'The body must be {"model": "<base_model_id>:<suffix>"}.', param="model"

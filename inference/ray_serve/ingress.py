@@ -106,6 +106,8 @@ class Ingress:
             raise api_errors.replica_lost(f"Ray: {type(exc).__name__}") from None
         except RayError as exc:
             raise api_errors.replica_failed(str(exc).splitlines()[0]) from None
+        if head.status >= 400 and api_errors.made_by_vllm(raw):  # its words reach the tenant scrubbed, as the pool's do
+            raise api_errors.from_replica(head.status, raw)
         return Response(raw, status_code=head.status, media_type=head.content_type)
 
     async def _taken(self, base: BaseModel, adapter: str, endpoint: str, body: bytes) -> Any:

@@ -3,6 +3,11 @@
 Every operation of ``/api/schema`` gets a fixed number of generated requests, valid and invalid,
 with alice's key, and some without a key or with a wrong one. Whatever comes in, the API must
 never answer 5xx, must answer every error in OpenAI's shape, and must write nothing when it refuses.
+
+Some generated JSON bodies also get a value no schema generator writes, in place of one of their
+fields: ``NaN``, ``Infinity``, ``-Infinity`` (which Python's and pydantic's parsers take, JSON does
+not), an integer of 5,000 digits or just past 64 bits, and ``1e308``/``1e400``. Those that are not
+JSON numbers, or are too large for any field, must be refused (4xx) whatever the operation.
 """
 
 from __future__ import annotations
@@ -29,6 +34,12 @@ from tests.personas import good_dataset
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.fault]
 
 EXAMPLES_PER_MODE = 50  # per operation, once valid (positive) and once invalid (negative) by the schema
+MARK = "\x1f"  # where a hostile number goes in a generated body, before its JSON is written
+# Raw JSON text, and whether any body holding it must be refused (the others are numbers a field may still take)
+HOSTILE_NUMBERS = {
+    "NaN": True, "Infinity": True, "-Infinity": True, "9" * 5000: True, str(2**63): True, "1e400": True,
+    "1e308": False, "-1e308": False,
+}  # fmt: skip
 WRITES = {"POST", "PUT", "PATCH", "DELETE"}
 ERROR_FIELDS = {"message", "type", "param", "code"}
 WRONG_KEY = "sk-" + "x" * 43
@@ -81,10 +92,22 @@ def _pool_unreachable(case, response) -> bool:
     return case.path.endswith("completions") and response.status_code == 503 and "pool_unavailable" in response.text
 
 
-def _check(case, credential: str, headers: dict, findings: Findings) -> None:
+def _with_hostile_number(body, hostile: str | None, spot: int) -> tuple[str, bytes] | None:
+    """A generated JSON object's text with ``hostile`` (raw JSON) as the value of one of its fields
+    (``spot`` picks which; a new field ``n`` in an empty object), or None to send the body as generated."""
+    if hostile is None or not isinstance(body, dict):
+        return None
+    keys = list(body) or ["n"]
+    text = json.dumps(body | {keys[spot % len(keys)]: MARK}, default=repr).replace(json.dumps(MARK), hostile)
+    return hostile, text.encode()
+
+
+def _check(case, credential: str, headers: dict, findings: Findings, hostile: tuple[str, bytes] | None = None) -> None:
     before = tenant_rows() if case.method.upper() in WRITES else None
-    response = case.call()
+    response = case.call(data=hostile[1]) if hostile else case.call()  # a raw body replaces the generated one
     status = response.status_code
+    if hostile and HOSTILE_NUMBERS[hostile[0]] and not 400 <= status < 500:
+        findings.note(case, credential, status, f"a body holding {hostile[0][:12]} was not refused: {response.text[:200]}")
     findings.calls[status] += 1
     findings.credentials[credential] += 1
     findings.by_operation[f"{case.method} {case.path}"][status] += 1
@@ -126,6 +149,7 @@ def test_no_generated_request_gets_a_5xx_an_unshaped_error_or_a_write_on_refusal
     findings, operations = Findings(), 0
     real_ids = st.sampled_from([None, *objects.values()])  # None: keep the generated id
     credentials = st.sampled_from(["alice"] * 6 + ["no key", "wrong key"])
+    hostile_numbers = st.one_of(st.none(), st.none(), st.sampled_from(list(HOSTILE_NUMBERS)))  # None: the body as generated
     for result in schema.get_all_operations():
         operation = result.ok()
         operations += 1
@@ -135,8 +159,11 @@ def test_no_generated_request_gets_a_5xx_an_unshaped_error_or_a_write_on_refusal
                 max_examples=EXAMPLES_PER_MODE, derandomize=True, database=None, deadline=None,
                 suppress_health_check=list(HealthCheck), phases=["explicit", "generate"],
             )  # fmt: skip
-            @given(case=operation.as_strategy(generation_mode=mode), real_id=real_ids, real_model=model_names, credential=credentials)
-            def fuzz(case, real_id, real_model, credential):
+            @given(
+                case=operation.as_strategy(generation_mode=mode), real_id=real_ids, real_model=model_names,
+                credential=credentials, hostile=hostile_numbers, spot=st.integers(0, 63),
+            )  # fmt: skip
+            def fuzz(case, real_id, real_model, credential, hostile, spot):
                 if real_id is not None and "id" in (case.path_parameters or {}):
                     case.path_parameters["id"] = real_id
                 if real_model is not None and isinstance(case.body, dict) and "model" in case.body:
@@ -147,7 +174,7 @@ def test_no_generated_request_gets_a_5xx_an_unshaped_error_or_a_write_on_refusal
                 # On the case itself: schemathesis drops call(headers=...)'s Authorization for cases it
                 # generated to test a missing one.
                 case.headers = {k: v for k, v in (case.headers or {}).items() if k.lower() != "authorization"} | headers
-                _check(case, credential, headers, findings)
+                _check(case, credential, headers, findings, _with_hostile_number(case.body, hostile, spot))
 
             fuzz()
     cases = sum(findings.calls.values())

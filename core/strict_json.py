@@ -74,7 +74,9 @@ def _parser_refusal(message: str, raw: bytes | bytearray | str) -> JsonRefused:
     if message.startswith("number out of range"):  # past about 4,300 digits, where the parser gives up
         field = _long_number_field(raw)
         which = f"'{field}' is a number" if field else "a number is"
-        return JsonRefused(f"{which} too long to read ({message}); integers must lie from {MIN_INT:,} to {MAX_INT:,}", field)
+        return JsonRefused(
+            f"{which} too long to read ({message}); integers must lie from {MIN_INT:,} to {MAX_INT:,}", field
+        )
     if "surrogate" in message or "hex escape" in message:
         return JsonRefused(f"a string holds an invalid \\u escape, such as a lone UTF-16 surrogate ({message})")
     return JsonRefused(f"not valid JSON ({message})")
@@ -136,7 +138,7 @@ def _name_problem(value: Any) -> None:
                 field = path[0] if isinstance(value, dict) else None
                 inside = f" in '{field}'" if field else ""
                 raise JsonRefused(f"arrays and objects nest deeper than {MAX_DEPTH} levels{inside}", field)
-            if isinstance(item, dict) and (key := next((key for key in item if "\x00" in key), None)) is not None:
+            if isinstance(item, dict) and any("\x00" in key for key in item):
                 raise JsonRefused(f"a key in '{where}' holds a NUL character (\\u0000), which no field takes", where)
             children = item.items() if isinstance(item, dict) else enumerate(item)
             pending.extend((child, (*path, str(key))) for key, child in children)

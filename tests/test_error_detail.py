@@ -168,7 +168,11 @@ async def test_a_vllm_refusal_relayed_by_ray_serve_is_scrubbed_as_the_pools_are(
     from inference.ray_serve.ingress import Ingress
     from tests.test_inference_routing import _base_model
 
-    said = {"message": "top_k must be -1 or at least 1, got 0 (/opt/vllm/sampling_params.py)", "param": "top_k", "code": 400}
+    said = {
+        "message": "top_k must be -1 or at least 1, got 0 (/opt/vllm/sampling_params.py)",
+        "param": "top_k",
+        "code": 400,
+    }
     answer = _VllmAnswerOnRay(400, json.dumps({"error": {**said, "type": "BadRequestError"}}).encode())
     model = _base_model(str(tmp_path))
     model = dataclasses.replace(model, autoscaling=dataclasses.replace(model.autoscaling, cold_start_wait_s=5))

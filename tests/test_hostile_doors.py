@@ -78,10 +78,16 @@ JOB_FORM = {
     "model": BASE, "training_file": "{file}", "suffix": "hostile", "n_epochs": "1", "lora_r": "8", "lora_alpha": "16",
     "lora_dropout": "0.05", "target_modules": "q_proj",
 }  # fmt: skip
-COMPOSE_FORM = {"compose-parents": "{model}", "compose-method": "svd", "compose-rank": "4", "compose-suffix": "hostile-mix"}
+COMPOSE_FORM = {
+    "compose-parents": "{model}",
+    "compose-method": "svd",
+    "compose-rank": "4",
+    "compose-suffix": "hostile-mix",
+}
 PAGE = {"page": "1"}
 
 # The one table of doors. GET routes read a query string at most; those that read none are in EXCLUDED.
+# fmt: off
 DOORS = [
     # The API (an API key)
     Door("POST", "/v1/chat/completions", "chat-completions", JSON, CHAT, number="max_tokens", text="model"),
@@ -128,6 +134,7 @@ DOORS = [
     Door("GET", "/usage", "dashboard:usage", QUERY, {"days": "7"}, "days", session=True, lenient_query=True),
     Door("GET", "/playground", "dashboard:playground", QUERY, {"model": BASE}, text="model", session=True, lenient_query=True),
 ]
+# fmt: on
 
 # Routes (and methods) that read nothing a tenant chooses beyond the ids in their path (covered by
 # test_access_matrix and the schema fuzzer), each with why.
@@ -295,9 +302,13 @@ def _multipart(door: Door, path: str, valid: dict, target: str, encoded_value: s
     )
     file_field = "adapter-file" if path == "/models/upload" else "file"
     body += (
-        f'--{boundary}\r\nContent-Disposition: form-data; name="{file_field}"; filename="train.jsonl"\r\n'
-        "Content-Type: application/octet-stream\r\n\r\n"
-    ).encode() + good_dataset(2) + f"\r\n--{boundary}--\r\n".encode()
+        (
+            f'--{boundary}\r\nContent-Disposition: form-data; name="{file_field}"; filename="train.jsonl"\r\n'
+            "Content-Type: application/octet-stream\r\n\r\n"
+        ).encode()
+        + good_dataset(2)
+        + f"\r\n--{boundary}--\r\n".encode()
+    )
     return Request(door.method, path, body, f"multipart/form-data; boundary={boundary}")
 
 
@@ -390,7 +401,10 @@ def callers(alice) -> dict[bool, Client]:
     """By ``Door.session``: alice's API key, or alice signed in to the dashboard."""
     browser = Client(raise_request_exception=False)  # a 500 is an answer to count, not an error of the test
     browser.force_login(alice.user)
-    return {False: Client(raise_request_exception=False, headers={"Authorization": f"Bearer {alice.key}"}), True: browser}
+    return {
+        False: Client(raise_request_exception=False, headers={"Authorization": f"Bearer {alice.key}"}),
+        True: browser,
+    }
 
 
 def test_every_hostile_cell_is_refused_with_a_4xx_naming_the_problem_and_writes_nothing(
@@ -418,7 +432,9 @@ def test_every_hostile_cell_is_refused_with_a_4xx_naming_the_problem_and_writes_
         if (after := tenant_rows()) != before and not (door.reads == QUERY and door.method == "GET"):
             problems.append(f"{where}: rows changed ({before} -> {after})")
     doors = len({(door.method, door.path) for door in DOORS})
-    print(f"\nhostile corpus: {doors} doors x {len(HOSTILE)} classes -> {count} cells; statuses {dict(sorted(statuses.items()))}")
+    print(
+        f"\nhostile corpus: {doors} doors x {len(HOSTILE)} classes -> {count} cells; statuses {dict(sorted(statuses.items()))}"
+    )
     print(f"5xx: {sum(n for status, n in statuses.items() if status >= 500)}")
     assert count >= 250
     assert not problems, f"{len(problems)} of {count} cells:\n" + "\n".join(problems)
@@ -457,6 +473,10 @@ def test_every_route_has_a_door_or_a_reason_to_have_none():
         for method in sorted(_methods(callback)):
             if (method == "*" and name not in names) or (method != "*" and (name, method) not in known):
                 missing.append(f"{method} {route} ({name})")
-    assert not missing, "routes the hostile corpus does not cover; add a Door (or an EXCLUDED reason):\n" + "\n".join(missing)
-    stale = sorted(name for name in names if name not in {name for _route, name, _callback in _routes(get_resolver().url_patterns)})
+    assert not missing, "routes the hostile corpus does not cover; add a Door (or an EXCLUDED reason):\n" + "\n".join(
+        missing
+    )
+    stale = sorted(
+        name for name in names if name not in {name for _route, name, _callback in _routes(get_resolver().url_patterns)}
+    )
     assert not stale, f"doors for routes that no longer exist: {stale}"

@@ -67,6 +67,7 @@ def tenant_rows() -> int:
 class Findings:
     calls: Counter = field(default_factory=Counter)  # by status
     credentials: Counter = field(default_factory=Counter)
+    hostile: Counter = field(default_factory=Counter)  # bodies sent with a hostile number, by its status
     by_operation: defaultdict = field(default_factory=lambda: defaultdict(Counter))
     problems: list[str] = field(default_factory=list)
 
@@ -106,6 +107,8 @@ def _check(case, credential: str, headers: dict, findings: Findings, hostile: tu
     before = tenant_rows() if case.method.upper() in WRITES else None
     response = case.call(data=hostile[1]) if hostile else case.call()  # a raw body replaces the generated one
     status = response.status_code
+    if hostile:
+        findings.hostile[status] += 1
     if hostile and HOSTILE_NUMBERS[hostile[0]] and not 400 <= status < 500:
         findings.note(case, credential, status, f"a body holding {hostile[0][:12]} was not refused: {response.text[:200]}")
     findings.calls[status] += 1
@@ -181,5 +184,6 @@ def test_no_generated_request_gets_a_5xx_an_unshaped_error_or_a_write_on_refusal
     for name, statuses in sorted(findings.by_operation.items()):
         print(f"  {name}: {dict(sorted(statuses.items()))}")
     print(f"\nfuzzed {operations} operations with {cases} requests: {dict(sorted(findings.calls.items()))} {dict(findings.credentials)}")
+    print(f"of them with a hostile number in the body: {dict(sorted(findings.hostile.items()))}")
     assert operations >= 16 and cases >= operations * EXAMPLES_PER_MODE
     assert not findings.problems, "\n".join(findings.problems[:40])

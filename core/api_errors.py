@@ -170,7 +170,9 @@ def invalid_fields(exc: ValidationError, hint: str = "") -> ApiError:
     """A body that failed a pydantic model: its first problem, with the field's dotted path."""
     problem = exc.errors()[0]
     where = ".".join(str(part) for part in problem.get("loc", ())) or "body"
-    return invalid_body(f"{where}: {problem['msg']}{hint}")
+    error = invalid_body(f"{where}: {problem['msg']}{hint}")
+    error.param = None if where == "body" else where  # as OpenAI names the field at fault
+    return error
 
 
 def unknown_field(name: str, endpoint: str) -> ApiError:

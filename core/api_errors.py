@@ -92,6 +92,12 @@ def _see_log(request_id: str) -> str:
     return f"(request id {request_id}; quote it to the platform's operators)"
 
 
+def logged_instead(what: str, detail: str) -> str:
+    """For a page or an event that would show ``detail``: it goes to the log, and this, to show
+    instead, names the request id it is logged under."""
+    return _see_log(_logged(what, detail))
+
+
 # What a message from inside may hold that a tenant must not read: URLs (with any scheme), absolute
 # file paths of two segments or more, and network addresses. A model's name (``org/model:suffix``)
 # is not absolute, so it stays.

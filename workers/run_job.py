@@ -23,6 +23,7 @@ from django.conf import settings
 from django.utils import timezone
 
 from core.adapter_store import AdapterNotFound, AdapterStore, StoreUnavailable
+from core.api_errors import logged_instead
 from core.catalog import BaseModel
 from core.datasets import Example
 from core.model_names import ModelName, pinned_name
@@ -263,7 +264,9 @@ def _announce_ready(job: FineTuningJob, name: str) -> None:
     try:
         replicas = preload(name)
     except PoolUnavailable as exc:  # published all the same: it loads on its first request
-        retrying(record_event, job, f"{name} loads on its first request (the inference pool did not preload it: {exc})")
+        # The event is the tenant's to read: the pool's address stays in the worker's log.
+        why = logged_instead(f"the inference pool did not preload {name}", str(exc))
+        retrying(record_event, job, f"{name} loads on its first request (the inference pool did not preload it {why})")
         return
     retrying(record_event, job, f"Ready on {replicas} replica(s): {name} answers its first request with no load")
 

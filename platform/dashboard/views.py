@@ -12,7 +12,7 @@ from django.views.decorators.http import require_POST
 from accounts.models import ApiKey
 from accounts.permissions import allow_members_to_manage, is_owner, may_manage, may_revoke
 from accounts.services import create_api_key, revoke_api_key
-from core.api_errors import ApiError
+from core.api_errors import ApiError, logged_instead
 from core.strict_json import MAX_INT
 from core.whole_numbers import whole_number
 from dashboard.forms import AdapterUploadForm, ApiKeyForm, ComposeForm, JobForm, UploadForm, show_api_error
@@ -183,7 +183,7 @@ def models(request: HttpRequest) -> HttpResponse:
     try:
         running, pool_problem = serving(), None
     except PoolUnavailable as exc:
-        running, pool_problem = None, str(exc)
+        running, pool_problem = None, logged_instead("the inference pool did not answer the models page", str(exc))
     rows = []
     for model in list_usable_models(request.organization):
         lineage = fine_tuned.get(model.name)

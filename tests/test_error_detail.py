@@ -182,3 +182,20 @@ async def test_a_vllm_refusal_relayed_by_ray_serve_is_scrubbed_as_the_pools_are(
     error = refused.value
     assert error.status == 400 and error.param == "top_k" and "top_k must be -1 or at least 1, got 0" in error.message
     assert not INTERNAL.search(error.message), error.message
+
+
+def test_a_jobs_failure_names_no_endpoint_or_path_and_the_log_has_them(caplog):
+    """A job's ``error.message`` is the tenant's to read, as an API error is."""
+    from types import SimpleNamespace
+
+    from core.adapter_store import StoreUnavailable
+    from workers.run_job import _explained
+
+    caplog.set_level(logging.WARNING)
+    job = SimpleNamespace(pk="ftjob-x", hyperparameters={"n_epochs": 1})
+    unreachable = _explained(StoreUnavailable("Could not connect to the endpoint URL: http://127.0.0.1:9000/adapters"), job)
+    assert unreachable.code == "storage_unavailable" and not INTERNAL.search(unreachable.message), unreachable.message
+    assert "127.0.0.1:9000" in _logged_under(caplog, _request_id(unreachable.message))
+    crashed = _explained(ValueError("cannot read /srv/fineserve/data/files/x.bin: truncated"), job)
+    assert crashed.code == "training_failed" and "ValueError" in crashed.message and "truncated" in crashed.message
+    assert not INTERNAL.search(crashed.message), crashed.message

@@ -5,12 +5,13 @@ form, a multipart form (only its plain fields here: archives have a corpus of th
 string, or nothing. A hostile class is one way to be wrong: non-standard JSON (``NaN``,
 ``Infinity``, ``-Infinity``), an integer of thousands of digits or just past 64 bits, a float at
 the edge of the range (``1e308``) or past it (``1e400``), a wrong type, 100,000 levels of ``[``, an
-empty body, a body over the size limit, an unknown field, a NUL character, a lone UTF-16 surrogate.
+empty body, a body over the size limit, a ``Content-Length`` of 5,000 digits, an unknown field, a
+NUL character, a lone UTF-16 surrogate (JSON only). ``HOSTILE`` lists them, ``DOORS`` the doors.
 
 Each cell (a door and a class that applies to it) must answer a 4xx that says what is wrong (the
 field, or the problem), write no row, and never a 5xx. A dashboard form may instead show itself
 again with the error next to the field (200) or go back with an error message (302), as its pages
-do for any refusal. ``test_every_route_has_a_door`` compares the table with the URL configuration,
+do for any refusal. ``test_every_route_has_a_door_or_a_reason_to_have_none`` compares the table with the URL configuration,
 so a new endpoint without a row fails.
 
 In-process through Django's test client (the completion endpoints parse the body before they need

@@ -5,12 +5,19 @@ every named error, made in this one place.
 gateway and the fine-tuning API raise the same class; ``server.api_errors`` translates DRF's own
 exceptions into it. Errors that come back from a vLLM replica are reshaped by ``from_replica``, so
 clients never see two dialects.
+
+A tenant never reads the platform's insides: addresses, file paths, an upstream's raw text. Where a
+failure's detail is internal, the message says what happened and gives a request id, and the
+detail goes to the log under the same id (``_logged``); where a replica's refusal is about the
+tenant's own fields, its words stay, with addresses and paths taken out (``scrubbed``).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import re
+import secrets
 from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
@@ -19,6 +26,8 @@ from core.config import ADAPTER_UPLOAD_LIMIT_SETTING
 
 if TYPE_CHECKING:
     from starlette.types import Send
+
+log = logging.getLogger(__name__)
 
 INVALID_REQUEST = "invalid_request_error"
 AUTHENTICATION = "authentication_error"
@@ -72,6 +81,41 @@ async def send_asgi(error: ApiError, send: Send, close_connection: bool = False)
     await send({"type": "http.response.body", "body": body})
 
 
+def _logged(what: str, detail: str) -> str:
+    """Log ``detail`` under a new request id, and return the id for the tenant's message."""
+    request_id = f"req_{secrets.token_hex(12)}"
+    log.warning("%s: %s: %s", request_id, what, detail)
+    return request_id
+
+
+def _see_log(request_id: str) -> str:
+    return f"(request id {request_id}; quote it to the platform's operators)"
+
+
+def logged_instead(what: str, detail: str) -> str:
+    """For a page or an event that would show ``detail``: it goes to the log, and this, to show
+    instead, names the request id it is logged under."""
+    return _see_log(_logged(what, detail))
+
+
+# What a message from inside may hold that a tenant must not read: URLs (with any scheme), absolute
+# file paths of two segments or more, and network addresses. A model's name (``org/model:suffix``)
+# is not absolute, so it stays.
+_URL = re.compile(r"\b[a-zA-Z][a-zA-Z0-9+.-]*://[^\s'\"`<>()\[\]]+")
+_PATH = re.compile(r"(?<![\w.:/~-])/(?:[^\s/'\"`<>()\[\],;]+/)+[^\s/'\"`<>()\[\],;]*")
+_ADDRESS = re.compile(r"\b(?:\d{1,3}\.){3}\d{1,3}(?::\d+)?\b|\blocalhost(?::\d+)?\b|\[[0-9a-fA-F:]+\](?::\d+)?")
+
+
+def scrubbed(text: str) -> str:
+    """``text`` without URLs, absolute paths or network addresses."""
+    return _ADDRESS.sub("<address>", _PATH.sub("<path>", _URL.sub("<url>", text)))
+
+
+def shown(value: str, most: int = 40) -> str:
+    """A caller's value as a message repeats it: one of 5,000 characters is cut, not echoed whole."""
+    return value if len(value) <= most else f"{value[:most]}... ({len(value):,} characters)"
+
+
 def error_body(
     message: str, *, type: str, param: str | None = None, code: str | None = None, **extra: object
 ) -> dict:
@@ -123,11 +167,18 @@ def invalid_body(detail: str) -> ApiError:
     return ApiError(f"The request body is not usable: {detail}", code="invalid_request_body")
 
 
+def unparsable_body(detail: str, param: str | None = None) -> ApiError:
+    """A body that is not plain JSON (``core.strict_json``); ``param`` names the value at fault."""
+    return ApiError(f"We could not parse the body of your request (JSON parse error): {detail}.", param=param, code="invalid_body")
+
+
 def invalid_fields(exc: ValidationError, hint: str = "") -> ApiError:
     """A body that failed a pydantic model: its first problem, with the field's dotted path."""
     problem = exc.errors()[0]
     where = ".".join(str(part) for part in problem.get("loc", ())) or "body"
-    return invalid_body(f"{where}: {problem['msg']}{hint}")
+    error = invalid_body(f"{where}: {problem['msg']}{hint}")
+    error.param = None if where == "body" else where  # as OpenAI names the field at fault
+    return error
 
 
 def unknown_field(name: str, endpoint: str) -> ApiError:
@@ -221,8 +272,9 @@ def adapter_rank_too_large(name: str, rank: int, max_rank: int) -> ApiError:
 
 
 def adapter_invalid(name: str, detail: str) -> ApiError:
+    """``detail`` says what is wrong with the adapter's files (the tenant's to fix), paths taken out."""
     return ApiError(
-        f"The adapter of `{name}` cannot be loaded: {detail}. Republish it; other models are not affected.",
+        f"The adapter of `{name}` cannot be loaded: {scrubbed(detail)}. Republish it; other models are not affected.",
         status=500, type=SERVER, param="model", code="adapter_invalid",
     )  # fmt: skip
 
@@ -241,9 +293,10 @@ def adapter_too_large(limit_bytes: int) -> ApiError:
 
 
 def adapter_store_unreachable(name: str, detail: str) -> ApiError:
+    request_id = _logged(f"the dynamic LoRA path of `{name}` does not answer", detail)
     return ApiError(
         f"The adapter of `{name}` cannot be read or written right now: its dynamic LoRA path does not answer "
-        f"({detail}). Nothing was changed; retry shortly.",
+        f"{_see_log(request_id)}. Nothing was changed; retry shortly.",
         status=503, type=UNAVAILABLE, param="model", code="adapter_store_unavailable", retry_after_s=5,
     )  # fmt: skip
 
@@ -290,8 +343,9 @@ def model_cold(model_id: str) -> ApiError:
 
 
 def pool_unreachable(detail: str) -> ApiError:
+    request_id = _logged("the inference pool cannot be reached", detail)
     return ApiError(
-        f"The inference pool cannot be reached ({detail}). Retry shortly.",
+        f"The inference pool cannot be reached {_see_log(request_id)}. Retry shortly.",
         status=503, type=UNAVAILABLE, code="pool_unavailable", retry_after_s=2,
     )  # fmt: skip
 
@@ -307,27 +361,33 @@ def mix_not_supported(model_id: str) -> ApiError:
 def replica_lost(detail: str) -> ApiError:
     # Not retried on another replica: the request may have reached this one, and a generation must
     # never run twice. The client decides (the official clients retry a 503 after Retry-After).
+    request_id = _logged("a model replica stopped answering after it received a request", detail)
     return ApiError(
-        f"The model replica stopped answering after it received your request ({detail}). It was not "
+        f"The model replica stopped answering after it received your request {_see_log(request_id)}. It was not "
         "sent again, so it cannot have run twice. Retry.",
         status=503, type=UNAVAILABLE, code="replica_unavailable", retry_after_s=1,
     )  # fmt: skip
 
 
 def adapter_store_unavailable(name: str, detail: str) -> ApiError:
+    request_id = _logged(f"the dynamic LoRA path of `{name}` cannot be read", detail)
     return ApiError(
         f"The adapter of `{name}` is not on this replica yet and its dynamic LoRA path cannot be read "
-        f"right now ({detail}). Retry shortly; models already loaded keep answering.",
+        f"right now {_see_log(request_id)}. Retry shortly; models already loaded keep answering.",
         status=503, type=UNAVAILABLE, param="model", code="adapter_store_unavailable", retry_after_s=5,
     )  # fmt: skip
 
 
 def pool_timeout(detail: str) -> ApiError:
-    return ApiError(f"The inference pool did not answer in time: {detail}", status=504, type=SERVER, code="timeout")
+    request_id = _logged("the inference pool did not answer in time", detail)
+    return ApiError(f"The inference pool did not answer in time {_see_log(request_id)}.", status=504, type=SERVER, code="timeout")
 
 
 def replica_failed(detail: str) -> ApiError:
-    return ApiError(f"The model replica failed while answering: {detail}", status=502, type=SERVER, code="replica_error")
+    request_id = _logged("a model replica failed while answering", detail)
+    return ApiError(
+        f"The model replica failed while answering {_see_log(request_id)}.", status=502, type=SERVER, code="replica_error"
+    )
 
 
 def method_not_allowed(method: str) -> ApiError:
@@ -337,8 +397,19 @@ def method_not_allowed(method: str) -> ApiError:
 _CONTEXT_LENGTH = re.compile(r"maximum context length|max_model_len|exceeds this limit", re.IGNORECASE)
 
 
+def made_by_vllm(raw: bytes) -> bool:
+    """Whether an error body is vLLM's (its ``code`` the HTTP status), not one of ours (a string
+    ``code``) relayed by a layer in between, which is already fit for the tenant."""
+    try:
+        return not isinstance(json.loads(raw)["error"]["code"], str)
+    except (ValueError, KeyError, TypeError):
+        return True
+
+
 def from_replica(status: int, raw: bytes) -> ApiError:
-    """Reshape a vLLM error (``type`` like ``BadRequestError``, ``code`` the HTTP status) into ours."""
+    """Reshape a vLLM error (``type`` like ``BadRequestError``, ``code`` the HTTP status) into ours.
+    A refusal (4xx) is about the request: its words stay, scrubbed. A failure (5xx) is vLLM's own,
+    and its text (a traceback's last line, a path) goes to the log only."""
     try:
         error = json.loads(raw)["error"]
         message = str(error.get("message") or raw[:500].decode(errors="replace"))
@@ -347,8 +418,9 @@ def from_replica(status: int, raw: bytes) -> ApiError:
         message, param = raw[:500].decode(errors="replace") or f"HTTP {status}", None
     if status == 401:  # the replica refused the pool's token: nothing the caller can fix
         return replica_failed(f"the replica refused the pool's INTERNAL_TOKEN ({message})")
+    if status >= 500:
+        return replica_failed(message)
+    message = scrubbed(message)
     if status == 400 and _CONTEXT_LENGTH.search(message):
         return ApiError(message, param=param or "messages", code="context_length_exceeded")
-    if status < 500:
-        return ApiError(message, status=status, param=param)
-    return replica_failed(message)
+    return ApiError(message, status=status, param=param)

@@ -13,10 +13,9 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
-import pydantic_core
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from core import api_errors
+from core import api_errors, strict_json
 
 # Scales of a mix beyond this push a layer far from anything its adapters were trained for (the
 # output degenerates into noise long before), and negative ones subtract an adapter's behaviour
@@ -58,15 +57,12 @@ _HINT = " (send a JSON object with a string 'model')"
 
 
 def routed_fields(body: bytes) -> RoutedFields:
-    try:
-        return RoutedFields.model_validate_json(body)
-    except ValidationError as exc:
-        raise api_errors.invalid_fields(exc, _HINT) from None
+    return parse_request(body).routed
 
 
 def with_fields(body: bytes, **changes: str | None) -> bytes:
     """The JSON ``body`` with these fields set (None: taken out)."""
-    data = pydantic_core.from_json(body)
+    data = strict_json.body(body)
     for key, value in changes.items():
         if value is None:
             data.pop(key, None)
@@ -82,13 +78,11 @@ class ParsedRequest:
 
 
 def parse_request(body: bytes) -> ParsedRequest:
-    """The body parsed once. pydantic's JSON parser, as ``routed_fields``: the gateway that checks a
-    request and the pool that routes it must read it the same way (both take the last of
-    duplicated keys, as vLLM's ``json.loads`` does)."""
-    try:
-        data = pydantic_core.from_json(body)
-    except ValueError as exc:
-        raise api_errors.invalid_body(f"body: Invalid JSON: {exc}{_HINT}") from None
+    """The body parsed once, by ``core.strict_json`` (plain JSON only: no NaN, no integer of
+    thousands of digits, ...), as ``routed_fields`` parses it: the gateway that checks a request and
+    the pool that routes it must read it the same way (both take the last of duplicated keys, as
+    vLLM's ``json.loads`` does)."""
+    data = strict_json.body(body)
     try:
         return ParsedRequest(RoutedFields.model_validate(data), data)
     except ValidationError as exc:

@@ -23,7 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from core import api_errors
+from core import api_errors, strict_json
 from core.internal_token import bearer
 from inference.adapters import AdapterManager
 from inference.completions import CompletionsHandler
@@ -76,7 +76,7 @@ def create_app(pool: Pool, adapters: AdapterManager, http: Poster, metrics: Metr
 
     async def preload(request: Request) -> JSONResponse:
         try:
-            model = (await request.json())["model"]
+            model = strict_json.loads(await request.body())["model"]
         except (ValueError, KeyError, TypeError):
             raise api_errors.ApiError('The body must be {"model": "<base_model_id>:<suffix>"}.', param="model") from None
         pinned, replicas = await handler.preload(str(model))

@@ -3,6 +3,11 @@
 Every operation of ``/api/schema`` gets a fixed number of generated requests, valid and invalid,
 with alice's key, and some without a key or with a wrong one. Whatever comes in, the API must
 never answer 5xx, must answer every error in OpenAI's shape, and must write nothing when it refuses.
+
+Some generated JSON bodies also get a value no schema generator writes, in place of one of their
+fields: ``NaN``, ``Infinity``, ``-Infinity`` (which Python's and pydantic's parsers take, JSON does
+not), an integer of 5,000 digits or just past 64 bits, and ``1e308``/``1e400``. Those that are not
+JSON numbers, or are too large for any field, must be refused (4xx) whatever the operation.
 """
 
 from __future__ import annotations
@@ -29,6 +34,12 @@ from tests.personas import good_dataset
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.fault]
 
 EXAMPLES_PER_MODE = 50  # per operation, once valid (positive) and once invalid (negative) by the schema
+MARK = "\x1f"  # where a hostile number goes in a generated body, before its JSON is written
+# Raw JSON text, and whether any body holding it must be refused (the others are numbers a field may still take)
+HOSTILE_NUMBERS = {
+    "NaN": True, "Infinity": True, "-Infinity": True, "9" * 5000: True, str(2**63): True, "1e400": True,
+    "1e308": False, "-1e308": False,
+}  # fmt: skip
 WRITES = {"POST", "PUT", "PATCH", "DELETE"}
 ERROR_FIELDS = {"message", "type", "param", "code"}
 WRONG_KEY = "sk-" + "x" * 43
@@ -43,7 +54,7 @@ def django_wsgi(environ: dict, start_response):
     return [b"".join(response)] if response.streaming else [response.content]
 
 
-def _rows() -> int:
+def tenant_rows() -> int:
     """Rows of every table a tenant's request could write to. Not job events: the session's worker
     adds them to the fuzz's own queued jobs at any moment (the sweeper says what each waits for),
     which would count as a write of whatever request it lands in."""
@@ -56,6 +67,7 @@ def _rows() -> int:
 class Findings:
     calls: Counter = field(default_factory=Counter)  # by status
     credentials: Counter = field(default_factory=Counter)
+    hostile: Counter = field(default_factory=Counter)  # bodies sent with a hostile number, by its status
     by_operation: defaultdict = field(default_factory=lambda: defaultdict(Counter))
     problems: list[str] = field(default_factory=list)
 
@@ -81,10 +93,24 @@ def _pool_unreachable(case, response) -> bool:
     return case.path.endswith("completions") and response.status_code == 503 and "pool_unavailable" in response.text
 
 
-def _check(case, credential: str, headers: dict, findings: Findings) -> None:
-    before = _rows() if case.method.upper() in WRITES else None
-    response = case.call()
+def _with_hostile_number(body, hostile: str | None, spot: int) -> tuple[str, bytes] | None:
+    """A generated JSON object's text with ``hostile`` (raw JSON) as the value of one of its fields
+    (``spot`` picks which; a new field ``n`` in an empty object), or None to send the body as generated."""
+    if hostile is None or not isinstance(body, dict):
+        return None
+    keys = list(body) or ["n"]
+    text = json.dumps(body | {keys[spot % len(keys)]: MARK}, default=repr).replace(json.dumps(MARK), hostile)
+    return hostile, text.encode()
+
+
+def _check(case, credential: str, headers: dict, findings: Findings, hostile: tuple[str, bytes] | None = None) -> None:
+    before = tenant_rows() if case.method.upper() in WRITES else None
+    response = case.call(data=hostile[1]) if hostile else case.call()  # a raw body replaces the generated one
     status = response.status_code
+    if hostile:
+        findings.hostile[status] += 1
+    if hostile and HOSTILE_NUMBERS[hostile[0]] and not 400 <= status < 500:
+        findings.note(case, credential, status, f"a body holding {hostile[0][:12]} was not refused: {response.text[:200]}")
     findings.calls[status] += 1
     findings.credentials[credential] += 1
     findings.by_operation[f"{case.method} {case.path}"][status] += 1
@@ -94,8 +120,8 @@ def _check(case, credential: str, headers: dict, findings: Findings) -> None:
         findings.note(case, credential, status, problem)
     if credential != "alice" and status < 400:
         findings.note(case, credential, status, "answered without a valid key")
-    if before is not None and 400 <= status < 500 and _rows() != before:
-        findings.note(case, credential, status, f"refused, yet rows changed ({before} -> {_rows()})")
+    if before is not None and 400 <= status < 500 and tenant_rows() != before:
+        findings.note(case, credential, status, f"refused, yet rows changed ({before} -> {tenant_rows()})")
     if case.method.upper() == "POST" and case.path == "/v1/fine_tuning/jobs" and status == 200:
         # Inert from now on: the session's worker would train it (the sweeper resends a queued job
         # after a minute), and its checkpoints and model would land in some later request's count.
@@ -126,6 +152,7 @@ def test_no_generated_request_gets_a_5xx_an_unshaped_error_or_a_write_on_refusal
     findings, operations = Findings(), 0
     real_ids = st.sampled_from([None, *objects.values()])  # None: keep the generated id
     credentials = st.sampled_from(["alice"] * 6 + ["no key", "wrong key"])
+    hostile_numbers = st.one_of(st.none(), st.sampled_from(list(HOSTILE_NUMBERS)))  # None: the body as generated
     for result in schema.get_all_operations():
         operation = result.ok()
         operations += 1
@@ -135,8 +162,11 @@ def test_no_generated_request_gets_a_5xx_an_unshaped_error_or_a_write_on_refusal
                 max_examples=EXAMPLES_PER_MODE, derandomize=True, database=None, deadline=None,
                 suppress_health_check=list(HealthCheck), phases=["explicit", "generate"],
             )  # fmt: skip
-            @given(case=operation.as_strategy(generation_mode=mode), real_id=real_ids, real_model=model_names, credential=credentials)
-            def fuzz(case, real_id, real_model, credential):
+            @given(
+                case=operation.as_strategy(generation_mode=mode), real_id=real_ids, real_model=model_names,
+                credential=credentials, hostile=hostile_numbers, spot=st.integers(0, 63),
+            )  # fmt: skip
+            def fuzz(case, real_id, real_model, credential, hostile, spot):
                 if real_id is not None and "id" in (case.path_parameters or {}):
                     case.path_parameters["id"] = real_id
                 if real_model is not None and isinstance(case.body, dict) and "model" in case.body:
@@ -147,12 +177,13 @@ def test_no_generated_request_gets_a_5xx_an_unshaped_error_or_a_write_on_refusal
                 # On the case itself: schemathesis drops call(headers=...)'s Authorization for cases it
                 # generated to test a missing one.
                 case.headers = {k: v for k, v in (case.headers or {}).items() if k.lower() != "authorization"} | headers
-                _check(case, credential, headers, findings)
+                _check(case, credential, headers, findings, _with_hostile_number(case.body, hostile, spot))
 
             fuzz()
     cases = sum(findings.calls.values())
     for name, statuses in sorted(findings.by_operation.items()):
         print(f"  {name}: {dict(sorted(statuses.items()))}")
     print(f"\nfuzzed {operations} operations with {cases} requests: {dict(sorted(findings.calls.items()))} {dict(findings.credentials)}")
+    print(f"of them with a hostile number in the body: {dict(sorted(findings.hostile.items()))}")
     assert operations >= 16 and cases >= operations * EXAMPLES_PER_MODE
     assert not findings.problems, "\n".join(findings.problems[:40])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import threading
 import time
@@ -271,6 +272,17 @@ def test_it_answers_400_when_the_prompt_is_longer_than_the_context(alice):
     error = _error(lambda: alice.client.chat.completions.create(model=BASE, messages=messages, max_tokens=4))
     assert error.status_code == 400 and error.body["code"] == "context_length_exceeded"
     assert "2048" in error.body["message"]
+
+
+def test_vllms_refusal_of_a_field_reaches_the_caller_in_its_words_without_urls_or_paths(alice):
+    """vLLM validates the sampling fields the gateway passes through; its words tell the caller what
+    to fix, but not where vLLM runs or which documentation page its validator links to."""
+    refused = _error(lambda: alice.client.chat.completions.create(
+        model=BASE, messages=QUESTION, max_tokens=4, extra_body={"top_k": "many"},
+    ))  # fmt: skip
+    message = refused.body["message"]
+    assert refused.status_code == 400 and "top_k" in message, message
+    assert not re.search(r"https?://|site-packages|127\.0\.0\.1|\.py\b", message), message
 
 
 def test_it_reloads_a_republished_adapter_and_stops_serving_a_deleted_one(alice, make_adapter):

@@ -23,6 +23,7 @@ from django.conf import settings
 from django.utils import timezone
 
 from core.adapter_store import AdapterNotFound, AdapterStore, StoreUnavailable
+from core.api_errors import logged_instead, scrubbed
 from core.catalog import BaseModel
 from core.datasets import Example
 from core.model_names import ModelName, pinned_name
@@ -235,7 +236,8 @@ def _gate(job: FineTuningJob, heartbeat: Heartbeat, store: AdapterStore, revisio
         store.delete(revision)
         raise JobFailed(
             "evaluation_unavailable",
-            f"The evaluation could not run: the inference pool did not answer ({exc}). Nothing was published; "
+            f"The evaluation could not run: the inference pool did not answer "
+            f"{logged_instead(f'job {job.pk}: the evaluation could not run', str(exc))}. Nothing was published; "
             "create the job again once the pool answers.",
         ) from None  # fmt: skip
     retrying(jobs.record_evaluation, job.pk, heartbeat.attempt, scores.as_dict())
@@ -263,7 +265,9 @@ def _announce_ready(job: FineTuningJob, name: str) -> None:
     try:
         replicas = preload(name)
     except PoolUnavailable as exc:  # published all the same: it loads on its first request
-        retrying(record_event, job, f"{name} loads on its first request (the inference pool did not preload it: {exc})")
+        # The event is the tenant's to read: the pool's address stays in the worker's log.
+        why = logged_instead(f"the inference pool did not preload {name}", str(exc))
+        retrying(record_event, job, f"{name} loads on its first request (the inference pool did not preload it {why})")
         return
     retrying(record_event, job, f"Ready on {replicas} replica(s): {name} answers its first request with no load")
 
@@ -289,7 +293,8 @@ def _explained(exc: Exception, job: FineTuningJob) -> JobFailed:
     if isinstance(exc, StoreUnavailable):
         return JobFailed(
             "storage_unavailable",
-            f"The adapter could not be published: the dynamic LoRA path did not answer ({exc}). Nothing was "
+            f"The adapter could not be published: the dynamic LoRA path did not answer "
+            f"{logged_instead(f'job {job.pk}: the dynamic LoRA path did not answer', str(exc))}. Nothing was "
             "published; create the job again once it answers (operators: check S3_ENDPOINT_URL and the bucket).",
         )  # fmt: skip
     if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
@@ -299,7 +304,8 @@ def _explained(exc: Exception, job: FineTuningJob) -> JobFailed:
             "published. Free space (operators: DATA_DIR, FILES_PATH, DYNAMIC_LORA_PATH) and create the job again.",
         )  # fmt: skip
     log.exception("job %s failed", job.pk)  # a bug or a broken environment: the user still gets a reason
-    return JobFailed("training_failed", f"Training failed: {type(exc).__name__}: {exc}")
+    # The exception's words may tell the tenant what to change; the paths in them are the platform's.
+    return JobFailed("training_failed", f"Training failed: {type(exc).__name__}: {scrubbed(str(exc))}")
 
 
 def drop_training_states(job_id: str) -> None:

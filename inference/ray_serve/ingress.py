@@ -18,7 +18,6 @@ Mixes (``adapters``) are the embedded pool's alone: they need its adapter slots.
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -28,7 +27,7 @@ from ray.exceptions import RayActorError, RayError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from core import api_errors
+from core import api_errors, strict_json
 from core.adapter_store import adapter_store
 from core.catalog import BaseModel, Catalog
 from core.config import load_config
@@ -107,6 +106,8 @@ class Ingress:
             raise api_errors.replica_lost(f"Ray: {type(exc).__name__}") from None
         except RayError as exc:
             raise api_errors.replica_failed(str(exc).splitlines()[0]) from None
+        if head.status >= 400 and api_errors.made_by_vllm(raw):  # its words reach the tenant scrubbed, as the pool's do
+            raise api_errors.from_replica(head.status, raw)
         return Response(raw, status_code=head.status, media_type=head.content_type)
 
     async def _taken(self, base: BaseModel, adapter: str, endpoint: str, body: bytes) -> Any:
@@ -129,7 +130,7 @@ class Ingress:
 
     async def _preload(self, body: bytes) -> Response:
         try:
-            model = str(json.loads(body)["model"])
+            model = str(strict_json.loads(body)["model"])
         except (ValueError, KeyError, TypeError):
             raise api_errors.ApiError(
                 'The body must be {"model": "<base_model_id>:<suffix>"}.', param="model"

@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from core import api_errors
+from core import api_errors, strict_json
 
 MAX_MESSAGES = 100
 MAX_MESSAGE_CHARS = 20_000
@@ -37,8 +37,9 @@ class PlaygroundChat(BaseModel):
 def completion_body(raw: bytes) -> bytes:
     """The streamed chat-completions request for a playground message; a 400 ``ApiError`` naming
     the field to fix when the page sent something else."""
+    data = strict_json.body(raw)  # plain JSON, as the API's bodies
     try:
-        chat = PlaygroundChat.model_validate_json(raw)
+        chat = PlaygroundChat.model_validate(data)
     except ValidationError as exc:
         raise api_errors.invalid_fields(exc) from None
     body = chat.model_dump() | {"stream": True, "stream_options": {"include_usage": True}}

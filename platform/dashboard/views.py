@@ -8,7 +8,7 @@ from django.contrib import messages
 from django.core.exceptions import PermissionDenied
 from django.core.paginator import Page, Paginator
 from django.db.models import QuerySet
-from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.http import HttpRequest, HttpResponse, JsonResponse, QueryDict
 from django.http.response import HttpResponseBase
 from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_POST
@@ -16,7 +16,9 @@ from django.views.decorators.http import require_POST
 from accounts.models import ApiKey
 from accounts.permissions import allow_members_to_manage, is_owner, may_manage, may_revoke
 from accounts.services import create_api_key, revoke_api_key
-from core.api_errors import ApiError
+from core.api_errors import ApiError, logged_instead
+from core.strict_json import MAX_INT
+from core.whole_numbers import whole_number
 from dashboard.forms import AdapterUploadForm, ApiKeyForm, ComposeForm, JobForm, UploadForm, show_api_error
 from dashboard.organizations import OrganizationRequest, switch_organization, with_organization
 from dashboard.playground import completion_body
@@ -33,9 +35,15 @@ from server.api_errors import api_error
 from usage.report import daily_usage
 
 PREVIEW_EXAMPLES = 5
+MAX_ID = MAX_INT  # the largest row number or count a form or query may name: what the database holds
 PAGE_SIZE = 50
 USAGE_PERIODS = (7, 14, 30)  # days the usage page can show
 RECENT_COMPOSITIONS = 10  # on the models page; the API lists them all
+
+
+def _posted(request: HttpRequest) -> QueryDict | None:
+    """A form's data when it was sent, even empty (so that it says what is missing), else None."""
+    return request.POST if request.method == "POST" else None
 
 
 def _page(request: HttpRequest, queryset: QuerySet[Any]) -> Page[Any]:
@@ -46,7 +54,9 @@ def _page(request: HttpRequest, queryset: QuerySet[Any]) -> Page[Any]:
 @require_POST
 @with_organization
 def switch(request: OrganizationRequest) -> HttpResponse:
-    organization = switch_organization(request, int(request.POST.get("organization", 0) or 0))
+    # Not a number, or not one of the user's organizations: the same refusal (403).
+    chosen = whole_number(request.POST.get("organization", ""), 1, MAX_ID) or 0
+    organization = switch_organization(request, chosen)
     messages.info(request, f"Now working in {organization.name}.")
     return redirect("dashboard:jobs")
 
@@ -109,7 +119,7 @@ def job_list(request: OrganizationRequest) -> HttpResponse:
 @with_organization
 def job_new(request: OrganizationRequest) -> HttpResponse:
     available = list(File.objects.for_org(request.organization))
-    form = JobForm(request.POST or None, files=available)
+    form = JobForm(_posted(request), files=available)
     if request.method == "POST" and form.is_valid():
         try:
             job = jobs.create_job(request.organization, request.user, form.to_job_request())
@@ -146,15 +156,15 @@ def job_progress(request: OrganizationRequest, job_id: str) -> JsonResponse:
     """What the job page polls: the job, the metrics reports it has not seen yet (from the
     ``metrics_from``-th on, so a long job's poll stays small), and the latest messages."""
     job = get_object_or_404(FineTuningJob.objects.for_org(request.organization).select_related("organization"), pk=job_id)
-    seen = request.GET.get("metrics_from", "0")
-    if not seen.isdigit() or len(seen) > 9:  # int() refuses 4,300 digits and more with a ValueError
+    seen = whole_number(request.GET.get("metrics_from", "0"), 0, MAX_ID)
+    if seen is None:
         return JsonResponse({"error": "metrics_from must be a whole number of reports already seen"}, status=400)
-    reports = list(job.events.filter(type="metrics").order_by("created_at", "pk")[int(seen):])
+    reports = list(job.events.filter(type="metrics").order_by("created_at", "pk")[seen:])
     # Training steps only: an evaluation's scores are metrics too, shown in a section of their own.
     metrics = [event.data for event in reports if event.data and "step" in event.data]
     latest = [event_object(event) for event in job.events.all()[:50]]
     return JsonResponse(
-        {"job": job_object(job), "metrics": metrics, "metrics_count": int(seen) + len(reports), "events": latest}
+        {"job": job_object(job), "metrics": metrics, "metrics_count": seen + len(reports), "events": latest}
     )
 
 
@@ -179,7 +189,7 @@ def models(request: OrganizationRequest) -> HttpResponse:
     try:
         running, pool_problem = serving(), None
     except PoolUnavailable as exc:
-        running, pool_problem = None, str(exc)
+        running, pool_problem = None, logged_instead("the inference pool did not answer the models page", str(exc))
     rows = []
     for model in list_usable_models(request.organization):
         lineage = fine_tuned.get(model.name)
@@ -210,11 +220,11 @@ def model_delete(request: OrganizationRequest, model_name: str) -> HttpResponse:
 def model_rollback(request: OrganizationRequest, model_name: str) -> HttpResponse:
     """The models page's "Answer with" button: ``POST /v1/fine_tuning/models/{model}/rollback``."""
     model = get_object_or_404(FineTunedModel.objects.for_org(request.organization), name=model_name)
-    number = request.POST.get("revision", "")
+    number = whole_number(request.POST.get("revision", ""), 1, MAX_ID)
     try:
-        if not number.isdigit():
+        if number is None:
             raise ApiError(f"Choose a revision of {model.name} to answer with.", param="revision")
-        model = revisions.roll_back(model, int(number))
+        model = revisions.roll_back(model, number)
     except ApiError as error:
         messages.error(request, error.message)
     else:
@@ -265,7 +275,7 @@ def model_compose(request: OrganizationRequest) -> HttpResponse:
     one the API answers 404 (a model the organization cannot see) is a 404 here too. ``linear`` is
     published at once; the other methods are queued, and the models page shows their status."""
     names = list(FineTunedModel.objects.for_org(request.organization).values_list("name", flat=True))
-    form, status = ComposeForm(request.POST or None, models=names), 200
+    form, status = ComposeForm(_posted(request), models=names), 200
     if request.method == "POST" and form.is_valid():
         try:
             result = compositions.compose_or_queue(request.organization, request.user, form.to_composition())
@@ -315,7 +325,7 @@ async def playground_chat(request: OrganizationRequest) -> HttpResponseBase:
 
 @with_organization
 def api_keys(request: OrganizationRequest) -> HttpResponse:
-    form, new_key = ApiKeyForm(request.POST or None), None
+    form, new_key = ApiKeyForm(_posted(request)), None
     if request.method == "POST" and form.is_valid():
         _, new_key = create_api_key(request.organization, request.user, form.cleaned_data["name"])
         form = ApiKeyForm()

@@ -8,7 +8,8 @@ from typing import Any
 from django.db.models import Q, QuerySet
 from django.http import QueryDict
 
-from core.api_errors import ApiError
+from core.api_errors import ApiError, shown
+from core.whole_numbers import whole_number
 
 DEFAULT_LIMIT, MAX_LIMIT = 20, 100
 
@@ -16,9 +17,10 @@ DEFAULT_LIMIT, MAX_LIMIT = 20, 100
 def _limit(raw: str | None) -> int:
     if raw is None:
         return DEFAULT_LIMIT
-    if not raw.isdigit() or not 1 <= int(raw) <= MAX_LIMIT:
-        raise ApiError(f"limit must be a whole number from 1 to {MAX_LIMIT}, not '{raw}'", param="limit")
-    return int(raw)
+    limit = whole_number(raw, 1, MAX_LIMIT)
+    if limit is None:
+        raise ApiError(f"limit must be a whole number from 1 to {MAX_LIMIT}, not '{shown(raw)}'", param="limit")
+    return limit
 
 
 def list_page(query_params: QueryDict, queryset: QuerySet[Any], represent: Callable[[Any], dict[str, Any]]) -> dict[str, Any]:
@@ -27,7 +29,7 @@ def list_page(query_params: QueryDict, queryset: QuerySet[Any], represent: Calla
     if after:
         anchor = queryset.filter(pk=after).first()
         if anchor is None:
-            raise ApiError(f"after: no such id '{after}' in this list", param="after")
+            raise ApiError(f"after: no such id '{shown(after)}' in this list", param="after")
         queryset = queryset.filter(
             Q(created_at__lt=anchor.created_at) | Q(created_at=anchor.created_at, pk__lt=anchor.pk)
         )

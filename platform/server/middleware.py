@@ -8,8 +8,23 @@ from django.http.multipartparser import MultiPartParserError
 from django.utils.deprecation import MiddlewareMixin
 from django.utils.log import log_response
 
+from core.api_errors import ApiError
 from server.database_outage import as_api_error
-from server.api_errors import bad_request, for_api, page_not_found, permission_denied, server_error, unavailable
+from server.api_errors import api_error, bad_request, for_api, page_not_found, permission_denied, server_error, unavailable
+
+
+class RefuseNulInAddress(MiddlewareMixin):
+    """A NUL character in the path or the query string is a 400 before any view looks it up:
+    PostgreSQL refuses NUL in any text, a lookup by id included, so ``/v1/files/%00`` or
+    ``?after=%00`` would otherwise be a 500 there (and nothing a tenant names holds one). Bodies
+    are checked where they are parsed (``core.strict_json``, the forms' and serializers' fields)."""
+
+    def process_request(self, request: HttpRequest) -> HttpResponse | None:
+        if "\x00" not in request.path and "%00" not in request.META.get("QUERY_STRING", ""):
+            return None
+        if for_api(request):
+            return api_error(ApiError("The request's path or query string holds a NUL character (%00).", code="invalid_url"))
+        return bad_request(request, ValueError("NUL in the address"))
 
 
 class ViewExceptionMiddleware(MiddlewareMixin):

@@ -22,7 +22,8 @@ from django.db.models.functions import Trunc
 from django.http import QueryDict
 
 from accounts.models import Organization
-from core.api_errors import ApiError
+from core.api_errors import ApiError, shown
+from core.whole_numbers import whole_number
 from finetuning.models import FineTuningJob, JobStatus
 from usage.models import CompletionUsage
 
@@ -97,9 +98,10 @@ def _whole_number(params: Mapping[str, Any], name: str, default: int | None = No
     raw = params.get(name)
     if raw is None or raw == "":
         return default
-    if not (raw.isascii() and raw.isdigit()) or int(raw) > LAST_SECOND:
-        raise ApiError(f"{name} must be a whole number of {unit} up to {LAST_SECOND}, not '{raw}'.", param=name)
-    return int(raw)
+    value = whole_number(raw, 0, LAST_SECOND)
+    if value is None:
+        raise ApiError(f"{name} must be a whole number of {unit} up to {LAST_SECOND}, not '{shown(raw)}'.", param=name)
+    return value
 
 
 def _list(params: QueryDict, name: str) -> list[str]:
@@ -115,7 +117,7 @@ def parse_query(params: QueryDict, source: Source, now: float | None = None) -> 
         raise ApiError("start_time is required: the start of the first bucket, in Unix seconds.", param="start_time")
     width = params.get("bucket_width") or "1d"
     if width not in WIDTHS:
-        raise ApiError(f"bucket_width must be one of {', '.join(WIDTHS)}, not '{width}'.", param="bucket_width")
+        raise ApiError(f"bucket_width must be one of {', '.join(WIDTHS)}, not '{shown(width)}'.", param="bucket_width")
     end = _whole_number(params, "end_time", default=math.ceil(now if now is not None else time.time()))
     if end <= start:
         raise ApiError(f"end_time ({end}) must be after start_time ({start}).", param="end_time")
@@ -127,7 +129,7 @@ def parse_query(params: QueryDict, source: Source, now: float | None = None) -> 
     for group in group_by:
         if group not in source.groups:
             known = " or ".join(source.groups)
-            raise ApiError(f"group_by: this usage groups by {known}, not '{group}'.", param="group_by")
+            raise ApiError(f"group_by: this usage groups by {known}, not '{shown(group)}'.", param="group_by")
     filters = {group: tuple(_list(params, f"{group}s")) for group in source.groups if _list(params, f"{group}s")}
     first = start - start % limits.seconds
     page = _whole_number(params, "page")

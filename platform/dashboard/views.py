@@ -10,7 +10,7 @@ from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_POST
 
 from accounts.models import ApiKey
-from accounts.permissions import allow_members_to_manage, is_owner, may_manage, may_revoke
+from accounts.permissions import allow_members_to_manage, check_may_manage_models, is_owner, may_revoke
 from accounts.services import create_api_key, revoke_api_key
 from core.api_errors import ApiError
 from dashboard.forms import AdapterUploadForm, ApiKeyForm, ComposeForm, JobForm, UploadForm, show_api_error
@@ -188,8 +188,7 @@ def models(request: HttpRequest) -> HttpResponse:
 @with_organization
 def model_delete(request: HttpRequest, model_name: str) -> HttpResponse:
     model = get_object_or_404(FineTunedModel.objects.for_org(request.organization), name=model_name)
-    if not may_manage(request.organization, request.user):
-        raise PermissionDenied("Only an owner of the organization can delete its models, unless an owner allows members to.")
+    check_may_manage_models(request.organization, request.user, "delete")  # a 403 page when refused
     delete_fine_tuned_model(model)
     messages.success(request, f"Deleted {model.name}; it is no longer served.")
     return redirect("dashboard:models")
@@ -200,6 +199,7 @@ def model_delete(request: HttpRequest, model_name: str) -> HttpResponse:
 def model_rollback(request: HttpRequest, model_name: str) -> HttpResponse:
     """The models page's "Answer with" button: ``POST /v1/fine_tuning/models/{model}/rollback``."""
     model = get_object_or_404(FineTunedModel.objects.for_org(request.organization), name=model_name)
+    check_may_manage_models(request.organization, request.user, "roll back")  # a 403 page when refused
     number = request.POST.get("revision", "")
     try:
         if not number.isdigit():

@@ -17,6 +17,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from accounts.permissions import check_may_manage_models
 from core.api_errors import ApiError, model_not_found, not_found
 from finetuning import adapters, compose, files, jobs, revisions
 from finetuning.models import File, FineTunedModel, FineTuningJob
@@ -218,7 +219,9 @@ class ModelRollbackView(APIView):
             raise ApiError("The request body must be a JSON object.", code="invalid_body")
         serializer = RollbackSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
-        row = revisions.roll_back(_own_model(request, model), serializer.validated_data["revision"])
+        row = _own_model(request, model)
+        check_may_manage_models(request.auth.organization, request.user, "roll back")
+        row = revisions.roll_back(row, serializer.validated_data["revision"])
         return Response(model_object(row))
 
 

@@ -239,6 +239,9 @@ def _gate(job: FineTuningJob, heartbeat: Heartbeat, store: AdapterStore, revisio
             "create the job again once the pool answers.",
         ) from None  # fmt: skip
     retrying(jobs.record_evaluation, job.pk, heartbeat.attempt, scores.as_dict())
+    for grader, count in scores.timeouts.items():
+        message = f"Evaluation: the {grader} took too long on {count} answer(s); each counted as a fail"
+        retrying(record_event, job, message, level="warn")
     summary = (
         f"{revision} scored {scores.adapter_score:.3f} and {reference} {scores.reference_score:.3f} "
         f"on {scores.examples} examples (threshold {scores.threshold:+.3f})"

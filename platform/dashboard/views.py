@@ -68,7 +68,7 @@ def datasets(request: HttpRequest) -> HttpResponse:
 @with_organization
 def dataset(request: HttpRequest, file_id: str) -> HttpResponse:
     file = get_object_or_404(File.objects.for_org(request.organization), pk=file_id)
-    preview = files.load_examples(file)[:PREVIEW_EXAMPLES]
+    preview = files.first_examples(file, PREVIEW_EXAMPLES)
     return render(request, "dashboard/dataset.html", {"file": file, "preview": preview})
 
 

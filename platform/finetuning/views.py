@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from typing import IO
 
-from django.http import FileResponse, HttpResponse
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, extend_schema, extend_schema_view
 from rest_framework import viewsets
@@ -37,12 +36,13 @@ from finetuning.serializers import (
     JobCreateSerializer,
     RollbackSerializer,
 )
+from server.streaming import StreamedFileResponse
 
 
 class AnyAcceptRenderer(JSONRenderer):
     """File content is raw bytes: accept any Accept header (the openai client sends application/binary).
 
-    Errors on that endpoint are still JSON; the bytes themselves bypass rendering (HttpResponse).
+    Errors on that endpoint are still JSON; the bytes themselves bypass rendering (a streamed response).
     """
 
     media_type = "*/*"
@@ -73,9 +73,10 @@ _documented = extend_schema(responses=OpenApiTypes.OBJECT, parameters=[_ID])
 _ARCHIVE = {(200, "application/gzip"): OpenApiTypes.BINARY}
 
 
-def archive_response(archive: IO[bytes], name: str) -> FileResponse:
-    """An adapter's archive (an open temporary file), streamed in blocks and closed at the end."""
-    return FileResponse(archive, as_attachment=True, filename=adapters.archive_name(name), content_type="application/gzip")
+def archive_response(archive: IO[bytes], name: str) -> StreamedFileResponse:
+    """An adapter's archive (an open file), streamed in blocks and closed at the end."""
+    filename = adapters.archive_name(name)
+    return StreamedFileResponse(archive, as_attachment=True, filename=filename, content_type="application/gzip")
 
 
 @extend_schema_view(
@@ -108,11 +109,10 @@ class FileViewSet(OrganizationScoped, viewsets.ViewSet):
         return Response({"id": pk, "object": "file", "deleted": True})
 
     @action(detail=True, methods=["get"], renderer_classes=[JSONRenderer, AnyAcceptRenderer])
-    def content(self, request: Request, pk: str) -> HttpResponse:
+    def content(self, request: Request, pk: str) -> StreamedFileResponse:
         file = self.get_row(request, pk)
-        response = HttpResponse(files.file_content(file), content_type=files.content_type(file))
-        response["Content-Disposition"] = f'attachment; filename="{file.filename}"'
-        return response
+        content, content_type = files.open_content(file), files.content_type(file)
+        return StreamedFileResponse(content, as_attachment=True, filename=file.filename, content_type=content_type)
 
 
 @extend_schema_view(
@@ -164,7 +164,7 @@ class JobViewSet(OrganizationScoped, viewsets.ViewSet):
         detail=True, methods=["get"], url_path="checkpoints/(?P<checkpoint>[^/]+)/adapter",
         renderer_classes=[JSONRenderer, AnyAcceptRenderer],
     )  # fmt: skip
-    def checkpoint_adapter(self, request: Request, pk: str, checkpoint: str) -> FileResponse:
+    def checkpoint_adapter(self, request: Request, pk: str, checkpoint: str) -> StreamedFileResponse:
         row = self.get_row(request, pk).checkpoints.select_related("job").filter(pk=checkpoint).first()
         if row is None:
             raise not_found("checkpoint", checkpoint)
@@ -182,7 +182,7 @@ class ModelAdapterView(APIView):
         summary="Download a fine-tuned model's adapter (a PEFT folder as .tar.gz)",
         parameters=_MODEL,
     )  # fmt: skip
-    def get(self, request: Request, model: str) -> FileResponse:
+    def get(self, request: Request, model: str) -> StreamedFileResponse:
         row = _own_model(request, model)
         return archive_response(adapters.model_archive(row), row.name)
 

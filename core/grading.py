@@ -37,7 +37,8 @@ PASS, FAIL, TIMEOUT = "pass", "fail", "timeout"
 
 class GradingSandbox:
     """``passes`` as ``core.evaluation.score`` calls it, for any grader; the tenant's graders run in
-    the child. ``timeouts`` counts, per grader, the answers that failed because they took too long."""
+    the child. ``timeouts`` counts, per grader, the answers it failed for time: over the limit, or not
+    run after MAX_TIMEOUTS_PER_GRADER answers over it."""
 
     def __init__(self, timeout_s: float | None = None):
         self.timeout_s = GRADE_TIMEOUT_S if timeout_s is None else timeout_s

@@ -256,6 +256,9 @@ def test_a_grader_that_took_too_long_is_named_in_the_jobs_events(alice, monkeypa
     run_job._gate(job, Heartbeat(job.id, 1, 60), LocalAdapterStore(tmp_path), f"{BASE}:gated@r1")
     warnings = [event.message for event in job.events.filter(level="warn")]
     grader = f"regex grader {CATASTROPHIC!r}"
-    assert warnings == [f"Evaluation: the {grader} took too long on 24 answer(s); each counted as a fail"]
+    assert warnings == [
+        f"Evaluation: the {grader} was too slow (over 1 s an answer, and not run again after 3 such answers): "
+        "24 answer(s) counted as fails"
+    ]
     job.refresh_from_db()
     assert job.evaluation["scores"]["timeouts"] == {grader: 24}

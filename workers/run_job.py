@@ -22,6 +22,7 @@ from celery.exceptions import SoftTimeLimitExceeded
 from django.conf import settings
 from django.utils import timezone
 
+from core import grading
 from core.adapter_store import AdapterNotFound, AdapterStore, StoreUnavailable
 from core.catalog import BaseModel
 from core.datasets import Example
@@ -240,7 +241,10 @@ def _gate(job: FineTuningJob, heartbeat: Heartbeat, store: AdapterStore, revisio
         ) from None  # fmt: skip
     retrying(jobs.record_evaluation, job.pk, heartbeat.attempt, scores.as_dict())
     for grader, count in scores.timeouts.items():
-        message = f"Evaluation: the {grader} took too long on {count} answer(s); each counted as a fail"
+        message = (
+            f"Evaluation: the {grader} was too slow (over {grading.GRADE_TIMEOUT_S:g} s an answer, and not run again "
+            f"after {grading.MAX_TIMEOUTS_PER_GRADER} such answers): {count} answer(s) counted as fails"
+        )  # fmt: skip
         retrying(record_event, job, message, level="warn")
     summary = (
         f"{revision} scored {scores.adapter_score:.3f} and {reference} {scores.reference_score:.3f} "

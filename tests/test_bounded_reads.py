@@ -246,3 +246,26 @@ def test_an_adapters_archive_streams_through_the_asgi_server(alice, store_kind, 
     read_first = f"{read_at_first_body:,} of {len(archive):,} bytes read before the first were sent"
     assert read_at_first_body < len(archive) / 2, read_first
     store.delete(name)
+
+
+def test_the_archive_cache_removes_the_least_recently_used_past_its_size_and_an_open_one_stays_readable(tmp_path):
+    from core.archive_cache import ArchiveCache
+
+    cache, built = ArchiveCache(tmp_path / "archives", max_bytes=2500), []
+
+    def build(content: bytes):
+        def write(out) -> None:
+            built.append(content)
+            out.write(content)
+
+        return write
+
+    first = cache.open("first", build(b"1" * 1000))
+    cache.open("second", build(b"2" * 1000)).close()
+    time.sleep(0.01)
+    cache.open("first", build(b"never")).close()  # kept: used again, so now the most recently used
+    cache.open("third", build(b"3" * 1000)).close()  # 3,000 bytes: the least recently used goes
+    assert built == [b"1" * 1000, b"2" * 1000, b"3" * 1000]
+    assert cache.open("first", build(b"never")).read() == b"1" * 1000 and first.read() == b"1" * 1000
+    assert cache.open("second", build(b"2 again")).read() == b"2 again"  # it was removed: built anew
+    assert not list((tmp_path / "archives").glob(".building-*"))

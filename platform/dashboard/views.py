@@ -10,7 +10,7 @@ from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_POST
 
 from accounts.models import ApiKey
-from accounts.permissions import allow_members_to_manage, check_may_manage_models, is_owner, may_revoke
+from accounts.permissions import allow_members_to_manage, check_may_manage_models, is_owner, may_manage, may_revoke
 from accounts.services import create_api_key, revoke_api_key
 from core.api_errors import ApiError
 from dashboard.forms import AdapterUploadForm, ApiKeyForm, ComposeForm, JobForm, UploadForm, show_api_error
@@ -180,7 +180,11 @@ def models(request: HttpRequest) -> HttpResponse:
         dataset = datasets.get(lineage.job.training_file) if lineage and lineage.job else None
         rows.append((model, lineage, dataset, running.of(model) if running else None))
     # A composed model's parents are linked while they exist; they may be deleted before it.
-    context = {"models": rows, "pool_problem": pool_problem, "present": set(fine_tuned)}
+    # Rolling back and deleting are for managers (``accounts.permissions``): others are not offered them.
+    context = {
+        "models": rows, "pool_problem": pool_problem, "present": set(fine_tuned),
+        "may_manage_models": may_manage(request.organization, request.user),
+    }  # fmt: skip
     return render(request, "dashboard/models.html", context)
 
 

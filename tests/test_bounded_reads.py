@@ -170,6 +170,7 @@ def test_a_files_content_streams_from_the_store_and_arrives_whole(alice, store_k
     file = _stored_file(alice, data, example_count=data.count(b"\n"))
     counter = ReadCounter(monkeypatch)
     status, headers, bodies, read_at_first_body = _asgi_get(f"/v1/files/{file.id}/content", alice.key, counter)
+    print(f"\ncontent of {len(data):,} bytes ({store_kind}): {read_at_first_body:,} read before the first bytes left")
     assert status == 200 and headers[b"content-type"] == b"application/jsonl"
     assert b'filename="large.jsonl"' in headers[b"content-disposition"]
     assert b"".join(bodies) == data

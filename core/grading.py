@@ -8,8 +8,12 @@ killed when it takes longer than GRADE_TIMEOUT_S, and started again for the next
 whose grading timed out fails that grader; once a grader has timed out MAX_TIMEOUTS_PER_GRADER
 times, it fails the remaining answers without running, so an evaluation's grading time is bounded.
 
-The child gets no environment (no credentials), a memory limit, and one JSON line per answer on
-stdin: ``{"grader": {...}, "answer": "..."}``; it answers a line ``{"verdict": "pass"|"fail"|"timeout"}``.
+Checking a grader when a job is created runs there too (``first_problem``): compiling a pattern
+can take gigabytes, which the web process must never spend.
+
+The child gets no environment (no credentials), a memory limit, and one JSON line per request on
+stdin: ``{"grade": {...}, "answer": "..."}``, answered ``{"verdict": "pass"|"fail"|"timeout"}``, or
+``{"check": {...}}``, answered ``{"problem": null | [field, message]}``; ``{}`` when it failed.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Self
 
-from core.evaluation import MAX_ANSWER_CHARS, SANDBOXED, Grader, passes
+from core.evaluation import MAX_ANSWER_CHARS, SANDBOXED, Grader, grader_problem, passes
 
 GRADE_TIMEOUT_S = 5.0  # one answer and one grader, the child's start included
 MAX_TIMEOUTS_PER_GRADER = 3
@@ -60,12 +64,28 @@ class GradingSandbox:
         if self.timeouts[grader] >= MAX_TIMEOUTS_PER_GRADER:
             self.timeouts[grader] += 1
             return False
-        verdict = self._ask({"grader": asdict(grader), "answer": answer})
-        if verdict == TIMEOUT:
+        answer_of_child = self._ask({"grade": asdict(grader), "answer": answer})
+        verdict = TIMEOUT if answer_of_child is None else answer_of_child.get("verdict")  # None: the child failed
+        if verdict == TIMEOUT:  # killed at the wall-clock limit, or stopped by the regex's own
             self.timeouts[grader] += 1
         return verdict == PASS
 
-    def _ask(self, request: dict) -> str:
+    def problem(self, grader: Grader) -> tuple[str, str] | None:
+        """``core.evaluation.grader_problem``, found in the child: compiling a pattern can take
+        gigabytes (``(((a{100}){100}){100}){100}`` does in ``regex``) or minutes."""
+        if grader.type not in SANDBOXED:
+            return grader_problem(grader)
+        answer_of_child = self._ask({"check": asdict(grader)})
+        if answer_of_child is None or "problem" not in answer_of_child:
+            field = "pattern" if grader.type == "regex" else "schema"
+            limits = f"{self.timeout_s:g} s and {MEMORY_LIMIT_BYTES >> 20} MB"
+            return field, f"could not be compiled within {limits}: make it simpler"
+        problem = answer_of_child["problem"]
+        return None if problem is None else (str(problem[0]), str(problem[1]))
+
+    def _ask(self, request: dict) -> dict | None:
+        """The child's answer to ``request``; None when it took longer than the limit (the child is
+        killed: the next request starts another), ``{}`` when the child died."""
         deadline = time.monotonic() + self.timeout_s
         child = self._started()
         try:
@@ -73,13 +93,13 @@ class GradingSandbox:
             child.stdin.write(json.dumps(request).encode() + b"\n")
             child.stdin.flush()
             line = self._line(child, deadline)
-        except OSError:  # the child died (its memory limit, say): that answer fails
+        except OSError:  # the child died
             self._stop()
-            return FAIL
+            return {}
         if line is None:
             self._stop()  # killed mid-match: the next answer gets a fresh child
-            return TIMEOUT
-        return str(json.loads(line)["verdict"])
+            return None
+        return dict(json.loads(line))
 
     def _line(self, child: subprocess.Popen[bytes], deadline: float) -> bytes | None:
         """The child's next line, or None when it does not come before ``deadline``."""
@@ -122,13 +142,24 @@ def describe(grader: Grader) -> str:
     return f"{grader.type} grader"
 
 
-def _verdict(request: dict) -> str:
+def first_problem(graders: list[Grader]) -> tuple[int, str, str] | None:
+    """The first grader that could not grade, as (its index, its field, what to fix), each checked
+    in the child (``GradingSandbox.problem``): a job's graders, before it is created."""
+    with GradingSandbox(timeout_s=GRADE_TIMEOUT_S) as sandbox:
+        for index, grader in enumerate(graders):
+            problem = sandbox.problem(grader)
+            if problem is not None:
+                return index, *problem
+    return None
+
+
+def _answer(request: dict) -> dict:
+    if "check" in request:
+        return {"problem": grader_problem(Grader(**request["check"]))}
     try:
-        return PASS if passes(Grader(**request["grader"]), request["answer"], "") else FAIL
+        return {"verdict": PASS if passes(Grader(**request["grade"]), request["answer"], "") else FAIL}
     except TimeoutError:
-        return TIMEOUT
-    except Exception:  # noqa: BLE001  # a grader that cannot run fails the answer; it never ends the child
-        return FAIL
+        return {"verdict": TIMEOUT}
 
 
 def _serve() -> None:
@@ -136,7 +167,11 @@ def _serve() -> None:
 
     resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT_BYTES, MEMORY_LIMIT_BYTES))
     for line in sys.stdin.buffer:
-        sys.stdout.write(json.dumps({"verdict": _verdict(json.loads(line))}) + "\n")
+        try:
+            answer = _answer(json.loads(line))
+        except Exception:  # noqa: BLE001  # out of memory, say: no answer, and the child goes on
+            answer = {}
+        sys.stdout.write(json.dumps(answer) + "\n")
         sys.stdout.flush()
 
 

@@ -12,6 +12,8 @@ from tests.personas import chat_example, jsonl
 from tests.test_files_api import error_of
 
 BASE = "HuggingFaceTB/SmolLM2-135M-Instruct"
+CATASTROPHIC = r"(a|a)+$"  # backtracks 2**n times on n a's and a mismatch, in re and in regex alike
+MEMORY_BOMB = "(((a{100}){100}){100}){100}"  # regex.compile expands it: gigabytes (only ever in the child)
 CAPITALS = {
     "France": "Paris", "Germany": "Berlin", "Italy": "Rome", "Spain": "Madrid", "Japan": "Tokyo",
     "the United Kingdom": "London", "Egypt": "Cairo", "Russia": "Moscow", "China": "Beijing",
@@ -89,7 +91,6 @@ def test_an_evaluation_defaults_to_the_validation_file_and_shows_on_the_job(alic
 
 # --- the tenant's patterns and schemas are hostile until proven otherwise ---------------------------
 
-CATASTROPHIC = r"(a|a)+$"  # backtracks 2**n times on n a's and a mismatch, in re and in regex alike
 
 
 @pytest.fixture
@@ -165,6 +166,8 @@ def _nested(depth: int) -> dict:
 @pytest.mark.parametrize(("grader", "field", "says"), [
     ({"type": "regex", "pattern": "[z-a]"}, "pattern", "not a regular expression"),
     ({"type": "regex", "pattern": "a{1,99999999999}"}, "pattern", "not a regular expression"),  # re: OverflowError
+    # Compiling this takes the regex package over 20 GB: checked in the grading process, within its limits.
+    ({"type": "regex", "pattern": MEMORY_BOMB}, "pattern", "could not be compiled within 5 s and 1024 MB"),
     ({"type": "json_schema", "schema": _nested(40)}, "schema", "levels deep"),
     ({"type": "json_schema", "schema": {"enum": ["x" * 100] * 200}}, "schema", "bytes of JSON"),
     ({"type": "json_schema", "schema": {"type": "strin"}}, "schema", "not a JSON Schema"),
@@ -226,6 +229,11 @@ def test_a_catastrophic_pattern_inside_a_schema_is_bounded_too(monkeypatch):
     # 4 answers of about 10 s each in re: MAX_TIMEOUTS_PER_GRADER time out, the rest fail without running
     assert scores.adapter_score == 0.0 and scores.timeouts == {"json_schema grader": 4}
     assert took < grading.MAX_TIMEOUTS_PER_GRADER * 1.5 + 3.0, f"grading took {took:.1f} s"
+
+
+def test_a_stored_pattern_too_large_to_compile_fails_its_answers_in_the_child(monkeypatch):
+    scores = _evaluated(monkeypatch, [{"type": "regex", "pattern": MEMORY_BOMB}, {"type": "contains"}], "Paris.")
+    assert scores.adapter_score == scores.reference_score == 0.5  # contains passes; the regex fails
 
 
 def test_an_oversized_answer_fails_the_tenants_graders_unread():

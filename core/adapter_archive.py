@@ -21,7 +21,7 @@ import zipfile
 import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path, PurePosixPath
-from typing import IO, BinaryIO
+from typing import IO
 
 from core.adapter_store import CONFIG_FILE, WEIGHTS_FILE
 from core.api_errors import ApiError, adapter_too_large, invalid_adapter
@@ -51,7 +51,7 @@ _READ_ERRORS = (tarfile.TarError, zipfile.BadZipFile, zlib.error, EOFError, OSEr
 _Opener = Callable[[], IO[bytes]]  # opens a member for reading, once it has been checked
 
 
-def pack(folder: Path, out: BinaryIO) -> None:
+def pack(folder: Path, out: IO[bytes]) -> None:
     """Write the adapter in ``folder`` to ``out`` as a ``.tar.gz`` with the files at its root."""
     with tarfile.open(fileobj=out, mode="w:gz") as archive:
         for name in ADAPTER_FILES:

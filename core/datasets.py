@@ -251,9 +251,11 @@ def parse_dataset(
     count_tokens: Callable[[Example], int] | None = None,
     max_tokens: int | None = None,
     keep_examples: bool = True,
+    stop_after: int | None = None,
 ) -> Dataset:
     """Check every line; report up to MAX_REPORTED_ERRORS problems with their line numbers.
-    ``keep_examples=False`` only counts them (an upload's check, which must not hold a large file in memory)."""
+    ``keep_examples=False`` only counts them (an upload's check, which must not hold a large file in memory).
+    ``stop_after``: return once that many examples are read, the rest of the file unread (a preview)."""
     stream = io.BytesIO(source) if isinstance(source, bytes) else source
     max_bytes = None if max_tokens is None else max_line_chars(max_tokens) * MAX_UTF8_BYTES_PER_CHAR
     dataset, bad_lines, blank = Dataset(), 0, True
@@ -281,6 +283,8 @@ def parse_dataset(
         if keep_examples:
             dataset.examples.append(example)
             dataset.lines.append(number)
+        if dataset.example_count == stop_after:
+            return dataset
     if blank:
         return Dataset(problem="the file is empty")
     if bad_lines > len(dataset.errors):

@@ -7,7 +7,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import BinaryIO, Protocol
+from typing import Any, BinaryIO, Protocol
 
 from core.config import S3Settings
 from core.s3 import s3_client, split_s3_url
@@ -22,6 +22,7 @@ class ObjectStore(Protocol):
     def put_stream(self, key: str, stream: BinaryIO) -> None: ...  # read to its end, a chunk at a time
     def put_file(self, key: str, path: Path) -> None: ...
     def get(self, key: str) -> bytes: ...
+    def open(self, key: str) -> BinaryIO: ...  # read a block or a line at a time; the caller closes it
     def delete_prefix(self, prefix: str) -> None: ...
 
 
@@ -52,6 +53,12 @@ class LocalObjectStore:
     def get(self, key: str) -> bytes:
         try:
             return self._path(key).read_bytes()
+        except FileNotFoundError:
+            raise ObjectNotFound(key) from None
+
+    def open(self, key: str) -> BinaryIO:
+        try:
+            return self._path(key).open("rb")
         except FileNotFoundError:
             raise ObjectNotFound(key) from None
 
@@ -88,10 +95,41 @@ class S3ObjectStore:
         except self.client.exceptions.NoSuchKey:
             raise ObjectNotFound(key) from None
 
+    def open(self, key: str) -> BinaryIO:
+        try:
+            body = self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"]
+        except self.client.exceptions.NoSuchKey:
+            raise ObjectNotFound(key) from None
+        return io.BufferedReader(_Body(body), buffer_size=_READ_BLOCK)
+
     def delete_prefix(self, prefix: str) -> None:
         listing = self.client.list_objects_v2(Bucket=self.bucket, Prefix=self._key(prefix))
         for item in listing.get("Contents", []):
             self.client.delete_object(Bucket=self.bucket, Key=item["Key"])
+
+
+_READ_BLOCK = 256 * 1024
+
+
+class _Body(io.RawIOBase):
+    """An S3 object's body as a raw stream, read from the network as it is asked for: buffered, it
+    reads by lines (``readline``) as a local file does."""
+
+    def __init__(self, body: Any):
+        self._body = body
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        data = self._body.read(len(buffer))
+        buffer[: len(data)] = data
+        return len(data)
+
+    def close(self) -> None:
+        if not self.closed:
+            self._body.close()
+        super().close()
 
 
 def object_store(root: str, s3: S3Settings) -> ObjectStore:

@@ -47,7 +47,8 @@ PAGE = (200, 200, 404, LOGIN, LOGIN, 403, LOGIN)
 PAGE_OWN_LIST = (200, 200, 200, LOGIN, LOGIN, 403, LOGIN)
 PAGE_ACTION = (302, 302, 404, LOGIN, LOGIN, 403, LOGIN)
 PAGE_OWN_ACTION = (302, 302, 302, LOGIN, LOGIN, 403, LOGIN)  # an outsider uploads into his own organization
-# Managing (deleting a model, revoking another's key) is for owners unless an owner lets members.
+# Managing (deleting a model, rolling it back, revoking another's key) is for owners unless an owner
+# lets members.
 API_OWNER_ONLY = (200, 403, 404, 401, 401, 401, 401)
 PAGE_OWNER_ONLY = (302, 403, 404, LOGIN, LOGIN, 403, LOGIN)
 PLAYGROUND_CHAT = (503, 503, 404, LOGIN, LOGIN, 403, LOGIN)
@@ -81,7 +82,7 @@ ROWS = [
     ("api", "GET", "/v1/fine_tuning/compositions", None, API_OWN_LIST),
     ("api", "GET", "/v1/fine_tuning/compositions/{composition}", None, API),
     ("api", "GET", "/v1/fine_tuning/models/{published}/revisions", None, API),
-    ("api", "POST", "/v1/fine_tuning/models/{published}/rollback", {"revision": 1}, API),
+    ("api", "POST", "/v1/fine_tuning/models/{published}/rollback", {"revision": 1}, API_OWNER_ONLY),
     ("api", "GET", "/v1/models", None, API_OWN_LIST),
     ("api", "GET", "/v1/models/{model}", None, API),
     ("api", "DELETE", "/v1/models/{model}", None, API_OWNER_ONLY),
@@ -105,7 +106,7 @@ ROWS = [
     ("page", "POST", "/models/upload", "adapter", PAGE_OWN_ACTION),
     ("page", "GET", "/models/compose", None, PAGE_OWN_LIST),
     ("page", "POST", "/models/compose", {"compose-parents": "{published}"}, PAGE_ACTION),
-    ("page", "POST", "/models/{published}/rollback", {"revision": "1"}, PAGE_ACTION),
+    ("page", "POST", "/models/{published}/rollback", {"revision": "1"}, PAGE_OWNER_ONLY),
     ("page", "GET", "/playground", None, PAGE_OWN_LIST),
     ("page", "POST", "/playground/chat", {"model": "{model}", "messages": [{"role": "user", "content": "hi"}]}, PLAYGROUND_CHAT),
     ("page", "GET", "/keys", None, PAGE_OWN_LIST),

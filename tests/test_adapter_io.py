@@ -276,7 +276,7 @@ def test_a_succeeded_job_has_its_metrics_as_a_csv_result_file(alice, monkeypatch
     assert alice.api.get(f"/v1/files/{file_id}").json()["purpose"] == "fine-tune-results"
     content = alice.api.get(f"/v1/files/{file_id}/content")
     assert content["Content-Type"] == "text/csv"
-    rows = list(csv.DictReader(io.StringIO(content.content.decode())))
+    rows = list(csv.DictReader(io.StringIO(body_of(content).decode())))
     assert [int(row["step"]) for row in rows] == [1, 2, 3, 4]
     assert all(float(row["train_loss"]) > 0 and int(row["trained_tokens"]) > 0 for row in rows)
     assert File.objects.get(pk=file_id).organization == alice.organization

@@ -115,3 +115,23 @@ def test_a_continued_jobs_pages_name_the_model_it_goes_on_from_and_the_revision_
     page = alice_web.get(reverse("dashboard:job", args=[job.id])).content.decode()
     assert f"from <code>{two_revisions}</code>, publishing r2" in page
     assert f"<td>{two_revisions}</td>" in alice_web.get(reverse("dashboard:jobs")).content.decode()
+
+
+def test_a_member_rolls_back_only_where_an_owner_lets_members_manage_as_for_deleting(client, alice, bob, two_revisions):
+    """Rolling back changes what everyone's requests answer with, as deleting does: the same rule."""
+    client.force_login(bob.user)
+    assert f'action="/models/{two_revisions}/rollback"' not in client.get(reverse("dashboard:models")).content.decode()
+    page = client.post(reverse("dashboard:model_rollback", args=[two_revisions]), {"revision": "1"})
+    api = bob.api.post(f"/v1/fine_tuning/models/{two_revisions}/rollback", {"revision": 1}, format="json")
+    assert page.status_code == 403 and "only an owner" in page.content.decode().lower()
+    assert api.status_code == 403 and api.json()["error"]["code"] == "permission_denied", api.json()
+    assert FineTunedModel.objects.get(name=two_revisions).revision == 2
+    assert adapter_store(settings.CONFIG.dynamic_lora_path, settings.CONFIG.s3).version(two_revisions).version == "r2"
+
+    alice.organization.members_may_manage = True
+    alice.organization.save()
+    assert f'action="/models/{two_revisions}/rollback"' in client.get(reverse("dashboard:models")).content.decode()
+    assert client.post(reverse("dashboard:model_rollback", args=[two_revisions]), {"revision": "1"}).status_code == 302
+    assert FineTunedModel.objects.get(name=two_revisions).revision == 1
+    api = bob.api.post(f"/v1/fine_tuning/models/{two_revisions}/rollback", {"revision": 2}, format="json")
+    assert api.status_code == 200 and FineTunedModel.objects.get(name=two_revisions).revision == 2

@@ -19,7 +19,8 @@ pytestmark = [pytest.mark.engine, pytest.mark.training, pytest.mark.django_db(tr
 def test_the_gate_blocks_a_poisoned_fine_tune_and_publishes_a_good_one(alice, not_queued):
     client = alice.client
     held_out = client.files.create(file=("capitals.jsonl", capitals()), purpose="fine-tune").id
-    gate = {"file": held_out, "graders": [{"type": "contains"}], "threshold": 0.0}  # no worse than the base model
+    # No worse than the base model; the regex grader (any word: both pass it) runs in core.grading's process.
+    gate = {"file": held_out, "graders": [{"type": "contains"}, {"type": "regex", "pattern": r"\w"}], "threshold": 0.0}
     strong = {"n_epochs": 8, "batch_size": 12, "learning_rate_multiplier": 10}
     run = uuid.uuid4().hex[:6]  # the dynamic path outlives the test database
 
@@ -46,6 +47,7 @@ def test_the_gate_blocks_a_poisoned_fine_tune_and_publishes_a_good_one(alice, no
     scores = good.evaluation["scores"]
     print("good:", scores)
     assert good.status == "succeeded" and scores["passed"] and scores["adapter_score"] >= scores["reference_score"]
+    assert scores["timeouts"] == {}
     name = f"{BASE}:capitals-{run}"
     question = [{"role": "user", "content": "What is the capital of Japan?"}]
     assert client.chat.completions.create(model=name, messages=question, max_tokens=8).model == f"{name}@r1"

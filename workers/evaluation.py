@@ -2,8 +2,9 @@
 examples are answered through the serving engine by the reference (the base model, or the parent's
 current revision for a continued fine-tune) and by the new revision (written to the dynamic LoRA
 path, so the pool serves it pinned, but not yet what the name answers with). Both are scored with
-the job's graders (``core.evaluation``); the revision is published only if it scores at least the
-reference's score plus the threshold.
+the job's graders (``core.evaluation``, the tenant's patterns and schemas in ``core.grading``'s
+sandbox); the revision is published only if it scores at least the reference's score plus the
+threshold. An answer whose grading took too long fails that grader, and the scores say how many.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import httpx
 
 from core.datasets import Example
 from core.evaluation import Case, Grader, cases_of, score
+from core.grading import GradingSandbox, describe
 from gateway.pool import pool_headers, pool_url
 
 MAX_CASES = 50  # the examples scored, at most: two answers each, on the engine
@@ -35,6 +37,7 @@ class Scores:
     adapter_score: float
     threshold: float
     examples: int
+    timeouts: dict[str, int]  # per grader (``core.grading.describe``): answers failed for taking too long
 
     @property
     def passed(self) -> bool:
@@ -50,10 +53,11 @@ def evaluate(evaluation: dict, examples: list[Example], reference: str, adapter:
     with httpx.Client(headers=pool_headers(), timeout=REQUEST_TIMEOUT_S) as client:
         reference_answers = _answers(client, reference, cases)
         adapter_answers = _answers(client, adapter, cases)
-    return Scores(
-        reference, score(graders, reference_answers, cases), adapter, score(graders, adapter_answers, cases),
-        evaluation["threshold"], len(cases),
-    )  # fmt: skip
+    with GradingSandbox() as sandbox:
+        reference_score = score(graders, reference_answers, cases, sandbox.passes)
+        adapter_score = score(graders, adapter_answers, cases, sandbox.passes)
+    timeouts = {describe(grader): count for grader, count in sandbox.timeouts.items()}
+    return Scores(reference, reference_score, adapter, adapter_score, evaluation["threshold"], len(cases), timeouts)
 
 
 def _answers(client: httpx.Client, model: str, cases: list[Case]) -> list[str]:

@@ -22,6 +22,7 @@ from celery.exceptions import SoftTimeLimitExceeded
 from django.conf import settings
 from django.utils import timezone
 
+from core import grading
 from core.adapter_store import AdapterNotFound, AdapterStore, StoreUnavailable
 from core.api_errors import logged_instead, scrubbed
 from core.catalog import BaseModel
@@ -241,6 +242,12 @@ def _gate(job: FineTuningJob, heartbeat: Heartbeat, store: AdapterStore, revisio
             "create the job again once the pool answers.",
         ) from None  # fmt: skip
     retrying(jobs.record_evaluation, job.pk, heartbeat.attempt, scores.as_dict())
+    for grader, count in scores.timeouts.items():
+        message = (
+            f"Evaluation: the {grader} was too slow (over {grading.GRADE_TIMEOUT_S:g} s an answer, and not run again "
+            f"after {grading.MAX_TIMEOUTS_PER_GRADER} such answers): {count} answer(s) counted as fails"
+        )  # fmt: skip
+        retrying(record_event, job, message, level="warn")
     summary = (
         f"{revision} scored {scores.adapter_score:.3f} and {reference} {scores.reference_score:.3f} "
         f"on {scores.examples} examples (threshold {scores.threshold:+.3f})"

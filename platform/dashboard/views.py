@@ -14,7 +14,7 @@ from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_POST
 
 from accounts.models import ApiKey
-from accounts.permissions import allow_members_to_manage, is_owner, may_manage, may_revoke
+from accounts.permissions import allow_members_to_manage, check_may_manage_models, is_owner, may_manage, may_revoke
 from accounts.services import create_api_key, revoke_api_key
 from core.api_errors import ApiError, logged_instead
 from core.strict_json import MAX_INT
@@ -84,7 +84,7 @@ def datasets(request: OrganizationRequest) -> HttpResponse:
 @with_organization
 def dataset(request: OrganizationRequest, file_id: str) -> HttpResponse:
     file = get_object_or_404(File.objects.for_org(request.organization), pk=file_id)
-    preview = files.load_examples(file)[:PREVIEW_EXAMPLES]
+    preview = files.first_examples(file, PREVIEW_EXAMPLES)
     return render(request, "dashboard/dataset.html", {"file": file, "preview": preview})
 
 
@@ -197,9 +197,11 @@ def models(request: OrganizationRequest) -> HttpResponse:
         rows.append((model, lineage, dataset, running.of(model) if running else None))
     # A composed model's parents are linked while they exist; they may be deleted before it.
     recent = list(Composition.objects.for_org(request.organization)[:RECENT_COMPOSITIONS])
+    # Rolling back and deleting are for managers (``accounts.permissions``): others are not offered them.
     context = {
         "models": rows, "pool_problem": pool_problem, "present": set(fine_tuned), "compositions": recent,
         "composing": any(not composition.is_finished for composition in recent),
+        "may_manage_models": may_manage(request.organization, request.user),
     }  # fmt: skip
     return render(request, "dashboard/models.html", context)
 
@@ -208,8 +210,7 @@ def models(request: OrganizationRequest) -> HttpResponse:
 @with_organization
 def model_delete(request: OrganizationRequest, model_name: str) -> HttpResponse:
     model = get_object_or_404(FineTunedModel.objects.for_org(request.organization), name=model_name)
-    if not may_manage(request.organization, request.user):
-        raise PermissionDenied("Only an owner of the organization can delete its models, unless an owner allows members to.")
+    check_may_manage_models(request.organization, request.user, "delete")  # a 403 page when refused
     delete_fine_tuned_model(model)
     messages.success(request, f"Deleted {model.name}; it is no longer served.")
     return redirect("dashboard:models")
@@ -220,6 +221,7 @@ def model_delete(request: OrganizationRequest, model_name: str) -> HttpResponse:
 def model_rollback(request: OrganizationRequest, model_name: str) -> HttpResponse:
     """The models page's "Answer with" button: ``POST /v1/fine_tuning/models/{model}/rollback``."""
     model = get_object_or_404(FineTunedModel.objects.for_org(request.organization), name=model_name)
+    check_may_manage_models(request.organization, request.user, "roll back")  # a 403 page when refused
     number = whole_number(request.POST.get("revision", ""), 1, MAX_ID)
     try:
         if number is None:

@@ -2,8 +2,9 @@
 
 Download: a fine-tuned model's adapter, or one of its job's checkpoints, as ``.tar.gz`` with
 ``adapter_config.json`` and ``adapter_model.safetensors`` at its root: it loads with
-``PeftModel.from_pretrained`` and with vLLM's ``--lora-modules``. The archive is built in a
-temporary file, never whole in memory, and streamed from there.
+``PeftModel.from_pretrained`` and with vLLM's ``--lora-modules``. The archive is built on disk,
+never whole in memory, once per published revision or checkpoint (``storage.archives``: packing
+is gzip over the weights), and streamed from there.
 
 Upload: an adapter trained elsewhere, served as ``<base model>:<suffix>`` like a trained one.
 Everything is checked before anything is written (``core.adapter_archive``: the archive;
@@ -27,9 +28,9 @@ from django.db import IntegrityError, transaction
 from accounts.models import Organization
 from core.adapter_archive import ADAPTER_FILES, pack, unpack
 from core.adapter_check import check_adapter, served_config
-from core.adapter_store import AdapterNotFound, StoreUnavailable
+from core.adapter_store import AdapterNotFound, AdapterStore, StoreUnavailable
 from core.api_errors import adapter_not_found, adapter_store_unreachable, adapter_too_large, suffix_taken
-from core.model_names import ModelName
+from core.model_names import ModelName, pinned_name, revision_in
 from core.object_store import ObjectNotFound
 from finetuning import jobs, quotas, revisions, storage
 from finetuning.models import Checkpoint, Composition, FineTunedModel, FineTuningJob
@@ -41,37 +42,47 @@ def archive_name(name: str) -> str:
 
 
 def model_archive(model: FineTunedModel) -> IO[bytes]:
-    """The published adapter of ``model``, packed; the caller streams and closes it."""
+    """The adapter ``model`` answers with, packed (built once per published revision); the caller
+    streams and closes it."""
     base = jobs.catalog_model(model.base_model)
     store = storage.adapters(base.lora.dynamic_lora_loading_path)
+    try:
+        published = store.version(model.name)
+        if published is None:
+            raise AdapterNotFound(model.name)
+        # The revision by its own name: what the bare name points at may move while it is packed.
+        pinned = pinned_name(model.name, published.version)
+        source = pinned if revision_in(pinned) is not None else model.name  # (adapters from before revisions)
+        # The row's identity too: a model deleted and made again under its name starts again at r1.
+        key = f"model {model.pk} {model.created_at.isoformat()} {pinned}"
+        return storage.archives().open(key, lambda out: _pack_published(store, source, out))
+    except AdapterNotFound:
+        raise adapter_not_found(model.name) from None
+    except StoreUnavailable as exc:
+        raise adapter_store_unreachable(model.name, str(exc)) from None
+
+
+def _pack_published(store: AdapterStore, name: str, out: IO[bytes]) -> None:
     with tempfile.TemporaryDirectory(prefix="adapter-download-") as cache:
-        try:
-            folder = store.fetch(model.name, Path(cache))  # a local store's own folder; S3's copy in cache
-            return _packed(folder)
-        except AdapterNotFound:
-            raise adapter_not_found(model.name) from None
-        except StoreUnavailable as exc:
-            raise adapter_store_unreachable(model.name, str(exc)) from None
+        pack(store.fetch(name, Path(cache)), out)  # a local store's own folder; S3's copy in cache
 
 
 def checkpoint_archive(checkpoint: Checkpoint) -> IO[bytes]:
-    """A job's checkpoint (the adapter saved at an epoch's end), packed like a model's adapter."""
+    """A job's checkpoint (the adapter saved at an epoch's end), packed like a model's adapter, once."""
+    key = f"checkpoint {checkpoint.pk} {checkpoint.storage_key}"  # a checkpoint's files never change
+    try:
+        return storage.archives().open(key, lambda out: _pack_checkpoint(checkpoint, out))
+    except ObjectNotFound:
+        raise adapter_not_found(checkpoint.name) from None
+
+
+def _pack_checkpoint(checkpoint: Checkpoint, out: IO[bytes]) -> None:
     store = storage.files()
     with tempfile.TemporaryDirectory(prefix="checkpoint-download-") as folder:
-        try:
-            for name in ADAPTER_FILES:
-                (Path(folder) / name).write_bytes(store.get(f"{checkpoint.storage_key}/{name}"))
-        except ObjectNotFound:
-            raise adapter_not_found(checkpoint.name) from None
-        return _packed(Path(folder))
-
-
-def _packed(folder: Path) -> IO[bytes]:
-    # An unnamed temporary file: gone from the disk as soon as it is closed, whatever happens.
-    archive = tempfile.TemporaryFile()
-    pack(folder, archive)
-    archive.seek(0)
-    return archive
+        for name in ADAPTER_FILES:
+            with store.open(f"{checkpoint.storage_key}/{name}") as source, (Path(folder) / name).open("wb") as target:
+                shutil.copyfileobj(source, target)
+        pack(Path(folder), out)
 
 
 def upload_adapter(

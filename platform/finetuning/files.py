@@ -94,12 +94,22 @@ def content_type(file: File) -> str:
     return "text/csv" if file.purpose == results.PURPOSE else "application/jsonl"
 
 
-def file_content(file: File) -> bytes:
-    return storage.files().get(file.storage_key)
+def open_content(file: File) -> BinaryIO:
+    """The stored bytes, to read a block or a line at a time; the caller closes it."""
+    return storage.files().open(file.storage_key)
 
 
 def load_examples(file: File) -> list[Example]:
-    return parse_dataset(file_content(file), min_examples=1).examples
+    with open_content(file) as stream:
+        return parse_dataset(stream, min_examples=1).examples
+
+
+def first_examples(file: File, count: int) -> list[Example]:
+    """The file's first ``count`` examples, read from its start and no further (the dataset page's
+    preview: the totals are the ones counted at upload, on the row)."""
+    with open_content(file) as stream:
+        max_tokens = default_model().engine.max_model_len  # a line longer than any example is skipped unread
+        return parse_dataset(stream, min_examples=1, max_tokens=max_tokens, stop_after=count).examples
 
 
 def delete_file(file: File) -> None:

@@ -41,6 +41,8 @@ from accounts.models import Organization
 from core.api_errors import ApiError, not_found, suffix_taken
 from core.catalog import BaseModel
 from core.config import LIMIT_SETTINGS
+from core.evaluation import Grader
+from core.grading import first_problem
 from core.rate_limits import RATE_LIMIT_TYPE
 from core.model_names import ModelName, is_valid_suffix, parse_model_name
 from finetuning import revisions
@@ -227,9 +229,16 @@ def create_job(organization: Organization, user: User | None, request: JobReques
 
 
 def _evaluation(organization: Organization, requested: dict | None, validation: File | None, model: BaseModel) -> dict | None:
-    """The evaluation as the job keeps it: its file resolved (the validation file by default)."""
+    """The evaluation as the job keeps it: its file resolved (the validation file by default), its
+    graders checked (a pattern that does not compile, a schema too large or pointing elsewhere)."""
     if requested is None:
         return None
+    graders = [Grader(grader["type"], grader.get("pattern"), grader.get("schema")) for grader in requested["graders"]]
+    problem = first_problem(graders)  # checked in a separate process, with limits (core.grading)
+    if problem is not None:
+        index, field, message = problem
+        param = f"evaluation.graders[{index}].{field}"
+        raise ApiError(f"{param}: {message}", param=param, code="invalid_grader")
     file_id = requested.get("file")
     if file_id is None:
         if validation is None:

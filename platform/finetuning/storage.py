@@ -7,7 +7,12 @@ import functools
 from django.conf import settings
 
 from core.adapter_store import AdapterStore, adapter_store
+from core.archive_cache import ArchiveCache
 from core.object_store import ObjectStore, object_store
+
+# Downloads' archives kept on this host's disk (each web host keeps its own): the least recently
+# used go past this size.
+ARCHIVE_CACHE_BYTES = 2 * 1024**3
 
 
 @functools.lru_cache(maxsize=None)
@@ -24,3 +29,9 @@ def checkpoints_prefix(job_id: str) -> str:
 def adapters(root: str) -> AdapterStore:
     """The dynamic LoRA path of a base model (its catalog lora_config names it)."""
     return adapter_store(root, settings.CONFIG.s3)
+
+
+@functools.lru_cache(maxsize=None)
+def archives() -> ArchiveCache:
+    """Adapter and checkpoint archives as downloads serve them, each built once (``finetuning.adapters``)."""
+    return ArchiveCache(settings.CONFIG.data_dir / "download-archives", ARCHIVE_CACHE_BYTES)

@@ -7,7 +7,6 @@ from __future__ import annotations
 from typing import IO, Any
 
 from django.db.models import QuerySet
-from django.http import FileResponse, HttpResponse
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, extend_schema, extend_schema_view
 from rest_framework import viewsets
@@ -19,6 +18,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from accounts.authentication import caller_of, organization_of
+from accounts.permissions import check_may_manage_models
 from core.api_errors import ApiError, model_not_found, not_found
 from finetuning import adapters, compositions, files, jobs, revisions
 from finetuning.models import Composition, File, FineTunedModel, FineTuningJob
@@ -39,12 +39,13 @@ from finetuning.serializers import (
     JobCreateSerializer,
     RollbackSerializer,
 )
+from server.streaming import StreamedFileResponse
 
 
 class AnyAcceptRenderer(JSONRenderer):
     """File content is raw bytes: accept any Accept header (the openai client sends application/binary).
 
-    Errors on that endpoint are still JSON; the bytes themselves bypass rendering (HttpResponse).
+    Errors on that endpoint are still JSON; the bytes themselves bypass rendering (a streamed response).
     """
 
     media_type = "*/*"
@@ -75,9 +76,10 @@ _documented = extend_schema(responses=OpenApiTypes.OBJECT, parameters=[_ID])
 _ARCHIVE = {(200, "application/gzip"): OpenApiTypes.BINARY}
 
 
-def archive_response(archive: IO[bytes], name: str) -> FileResponse:
-    """An adapter's archive (an open temporary file), streamed in blocks and closed at the end."""
-    return FileResponse(archive, as_attachment=True, filename=adapters.archive_name(name), content_type="application/gzip")
+def archive_response(archive: IO[bytes], name: str) -> StreamedFileResponse:
+    """An adapter's archive (an open file), streamed in blocks and closed at the end."""
+    filename = adapters.archive_name(name)
+    return StreamedFileResponse(archive, as_attachment=True, filename=filename, content_type="application/gzip")
 
 
 @extend_schema_view(
@@ -110,11 +112,10 @@ class FileViewSet(OrganizationScoped, viewsets.ViewSet):
         return Response({"id": pk, "object": "file", "deleted": True})
 
     @action(detail=True, methods=["get"], renderer_classes=[JSONRenderer, AnyAcceptRenderer])
-    def content(self, request: Request, pk: str) -> HttpResponse:
+    def content(self, request: Request, pk: str) -> StreamedFileResponse:
         file = self.get_row(request, pk)
-        response = HttpResponse(files.file_content(file), content_type=files.content_type(file))
-        response["Content-Disposition"] = f'attachment; filename="{file.filename}"'
-        return response
+        content, content_type = files.open_content(file), files.content_type(file)
+        return StreamedFileResponse(content, as_attachment=True, filename=file.filename, content_type=content_type)
 
 
 @extend_schema_view(
@@ -166,7 +167,7 @@ class JobViewSet(OrganizationScoped, viewsets.ViewSet):
         detail=True, methods=["get"], url_path="checkpoints/(?P<checkpoint>[^/]+)/adapter",
         renderer_classes=[JSONRenderer, AnyAcceptRenderer],
     )  # fmt: skip
-    def checkpoint_adapter(self, request: Request, pk: str, checkpoint: str) -> FileResponse:
+    def checkpoint_adapter(self, request: Request, pk: str, checkpoint: str) -> StreamedFileResponse:
         row = self.get_row(request, pk).checkpoints.select_related("job").filter(pk=checkpoint).first()
         if row is None:
             raise not_found("checkpoint", checkpoint)
@@ -184,7 +185,7 @@ class ModelAdapterView(APIView):
         summary="Download a fine-tuned model's adapter (a PEFT folder as .tar.gz)",
         parameters=_MODEL,
     )  # fmt: skip
-    def get(self, request: Request, model: str) -> FileResponse:
+    def get(self, request: Request, model: str) -> StreamedFileResponse:
         row = _own_model(request, model)
         return archive_response(adapters.model_archive(row), row.name)
 
@@ -221,7 +222,9 @@ class ModelRollbackView(APIView):
             raise ApiError("The request body must be a JSON object.", code="invalid_body")
         serializer = RollbackSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
-        row = revisions.roll_back(_own_model(request, model), serializer.validated_data["revision"])
+        row = _own_model(request, model)
+        check_may_manage_models(organization_of(request), caller_of(request), "roll back")
+        row = revisions.roll_back(row, serializer.validated_data["revision"])
         return Response(model_object(row))
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from accounts.models import ApiKey, Organization, hash_key
-from accounts.permissions import may_manage
+from accounts.permissions import check_may_manage_models
 from accounts.services import authenticate_key
 from asgiref.sync import sync_to_async
 from django.db import close_old_connections
@@ -86,12 +86,7 @@ def _delete_model(api_key: ApiKey, model: UsableModel) -> None:
         )  # fmt: skip
     close_old_connections()
     organization = api_key.organization
-    if not may_manage(organization, api_key.created_by):
-        raise ApiError(
-            f"Only an owner of {organization.name} can delete its models (an owner can let members do it on the "
-            "dashboard's API keys page), and this key was made by a member.",
-            status=403, param="model", code="permission_denied",
-        )  # fmt: skip
+    check_may_manage_models(organization, api_key.created_by, "delete")
     fine_tuned = FineTunedModel.objects.for_org(organization).filter(name=model.name).first()
     if fine_tuned is None:  # deleted a moment ago by another request
         raise api_errors.model_not_found(model.name)

@@ -17,7 +17,7 @@ import httpx
 
 from core.catalog import BaseModel
 from core.config import LORA_KERNELS_SETTING, REPO_ROOT
-from inference.adapter_slots import AdapterSlots
+from inference.adapter_slots import AdapterSlots, FairUse
 from inference.internal_auth import REPLICA_TOKEN_VARIABLE
 from inference.lora_kernels_report import REPORT_PATH
 
@@ -146,7 +146,7 @@ class Replica:
     woken_at: float | None = None  # started by a request that found its model cold; None once ready
 
     def __post_init__(self) -> None:
-        self.adapters = AdapterSlots(self.model.lora.max_num_adapters_per_replica)
+        self.adapters = AdapterSlots(self.model.lora.max_num_adapters_per_replica, FairUse.of(self.model.lora))
 
     # Routing state (see inference.router).
     def inflight_for(self, model: str) -> int:

@@ -10,12 +10,13 @@ as they are idle.
 
 Fair use among organizations (``FairUse``, set in the catalog's ``lora_config``): each adapter
 counts against the organization whose requests use it (the gateway names it to the pool). One
-organization holds at most ``FairUse.mixes`` distinct mixes on a replica, and, when room is needed
-while another organization holds adapters there too, at most ``FairUse.share`` adapters: past
-either, its own least recently used idle adapter goes, never another organization's. One within
-its share makes room from the organizations over theirs first, then by least recent use. When an
-organization is over a cap and every adapter of its own is answering, nothing goes
-(``OwnAdaptersBusy``): its request waits for one to finish, or is refused.
+organization holds at most ``FairUse.mixes`` distinct mixes on a replica: past that, its own least
+recently used idle mix goes. When room is needed, adapters go from the organizations over their
+share (``FairUse.share`` adapters while another organization holds some there too), the one that
+holds the most first, then by least recent use; so an organization over its share makes room from
+its own (or from another over its share), never from one within it. When nothing that may go for
+it is idle, nothing goes (``OwnAdaptersBusy``): its request waits for one to finish, or is refused.
+Requests that name no organization are never held back.
 """
 
 from __future__ import annotations
@@ -43,12 +44,12 @@ class HeldAdapter:
 class FairUse:
     """How much of one replica's adapters one organization may hold (see the module docstring)."""
 
-    share: int  # adapters, when room is needed while another organization holds some
+    share: int  # adapters, when room is needed while another organization holds some (capacity: no limit)
     mixes: int  # distinct mixes, always
 
     @classmethod
     def of(cls, lora: LoraConfig) -> FairUse:
-        share = int(lora.max_num_adapters_per_replica * lora.organization_share)
+        share = int(lora.max_num_adapters_per_replica * lora.organization_share)  # 1: the whole replica
         return cls(max(1, share), lora.max_mixes_per_organization)
 
 
@@ -161,27 +162,26 @@ class AdapterSlots:
     def room_for(self, name: str) -> list[Victim]:
         """The adapters to evict before loading ``name`` (in ``loading``, its organization in
         ``owner``), each with its reason, taken out of ``held`` at once. Raises ``OwnAdaptersBusy``,
-        taking nothing, when its organization is over a cap and no adapter of its own is idle."""
+        taking nothing, when its organization is over a cap and none of the adapters that may make
+        room for it is idle."""
         organization, now = self.owner.get(name), time.monotonic()
         chosen: list[Victim] = []
-        if organization is not None:
-            own = [held for held in self._idle(now) if self.owner.get(held) == organization]
-            if is_mix_name(name):
-                mixes = [live for live in self._live() if self.owner.get(live) == organization and is_mix_name(live)]
-                excess = len(mixes) - self.fair_use.mixes
-                idle_mixes = [held for held in own if is_mix_name(held)]
-                if excess > 0 and len(idle_mixes) < excess:
-                    raise OwnAdaptersBusy(organization, True, self.fair_use.mixes)
-                chosen += [(held, "organization_mixes") for held in idle_mixes[: max(excess, 0)]]
-            excess = len(self._live()) - len(chosen) - self.capacity
-            holdings = self._holdings({victim for victim, _ in chosen})
-            if excess > 0 and self._over_share(organization, holdings):
-                left = [held for held in own if (held, "organization_mixes") not in chosen]
-                if not left:
-                    raise OwnAdaptersBusy(organization, False, self.fair_use.share)
-                chosen += [(held, "organization_share") for held in left[:excess]]
-        excess = len(self._live()) - len(chosen) - self.capacity
-        chosen += [(victim, "lru") for victim in self._fair_victims(excess, {victim for victim, _ in chosen}, now)]
+        if organization is not None and is_mix_name(name):
+            mixes = [live for live in self._live() if self.owner.get(live) == organization and is_mix_name(live)]
+            excess = len(mixes) - self.fair_use.mixes
+            idle = [held for held in self._idle(now) if self.owner.get(held) == organization and is_mix_name(held)]
+            if excess > 0 and len(idle) < excess:
+                raise OwnAdaptersBusy(organization, True, self.fair_use.mixes)
+            chosen += [(held, "organization_mixes") for held in idle[: max(excess, 0)]]
+        taken = {victim for victim, _ in chosen}
+        excess = len(self._live()) - len(taken) - self.capacity
+        # Over its share, it makes room only from organizations over theirs (itself first when it
+        # holds the most): never from one within its share.
+        over_share = excess > 0 and self._over_share(organization, self._holdings(taken))
+        victims = self._fair_victims(excess, taken, now, over_share_only=over_share)
+        if over_share and not victims:
+            raise OwnAdaptersBusy(organization or "", False, self.fair_use.share)
+        chosen += [(victim, "lru") for victim in victims]
         for victim, _ in chosen:
             self.forget(victim)
         return chosen
@@ -202,20 +202,26 @@ class AdapterSlots:
 
     def _over_share(self, organization: str | None, holdings: Counter[str | None]) -> bool:
         """Over its share while another organization holds or is loading adapters here."""
-        if organization is None or holdings[organization] <= self.fair_use.share:
+        if organization is None or self.fair_use.share >= self.capacity or holdings[organization] <= self.fair_use.share:
             return False
         present = {self.owner.get(name) for name in [*self.held, *self.loading]}
         return bool(present - {organization, None})
 
-    def _fair_victims(self, excess: int, taken: set[str], now: float) -> list[str]:
-        """``excess`` idle adapters not in ``taken``: of organizations over their share first, then
-        least recently used (fewer when too few are idle)."""
+    def _fair_victims(self, excess: int, taken: set[str], now: float, over_share_only: bool = False) -> list[str]:
+        """``excess`` idle adapters not in ``taken``, one at a time: of the organization most over
+        its share (the least recently used of the most held), else the least recently used of all
+        unless ``over_share_only``. Fewer when too few are idle."""
         holdings = self._holdings(taken)
-        candidates = [name for name in self._idle(now) if name not in taken]
+        candidates = [name for name in self._idle(now) if name not in taken]  # least recently used first
         chosen: list[str] = []
         while len(chosen) < excess and candidates:
             over = [name for name in candidates if self._over_share(self.owner.get(name), holdings)]
-            victim = (over or candidates)[0]
+            if over:
+                victim = min(over, key=lambda name: -holdings[self.owner.get(name)])  # min() keeps the first of equals
+            elif over_share_only:
+                break
+            else:
+                victim = candidates[0]
             candidates.remove(victim)
             holdings[self.owner.get(victim)] -= 1
             chosen.append(victim)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter, OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,11 +47,18 @@ class FairUse:
 
     share: int  # adapters, when room is needed while another organization holds some (capacity: no limit)
     mixes: int  # distinct mixes, always
+    # distinct adapters answering at once (vLLM's batch slots, ``max_loras``) while another
+    # organization's answer or wait; None: no limit
+    batch_share: int | None = None
 
     @classmethod
-    def of(cls, lora: LoraConfig) -> FairUse:
-        share = int(lora.max_num_adapters_per_replica * lora.organization_share)  # 1: the whole replica
-        return cls(max(1, share), lora.max_mixes_per_organization)
+    def of(cls, lora: LoraConfig, max_loras: int) -> FairUse:
+        """``max_loras``: the replica's batch slots (``inference.replica.vllm_command``)."""
+        if lora.organization_share >= 1:
+            return cls(lora.max_num_adapters_per_replica, lora.max_mixes_per_organization)
+        share = int(lora.max_num_adapters_per_replica * lora.organization_share)
+        batch_share = int(max_loras * lora.organization_share)
+        return cls(max(1, share), lora.max_mixes_per_organization, max(1, batch_share))
 
 
 class OwnAdaptersBusy(Exception):
@@ -76,6 +84,7 @@ class AdapterSlots:
         # The organization whose requests use each adapter held or loading (None: not named, the
         # pool's own preloads and internal callers, never held back).
         self.owner: dict[str, str] = {}
+        self.turn_waiting: Counter[str] = Counter()  # organizations' requests waiting for a batch slot (``batch_turn``)
         self.running: Counter[str] = Counter()  # requests the engine is answering, per adapter
         self.last_finished: dict[str, float] = {}
         self.trim_scheduled = False
@@ -186,6 +195,23 @@ class AdapterSlots:
             self.forget(victim)
         return chosen
 
+    def batch_turn(self, name: str, organization: str | None, under_way: Iterable[str]) -> bool:
+        """Whether a request of ``organization`` for adapter ``name`` may start now, ``under_way``
+        being the adapters with requests under way on the replica: not when that would make the
+        organization's distinct adapters under way more than its batch share while another
+        organization has adapter requests under way or waiting for a turn. When it may, ``name``
+        counts as the organization's from now on (the caller starts the request before it yields)."""
+        if organization is None or self.fair_use.batch_share is None:
+            return True
+        under_way = set(under_way)
+        own = {adapter for adapter in under_way if self.owner.get(adapter) == organization}
+        if name not in own and len(own) >= self.fair_use.batch_share:
+            waiting = {org for org, count in self.turn_waiting.items() if count}
+            if ({self.owner.get(adapter) for adapter in under_way} | waiting) - {organization, None}:
+                return False
+        self.owner.setdefault(name, organization)
+        return True
+
     def _loads_counted(self) -> set[str]:
         """Loads that room is made for: not those waiting for their organization's own room."""
         return self.loading - self.waiting - self.held.keys()
@@ -202,7 +228,9 @@ class AdapterSlots:
 
     def _over_share(self, organization: str | None, holdings: Counter[str | None]) -> bool:
         """Over its share while another organization holds or is loading adapters here."""
-        if organization is None or self.fair_use.share >= self.capacity or holdings[organization] <= self.fair_use.share:
+        if organization is None or self.fair_use.share >= self.capacity:
+            return False
+        if holdings[organization] <= self.fair_use.share:
             return False
         present = {self.owner.get(name) for name in [*self.held, *self.loading]}
         return bool(present - {organization, None})

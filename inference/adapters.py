@@ -57,7 +57,10 @@ RECHECK_HELD_S = 2.0
 # How long a load waits for an adapter of its organization's own to finish answering, when that
 # organization is over a cap (a few unload graces: a steady stream of its requests frees one in time).
 OWN_ROOM_WAIT_S = 5.0
-_OWN_ROOM_POLL_S = 0.05
+# How long a request waits for its organization's turn in the replica's batch slots (its own
+# requests with other adapters finishing): a generation can take this long.
+BATCH_TURN_WAIT_S = 30.0
+_POLL_S = 0.05
 
 
 class ReplicaUnavailable(Exception):
@@ -181,12 +184,36 @@ class AdapterManager:
                 return slots.room_for(name)
             except OwnAdaptersBusy as busy:
                 if time.monotonic() >= deadline:
-                    raise api_errors.adapter_slots_busy(replica.model.id, busy.mixes, busy.limit) from None
+                    kind = "mixes" if busy.mixes else "share"
+                    raise api_errors.adapter_slots_busy(replica.model.id, kind, busy.limit) from None
             slots.waiting.add(name)  # no room is made for it meanwhile
             try:
-                await asyncio.sleep(_OWN_ROOM_POLL_S)
+                await asyncio.sleep(_POLL_S)
             finally:
                 slots.waiting.discard(name)
+
+    async def batch_turn(self, replica: Replica, name: str, organization: str | None) -> None:
+        """Return when a request of ``organization`` for adapter ``name`` may start on the replica
+        (``AdapterSlots.batch_turn``): at once, or once some of its own requests with other adapters
+        have finished; refused after ``BATCH_TURN_WAIT_S``. The caller starts the request before
+        it yields (``Replica.begin``), so that the next one counts it."""
+        slots = replica.adapters
+        if organization is None or slots.batch_turn(name, organization, replica.inflight_by_model):
+            return
+        deadline = time.monotonic() + BATCH_TURN_WAIT_S
+        slots.turn_waiting[organization] += 1
+        try:
+            while True:
+                await asyncio.sleep(_POLL_S)
+                if slots.batch_turn(name, organization, replica.inflight_by_model):
+                    return
+                if time.monotonic() >= deadline:
+                    limit = slots.fair_use.batch_share or 0
+                    raise api_errors.adapter_slots_busy(replica.model.id, "batch", limit)
+        finally:
+            slots.turn_waiting[organization] -= 1
+            if slots.turn_waiting[organization] <= 0:
+                del slots.turn_waiting[organization]
 
     async def mix(self, base_id: str, scales: dict[str, float]) -> Mix:
         """The mix of these adapters (name -> scale, none 0) at their published versions."""

@@ -152,6 +152,8 @@ class CompletionsHandler:
 
     async def _attempt(self, replica: Replica, request: _Request) -> Response:
         model = request.model
+        if request.adapter:  # its organization's turn in the replica's batch slots (nothing yields until begin)
+            await self.adapters.batch_turn(replica, model, request.organization)
         replica.begin(model)
         try:
             if request.mix is not None:

@@ -185,3 +185,78 @@ def test_the_catalog_sets_the_fair_use_of_a_replica_and_refuses_nonsense(tmp_pat
                 "max_mixes_per_organization = 0", 'organization_share = "half"'):  # fmt: skip
         with pytest.raises(ConfigError, match="lora_config"):
             catalog(bad)
+
+
+class HeldAnswers:
+    """Holds every completion at the replica until released, one at a time, by what its model contains."""
+
+    def __init__(self, pool: TenantPool):
+        self.answer, self.pending = pool.vllm.handler, []
+        pool.client._transport = httpx.MockTransport(self.held)
+
+    async def held(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/chat/completions":
+            released = asyncio.Event()
+            self.pending.append((json.loads(request.content)["model"], released))
+            await released.wait()
+        return self.answer(request)
+
+    def release(self, part: str) -> None:
+        index = next(i for i, (model, _) in enumerate(self.pending) if part in model)
+        self.pending.pop(index)[1].set()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        for _, released in self.pending:
+            released.set()
+
+
+def _with_batch_share(pool: TenantPool, batch_share: int) -> None:
+    """A replica of 8 adapters whose batches hold 2 * ``batch_share`` (vLLM's max_loras)."""
+    replica = pool.pool.replicas[0]
+    replica.adapters = adapter_slots.AdapterSlots(8, adapter_slots.FairUse(share=4, mixes=8, batch_share=batch_share))
+
+
+async def test_an_organization_over_its_share_of_a_batch_waits_for_its_own_requests_while_another_is_answered(
+    tmp_path, monkeypatch
+):
+    pool = TenantPool(tmp_path, replicas=1, max_adapters=8)
+    _with_batch_share(pool, 2)
+    theirs, part = pool.publish("b0"), pool.publish_real("a", seed=1)
+    async with HeldAnswers(pool) as answers:
+        other = asyncio.create_task(pool.chat_as("b", theirs))  # another organization's request under way
+        running = [asyncio.create_task(pool.mix_as("a", part, scale)) for scale in (0.1, 0.2)]
+        await _settle()
+        third = asyncio.create_task(pool.mix_as("a", part, 0.3))
+        await _settle()
+        assert not third.done() and len(pool.mixes_held()) == 2  # waiting for its turn: not even loaded
+        answers.release(":mix.")  # one of its two finishes: its third goes ahead
+        await _settle()
+        assert len(pool.mixes_held()) == 3 and len(answers.pending) == 3
+        for _ in range(3):
+            answers.release(":")
+        assert [(await task).status_code for task in [other, *running, third]] == [200] * 4
+
+    monkeypatch.setattr(adapters, "BATCH_TURN_WAIT_S", 0.1)
+    async with HeldAnswers(pool) as answers:
+        other = asyncio.create_task(pool.chat_as("b", theirs))
+        running = [asyncio.create_task(pool.mix_as("a", part, scale)) for scale in (0.4, 0.5)]
+        await _settle()
+        refused = await asyncio.wait_for(pool.mix_as("a", part, 0.6), 5)
+        assert refused.status_code == 429 and refused.json()["error"]["code"] == "adapter_slots_busy"
+        assert "answering at once" in refused.json()["error"]["message"]
+
+
+async def test_alone_an_organization_uses_every_batch_slot(tmp_path):
+    pool = TenantPool(tmp_path, replicas=1, max_adapters=8)
+    _with_batch_share(pool, 1)
+    part = pool.publish_real("a", seed=1)
+    async with HeldAnswers(pool) as answers:
+        running = [asyncio.create_task(pool.mix_as("a", part, 0.1 * (step + 1))) for step in range(3)]
+        await _settle()
+        assert len(answers.pending) == 3  # nobody else waits: all three at the replica at once
+        for _ in range(3):
+            answers.release(":mix.")
+        assert [(await task).status_code for task in running] == [200] * 3

@@ -16,7 +16,9 @@ share (``FairUse.share`` adapters while another organization holds some there to
 holds the most first, then by least recent use; so an organization over its share makes room from
 its own (or from another over its share), never from one within it. When nothing that may go for
 it is idle, nothing goes (``OwnAdaptersBusy``): its request waits for one to finish, or is refused.
-Requests that name no organization are never held back.
+Likewise for vLLM's batch slots (``max_loras``, ``batch_turn``): while another organization's
+adapter requests are under way or waiting, one organization's distinct adapters under way stay
+within ``FairUse.batch_share``. Requests that name no organization are never held back.
 """
 
 from __future__ import annotations
@@ -62,14 +64,14 @@ class FairUse:
 
 
 class OwnAdaptersBusy(Exception):
-    """An organization is over one of its caps and every adapter of its own is answering requests."""
+    """An organization is over one of its caps and every adapter that may make room is answering."""
 
-    def __init__(self, organization: str, mixes: bool, limit: int):
-        super().__init__(f"{organization} holds {limit} {'mixes' if mixes else 'adapters'}, all answering")
+    def __init__(self, mixes: bool, limit: int):
+        super().__init__(f"over its {limit} {'mixes' if mixes else 'adapters'}, none idle")
         self.mixes, self.limit = mixes, limit
 
 
-Victim = tuple[str, str]  # an adapter to unload, and why: "lru", "organization_share", "organization_mixes"
+Victim = tuple[str, str]  # an adapter to unload, and why: "lru" (room), "organization_mixes" (its cap)
 
 
 class AdapterSlots:
@@ -180,7 +182,7 @@ class AdapterSlots:
             excess = len(mixes) - self.fair_use.mixes
             idle = [held for held in self._idle(now) if self.owner.get(held) == organization and is_mix_name(held)]
             if excess > 0 and len(idle) < excess:
-                raise OwnAdaptersBusy(organization, True, self.fair_use.mixes)
+                raise OwnAdaptersBusy(True, self.fair_use.mixes)
             chosen += [(held, "organization_mixes") for held in idle[: max(excess, 0)]]
         taken = {victim for victim, _ in chosen}
         excess = len(self._live()) - len(taken) - self.capacity
@@ -189,7 +191,7 @@ class AdapterSlots:
         over_share = excess > 0 and self._over_share(organization, self._holdings(taken))
         victims = self._fair_victims(excess, taken, now, over_share_only=over_share)
         if over_share and not victims:
-            raise OwnAdaptersBusy(organization or "", False, self.fair_use.share)
+            raise OwnAdaptersBusy(False, self.fair_use.share)
         chosen += [(victim, "lru") for victim in victims]
         for victim, _ in chosen:
             self.forget(victim)

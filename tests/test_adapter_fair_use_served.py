@@ -9,6 +9,7 @@ figures for the README.
 # ruff: noqa: F811 (pytest fixtures are imported from tests.inference_fixtures, then named as arguments)
 from __future__ import annotations
 
+import statistics
 import sys
 import threading
 import time
@@ -83,6 +84,7 @@ def test_one_organizations_flood_of_mixes_never_pushes_out_another_organizations
 
     flood_answers: list[httpx.Response] = []
     their_statuses: list[int] = []
+    their_seconds: list[float] = []
     their_missing: list[set[str]] = []  # of theirs not held, seen between their requests
     done = threading.Event()
 
@@ -94,7 +96,9 @@ def test_one_organizations_flood_of_mixes_never_pushes_out_another_organizations
     def keep_asking() -> None:
         while not done.is_set():
             for name in theirs:
+                asked = time.monotonic()
                 their_statuses.append(ask(other, model=name).status_code)
+                their_seconds.append(time.monotonic() - asked)
                 their_missing.append(served - _held(pool_url))
                 time.sleep(QUIET_S)
 
@@ -118,7 +122,8 @@ def test_one_organizations_flood_of_mixes_never_pushes_out_another_organizations
         f"\n{FLOOD} distinct mixes from one organization ({FLOOD_THREADS} at a time) in {flood_s:.1f} s: "
         f"{statuses.count(200)} answered, {len(refused)} refused {sorted(set(refused))}; the other organization's "
         f"{len(their_statuses)} requests on its 4 adapters: {their_statuses.count(200)} answered, "
-        f"{int(their_reloads)} reloads, missing from the replica at {sum(bool(m) for m in their_missing)} checks"
+        f"{int(their_reloads)} reloads, missing from the replica at {sum(bool(m) for m in their_missing)} checks, "
+        f"answered in {statistics.median(their_seconds):.2f} s (median), {max(their_seconds):.2f} s at most"
     )
     assert set(refused) <= {"adapter_slots_busy"}  # what an organization over its share is told, if anything
     assert statuses.count(200) >= FLOOD * 0.9

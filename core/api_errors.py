@@ -318,6 +318,31 @@ def request_over_token_rate(tokens: int, limit: int, setting: str) -> ApiError:
     )  # fmt: skip
 
 
+def adapter_slots_busy(model_id: str, kind: str, limit: int) -> ApiError:
+    """An organization at its fair use of a replica (``inference.adapter_slots.FairUse``) with every
+    adapter of its own answering: none can make room, and another organization's never does.
+    ``kind``: "mixes" (its cap of distinct mixes), "share" (of the replica's adapters), "batch" (of
+    the adapters one batch holds)."""
+    held, setting = {
+        "mixes": (f"holds {limit} different mixes", "max_mixes_per_organization"),
+        "share": (f"holds {limit} adapters, its share while other organizations use it too", "organization_share"),
+        "batch": (
+            (
+                f"has {limit} different adapters answering at once, its share of a batch while other "
+                "organizations use it too"
+            ),
+            "organization_share",
+        ),
+    }[kind]
+    return ApiError(
+        f"Your organization {held}, on the replica of `{model_id}` this request went to (the model catalog's "
+        f"lora_config {setting}), and each of them is answering a request, so none can make room for another. "
+        "Retry when some have finished, or send fewer different adapters or mixes (scales) at once.",
+        status=429, type="requests", param="adapters" if kind == "mixes" else "model", code="adapter_slots_busy",
+        retry_after_s=1,
+    )  # fmt: skip
+
+
 def no_replica(model_id: str) -> ApiError:
     return ApiError(
         f"No replica of `{model_id}` is ready: they are starting or restarting (a CPU engine needs about a "

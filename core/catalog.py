@@ -27,6 +27,9 @@ class LoraConfig:
     dynamic_lora_loading_path: str  # adapters live at <path>/<base_model_id>:<suffix>/
     max_num_adapters_per_replica: int  # the LRU set of adapters one replica keeps loaded
     max_lora_rank: int
+    # Fair use of a replica's adapters among organizations (``inference.adapter_slots.FairUse``):
+    max_mixes_per_organization: int = 8  # distinct mixes one organization may hold on one replica
+    organization_share: float = 0.5  # of a replica's adapters, one organization's most while others hold some
 
 
 @dataclass(frozen=True)
@@ -124,6 +127,13 @@ class _Table:
             raise ConfigError(f"{self.where}.{key} must be {bounds}, not {value}")
         return value
 
+    def fraction(self, key: str, default: float) -> float:
+        """A number in (0, 1]; an integer is taken too (1 = all)."""
+        value = self.data.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 1:
+            raise ConfigError(f"{self.where}.{key} must be a number above 0 and at most 1, not {value!r}")
+        return float(value)
+
     def table(self, key: str) -> _Table:
         return _Table(self.get(key, dict, {}), f"{self.where}.{key}")
 
@@ -151,6 +161,8 @@ def _parse_model(table: _Table, data_dir: Path, default_lora_path: str) -> BaseM
             dynamic_lora_loading_path=lora.get("dynamic_lora_loading_path", str, "") or default_lora_path,
             max_num_adapters_per_replica=lora.positive("max_num_adapters_per_replica", 8),
             max_lora_rank=lora.positive("max_lora_rank", 16),
+            max_mixes_per_organization=lora.positive("max_mixes_per_organization", 8),
+            organization_share=lora.fraction("organization_share", 0.5),
         ),
         engine=EngineConfig(
             max_model_len=engine.positive("max_model_len", 2048),

@@ -12,6 +12,12 @@ import json
 from dataclasses import dataclass
 
 MIXES_FOLDER = ".mixes"  # in the pool's adapter cache: the combined adapters, one folder per digest
+_NAME_MARK = ":mix."  # between the base model's id and the digest in a mix's name (``Mix.name``)
+
+
+def is_mix_name(name: str) -> bool:
+    """Whether an adapter's name is a mix's (no fine-tuned model's suffix holds a '.')."""
+    return _NAME_MARK in name
 
 
 @dataclass(frozen=True)
@@ -35,4 +41,4 @@ class Mix:
     def name(self) -> str:
         """The combined adapter's name in vLLM. The '.' is a character no suffix may hold
         (``core.model_names``): a mix never shares a name with a fine-tuned model."""
-        return f"{self.base_id}:mix.{self.digest}"
+        return f"{self.base_id}{_NAME_MARK}{self.digest}"

@@ -7,6 +7,18 @@ same name loaded again under a new id while the old id still has requests in the
 of them from the batch's adapter set, and the engine dies (``KeyError`` in ``convert_mapping``).
 So a replica can hold a few adapters more than its capacity for a moment, and is trimmed as soon
 as they are idle.
+
+Fair use among organizations (``FairUse``, set in the catalog's ``lora_config``): each adapter
+counts against the organization whose requests use it (the gateway names it to the pool). One
+organization holds at most ``FairUse.mixes`` distinct mixes on a replica: past that, its own least
+recently used idle mix goes. When room is needed, adapters go from the organizations over their
+share (``FairUse.share`` adapters while another organization holds some there too), the one that
+holds the most first, then by least recent use; so an organization over its share makes room from
+its own (or from another over its share), never from one within it. When nothing that may go for
+it is idle, nothing goes (``OwnAdaptersBusy``): its request waits for one to finish, or is refused.
+Likewise for vLLM's batch slots (``max_loras``, ``batch_turn``): while another organization's
+adapter requests are under way or waiting, one organization's distinct adapters under way stay
+within ``FairUse.batch_share``. Requests that name no organization are never held back.
 """
 
 from __future__ import annotations
@@ -14,10 +26,13 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter, OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 from core.adapter_store import version_of_folder
+from core.catalog import LoraConfig
+from inference.adapter_mix import is_mix_name
 
 UNLOAD_GRACE_S = 1.0  # after an adapter's last request: time for the engine to drop it from its batch
 
@@ -28,13 +43,50 @@ class HeldAdapter:
     folder: Path
 
 
+@dataclass(frozen=True)
+class FairUse:
+    """How much of one replica's adapters one organization may hold (see the module docstring)."""
+
+    share: int  # adapters, when room is needed while another organization holds some (capacity: no limit)
+    mixes: int  # distinct mixes, always
+    # distinct adapters answering at once (vLLM's batch slots, ``max_loras``) while another
+    # organization's answer or wait; None: no limit
+    batch_share: int | None = None
+
+    @classmethod
+    def of(cls, lora: LoraConfig, max_loras: int) -> FairUse:
+        """``max_loras``: the replica's batch slots (``inference.replica.vllm_command``)."""
+        if lora.organization_share >= 1:
+            return cls(lora.max_num_adapters_per_replica, lora.max_mixes_per_organization)
+        share = int(lora.max_num_adapters_per_replica * lora.organization_share)
+        batch_share = int(max_loras * lora.organization_share)
+        return cls(max(1, share), lora.max_mixes_per_organization, max(1, batch_share))
+
+
+class OwnAdaptersBusy(Exception):
+    """An organization is over one of its caps and every adapter that may make room is answering."""
+
+    def __init__(self, mixes: bool, limit: int):
+        super().__init__(f"over its {limit} {'mixes' if mixes else 'adapters'}, none idle")
+        self.mixes, self.limit = mixes, limit
+
+
+Victim = tuple[str, str]  # an adapter to unload, and why: "lru" (room), "organization_mixes" (its cap)
+
+
 class AdapterSlots:
     """Which adapters one replica holds, least recently used first. Bookkeeping only: no I/O."""
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, fair_use: FairUse | None = None):
         self.capacity = capacity
+        self.fair_use = fair_use or FairUse(share=capacity, mixes=capacity)  # None: no organization is held back
         self.held: OrderedDict[str, HeldAdapter] = OrderedDict()
         self.loading: set[str] = set()
+        self.waiting: set[str] = set()  # loads waiting for their organization's own room: none is made for them
+        # The organization whose requests use each adapter held or loading (None: not named, the
+        # pool's own preloads and internal callers, never held back).
+        self.owner: dict[str, str] = {}
+        self.turn_waiting: Counter[str] = Counter()  # organizations' requests waiting for a batch slot (``batch_turn``)
         self.running: Counter[str] = Counter()  # requests the engine is answering, per adapter
         self.last_finished: dict[str, float] = {}
         self.trim_scheduled = False
@@ -47,8 +99,20 @@ class AdapterSlots:
     def holds(self, name: str) -> bool:
         return name in self.held or name in self.loading
 
-    def touch(self, name: str) -> None:
+    def touch(self, name: str, organization: str | None = None) -> None:
         self.held.move_to_end(name)
+        if organization is not None:
+            self.owner[name] = organization
+
+    def start_loading(self, name: str, organization: str | None) -> None:
+        self.loading.add(name)
+        if organization is not None:
+            self.owner[name] = organization
+
+    def stop_loading(self, name: str) -> None:
+        self.loading.discard(name)
+        if name not in self.held:
+            self.owner.pop(name, None)
 
     def lock(self, name: str) -> asyncio.Lock:
         return self._locks.setdefault(name, asyncio.Lock())
@@ -58,12 +122,14 @@ class AdapterSlots:
         self.held.move_to_end(name)
 
     def forget(self, name: str) -> HeldAdapter | None:
+        if name not in self.loading:  # a load replacing it keeps its organization
+            self.owner.pop(name, None)
         return self.held.pop(name, None)
 
     def read_back(self, loaded: dict[str, Path]) -> None:
         """What the engine says it holds (name -> folder) replaces what we thought; order is kept."""
         for name in [name for name, held in self.held.items() if loaded.get(name) != held.folder]:
-            del self.held[name]
+            self.forget(name)
         for name, folder in loaded.items():
             if name not in self.held:
                 self.held[name] = HeldAdapter(version_of_folder(folder), folder)
@@ -71,6 +137,7 @@ class AdapterSlots:
     def clear(self) -> None:
         """The replica's engine exited: whatever it held is gone."""
         self.held.clear()
+        self.owner = {name: owner for name, owner in self.owner.items() if name in self.loading}
         self.running.clear()
         self.last_finished.clear()
 
@@ -91,17 +158,101 @@ class AdapterSlots:
         return len(self.held) > self.capacity
 
     def victims(self, count_loading: bool = True) -> list[str]:
-        """Idle adapters to evict, least recently used first, to get back within capacity.
+        """Idle adapters to evict to get back within capacity: of organizations over their share
+        first, then least recently used.
 
         Before a load, adapters being loaded count too (room is made ahead); after one, only held
         adapters do. Busy adapters are never chosen: the replica may overshoot until they idle.
         """
-        excess = len(self.held) + (len(self.loading) if count_loading else 0) - self.capacity
-        if excess <= 0:
-            return []
-        now = time.monotonic()
-        chosen = [name for name in self.held if name not in self.loading and self.idle(name, now)]
-        chosen = chosen[:excess]
+        excess = len(self.held) + (len(self._loads_counted()) if count_loading else 0) - self.capacity
+        chosen = self._fair_victims(excess, set(), time.monotonic())
         for name in chosen:
-            del self.held[name]  # at once, so a concurrent load does not pick the same one
+            self.forget(name)  # at once, so a concurrent load does not pick the same one
+        return chosen
+
+    def room_for(self, name: str) -> list[Victim]:
+        """The adapters to evict before loading ``name`` (in ``loading``, its organization in
+        ``owner``), each with its reason, taken out of ``held`` at once. Raises ``OwnAdaptersBusy``,
+        taking nothing, when its organization is over a cap and none of the adapters that may make
+        room for it is idle."""
+        organization, now = self.owner.get(name), time.monotonic()
+        chosen: list[Victim] = []
+        if organization is not None and is_mix_name(name):
+            mixes = [live for live in self._live() if self.owner.get(live) == organization and is_mix_name(live)]
+            excess = len(mixes) - self.fair_use.mixes
+            idle = [held for held in self._idle(now) if self.owner.get(held) == organization and is_mix_name(held)]
+            if excess > 0 and len(idle) < excess:
+                raise OwnAdaptersBusy(True, self.fair_use.mixes)
+            chosen += [(held, "organization_mixes") for held in idle[: max(excess, 0)]]
+        taken = {victim for victim, _ in chosen}
+        excess = len(self._live()) - len(taken) - self.capacity
+        # Over its share, it makes room only from organizations over theirs (itself first when it
+        # holds the most): never from one within its share.
+        over_share = excess > 0 and self._over_share(organization, self._holdings(taken))
+        victims = self._fair_victims(excess, taken, now, over_share_only=over_share)
+        if over_share and not victims:
+            raise OwnAdaptersBusy(False, self.fair_use.share)
+        chosen += [(victim, "lru") for victim in victims]
+        for victim, _ in chosen:
+            self.forget(victim)
+        return chosen
+
+    def batch_turn(self, name: str, organization: str | None, under_way: Iterable[str]) -> bool:
+        """Whether a request of ``organization`` for adapter ``name`` may start now, ``under_way``
+        being the adapters with requests under way on the replica: not when that would make the
+        organization's distinct adapters under way more than its batch share while another
+        organization has adapter requests under way or waiting for a turn. When it may, ``name``
+        counts as the organization's from now on (the caller starts the request before it yields)."""
+        if organization is None or self.fair_use.batch_share is None:
+            return True
+        under_way = set(under_way)
+        own = {adapter for adapter in under_way if self.owner.get(adapter) == organization}
+        if name not in own and len(own) >= self.fair_use.batch_share:
+            waiting = {org for org, count in self.turn_waiting.items() if count}
+            if ({self.owner.get(adapter) for adapter in under_way} | waiting) - {organization, None}:
+                return False
+        self.owner.setdefault(name, organization)
+        return True
+
+    def _loads_counted(self) -> set[str]:
+        """Loads that room is made for: not those waiting for their organization's own room."""
+        return self.loading - self.waiting - self.held.keys()
+
+    def _live(self) -> list[str]:
+        return [*self.held, *self._loads_counted()]
+
+    def _idle(self, now: float) -> list[str]:
+        """Held adapters that may be evicted now, least recently used first."""
+        return [name for name in self.held if name not in self.loading and self.idle(name, now)]
+
+    def _holdings(self, leaving: set[str]) -> Counter[str | None]:
+        return Counter(self.owner.get(name) for name in self._live() if name not in leaving)
+
+    def _over_share(self, organization: str | None, holdings: Counter[str | None]) -> bool:
+        """Over its share while another organization holds or is loading adapters here."""
+        if organization is None or self.fair_use.share >= self.capacity:
+            return False
+        if holdings[organization] <= self.fair_use.share:
+            return False
+        present = {self.owner.get(name) for name in [*self.held, *self.loading]}
+        return bool(present - {organization, None})
+
+    def _fair_victims(self, excess: int, taken: set[str], now: float, over_share_only: bool = False) -> list[str]:
+        """``excess`` idle adapters not in ``taken``, one at a time: of the organization most over
+        its share (the least recently used of the most held), else the least recently used of all
+        unless ``over_share_only``. Fewer when too few are idle."""
+        holdings = self._holdings(taken)
+        candidates = [name for name in self._idle(now) if name not in taken]  # least recently used first
+        chosen: list[str] = []
+        while len(chosen) < excess and candidates:
+            over = [name for name in candidates if self._over_share(self.owner.get(name), holdings)]
+            if over:
+                victim = min(over, key=lambda name: -holdings[self.owner.get(name)])  # min() keeps the first of equals
+            elif over_share_only:
+                break
+            else:
+                victim = candidates[0]
+            candidates.remove(victim)
+            holdings[self.owner.get(victim)] -= 1
+            chosen.append(victim)
         return chosen

@@ -14,6 +14,12 @@ cache) within seconds, not at its next request; a request still streaming with i
 once from the parts' cached copies (``core.lora_algebra``), written to the adapter cache under
 the mix's digest, then loaded, counted in the replica's slots and evicted like any other adapter.
 It is unloaded once a part is republished or deleted, and its folder goes when no replica holds it.
+
+Both take the organization the request is for (the gateway names it), and which adapter makes room
+follows ``inference.adapter_slots.FairUse``: an organization over its cap of mixes, or over its
+share of a replica while others use it, makes room from its own least recently used adapters. When
+each of those is answering, its request waits up to ``OWN_ROOM_WAIT_S`` for one to finish, then is
+refused (429 ``adapter_slots_busy``).
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ from core.catalog import BaseModel
 from core.model_names import pinned_name
 from inference import adapter_slots
 from inference.adapter_mix import MIXES_FOLDER, Mix, MixPart
-from inference.adapter_slots import AdapterSlots, HeldAdapter
+from inference.adapter_slots import AdapterSlots, HeldAdapter, OwnAdaptersBusy, Victim
 from inference.adapter_source import AdapterSource, check_adapter
 from core.lora_algebra import CannotMix, Part, rank_of, write_combined
 from inference.metrics import Metrics
@@ -48,6 +54,13 @@ log = logging.getLogger("inference.adapters")
 
 VLLM_ADMIN_TIMEOUT_S = 60.0
 RECHECK_HELD_S = 2.0
+# How long a load waits for an adapter of its organization's own to finish answering, when that
+# organization is over a cap (a few unload graces: a steady stream of its requests frees one in time).
+OWN_ROOM_WAIT_S = 5.0
+# How long a request waits for its organization's turn in the replica's batch slots (its own
+# requests with other adapters finishing): a generation can take this long.
+BATCH_TURN_WAIT_S = 30.0
+_POLL_S = 0.05
 
 
 class ReplicaUnavailable(Exception):
@@ -89,9 +102,11 @@ class AdapterManager:
     def _held_revisions(self, name: str) -> set[str]:
         return {held for replica in self.replicas for held in replica.adapters.held if held.partition("@")[0] == name}
 
-    async def ensure(self, replica: Replica, name: str, version: str | None = None) -> None:
+    async def ensure(
+        self, replica: Replica, name: str, version: str | None = None, organization: str | None = None
+    ) -> None:
         """``version``: the one ``pinned`` just read for this name (a pinned revision never changes);
-        None: read it from the store."""
+        None: read it from the store. ``organization``: whose request it is (None: not named)."""
         base = replica.model
         source = self.sources[base.id]
         if version is None:
@@ -101,17 +116,17 @@ class AdapterManager:
             raise api_errors.adapter_not_found(name)
         slots = replica.adapters
         if slots.version(name) == version:
-            slots.touch(name)
+            slots.touch(name, organization)
             return
         async with slots.lock(name):
             if slots.version(name) == version:
-                slots.touch(name)
+                slots.touch(name, organization)
                 return
-            slots.loading.add(name)
+            slots.start_loading(name, organization)
             try:
                 await self._load_version(replica, name, version, source)
             finally:
-                slots.loading.discard(name)
+                slots.stop_loading(name)
 
     def prefetch(self, base_id: str, name: str, version: str) -> None:
         """Fetch this version of an adapter into the local cache in the background while its
@@ -152,12 +167,53 @@ class AdapterManager:
             await _until_idle(slots, name)
             slots.forget(name)
             await self._unload(replica, name, "replaced")
-        for victim in slots.victims():
-            await self._evict(replica, victim, "lru")
+        for victim, reason in await self._room_for(replica, name):
+            await self._evict(replica, victim, reason)
         await self._load(replica, name, folder)
         # The folder names the version actually fetched (the store may have moved on meanwhile).
         slots.add(name, HeldAdapter(version_of_folder(folder) or version, folder))
         self._trim_when_idle(replica)
+
+    async def _room_for(self, replica: Replica, name: str) -> list[Victim]:
+        """What to evict before loading ``name`` (``AdapterSlots.room_for``), waiting for an adapter
+        of its organization's own to finish answering when it must make room from those."""
+        slots = replica.adapters
+        deadline = time.monotonic() + OWN_ROOM_WAIT_S
+        while True:
+            try:
+                return slots.room_for(name)
+            except OwnAdaptersBusy as busy:
+                if time.monotonic() >= deadline:
+                    kind = "mixes" if busy.mixes else "share"
+                    raise api_errors.adapter_slots_busy(replica.model.id, kind, busy.limit) from None
+            slots.waiting.add(name)  # no room is made for it meanwhile
+            try:
+                await asyncio.sleep(_POLL_S)
+            finally:
+                slots.waiting.discard(name)
+
+    async def batch_turn(self, replica: Replica, name: str, organization: str | None) -> None:
+        """Return when a request of ``organization`` for adapter ``name`` may start on the replica
+        (``AdapterSlots.batch_turn``): at once, or once some of its own requests with other adapters
+        have finished; refused after ``BATCH_TURN_WAIT_S``. The caller starts the request before
+        it yields (``Replica.begin``), so that the next one counts it."""
+        slots = replica.adapters
+        if organization is None or slots.batch_turn(name, organization, replica.inflight_by_model):
+            return
+        deadline = time.monotonic() + BATCH_TURN_WAIT_S
+        slots.turn_waiting[organization] += 1
+        try:
+            while True:
+                await asyncio.sleep(_POLL_S)
+                if slots.batch_turn(name, organization, replica.inflight_by_model):
+                    return
+                if time.monotonic() >= deadline:
+                    limit = slots.fair_use.batch_share or 0
+                    raise api_errors.adapter_slots_busy(replica.model.id, "batch", limit)
+        finally:
+            slots.turn_waiting[organization] -= 1
+            if slots.turn_waiting[organization] <= 0:
+                del slots.turn_waiting[organization]
 
     async def mix(self, base_id: str, scales: dict[str, float]) -> Mix:
         """The mix of these adapters (name -> scale, none 0) at their published versions."""
@@ -170,23 +226,23 @@ class AdapterManager:
             parts.append(MixPart(name, version, scale))
         return Mix(base_id, tuple(parts))
 
-    async def ensure_mix(self, replica: Replica, mix: Mix) -> None:
+    async def ensure_mix(self, replica: Replica, mix: Mix, organization: str | None = None) -> None:
         """Make the replica hold the mix's combined adapter (built on first use)."""
         slots, name = replica.adapters, mix.name
         if name in slots.held:
-            slots.touch(name)
+            slots.touch(name, organization)
             return
         async with slots.lock(name):
             if name in slots.held:
-                slots.touch(name)
+                slots.touch(name, organization)
                 return
-            slots.loading.add(name)
+            slots.start_loading(name, organization)
             self.mixes[name] = mix
             try:
                 folder = await self._combined_folder(replica.model, mix)
                 await self._install(replica, name, mix.digest, folder)
             finally:
-                slots.loading.discard(name)
+                slots.stop_loading(name)
                 self._drop_unused_mix(name)  # a failed load leaves nothing behind
 
     async def _combined_folder(self, base: BaseModel, mix: Mix) -> Path:

@@ -68,17 +68,19 @@ class CompletionsHandler:
     def __init__(self, pool: Pool, catalog: Catalog, adapters: AdapterManager, http: Poster, metrics: Metrics):
         self.pool, self.catalog, self.adapters, self.http, self.metrics = pool, catalog, adapters, http, metrics
 
-    async def handle(self, body: bytes, endpoint: str) -> Response:
+    async def handle(self, body: bytes, endpoint: str, organization: str | None = None) -> Response:
+        """``organization``: the one the gateway says the request is for (None: not named)."""
         started = time.perf_counter()
         fields = routed_fields(body)
         base, fine_tuned = served_model(self.catalog, fields.model)
         if fields.adapters is not None:
-            request = await self._mix_request(body, endpoint, fields, base, started)
+            request = await self._mix_request(body, endpoint, fields, base, started, organization)
         elif fine_tuned:
             pinned, version = await self.adapters.pinned(base.id, fields.model)
             body = body if pinned == fields.model else with_fields(body, model=pinned)
             request = _Request(
-                body, endpoint, pinned, base.id, True, fields.stream, started, label_as=fields.model, version=version
+                body, endpoint, pinned, base.id, True, fields.stream, started, label_as=fields.model, version=version,
+                organization=organization,
             )  # fmt: skip
         else:
             request = _Request(body, endpoint, base.id, base.id, False, fields.stream, started)
@@ -107,7 +109,13 @@ class CompletionsHandler:
         return pinned, sum(1 for replica in self.pool.replicas if replica.adapters.version(pinned) is not None)
 
     async def _mix_request(
-        self, body: bytes, endpoint: str, fields: RoutedFields, base: BaseModel, started: float
+        self,
+        body: bytes,
+        endpoint: str,
+        fields: RoutedFields,
+        base: BaseModel,
+        started: float,
+        organization: str | None,
     ) -> _Request:
         if fields.model != base.id:
             raise api_errors.mix_needs_base_model(fields.model)
@@ -119,7 +127,9 @@ class CompletionsHandler:
         mix = await self.adapters.mix(base.id, scales) if scales else None  # all scales 0: the base model
         model = mix.name if mix else base.id
         body = with_fields(body, model=model, adapters=None)
-        return _Request(body, endpoint, model, base.id, mix is not None, fields.stream, started, mix)
+        return _Request(
+            body, endpoint, model, base.id, mix is not None, fields.stream, started, mix, organization=organization
+        )
 
     async def _forward(self, request: _Request) -> Response:
         skip: set[Replica] = set()
@@ -142,12 +152,14 @@ class CompletionsHandler:
 
     async def _attempt(self, replica: Replica, request: _Request) -> Response:
         model = request.model
+        if request.adapter:  # its organization's turn in the replica's batch slots (nothing yields until begin)
+            await self.adapters.batch_turn(replica, model, request.organization)
         replica.begin(model)
         try:
             if request.mix is not None:
-                await self.adapters.ensure_mix(replica, request.mix)
+                await self.adapters.ensure_mix(replica, request.mix, request.organization)
             elif request.adapter:
-                await self.adapters.ensure(replica, model, request.version)
+                await self.adapters.ensure(replica, model, request.version, request.organization)
         except ReplicaUnavailable as exc:
             replica.end(model)
             raise _down(replica, str(exc)) from None
@@ -242,6 +254,7 @@ class _Request:
     mix: Mix | None = None
     label_as: str | None = None  # the name the client asked for, when the pool pinned it
     version: str | None = None  # the pinned revision's, as the store published it
+    organization: str | None = None  # whose adapter it is, for fair use of the replica's slots
 
     @property
     def label(self) -> str:

@@ -65,7 +65,9 @@ class UpstreamResponse(Protocol):
 class Poster(Protocol):
     """What the forwarding code needs from a client (tests give it a fake)."""
 
-    async def post(self, url: str, body: bytes, content_type: str = "application/json") -> UpstreamResponse: ...
+    async def post(
+        self, url: str, body: bytes, content_type: str = "application/json", headers: dict[str, str] | None = None
+    ) -> UpstreamResponse: ...
 
 
 class _Connection:
@@ -167,6 +169,12 @@ class Response:
             self._connection = None
 
 
+def _header_lines(headers: dict[str, str]) -> str:
+    if any(char in name + value for name, value in headers.items() for char in "\r\n"):
+        raise ValueError("a header name or value contains a line break")  # it would forge headers
+    return "".join(f"{name}: {value}\r\n" for name, value in headers.items())
+
+
 class HttpClient:
     """Keep-alive connections per host; ``post`` returns once the response headers are in."""
 
@@ -174,20 +182,21 @@ class HttpClient:
         """``headers``: sent with every request (the internal token: every destination of one
         client is the same kind of service), formatted once here rather than per request."""
         self.max_idle_per_host = max_idle_per_host
-        headers = headers or {}
-        if any(char in name + value for name, value in headers.items() for char in "\r\n"):
-            raise ValueError("a header name or value contains a line break")  # it would forge headers
-        self._extra_headers = "".join(f"{name}: {value}\r\n" for name, value in headers.items())
+        self._extra_headers = _header_lines(headers or {})
         self._tls = ssl.create_default_context()  # for https:// pools and remote replicas
         self._idle: dict[_Key, deque[_Connection]] = {}
 
-    async def post(self, url: str, body: bytes, content_type: str = "application/json") -> Response:
+    async def post(
+        self, url: str, body: bytes, content_type: str = "application/json", headers: dict[str, str] | None = None
+    ) -> Response:
+        """``headers``: this request's own, beside the client's."""
         parts = urlsplit(url)
         key = (parts.scheme, parts.hostname or "127.0.0.1", parts.port or (443 if parts.scheme == "https" else 80))
         path = parts.path + (f"?{parts.query}" if parts.query else "")
+        own = _header_lines(headers) if headers else ""
         request = (
             f"POST {path} HTTP/1.1\r\nHost: {parts.netloc}\r\nContent-Type: {content_type}\r\n"
-            f"Content-Length: {len(body)}\r\nConnection: keep-alive\r\n{self._extra_headers}\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: keep-alive\r\n{self._extra_headers}{own}\r\n"
         ).encode("latin-1") + body
         connection = self._idle_connection(key) or await self._connect(key)
         response = Response(self, key, connection)

@@ -17,6 +17,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from core import api_errors, strict_json
 
+# The header in which the gateway names the organization a completion is for, to the pool (a trusted
+# hop: the pool answers only the internal token, and the gateway never passes a caller's headers on).
+# The pool counts adapters against it (``inference.adapter_slots.FairUse``).
+ORGANIZATION_HEADER = "fineserve-organization"
+
 # Scales of a mix beyond this push a layer far from anything its adapters were trained for (the
 # output degenerates into noise long before), and negative ones subtract an adapter's behaviour
 # ("task negation"); the bound keeps a typo like 50 from passing as a meaningful request.

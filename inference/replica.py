@@ -17,7 +17,7 @@ import httpx
 
 from core.catalog import BaseModel
 from core.config import LORA_KERNELS_SETTING, REPO_ROOT
-from inference.adapter_slots import AdapterSlots
+from inference.adapter_slots import AdapterSlots, FairUse
 from inference.internal_auth import REPLICA_TOKEN_VARIABLE
 from inference.lora_kernels_report import REPORT_PATH
 
@@ -29,6 +29,11 @@ _RESTART_BACKOFF_S = (2.0, 60.0)
 _PROBE_TIMEOUT_S = 3.0
 _PROBE_FAILURES_TO_DOWN = 2
 _STOP_GRACE_S = 10.0
+
+
+def batch_slots(model: BaseModel) -> int:
+    """vLLM's ``max_loras``: the distinct adapters one batch may hold (no more than the replica keeps)."""
+    return min(model.engine.max_loras, model.lora.max_num_adapters_per_replica)
 
 
 def vllm_command(model: BaseModel, port: int, server_module: str = "inference.vllm_server") -> list[str]:
@@ -46,7 +51,7 @@ def vllm_command(model: BaseModel, port: int, server_module: str = "inference.vl
         "--model", str(model.weights), "--served-model-name", model.id,
         "--dtype", engine.dtype, "--max-model-len", str(engine.max_model_len),
         "--enable-lora", "--max-lora-rank", str(lora.max_lora_rank),
-        "--max-loras", str(min(engine.max_loras, lora.max_num_adapters_per_replica)),
+        "--max-loras", str(batch_slots(model)),
         "--max-cpu-loras", str(lora.max_num_adapters_per_replica),
         "--disable-uvicorn-access-log",
         "--middleware", "inference.internal_auth.ReplicaGuard",
@@ -146,7 +151,8 @@ class Replica:
     woken_at: float | None = None  # started by a request that found its model cold; None once ready
 
     def __post_init__(self) -> None:
-        self.adapters = AdapterSlots(self.model.lora.max_num_adapters_per_replica)
+        lora = self.model.lora
+        self.adapters = AdapterSlots(lora.max_num_adapters_per_replica, FairUse.of(lora, batch_slots(self.model)))
 
     # Routing state (see inference.router).
     def inflight_for(self, model: str) -> int:

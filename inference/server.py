@@ -3,7 +3,8 @@
 Every route needs the internal token (``inference.internal_auth``); the pool presents the same
 token to its replicas, on the admin client (probes, adapter loads, /v1/models) and the hot path.
 
-- POST /v1/chat/completions, /v1/completions: route, load the adapter, relay (``completions``)
+- POST /v1/chat/completions, /v1/completions: route, load the adapter, relay (``completions``);
+  the organization the request is for in ``ORGANIZATION_HEADER`` (``inference.protocol``)
 - POST /v1/adapters/preload {"model"}: load a just-published adapter where its requests will go
 - GET /health: each model's state (ready, starting, cold) and its replicas'; 200 when one is
   ready or every model is cold (scaled to zero: it starts on its next request)
@@ -31,6 +32,7 @@ from inference.http_client import HttpClient, Poster
 from inference.internal_auth import RequireInternalToken
 from inference.metrics import CONTENT_TYPE, Metrics
 from inference.pool import Pool
+from inference.protocol import ORGANIZATION_HEADER
 
 
 def admin_client(internal_token: str, transport: httpx.AsyncBaseTransport | None = None) -> httpx.AsyncClient:
@@ -69,10 +71,10 @@ def create_app(pool: Pool, adapters: AdapterManager, http: Poster, metrics: Metr
             pool.stop()
 
     async def chat_completions(request: Request) -> Response:
-        return await handler.handle(await request.body(), "chat/completions")
+        return await handler.handle(await request.body(), "chat/completions", request.headers.get(ORGANIZATION_HEADER))
 
     async def completions(request: Request) -> Response:
-        return await handler.handle(await request.body(), "completions")
+        return await handler.handle(await request.body(), "completions", request.headers.get(ORGANIZATION_HEADER))
 
     async def preload(request: Request) -> JSONResponse:
         try:

@@ -20,9 +20,12 @@ BASE = "HuggingFaceTB/SmolLM2-135M-Instruct"
 TEST_CATALOG = ROOT / "data" / "test" / "inference-models.toml"
 TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
-def catalog_text(backend: str = "embedded", replicas: int = 1, autoscaling: str = "") -> str:
+def catalog_text(
+    backend: str = "embedded", replicas: int = 1, autoscaling: str = "", adapters: int = 3, organization_share: float = 1.0
+) -> str:
     """The repository catalog's model with a small adapter cache, so eviction shows with a few
-    adapters; ``autoscaling``: the lines of its ``[models.autoscaling]`` table."""
+    adapters; ``autoscaling``: the lines of its ``[models.autoscaling]`` table; ``adapters``: its
+    max_num_adapters_per_replica (and max_loras)."""
     text = f"""
 [[models]]
 id = "{BASE}"
@@ -31,13 +34,14 @@ weights = "models/{BASE}"
 replicas = {replicas}
 
 [models.lora_config]
-max_num_adapters_per_replica = 3
+max_num_adapters_per_replica = {adapters}
 max_lora_rank = 16
+organization_share = {organization_share}
 
 [models.engine]
 max_model_len = 2048
 dtype = "float32"
-max_loras = 3
+max_loras = {adapters}
 kv_cache_space_gib = 1
 """
     return text + (f"\n[models.autoscaling]\n{autoscaling}\n" if autoscaling else "")
@@ -46,6 +50,9 @@ kv_cache_space_gib = 1
 def pool_environment() -> dict[str, str]:
     """Environment for the test session's pool (and gateway): the test catalog."""
     TEST_CATALOG.parent.mkdir(parents=True, exist_ok=True)
+    # The whole replica for each organization (organization_share 1, the default here): every test's
+    # personas are new organizations on the one engine of the session, and a test's adapters must
+    # not depend on what earlier tests left loaded. (tests/test_adapter_fair_use*.py check the share.)
     TEST_CATALOG.write_text(catalog_text())
     return {"MODEL_CATALOG": str(TEST_CATALOG)}
 

@@ -11,6 +11,7 @@ import json
 
 import pytest
 
+from inference.protocol import ORGANIZATION_HEADER
 from tests.inference_fixtures import BASE, register_fine_tuned_model
 from tests.personas import alice, bob, charlie  # noqa: F401 (fixtures)
 from tests.test_request_limits import _bearer, _chat, _error, _limits, anyio_backend, pool, web  # noqa: F401
@@ -100,11 +101,23 @@ async def test_it_answers_400_when_model_is_not_the_base_or_a_part_is_of_another
 
 
 async def test_the_playground_checks_a_mix_as_the_api_does(pool, alice, charlie, fine_tunes):
-    from core.api_errors import ApiError
     from gateway.completions import complete_for_organization
+
+    from core.api_errors import ApiError
 
     body = json.dumps(_chat(adapters=[{"model": fine_tunes["a"], "scale": 0.5}])).encode()
     assert (await complete_for_organization(alice.organization, body, "chat/completions")).status == 200
     with pytest.raises(ApiError) as refused:
         await complete_for_organization(charlie.organization, body, "chat/completions")
     assert refused.value.status == 404 and refused.value.param == "adapters"
+
+
+async def test_it_tells_the_pool_which_organization_a_request_is_for_whatever_the_caller_sends(
+    web, pool, alice, charlie, fine_tunes
+):
+    forged = {**_bearer(charlie), ORGANIZATION_HEADER: str(alice.organization.pk)}  # to take alice's share
+    assert (await web.post("/v1/chat/completions", json=_chat(), headers=forged)).status_code == 200
+    mix = _chat(adapters=[{"model": fine_tunes["a"]}])
+    assert (await web.post("/v1/chat/completions", json=mix, headers=_bearer(alice))).status_code == 200
+    named = [headers[ORGANIZATION_HEADER] for headers in pool.headers]
+    assert named == [str(charlie.organization.pk), str(alice.organization.pk)]

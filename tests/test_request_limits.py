@@ -30,10 +30,12 @@ def anyio_backend():
 
 
 class RecordingPool:
-    """Answers every completion with ``{}`` and keeps the bodies it was sent."""
+    """Answers every completion with ``{}`` and keeps the bodies it was sent, and their headers
+    (names in lower case)."""
 
     def __init__(self):
         self.bodies: list[bytes] = []
+        self.headers: list[dict[str, str]] = []
 
     async def answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -41,6 +43,8 @@ class RecordingPool:
                 head = (await reader.readuntil(b"\r\n\r\n")).decode()
                 lines = head.lower().split("\r\n")
                 length = next(int(line.split(":")[1]) for line in lines if line.startswith("content-length"))
+                self.headers.append(dict(line.partition(":")[::2] for line in lines[1:] if line))
+                self.headers[-1] = {name: value.strip() for name, value in self.headers[-1].items()}
                 self.bodies.append(await reader.readexactly(length))
                 writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}")
                 await writer.drain()

@@ -31,7 +31,7 @@ from gateway.pool import pool_http, serving_url
 from gateway.request_limits import check_request
 from inference.http_client import UpstreamError, UpstreamResponse, UpstreamTimeout
 from finetuning.registry import UsableModel
-from inference.protocol import ParsedRequest, RoutedFields, parse_request
+from inference.protocol import ORGANIZATION_HEADER, ParsedRequest, RoutedFields, parse_request
 from usage.answers import StreamTokens, Tokens, whole_answer_tokens
 from usage.meter import METER, Caller
 
@@ -119,7 +119,10 @@ async def _forward(body: bytes, request: ParsedRequest, endpoint: str, caller: C
     stream = request.routed.stream
     body = forwarded_body(body, request.data, cache_salt(caller.organization_id), stream)
     try:
-        upstream = await pool_http().post(serving_url(request.routed.model, f"/v1/{endpoint}"), body)
+        upstream = await pool_http().post(
+            serving_url(request.routed.model, f"/v1/{endpoint}"), body,
+            headers={ORGANIZATION_HEADER: str(caller.organization_id)},  # for fair use of the pool's adapter slots
+        )  # fmt: skip
     except UpstreamError as exc:
         raise _unreachable(exc) from None
     content_type = upstream.headers.get("content-type", JSON)

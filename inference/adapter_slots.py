@@ -17,14 +17,14 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
-from core.adapter_store import version_of_folder
+from core.adapter_store import identity_of_folder
 
 UNLOAD_GRACE_S = 1.0  # after an adapter's last request: time for the engine to drop it from its batch
 
 
 @dataclass(frozen=True)
 class HeldAdapter:
-    version: str
+    version: str  # the publish it was loaded from (``AdapterVersion.identity``); a mix's digest
     folder: Path
 
 
@@ -66,7 +66,7 @@ class AdapterSlots:
             del self.held[name]
         for name, folder in loaded.items():
             if name not in self.held:
-                self.held[name] = HeldAdapter(version_of_folder(folder), folder)
+                self.held[name] = HeldAdapter(identity_of_folder(folder), folder)
 
     def clear(self) -> None:
         """The replica's engine exited: whatever it held is gone."""

@@ -5,6 +5,12 @@ S3 a HEAD, remembered for a second), and gives a local folder for a version: the
 itself, or an S3 copy synced into a cache, checksum-verified, downloaded once however many requests
 want it at the same moment. A missing adapter is never remembered: the next request looks again.
 
+Copies in the cache are keyed by publish (``AdapterVersion.identity``), never by name and revision
+alone: a name deleted and published again is ``r1`` again, and must not find the deleted adapter's
+copy. A copy leaves the cache when no replica holds it any more (``prune_cache``, on an eviction or a
+deletion), and any copy no replica holds or asked for in ``UNUSED_COPY_TTL_S`` goes with
+``sweep_cache`` (a load that failed, a mix's parts, what a previous run of the pool left).
+
 When S3 is slow or unreachable, an adapter whose version is known keeps answering with it (the
 look-up goes on in the background and corrects it once S3 answers); one never seen before is a
 503 with Retry-After.
@@ -13,9 +19,11 @@ look-up goes on in the background and corrects it once S3 answers); one never se
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import logging
+import os
 import shutil
 import time
 from pathlib import Path
@@ -23,16 +31,21 @@ from pathlib import Path
 from core.adapter_store import (
     CONFIG_FILE,
     WEIGHTS_FILE,
+    AdapterNotFound,
     AdapterStore,
+    AdapterVersion,
+    CorruptAdapter,
     LocalAdapterStore,
     StoreUnavailable,
     cached_copy,
+    holds_publish,
 )
 from core import api_errors
 from inference.metrics import Metrics
 
 REMOTE_VERSION_TTL_S = 1.0  # how long an S3 version answer is trusted (a found one; never a missing one)
 KNOWN_VERSION_WAIT_S = 0.5  # how long a request for a known adapter waits for S3 before using what it knows
+UNUSED_COPY_TTL_S = 600.0  # a cached copy no replica holds goes once it was not asked for in this long
 
 log = logging.getLogger("inference.adapter_source")
 
@@ -43,16 +56,16 @@ class AdapterSource:
     def __init__(self, store: AdapterStore, cache_dir: Path, metrics: Metrics, base_model_id: str):
         self.store, self.cache_dir, self.metrics, self.base_model_id = store, cache_dir, metrics, base_model_id
         self.is_local = isinstance(store, LocalAdapterStore)
-        self._known: dict[str, tuple[str, float]] = {}  # S3: name -> (version, checked at)
-        self._lookups: dict[str, tuple[asyncio.Task[str | None], float]] = {}  # name -> (HEAD in flight, started)
+        self._known: dict[str, tuple[AdapterVersion, float]] = {}  # S3: name -> (version, checked at)
+        # name -> (HEAD in flight, started)
+        self._lookups: dict[str, tuple[asyncio.Task[AdapterVersion | None], float]] = {}
         self._store_down = False  # the last look-up failed: known versions answer without waiting
         self._answered_at = 0.0  # when a look-up last succeeded
         self._fetches: dict[tuple[str, str], asyncio.Task[Path]] = {}
 
-    async def version(self, name: str) -> str | None:
+    async def version(self, name: str) -> AdapterVersion | None:
         if self.is_local:
-            found = self.store.version(name)  # a stat and a readlink: cheaper than a thread hop
-            return found.version if found else None
+            return self.store.version(name)  # a stat, a readlink and a small read: cheaper than a thread hop
         known = self._known.get(name)
         if known and time.monotonic() - known[1] < REMOTE_VERSION_TTL_S:
             return known[0]
@@ -67,7 +80,7 @@ class AdapterSource:
         except (TimeoutError, StoreUnavailable):
             return known[0]
 
-    def _look_up(self, name: str) -> asyncio.Task[str | None]:
+    def _look_up(self, name: str) -> asyncio.Task[AdapterVersion | None]:
         """One HEAD in flight per adapter; it updates what is known, whoever is still waiting. One
         started before S3 answered again (still retrying the outage) is not joined: it would fail
         late, and its caller would keep the old version though S3 has a new one."""
@@ -95,28 +108,43 @@ class AdapterSource:
             else:
                 log.info("S3 answers again: adapter versions are checked again")
 
-    async def _head(self, name: str) -> str | None:
+    async def _head(self, name: str) -> AdapterVersion | None:
         found = await asyncio.to_thread(self.store.version, name)
         if found is None:
             self._known.pop(name, None)
             return None
-        self._known[name] = (found.version, time.monotonic())
-        return found.version
+        self._known[name] = (found, time.monotonic())
+        return found
 
-    async def folder(self, name: str, version: str) -> Path:
-        """A local folder holding this adapter; for S3 one download however many callers wait."""
+    async def folder(self, name: str, identity: str) -> Path:
+        """A local folder holding this adapter, this publish of it (``AdapterVersion.identity``) when
+        the store still has it; for S3 one download however many callers wait."""
         if self.is_local:
             return self.store.fetch(name, self.cache_dir)
-        cached = cached_copy(self.cache_dir, name, version)
-        if (cached / CONFIG_FILE).is_file():  # this version was downloaded and verified already
+        cached = cached_copy(self.cache_dir, name, identity)
+        if holds_publish(cached, identity):  # this publish was downloaded and verified already
+            _touch(cached)  # asked for: not unused (``sweep_cache``)
             return cached
-        key = (name, version)
+        key = (name, identity)
         task = self._fetches.get(key)
         if task is None:
             task = asyncio.create_task(self._download(name))
             self._fetches[key] = task
             task.add_done_callback(lambda _: self._fetches.pop(key, None))
         return await asyncio.shield(task)
+
+    async def checked_folder(self, name: str, identity: str, max_rank: int) -> Path:
+        """``folder``, checked as vLLM would check it: an ``ApiError`` saying what is wrong otherwise."""
+        try:
+            folder = await self.folder(name, identity)
+        except AdapterNotFound:
+            raise api_errors.adapter_not_found(name) from None
+        except CorruptAdapter as exc:
+            raise api_errors.adapter_invalid(name, f"its files do not match their checksums ({exc})") from None
+        except StoreUnavailable as exc:
+            raise api_errors.adapter_store_unavailable(name, str(exc)) from None
+        check_adapter(name, folder, max_rank)
+        return folder
 
     async def _download(self, name: str) -> Path:
         started = time.perf_counter()
@@ -132,11 +160,33 @@ class AdapterSource:
         prefix = self.cache_dir / name
         newest_at = newest.stat().st_mtime_ns if newest is not None else None
         for folder in prefix.parent.glob(f"{prefix.name}@*"):
-            if folder in in_use or folder == newest:
+            if folder in in_use or folder == newest or any(key[0] == name for key in self._fetches):
                 continue
             # A copy newer than the one just loaded may be about to load on another replica.
-            if newest_at is None or folder.stat().st_mtime_ns < newest_at:
+            if newest_at is None or _modified_ns(folder) < newest_at:
                 shutil.rmtree(folder, ignore_errors=True)
+
+    def sweep_cache(self, in_use: set[Path]) -> None:
+        """Drop every copy in the cache that no replica holds (``in_use``) and nobody asked for in
+        ``UNUSED_COPY_TTL_S`` (a copy asked for is touched), nor is being downloaded."""
+        fetching = {cached_copy(self.cache_dir, name, identity) for name, identity in self._fetches}
+        oldest = time.time_ns() - int(UNUSED_COPY_TTL_S * 1e9)
+        for config in self.cache_dir.glob(f"**/*@*/{CONFIG_FILE}"):  # names hold '/': copies sit at any depth
+            folder = config.parent
+            if folder not in in_use and folder not in fetching and _modified_ns(folder) < oldest:
+                shutil.rmtree(folder, ignore_errors=True)
+
+
+def _touch(folder: Path) -> None:
+    with contextlib.suppress(OSError):
+        os.utime(folder)
+
+
+def _modified_ns(folder: Path) -> int:
+    try:
+        return folder.stat().st_mtime_ns
+    except OSError:
+        return 0  # gone already
 
 
 def check_adapter(name: str, folder: Path, max_rank: int) -> None:

@@ -10,9 +10,9 @@ name: a name deleted and published again (``r1`` again, maybe by another organiz
 afresh, from a folder of its own, never answered with the deleted adapter's weights. An adapter's
 cached copy leaves the cache with the last replica that held it. (An adapter published before
 revisions has a timestamp for a version; a republished one is reloaded in place, once its requests
-are answered.) ``watch_forever`` looks
-at every held adapter every ``RECHECK_HELD_S``, so a deleted one leaves the replicas (and the
-cache) within seconds, not at its next request; a request still streaming with it finishes first.
+are answered.) ``watch_forever`` looks at every held adapter every ``RECHECK_HELD_S``, so a deleted
+one leaves the replicas (and the cache) within seconds, not at its next request; a request still
+streaming with it finishes first.
 
 ``ensure_mix`` does the same for a mix (``inference.adapter_mix``): its combined adapter is built
 once from the parts' cached copies (``core.lora_algebra``), written to the adapter cache under

@@ -148,9 +148,6 @@ class VllmReplica:
         process = getattr(self, "process", None)
         if process is not None and process.poll() is None:
             stop_vllm_server(process)
-        adapters = getattr(self, "adapters", None)
-        if adapters is not None:
-            adapters.stop()
         cache = getattr(self, "cache", None)
         if cache is not None:
             shutil.rmtree(cache, ignore_errors=True)

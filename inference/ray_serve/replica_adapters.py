@@ -150,6 +150,7 @@ class ReplicaAdapters:
         return await self.admin.post(f"{self.url}/v1/{action}", json=payload)
 
     def stop(self) -> None:
+        """Cancel the watcher and the unloads under way (from the replica's event loop)."""
         for task in [self._watcher, *self._background]:
             if task is not None:
                 task.cancel()

@@ -40,7 +40,7 @@ from core.internal_token import bearer
 from inference.adapter_source import AdapterSource
 from inference.http_client import HttpClient, UpstreamError
 from inference.metrics import Metrics
-from inference.ray_serve.replica_adapters import ReplicaAdapters, served_name
+from inference.ray_serve.replica_adapters import ReplicaAdapters, ServedAdapter, served_name
 from inference.replica import start_vllm_server, stop_vllm_server, vllm_environment
 
 log = logging.getLogger("inference.ray_serve.replica")
@@ -82,7 +82,7 @@ class VllmReplica:
         self._wait_until_ready()
         from ray import serve
 
-        async def load(multiplexed_id: str) -> object:  # a function: Serve keeps its LRU cache on it
+        async def load(multiplexed_id: str) -> ServedAdapter:  # a function: Serve keeps its LRU cache on it
             return await self.adapters.load(multiplexed_id)
 
         self.adapter = serve.multiplexed(max_num_models_per_replica=capacity)(load)

@@ -832,6 +832,19 @@ async def test_a_held_adapter_deleted_and_published_again_before_the_next_check_
 
 
 @pytest.mark.anyio
+async def test_a_held_adapter_deleted_and_published_again_on_a_local_path_is_reloaded_not_kept(tmp_path):
+    # The new revision's folder has the deleted one's path: only its publish id tells them apart,
+    # and the engine holds the old weights in memory until it is told to load again.
+    pool = PoolUnderTest(tmp_path, replicas=1)
+    name = pool.publish("x")
+    assert (await pool.chat(name)).status_code == 200
+    pool.store.delete(name)
+    pool.publish("x")
+    assert (await pool.chat(name)).status_code == 200
+    assert len(pool.vllm.loads(f"{name}@r1")) == 2 and [call[2] for call in pool.vllm.unloads()] == [f"{name}@r1"]
+
+
+@pytest.mark.anyio
 async def test_the_s3_cache_holds_only_the_adapters_replicas_hold_not_evicted_or_deleted_ones(
     tmp_path, s3, monkeypatch
 ):

@@ -7,9 +7,12 @@ want it at the same moment. A missing adapter is never remembered: the next requ
 
 Copies in the cache are keyed by publish (``AdapterVersion.identity``), never by name and revision
 alone: a name deleted and published again is ``r1`` again, and must not find the deleted adapter's
-copy. A copy leaves the cache when no replica holds it any more (``prune_cache``, on an eviction or a
-deletion), and any copy no replica holds or asked for in ``UNUSED_COPY_TTL_S`` goes with
-``sweep_cache`` (a load that failed, a mix's parts, what a previous run of the pool left).
+copy. A local store's adapter is read where it lies, through a link in the cache named the same way:
+vLLM keys its prefix cache by an adapter's name and path, and the new publish's folder in the store
+has the deleted one's path. A copy (or link) leaves the cache when no replica holds it any more
+(``prune_cache``, on an eviction or a deletion), and any no replica holds or asked for in
+``UNUSED_COPY_TTL_S`` goes with ``sweep_cache`` (a load that failed, a mix's parts, what a previous
+run of the pool left).
 
 When S3 is slow or unreachable, an adapter whose version is known keeps answering with it (the
 look-up goes on in the background and corrects it once S3 answers); one never seen before is a
@@ -39,6 +42,7 @@ from core.adapter_store import (
     StoreUnavailable,
     cached_copy,
     holds_publish,
+    identity_of_folder,
 )
 from core import api_errors
 from inference.metrics import Metrics
@@ -120,7 +124,7 @@ class AdapterSource:
         """A local folder holding this adapter, this publish of it (``AdapterVersion.identity``) when
         the store still has it; for S3 one download however many callers wait."""
         if self.is_local:
-            return self.store.fetch(name, self.cache_dir)
+            return _linked(self.store.fetch(name, self.cache_dir), self.cache_dir, name)
         cached = cached_copy(self.cache_dir, name, identity)
         if holds_publish(cached, identity):  # this publish was downloaded and verified already
             _touch(cached)  # asked for: not unused (``sweep_cache``)
@@ -155,36 +159,67 @@ class AdapterSource:
 
     def prune_cache(self, name: str, in_use: set[Path], newest: Path | None = None) -> None:
         """Drop synced copies that no replica holds: older than ``newest``, or all when it is None."""
-        if self.is_local:
-            return
         prefix = self.cache_dir / name
-        newest_at = newest.stat().st_mtime_ns if newest is not None else None
+        newest_at = _modified_ns(newest) if newest is not None else None
         for folder in prefix.parent.glob(f"{prefix.name}@*"):
             if folder in in_use or folder == newest or any(key[0] == name for key in self._fetches):
                 continue
             # A copy newer than the one just loaded may be about to load on another replica.
             if newest_at is None or _modified_ns(folder) < newest_at:
-                shutil.rmtree(folder, ignore_errors=True)
+                _remove(folder)
 
     def sweep_cache(self, in_use: set[Path]) -> None:
         """Drop every copy in the cache that no replica holds (``in_use``) and nobody asked for in
         ``UNUSED_COPY_TTL_S`` (a copy asked for is touched), nor is being downloaded."""
         fetching = {cached_copy(self.cache_dir, name, identity) for name, identity in self._fetches}
         oldest = time.time_ns() - int(UNUSED_COPY_TTL_S * 1e9)
-        for config in self.cache_dir.glob(f"**/*@*/{CONFIG_FILE}"):  # names hold '/': copies sit at any depth
-            folder = config.parent
+        for folder in _entries(self.cache_dir):
             if folder not in in_use and folder not in fetching and _modified_ns(folder) < oldest:
-                shutil.rmtree(folder, ignore_errors=True)
+                _remove(folder)
 
 
-def _touch(folder: Path) -> None:
+def _linked(published: Path, cache_dir: Path, name: str) -> Path:
+    """A link in the cache to a local store's folder, named for the publish it holds."""
+    link = cached_copy(cache_dir, name, identity_of_folder(published))
+    if link.is_symlink() and link.readlink() == published:
+        _touch(link)
+        return link
+    link.parent.mkdir(parents=True, exist_ok=True)
+    temporary = link.with_name(f".{link.name}.{time.time_ns()}.link")
+    temporary.symlink_to(published)
+    os.replace(temporary, link)
+    return link
+
+
+def _entries(cache_dir: Path) -> list[Path]:
+    """The copies and links in a cache (``<name>@<identity>``; names hold '/', so at any depth)."""
+    found = []
+    for folder, subfolders, files in os.walk(cache_dir):  # never into a link: the store's folders
+        for entry in subfolders + files:
+            path = Path(folder) / entry
+            if "@" in entry and not entry.startswith(".") and (path.is_symlink() or (path / CONFIG_FILE).is_file()):
+                found.append(path)
+        subfolders[:] = [entry for entry in subfolders if "@" not in entry]
+    return found
+
+
+def _remove(entry: Path) -> None:
+    """A copy, or a link to a local store's folder (never what it points at)."""
+    if entry.is_symlink():
+        with contextlib.suppress(FileNotFoundError):
+            entry.unlink()
+    else:
+        shutil.rmtree(entry, ignore_errors=True)
+
+
+def _touch(entry: Path) -> None:
     with contextlib.suppress(OSError):
-        os.utime(folder)
+        os.utime(entry, follow_symlinks=False)  # a link's own time: the store's folder is not ours
 
 
-def _modified_ns(folder: Path) -> int:
+def _modified_ns(entry: Path) -> int:
     try:
-        return folder.stat().st_mtime_ns
+        return entry.lstat().st_mtime_ns
     except OSError:
         return 0  # gone already
 

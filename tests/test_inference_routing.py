@@ -838,10 +838,33 @@ async def test_a_held_adapter_deleted_and_published_again_on_a_local_path_is_rel
     pool = PoolUnderTest(tmp_path, replicas=1)
     name = pool.publish("x")
     assert (await pool.chat(name)).status_code == 200
+    first_path = pool.vllm.loaded["http://replica-0"][f"{name}@r1"]
     pool.store.delete(name)
     pool.publish("x")
     assert (await pool.chat(name)).status_code == 200
     assert len(pool.vllm.loads(f"{name}@r1")) == 2 and [call[2] for call in pool.vllm.unloads()] == [f"{name}@r1"]
+    # from a path of its own: vLLM keys its prefix cache by an adapter's name and path, and blocks
+    # computed with the deleted weights must not answer for the new ones
+    second_path = pool.vllm.loaded["http://replica-0"][f"{name}@r1"]
+    assert second_path != first_path
+    assert (Path(second_path) / "adapter_model.safetensors").read_bytes() == b"weights x-1"
+    await pool.adapters.retire_deleted()
+    pool.store.delete(name)
+    await pool.adapters.retire_deleted()
+    await _settle()
+    assert not (tmp_path / "cache").exists() or not list((tmp_path / "cache").rglob("*@*"))  # nothing left behind
+
+
+@pytest.mark.anyio
+async def test_an_evicted_local_adapter_leaves_the_cache_and_stays_in_the_store(tmp_path):
+    pool = PoolUnderTest(tmp_path, replicas=1, max_adapters=1)
+    a, b = pool.publish("a"), pool.publish("b")
+    for name in (a, b, a):  # b's load evicts a, a's evicts b
+        assert (await pool.chat(name)).status_code == 200
+        await _settle()
+    links = [path for path in (tmp_path / "cache").rglob("*@*") if path.is_symlink()]
+    assert [link.name.partition("@")[0] for link in links] == ["SmolLM2-135M-Instruct:a"]  # b's link went
+    assert all((pool.store.path(name) / "adapter_model.safetensors").is_file() for name in (a, b))  # not b's files
 
 
 @pytest.mark.anyio

@@ -10,6 +10,14 @@ so readers of the bare name see a whole revision or the one before, never half o
   each with its SHA-256 and the revision in its metadata, so a reader that finds the config finds
   complete, verifiable data; a reader that meets objects of another revision (a move under way)
   starts again, and caches nothing until every object it read carries the config's revision.
+
+Every write of a revision also gets a publish id of its own (random), which no other write ever has:
+a name deleted and published again (by another organization, say) is ``r1`` again, but not the same
+publish. Caches are keyed by it, never by the name and revision alone, so nothing cached from the
+deleted adapter (a synced copy, an adapter an engine holds) answers for the new one. A local
+revision's folder holds it in a small file (``publish_id``, there before the folder is renamed into
+place); on S3 every object carries it in its metadata (the config's, written last, is what the
+version's HEAD reads), and a synced copy gets the file.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ import contextlib
 import hashlib
 import json
 import os
+import secrets
 import shutil
 import tempfile
 import time
@@ -32,6 +41,7 @@ from core.s3 import s3_client, split_s3_url
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
+PUBLISH_ID_FILE = "publish_id"  # in an adapter's folder: the publish it holds (see the module docstring)
 _VERSIONS = ".versions"  # local: the immutable revision folders behind the published links
 
 
@@ -58,6 +68,12 @@ _FETCH_ATTEMPTS = 5
 class AdapterVersion:
     name: str
     version: str  # the revision the name points at, ``r<N>`` (a timestamp for adapters published before revisions)
+    publish_id: str = ""  # the write of that revision (empty for adapters published before publish ids)
+
+    @property
+    def identity(self) -> str:
+        """What caches key this content by: unique to one publish, whatever its name and revision."""
+        return self.publish_id or self.version
 
 
 class AdapterStore(Protocol):
@@ -66,8 +82,9 @@ class AdapterStore(Protocol):
         store's latest), then point ``name`` at it."""
         ...
 
-    def write_revision(self, name: str, revision: int, source_dir: Path) -> None:
-        """Write revision ``revision`` of ``name``, servable pinned (``<name>@r<N>``); ``name`` does not move."""
+    def write_revision(self, name: str, revision: int, source_dir: Path) -> str:
+        """Write revision ``revision`` of ``name``, servable pinned (``<name>@r<N>``); ``name`` does not
+        move. The write's publish id."""
         ...
 
     def point(self, name: str, revision: int) -> None:
@@ -93,14 +110,38 @@ def _next_revision(published: list[str]) -> int:
     return max(numbers, default=0) + 1
 
 
-def cached_copy(cache_dir: Path, name: str, version: str) -> Path:
-    """Where a store's copy of this version of an adapter is kept in a local cache."""
-    return cache_dir / f"{name}@{version}"
+def cached_copy(cache_dir: Path, name: str, identity: str) -> Path:
+    """Where a store's copy of one publish of an adapter (``AdapterVersion.identity``) is kept in a
+    local cache."""
+    return cache_dir / f"{name}@{identity}"
 
 
 def version_of_folder(folder: Path) -> str:
-    """Version folders (local, and S3 copies in a cache) are named ``<name>@<version>``."""
+    """Version folders (local revisions, and S3 copies in a cache) are named ``<name>@<version>``."""
     return folder.name.rpartition("@")[2]
+
+
+def _new_publish_id() -> str:
+    return secrets.token_hex(8)
+
+
+def publish_id_of(folder: Path) -> str:
+    """The publish a folder holds (its ``publish_id`` file); empty for one published before them."""
+    try:
+        return (folder / PUBLISH_ID_FILE).read_text().strip()
+    except (FileNotFoundError, NotADirectoryError):
+        return ""
+
+
+def identity_of_folder(folder: Path) -> str:
+    """``AdapterVersion.identity`` of the adapter a folder holds: its publish id, or for an adapter
+    published before them the version its folder's name ends with."""
+    return publish_id_of(folder) or version_of_folder(folder)
+
+
+def holds_publish(folder: Path, identity: str) -> bool:
+    """The folder holds a complete copy of exactly this publish: a cache hit, checked."""
+    return (folder / CONFIG_FILE).is_file() and identity_of_folder(folder) == identity
 
 
 def sha256_of(path: Path) -> str:
@@ -131,23 +172,26 @@ class LocalAdapterStore:
     def publish(self, name: str, source_dir: Path, revision: int | None = None) -> AdapterVersion:
         if revision is None:
             revision = _next_revision([folder.name for folder in self._revision_folders(name)])
-        self.write_revision(name, revision, source_dir)
+        publish_id = self.write_revision(name, revision, source_dir)
         self.point(name, revision)
-        return AdapterVersion(name, revision_tag(revision))
+        return AdapterVersion(name, revision_tag(revision), publish_id)
 
-    def write_revision(self, name: str, revision: int, source_dir: Path) -> None:
+    def write_revision(self, name: str, revision: int, source_dir: Path) -> str:
         target = self.path(with_revision(name, revision))
         target.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=target.parent))
         try:
             for file in _adapter_files(source_dir):
                 shutil.copy2(file, staging / file.name)
+            publish_id = _new_publish_id()
+            (staging / PUBLISH_ID_FILE).write_text(publish_id)
             if target.exists():  # an attempt given up on published this revision: the last attempt's wins
                 target.rename(staging.with_suffix(".replaced"))
             staging.rename(target)
         finally:
             shutil.rmtree(staging, ignore_errors=True)  # a full disk leaves no partial copy behind
             shutil.rmtree(staging.with_suffix(".replaced"), ignore_errors=True)
+        return publish_id
 
     def point(self, name: str, revision: int) -> None:
         target = self.path(with_revision(name, revision))
@@ -164,7 +208,8 @@ class LocalAdapterStore:
         if not (link / CONFIG_FILE).is_file():
             return None
         resolved = link.resolve()
-        return AdapterVersion(name, version_of_folder(resolved) or str(resolved.stat().st_mtime_ns))
+        version = version_of_folder(resolved) or str(resolved.stat().st_mtime_ns)
+        return AdapterVersion(name, version, publish_id_of(resolved))
 
     def fetch(self, name: str, cache_dir: Path) -> Path:
         """A local store is already local: the published folder is what a replica loads."""
@@ -207,17 +252,20 @@ class S3AdapterStore:
             with _unavailable_on_network_errors():
                 listing = self.client.list_objects_v2(Bucket=self.bucket, Prefix=self.key(name) + "@")
             revision = _next_revision([item["Key"].rpartition("/")[0] for item in listing.get("Contents", [])])
-        self.write_revision(name, revision, source_dir)
+        publish_id = self.write_revision(name, revision, source_dir)
         self.point(name, revision)
-        return AdapterVersion(name, revision_tag(revision))
+        return AdapterVersion(name, revision_tag(revision), publish_id)
 
-    def write_revision(self, name: str, revision: int, source_dir: Path) -> None:
+    def write_revision(self, name: str, revision: int, source_dir: Path) -> str:
+        publish_id = _new_publish_id()
+        publish = {"version": revision_tag(revision), PUBLISH_ID_METADATA: publish_id}
         with _unavailable_on_network_errors():
             for file in _adapter_files(source_dir):
                 self.client.upload_file(
                     str(file), self.bucket, self.key(with_revision(name, revision), file.name),
-                    ExtraArgs={"Metadata": {"sha256": sha256_of(file), "version": revision_tag(revision)}},
+                    ExtraArgs={"Metadata": {"sha256": sha256_of(file), **publish}},
                 )  # fmt: skip
+        return publish_id
 
     def point(self, name: str, revision: int) -> None:
         """Copy the revision's objects over the name's, in the store (no download), config last."""
@@ -243,20 +291,25 @@ class S3AdapterStore:
             if exc.response["Error"]["Code"] in ("404", "NoSuchKey", "NotFound"):
                 return None
             raise
-        return AdapterVersion(name, head["Metadata"].get("version") or head["ETag"].strip('"'))
+        metadata = head["Metadata"]
+        return AdapterVersion(
+            name, metadata.get("version") or head["ETag"].strip('"'), metadata.get(PUBLISH_ID_METADATA, "")
+        )
 
     def fetch(self, name: str, cache_dir: Path) -> Path:
-        """Download into ``cache_dir/<name>@<version>`` (verified, then renamed into place)."""
+        """Download into ``cache_dir/<name>@<identity>`` (verified, then renamed into place); a copy
+        there already is used when it holds this very publish."""
         for attempt in range(_FETCH_ATTEMPTS):
             current = self.version(name)
             if current is None:
                 raise AdapterNotFound(name)
-            target = cached_copy(cache_dir, name, current.version)
-            if (target / CONFIG_FILE).is_file():
+            target = cached_copy(cache_dir, name, current.identity)
+            if holds_publish(target, current.identity):
                 return target
+            shutil.rmtree(target, ignore_errors=True)  # not this publish (an older pool's copy): fetched again
             try:
                 with _unavailable_on_network_errors():
-                    self._download(name, current.version, target)
+                    self._download(name, current, target)
                 return target
             except _VersionMoved:
                 time.sleep(0.1 * 2**attempt)  # the publisher writes the config last: give it time
@@ -274,7 +327,7 @@ class S3AdapterStore:
                 raise AdapterNotFound(name) from None
             raise
 
-    def _download(self, name: str, version: str, target: Path) -> None:
+    def _download(self, name: str, current: AdapterVersion, target: Path) -> None:
         target.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=".download-", dir=target.parent))
         try:
@@ -283,8 +336,7 @@ class S3AdapterStore:
                 filename = item["Key"].rpartition("/")[2]
                 # Body and metadata from one GET: they belong to the same write of the object.
                 answer = self.client.get_object(Bucket=self.bucket, Key=item["Key"])
-                published_as = answer["Metadata"].get("version")
-                if published_as not in (None, version):
+                if not _of_publish(answer["Metadata"], current):
                     if filename in (CONFIG_FILE, WEIGHTS_FILE):
                         raise _VersionMoved(item["Key"])
                     continue  # a file an older version had and this one does not
@@ -298,6 +350,8 @@ class S3AdapterStore:
                     raise CorruptAdapter(f"{item['Key']}: checksum mismatch")
             if not (staging / CONFIG_FILE).is_file() or not (staging / WEIGHTS_FILE).is_file():
                 raise _VersionMoved(name)  # deleted or being replaced while listed
+            if current.publish_id:
+                (staging / PUBLISH_ID_FILE).write_text(current.publish_id)
             staging.rename(target)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
@@ -310,6 +364,16 @@ class S3AdapterStore:
             listing = self.client.list_objects_v2(Bucket=self.bucket, Prefix=prefix)
             for item in listing.get("Contents", []):
                 self.client.delete_object(Bucket=self.bucket, Key=item["Key"])
+
+
+PUBLISH_ID_METADATA = "publish-id"  # S3 metadata: the publish an object was written by
+
+
+def _of_publish(metadata: dict[str, str], current: AdapterVersion) -> bool:
+    """An object written by the publish the config names (objects from before revisions or publish
+    ids carry neither, and belong to whatever the config says)."""
+    same_revision = metadata.get("version") in (None, current.version)
+    return same_revision and metadata.get(PUBLISH_ID_METADATA, "") == current.publish_id
 
 
 @contextlib.contextmanager

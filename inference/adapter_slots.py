@@ -30,7 +30,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from core.adapter_store import version_of_folder
+from core.adapter_store import identity_of_folder
 from core.catalog import LoraConfig
 from inference.adapter_mix import is_mix_name
 
@@ -39,7 +39,7 @@ UNLOAD_GRACE_S = 1.0  # after an adapter's last request: time for the engine to 
 
 @dataclass(frozen=True)
 class HeldAdapter:
-    version: str
+    version: str  # the publish it was loaded from (``AdapterVersion.identity``); a mix's digest
     folder: Path
 
 
@@ -132,7 +132,7 @@ class AdapterSlots:
             self.forget(name)
         for name, folder in loaded.items():
             if name not in self.held:
-                self.held[name] = HeldAdapter(version_of_folder(folder), folder)
+                self.held[name] = HeldAdapter(identity_of_folder(folder), folder)
 
     def clear(self) -> None:
         """The replica's engine exited: whatever it held is gone."""

@@ -5,10 +5,14 @@
 that revision there through vLLM's ``/v1/load_lora_adapter`` (evicting the least recently used
 idle one when the replica is full, see ``inference.adapter_slots``), and unloads it everywhere once
 the store no longer has it. A new revision is a new adapter beside the old one, which leaves as any
-idle adapter does. (An adapter published before revisions has a timestamp for a version; a
-republished one is reloaded in place, once its requests are answered.) ``watch_forever`` looks
-at every held adapter every ``RECHECK_HELD_S``, so a deleted one leaves the replicas (and the
-cache) within seconds, not at its next request; a request still streaming with it finishes first.
+idle adapter does. What a replica holds is known by publish (``AdapterVersion.identity``), not by
+name: a name deleted and published again (``r1`` again, maybe by another organization) is loaded
+afresh, from a folder of its own, never answered with the deleted adapter's weights. An adapter's
+cached copy leaves the cache with the last replica that held it. (An adapter published before
+revisions has a timestamp for a version; a republished one is reloaded in place, once its requests
+are answered.) ``watch_forever`` looks at every held adapter every ``RECHECK_HELD_S``, so a deleted
+one leaves the replicas (and the cache) within seconds, not at its next request; a request still
+streaming with it finishes first.
 
 ``ensure_mix`` does the same for a mix (``inference.adapter_mix``): its combined adapter is built
 once from the parts' cached copies (``core.lora_algebra``), written to the adapter cache under
@@ -35,14 +39,14 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from core.adapter_store import AdapterNotFound, CorruptAdapter, StoreUnavailable, version_of_folder
+from core.adapter_store import identity_of_folder
 from core import api_errors
 from core.catalog import BaseModel
 from core.model_names import pinned_name
 from inference import adapter_slots
 from inference.adapter_mix import MIXES_FOLDER, Mix, MixPart
 from inference.adapter_slots import AdapterSlots, HeldAdapter, OwnAdaptersBusy, Victim
-from inference.adapter_source import AdapterSource, check_adapter
+from inference.adapter_source import AdapterSource
 from core.lora_algebra import CannotMix, Part, rank_of, write_combined
 from inference.metrics import Metrics
 from inference.periodic import every
@@ -91,13 +95,13 @@ class AdapterManager:
 
     async def pinned(self, base_id: str, name: str) -> tuple[str, str]:
         """``name`` pinned to the revision the store publishes for it now
-        (``core.model_names.pinned_name``), and that revision's version, for ``ensure``."""
-        version = await self.sources[base_id].version(name)
-        if version is None:
+        (``core.model_names.pinned_name``), and that publish's identity, for ``ensure``."""
+        found = await self.sources[base_id].version(name)
+        if found is None:
             for held in self._held_revisions(name):  # deleted: its revisions leave every replica now
                 self.retire_everywhere(held)
             raise api_errors.adapter_not_found(name)
-        return pinned_name(name, version), version
+        return pinned_name(name, found.version), found.identity
 
     def _held_revisions(self, name: str) -> set[str]:
         return {held for replica in self.replicas for held in replica.adapters.held if held.partition("@")[0] == name}
@@ -105,12 +109,13 @@ class AdapterManager:
     async def ensure(
         self, replica: Replica, name: str, version: str | None = None, organization: str | None = None
     ) -> None:
-        """``version``: the one ``pinned`` just read for this name (a pinned revision never changes);
-        None: read it from the store. ``organization``: whose request it is (None: not named)."""
+        """``version``: the publish identity ``pinned`` just read for this name; None: read it from
+        the store. ``organization``: whose request it is (None: not named)."""
         base = replica.model
         source = self.sources[base.id]
         if version is None:
-            version = await source.version(name)
+            found = await source.version(name)
+            version = found.identity if found else None
         if version is None:
             self.retire_everywhere(name)
             raise api_errors.adapter_not_found(name)
@@ -143,22 +148,13 @@ class AdapterManager:
         source.prune_cache(name, self._held_folders(), newest=folder)
 
     async def _checked_folder(self, base: BaseModel, source: AdapterSource, name: str, version: str) -> Path:
-        """A local copy of this version of the adapter, checked as vLLM would check it."""
+        """A local copy of this publish of the adapter, checked as vLLM would check it."""
         try:
-            folder = await source.folder(name, version)
-        except AdapterNotFound:
-            raise api_errors.adapter_not_found(name) from None
-        except CorruptAdapter as exc:
-            self.metrics.adapter_loads.labels(base.id, "failed").inc()
-            raise api_errors.adapter_invalid(name, f"its files do not match their checksums ({exc})") from None
-        except StoreUnavailable as exc:
-            raise api_errors.adapter_store_unavailable(name, str(exc)) from None
-        try:
-            check_adapter(name, folder, base.lora.max_lora_rank)
-        except api_errors.ApiError:
-            self.metrics.adapter_loads.labels(base.id, "failed").inc()
+            return await source.checked_folder(name, version, base.lora.max_lora_rank)
+        except api_errors.ApiError as exc:
+            if exc.code not in ("adapter_not_found", "adapter_store_unavailable"):  # the adapter's own fault
+                self.metrics.adapter_loads.labels(base.id, "failed").inc()
             raise
-        return folder
 
     async def _install(self, replica: Replica, name: str, version: str, folder: Path) -> None:
         """Load ``folder`` as ``name`` on the replica, making room in its slots first."""
@@ -170,8 +166,8 @@ class AdapterManager:
         for victim, reason in await self._room_for(replica, name):
             await self._evict(replica, victim, reason)
         await self._load(replica, name, folder)
-        # The folder names the version actually fetched (the store may have moved on meanwhile).
-        slots.add(name, HeldAdapter(version_of_folder(folder) or version, folder))
+        # The folder holds the publish actually fetched (the store may have moved on meanwhile).
+        slots.add(name, HeldAdapter(identity_of_folder(folder) or version, folder))
         self._trim_when_idle(replica)
 
     async def _room_for(self, replica: Replica, name: str) -> list[Victim]:
@@ -220,10 +216,10 @@ class AdapterManager:
         source = self.sources[base_id]
         parts = []
         for name, scale in scales.items():
-            version = await source.version(name)
-            if version is None:
+            found = await source.version(name)
+            if found is None:
                 raise api_errors.adapter_not_found(name, param="adapters")
-            parts.append(MixPart(name, version, scale))
+            parts.append(MixPart(name, found.identity, scale))
         return Mix(base_id, tuple(parts))
 
     async def ensure_mix(self, replica: Replica, mix: Mix, organization: str | None = None) -> None:
@@ -286,7 +282,8 @@ class AdapterManager:
     async def _mix_outdated(self, mix: Mix) -> bool:
         source = self.sources[mix.base_id]
         for part in mix.parts:
-            if await source.version(part.name) != part.version:
+            found = await source.version(part.name)
+            if found is None or found.identity != part.version:
                 return True
         return False
 
@@ -320,19 +317,28 @@ class AdapterManager:
         await every(RECHECK_HELD_S, self.retire_deleted, "checking the held adapters against the store")
 
     async def retire_deleted(self) -> None:
-        """Unload, everywhere, the held adapters the store no longer has."""
-        held = {(replica.model.id, name) for replica in self.replicas for name in replica.adapters.held}
-        for base_id, name in held:
+        """Unload, everywhere, the held adapters the store no longer has (under its name, a publish
+        of another adapter is not it); then drop cached copies nobody uses."""
+        held = {
+            (replica.model.id, name, adapter.version)
+            for replica in self.replicas
+            for name, adapter in replica.adapters.held.items()
+        }
+        for base_id, name, identity in held:
             mix = self.mixes.get(name)
             try:
                 if mix is not None:
                     deleted = await self._mix_outdated(mix)
                 else:
-                    deleted = await self.sources[base_id].version(name) is None
+                    found = await self.sources[base_id].version(name)
+                    deleted = found is None or found.identity != identity
             except api_errors.ApiError:  # the store cannot say (S3 down): keep it until it can
                 continue
             if deleted:
                 self.retire_everywhere(name)
+        in_use = self._held_folders()
+        for source in {source.cache_dir: source for source in self.sources.values()}.values():
+            source.sweep_cache(in_use)
 
     def retire_everywhere(self, name: str) -> None:
         """The store no longer has it: unload it from every replica, once its requests are answered."""
@@ -349,8 +355,6 @@ class AdapterManager:
                 await _until_idle(slots, name)
                 if slots.forget(name) is not None:
                     await self._unload(replica, name, "deleted")
-            if name not in self.mixes:
-                self.sources[replica.model.id].prune_cache(name, self._held_folders())
         finally:
             self._retiring.discard(key)
 
@@ -381,8 +385,16 @@ class AdapterManager:
             return  # a replica that is gone holds nothing
         finally:
             self._drop_unused_mix(name)
+            self._drop_unused_copy(replica, name)
         self.metrics.adapter_evictions.labels(replica.model.id, reason).inc()
         log.info("unloaded %s from %s (%s)", name, replica.url, reason)
+
+    def _drop_unused_copy(self, replica: Replica, name: str) -> None:
+        """Delete the cached copies of an adapter once no replica holds or loads it (evicted,
+        replaced or deleted): a copy is not kept for a later request, which fetches it again."""
+        if name in self.mixes or any(other.adapters.holds(name) for other in self.replicas):
+            return
+        self.sources[replica.model.id].prune_cache(name, self._held_folders())
 
     def _held_folders(self) -> set[Path]:
         return {held.folder for replica in self.replicas for held in replica.adapters.held.values()}

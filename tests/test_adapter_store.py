@@ -172,3 +172,30 @@ def test_a_local_publish_that_fails_leaves_no_partial_copy(tmp_path, monkeypatch
     monkeypatch.undo()
     assert (store.path(NAME) / WEIGHTS_FILE).read_bytes() == b"one"
     assert not list((tmp_path / "dynamic").rglob(".staging-*"))
+
+
+def test_every_publish_has_an_id_of_its_own_even_under_a_name_used_before(store, tmp_path):
+    first = store.publish(NAME, _adapter(tmp_path / "v1", b"one"))
+    second = store.publish(NAME, _adapter(tmp_path / "v2", b"two"))
+    assert first.publish_id and second.publish_id and first.publish_id != second.publish_id
+    assert store.version(NAME).publish_id == second.publish_id
+    store.point(NAME, 1)  # a rollback answers with r1's own content, so with r1's id
+    assert store.version(NAME).publish_id == first.publish_id == store.version(f"{NAME}@r1").publish_id
+    store.delete(NAME)
+    again = store.publish(NAME, _adapter(tmp_path / "v3", b"three"))  # r1 again, other bytes
+    assert again.version == first.version and again.publish_id not in (first.publish_id, second.publish_id)
+
+
+@pytest.mark.parametrize("name", [NAME, f"{NAME}@r1"])
+def test_s3_a_deleted_adapters_cached_copy_never_answers_for_a_new_one_under_its_name(s3, tmp_path, name):
+    # Alice's adapter is synced into the cache, then deleted; another organization publishes
+    # other weights under the same name, which is its r1 too: the cache must not answer with alice's.
+    store = adapter_store(f"s3://adapters/reused-{tmp_path.name}", s3)
+    cache = tmp_path / "cache"
+    store.publish(NAME, _adapter(tmp_path / "alice", b"alice's weights"))
+    assert (store.fetch(name, cache) / WEIGHTS_FILE).read_bytes() == b"alice's weights"
+    store.delete(NAME)
+    store.publish(NAME, _adapter(tmp_path / "charlie", b"charlie's weights"))
+    fetched = store.fetch(name, cache)
+    assert (fetched / WEIGHTS_FILE).read_bytes() == b"charlie's weights"
+    assert sha256_of(fetched / WEIGHTS_FILE) == sha256_of(tmp_path / "charlie" / WEIGHTS_FILE)

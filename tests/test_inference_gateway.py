@@ -398,8 +398,9 @@ def test_a_new_pool_reads_back_what_a_running_replica_already_holds(alice, make_
             await fresh.read_back_adapters(client)
 
     asyncio.run(read_back())
-    served = f"{name}@{adapter_store().version(name).version}"
-    assert fresh.holds(served) and fresh.adapters.version(served) == "r1"
+    published = adapter_store().version(name)
+    served = f"{name}@{published.version}"
+    assert fresh.holds(served) and fresh.adapters.version(served) == published.identity  # the publish it holds
 
 
 # Last: it restarts the session's engine.

@@ -774,3 +774,127 @@ async def test_it_downloads_an_s3_adapter_while_its_request_waits_for_a_replica_
     response = await pool.chat(name)
     assert response.status_code == 200 and downloaded_during_start == [1]
     assert downloads._value.get() == 1  # the request's own load used the copy fetched meanwhile
+
+
+def _weights_loaded(pool: PoolUnderTest, served: str) -> bytes:
+    """The weights file of the folder the replica loaded ``served`` from."""
+    folders = [held[served] for held in pool.vllm.loaded.values() if served in held]
+    assert len(folders) == 1, folders
+    return (Path(folders[0]) / "adapter_model.safetensors").read_bytes()
+
+
+def _cached_weights(tmp_path: Path) -> list[Path]:
+    return sorted((tmp_path / "cache").rglob("adapter_model.safetensors"))
+
+
+@pytest.mark.anyio
+async def test_an_evicted_then_deleted_s3_adapters_copy_never_answers_for_a_new_model_under_its_name(
+    tmp_path, s3, monkeypatch
+):
+    monkeypatch.setattr(adapter_source, "REMOTE_VERSION_TTL_S", 0.0)  # each look at S3 sees what it holds now
+    pool = PoolUnderTest(tmp_path, replicas=1, max_adapters=1, dynamic=f"s3://adapters/{tmp_path.name}", s3=s3)
+    name = pool.publish("x")  # alice's organization's model
+    alices = (tmp_path / "out" / "x-0" / "adapter_model.safetensors").read_bytes()
+    assert (await pool.chat(name)).status_code == 200
+    assert (await pool.chat(pool.publish("y"))).status_code == 200  # x is evicted
+    await _settle()
+    pool.store.delete(name)  # alice deletes it
+    await pool.adapters.retire_deleted()
+    await _settle()
+    pool.publish("x")  # charlie's organization publishes other weights under the same name: r1 again
+    charlies = (tmp_path / "out" / "x-2" / "adapter_model.safetensors").read_bytes()
+    answer = await pool.chat(name)
+    assert answer.status_code == 200 and answer.json()["model"] == f"{name}@r1"
+    assert _weights_loaded(pool, f"{name}@r1") == charlies != alices
+
+
+@pytest.mark.anyio
+async def test_a_held_adapter_deleted_and_published_again_before_the_next_check_is_loaded_afresh(
+    tmp_path, s3, monkeypatch
+):
+    monkeypatch.setattr(adapter_source, "REMOTE_VERSION_TTL_S", 0.0)
+    pool = PoolUnderTest(tmp_path, replicas=1, dynamic=f"s3://adapters/{tmp_path.name}", s3=s3)
+    name = pool.publish("x")
+    assert (await pool.chat(name)).status_code == 200
+    first_path = pool.vllm.loaded["http://replica-0"][f"{name}@r1"]
+    pool.store.delete(name)  # no request and no check in between: the replica still holds it
+    pool.publish("x")
+    charlies = (tmp_path / "out" / "x-1" / "adapter_model.safetensors").read_bytes()
+    assert (await pool.chat(name)).status_code == 200
+    assert _weights_loaded(pool, f"{name}@r1") == charlies
+    # vLLM got it as a new adapter (unloaded, then loaded from another folder: a new int id, and a
+    # prefix-cache key of its own), not the old weights under the old name
+    assert [call[2] for call in pool.vllm.unloads()] == [f"{name}@r1"]
+    assert pool.vllm.loaded["http://replica-0"][f"{name}@r1"] != first_path
+    await _settle()
+    loaded_from = Path(pool.vllm.loaded["http://replica-0"][f"{name}@r1"])
+    assert [path.parent for path in _cached_weights(tmp_path)] == [loaded_from]  # alice's copy went
+
+
+@pytest.mark.anyio
+async def test_a_held_adapter_deleted_and_published_again_on_a_local_path_is_reloaded_not_kept(tmp_path):
+    # The new revision's folder has the deleted one's path: only its publish id tells them apart,
+    # and the engine holds the old weights in memory until it is told to load again.
+    pool = PoolUnderTest(tmp_path, replicas=1)
+    name = pool.publish("x")
+    assert (await pool.chat(name)).status_code == 200
+    first_path = pool.vllm.loaded["http://replica-0"][f"{name}@r1"]
+    pool.store.delete(name)
+    pool.publish("x")
+    assert (await pool.chat(name)).status_code == 200
+    assert len(pool.vllm.loads(f"{name}@r1")) == 2 and [call[2] for call in pool.vllm.unloads()] == [f"{name}@r1"]
+    # from a path of its own: vLLM keys its prefix cache by an adapter's name and path, and blocks
+    # computed with the deleted weights must not answer for the new ones
+    second_path = pool.vllm.loaded["http://replica-0"][f"{name}@r1"]
+    assert second_path != first_path
+    assert (Path(second_path) / "adapter_model.safetensors").read_bytes() == b"weights x-1"
+    await pool.adapters.retire_deleted()
+    pool.store.delete(name)
+    await pool.adapters.retire_deleted()
+    await _settle()
+    assert not (tmp_path / "cache").exists() or not list((tmp_path / "cache").rglob("*@*"))  # nothing left behind
+
+
+@pytest.mark.anyio
+async def test_an_evicted_local_adapter_leaves_the_cache_and_stays_in_the_store(tmp_path):
+    pool = PoolUnderTest(tmp_path, replicas=1, max_adapters=1)
+    a, b = pool.publish("a"), pool.publish("b")
+    for name in (a, b, a):  # b's load evicts a, a's evicts b
+        assert (await pool.chat(name)).status_code == 200
+        await _settle()
+    links = [path for path in (tmp_path / "cache").rglob("*@*") if path.is_symlink()]
+    assert [link.name.partition("@")[0] for link in links] == ["SmolLM2-135M-Instruct:a"]  # b's link went
+    assert all((pool.store.path(name) / "adapter_model.safetensors").is_file() for name in (a, b))  # not b's files
+
+
+@pytest.mark.anyio
+async def test_the_s3_cache_holds_only_the_adapters_replicas_hold_not_evicted_or_deleted_ones(
+    tmp_path, s3, monkeypatch
+):
+    monkeypatch.setattr(adapter_source, "REMOTE_VERSION_TTL_S", 0.0)
+    pool = PoolUnderTest(tmp_path, replicas=2, max_adapters=1, dynamic=f"s3://adapters/{tmp_path.name}", s3=s3)
+    names = [pool.publish(f"s{i}") for i in range(6)]
+    for name in names:  # each evicts the one before on its replica
+        assert (await pool.chat(name)).status_code == 200
+        await _settle()
+    held = {Path(folder) / "adapter_model.safetensors" for loaded in pool.vllm.loaded.values() for folder in loaded.values()}  # noqa: E501
+    assert len(held) <= 2 and set(_cached_weights(tmp_path)) == held
+    for name in names:
+        pool.store.delete(name)
+    await pool.adapters.retire_deleted()
+    await _settle()
+    assert _cached_weights(tmp_path) == [] and all(loaded == {} for loaded in pool.vllm.loaded.values())
+
+
+@pytest.mark.anyio
+async def test_a_cached_copy_no_replica_holds_goes_once_nobody_asked_for_it_for_a_while(tmp_path, s3, monkeypatch):
+    pool = PoolUnderTest(tmp_path, replicas=1, dynamic=f"s3://adapters/{tmp_path.name}", s3=s3)
+    refused = await pool.chat(pool.publish("wide", rank=32))  # downloaded, then refused: no replica holds it
+    assert refused.status_code == 400 and len(_cached_weights(tmp_path)) == 1
+    await pool.adapters.retire_deleted()
+    assert len(_cached_weights(tmp_path)) == 1  # asked for a moment ago: kept
+    monkeypatch.setattr(adapter_source, "UNUSED_COPY_TTL_S", 0.0)
+    assert (await pool.chat(pool.publish("held"))).status_code == 200
+    await pool.adapters.retire_deleted()
+    held = Path(pool.vllm.loaded["http://replica-0"][pool.served(f"{BASE}:held")])
+    assert [path.parent for path in _cached_weights(tmp_path)] == [held]  # the orphan went, the held copy stays

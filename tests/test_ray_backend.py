@@ -91,6 +91,146 @@ def test_the_gateway_sends_a_ray_models_requests_to_ray_serve_and_the_others_to_
     assert serving_url(f"{BASE}:tuned", "/v1/chat/completions") == "http://pool:8100/v1/chat/completions"
 
 
+# --- adapters on Ray replicas, by publish (a fake vLLM server, no engine) -------------------------
+
+
+def _publish_alices(store, tmp_path: Path) -> tuple[str, bytes]:
+    """Alice's organization's adapter, published as ``<base>:x``; its name and weights."""
+    from tests.test_inference_routing import _adapter_folder
+
+    name, alice = f"{BASE}:x", _adapter_folder(tmp_path / "alice")
+    store.publish(name, alice)
+    return name, (alice / "adapter_model.safetensors").read_bytes()
+
+
+def test_ray_routes_a_name_deleted_and_published_again_as_another_model(tmp_path, monkeypatch):
+    import asyncio
+
+    from core.adapter_store import adapter_store as store_for
+    from inference import adapter_source
+    from inference.ray_serve.ingress import Ingress
+    from tests.test_inference_routing import _adapter_folder
+
+    monkeypatch.setattr(adapter_source, "REMOTE_VERSION_TTL_S", 0.0)
+    model = _load(tmp_path, _catalog_text()).get(BASE)
+    ingress = Ingress({}, (model,), "test")
+    store = store_for(model.lora.dynamic_lora_loading_path, None)
+    name, _ = _publish_alices(store, tmp_path)
+    alices = asyncio.run(ingress._pinned(model, name))
+    store.delete(name)
+    store.publish(name, _adapter_folder(tmp_path / "charlie"))  # charlie's organization: r1 again
+    charlies = asyncio.run(ingress._pinned(model, name))
+    assert alices != charlies  # Ray would send charlie's requests to the replica holding alice's adapter
+    assert alices[0] == charlies[0] == f"{name}@r1"  # what vLLM answers under, for both
+
+
+@pytest.fixture(scope="module")
+def s3():
+    from tests.s3 import s3_server
+
+    with s3_server("ray-adapters") as settings:
+        yield settings
+
+
+@dataclass
+class ReplicaUnderTest:
+    adapters: object
+    vllm: object
+    store: object
+    cache: Path
+
+    def held(self) -> dict:
+        return self.vllm.loaded.get("http://replica", {})
+
+    def cached_weights(self) -> list[Path]:
+        return sorted(self.cache.rglob("adapter_model.safetensors"))
+
+    async def routing_id(self, name: str) -> str:
+        from core.model_names import pinned_name
+        from inference.ray_serve.replica_adapters import routing_id
+
+        found = self.store.version(name)
+        return routing_id(pinned_name(name, found.version), found.identity)
+
+
+def _replica_under_test(tmp_path: Path, s3) -> ReplicaUnderTest:
+    from core.adapter_store import adapter_store as store_for
+    from inference.adapter_source import AdapterSource
+    from inference.metrics import Metrics
+    from inference.ray_serve.replica_adapters import ReplicaAdapters
+    from inference.server import admin_client
+    from tests.test_inference_routing import TOKEN, FakeVllm
+
+    store = store_for(f"s3://ray-adapters/{tmp_path.name}", s3)
+    vllm = FakeVllm()
+    admin = admin_client(TOKEN, transport=httpx.MockTransport(vllm.handler))
+    source = AdapterSource(store, tmp_path / "cache", Metrics(), BASE)
+    return ReplicaUnderTest(ReplicaAdapters(source, admin, "http://replica", 16, 2), vllm, store, tmp_path / "cache")
+
+
+@pytest.fixture
+def no_unload_grace(monkeypatch):
+    from inference import adapter_slots, adapter_source
+
+    monkeypatch.setattr(adapter_slots, "UNLOAD_GRACE_S", 0.0)
+    monkeypatch.setattr(adapter_source, "REMOTE_VERSION_TTL_S", 0.0)
+
+
+def test_a_ray_replica_never_answers_a_new_model_with_a_deleted_ones_weights_and_keeps_no_copy(
+    tmp_path, s3, no_unload_grace
+):
+    import asyncio
+
+    from tests.test_inference_routing import _adapter_folder
+
+    async def scenario() -> None:
+        replica = _replica_under_test(tmp_path, s3)
+        name, alices = _publish_alices(replica.store, tmp_path)
+        alices_entry = await replica.adapters.load(await replica.routing_id(name))
+        assert (Path(replica.held()[f"{name}@r1"]) / "adapter_model.safetensors").read_bytes() == alices
+        replica.store.delete(name)
+        charlie = _adapter_folder(tmp_path / "charlie")
+        replica.store.publish(name, charlie)  # before the replica's next check: it still holds alice's
+        await replica.adapters.load(await replica.routing_id(name))
+        weights = (Path(replica.held()[f"{name}@r1"]) / "adapter_model.safetensors").read_bytes()
+        assert weights == (charlie / "adapter_model.safetensors").read_bytes() != alices
+        await alices_entry.__del__()  # Ray evicts alice's id later: charlie's adapter stays
+        for _ in range(20):
+            await asyncio.sleep(0.01)
+        assert f"{name}@r1" in replica.held() and len(replica.cached_weights()) == 1
+        replica.adapters.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_ray_replica_unloads_evicted_and_deleted_adapters_and_drops_their_cached_copies(
+    tmp_path, s3, no_unload_grace
+):
+    import asyncio
+
+    from tests.test_inference_routing import _adapter_folder
+
+    async def scenario() -> None:
+        replica = _replica_under_test(tmp_path, s3)
+        names = [f"{BASE}:s{i}" for i in range(3)]
+        for index, name in enumerate(names):
+            replica.store.publish(name, _adapter_folder(tmp_path / f"s{index}"))
+        evicted, deleted, kept = [await replica.adapters.load(await replica.routing_id(name)) for name in names]
+        assert len(replica.cached_weights()) == 3
+        await evicted.__del__()  # as Ray's least-recently-used eviction calls it
+        replica.store.delete(names[1])  # no request for it: the replica's own check finds it gone
+        deadline = time.monotonic() + 10
+        while len(replica.held()) > 1 and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        assert set(replica.held()) == {f"{names[2]}@r1"}
+        assert time.monotonic() < deadline - 5  # within seconds (one check every RECHECK_HELD_S)
+        assert [path.parent for path in replica.cached_weights()] == [Path(replica.held()[f"{names[2]}@r1"])]
+        assert kept.name == f"{names[2]}@r1" and deleted.name == f"{names[1]}@r1"
+        replica.adapters.stop()
+
+    asyncio.run(scenario())
+
+
 # --- served ---------------------------------------------------------------------------------------
 
 

@@ -5,8 +5,9 @@ answers: the same routes, the same errors, a stream stays a stream. What it does
 
 - refuse a caller without the internal token (401);
 - pin a fine-tuned model's name to the revision the dynamic LoRA path publishes now
-  (``<base>:<suffix>@rN``, as the pool does), and make that the request's multiplexed model id,
-  so Ray routes it to a replica that holds that revision and a stream stays on its revision;
+  (``<base>:<suffix>@rN``, as the pool does), and make that, with the publish it answers with, the
+  request's multiplexed model id (``replica_adapters.routing_id``), so Ray routes it to a replica
+  that holds that very publish and a stream stays on its revision;
 - wait for a model scaled to zero up to its ``cold_start_wait_s``, then answer 503 with
   Retry-After (Ray holds the request meanwhile and starts a replica for it);
 - ``GET /health``: each model's state from Serve's own status ("ready" on N replicas,
@@ -38,6 +39,7 @@ from inference.metrics import Metrics
 from inference.pool import COLD_START_RETRY_AFTER_S
 from inference.protocol import routed_fields, with_fields
 from inference.ray_serve.replica import STARTED, Head
+from inference.ray_serve.replica_adapters import routing_id
 from inference.served_model import served_model
 
 _ATTEMPTS = 3  # replicas a request may be offered to when the first ones die before taking it
@@ -78,22 +80,25 @@ class Ingress:
         except api_errors.ApiError as exc:
             return _error(exc)
 
-    async def _pinned(self, base: BaseModel, model: str) -> str:
-        version = await self.sources[base.id].version(model)
-        if version is None:
+    async def _pinned(self, base: BaseModel, model: str) -> tuple[str, str]:
+        """The name vLLM answers ``model`` under now (pinned to its revision), and the multiplexed
+        model id Ray routes it by (that name at the publish the store has now)."""
+        found = await self.sources[base.id].version(model)
+        if found is None:
             raise api_errors.adapter_not_found(model)
-        return pinned_name(model, version)
+        pinned = pinned_name(model, found.version)
+        return pinned, routing_id(pinned, found.identity)
 
     async def _complete(self, body: bytes, endpoint: str) -> Response:
         fields = routed_fields(body)
         base, fine_tuned = served_model(self.catalog, fields.model)
         if fields.adapters is not None:
             raise api_errors.mix_not_supported(base.id)
-        adapter = ""
+        routed_as = ""
         if fine_tuned:
-            adapter = await self._pinned(base, fields.model)
+            adapter, routed_as = await self._pinned(base, fields.model)
             body = body if adapter == fields.model else with_fields(body, model=adapter)
-        answer = await self._taken(base, adapter, endpoint, body)
+        answer = await self._taken(base, routed_as, endpoint, body)
         try:
             head: Head = await answer.__anext__()
             if fields.stream and head.status < 400:
@@ -110,11 +115,11 @@ class Ingress:
             raise api_errors.from_replica(head.status, raw)
         return Response(raw, status_code=head.status, media_type=head.content_type)
 
-    async def _taken(self, base: BaseModel, adapter: str, endpoint: str, body: bytes) -> Any:
+    async def _taken(self, base: BaseModel, routed_as: str, endpoint: str, body: bytes) -> Any:
         """The request's answer stream, once a replica has taken the request. It waits while none
         can (scaled to zero, or all full), up to the model's ``cold_start_wait_s``; a replica that
         dies before it takes the request (a node lost) is replaced by another."""
-        handle = self.replicas[base.id].options(stream=True, multiplexed_model_id=adapter)
+        handle = self.replicas[base.id].options(stream=True, multiplexed_model_id=routed_as)
         for _ in range(_ATTEMPTS):
             answer = handle.answer.remote(endpoint, body)
             try:
@@ -138,8 +143,8 @@ class Ingress:
         base, fine_tuned = served_model(self.catalog, model)
         if not fine_tuned:
             raise api_errors.model_not_found(model)
-        pinned = await self._pinned(base, model)
-        await self.replicas[base.id].options(multiplexed_model_id=pinned).preload.remote()
+        pinned, routed_as = await self._pinned(base, model)
+        await self.replicas[base.id].options(multiplexed_model_id=routed_as).preload.remote()
         return JSONResponse({"model": pinned, "replicas": 1})
 
     async def _health(self) -> dict:

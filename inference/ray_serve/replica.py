@@ -6,12 +6,14 @@ loopback port of its Ray worker's host, and relays requests to it. So the JSON m
 answers are the embedded pool's, token for token, and the kernels apply without reaching into the
 processes vLLM spawns. Ray restarts the replica when ``check_health`` fails (the server died).
 
-Adapters are Ray Serve's multiplexed models: Ray routes a request for ``<base>:<suffix>@rN`` to a
-replica that holds it, and this replica loads it on its first request, read from the dynamic LoRA
-path through the same checksum-verified cache the pool uses (``inference.adapter_source``): on
-another host, that path is S3, never a folder on the publisher's disk. Ray evicts the least
-recently used adapter past ``max_num_adapters_per_replica``; the unload waits for the adapter's
-requests to end (Ray's own eviction does not).
+Adapters are Ray Serve's multiplexed models: Ray routes a request for ``<base>:<suffix>@rN`` (at
+the publish the store has now, ``replica_adapters.routing_id``) to a replica that holds it, and this
+replica loads it on its first request, read from the dynamic LoRA path through the same
+checksum-verified cache the pool uses (``inference.adapter_source``): on another host, that path is
+S3, never a folder on the publisher's disk. Ray evicts the least recently used adapter past
+``max_num_adapters_per_replica``; the unload waits for the adapter's requests to end (Ray's own
+eviction does not). A deleted adapter leaves within seconds, and a cached copy leaves with its
+adapter (``inference.ray_serve.replica_adapters``); the replica's cache goes with the replica.
 
 A request is a stream of items from ``answer``: ``STARTED`` at once (the ingress stops counting a
 cold start there), then a ``Head``, then the body's bytes.
@@ -19,13 +21,12 @@ cold start there), then a ``Head``, then the body's bytes.
 
 from __future__ import annotations
 
-import asyncio
 import logging
+import shutil
 import socket
 import tempfile
 import time
-from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,9 +37,10 @@ from core.adapter_store import adapter_store
 from core.catalog import BaseModel
 from core.config import load_config
 from core.internal_token import bearer
-from inference.adapter_source import AdapterSource, check_adapter
+from inference.adapter_source import AdapterSource
 from inference.http_client import HttpClient, UpstreamError
 from inference.metrics import Metrics
+from inference.ray_serve.replica_adapters import ReplicaAdapters, ServedAdapter, served_name
 from inference.replica import start_vllm_server, stop_vllm_server, vllm_environment
 
 log = logging.getLogger("inference.ray_serve.replica")
@@ -53,15 +55,6 @@ _ADMIN_TIMEOUT_S = 60.0
 class Head:
     status: int
     content_type: str
-
-
-class ServedAdapter:
-    """What the multiplexed loader returns. Ray calls its ``__del__`` when it evicts the adapter
-    (an attribute of the instance, so garbage collection never calls it)."""
-
-    def __init__(self, name: str, unload: Callable[[], Awaitable[None]]):
-        self.name = name
-        self.__del__ = unload
 
 
 class VllmReplica:
@@ -79,19 +72,20 @@ class VllmReplica:
         self.process = start_vllm_server(model, self.port, environment)
         self.admin = httpx.AsyncClient(headers={"Authorization": bearer(self.token)}, timeout=_ADMIN_TIMEOUT_S)
         self.http = HttpClient(headers={"Authorization": bearer(self.token)})
-        cache = Path(
+        self.cache = Path(
             tempfile.mkdtemp(prefix="adapter-cache-", dir=config.data_dir if config.data_dir.is_dir() else None)
         )
         store = adapter_store(model.lora.dynamic_lora_loading_path, config.s3)
-        self.source = AdapterSource(store, cache, Metrics(), model.id)
-        self.inflight: Counter[str] = Counter()
+        source = AdapterSource(store, self.cache, Metrics(), model.id)
+        capacity = model.lora.max_num_adapters_per_replica
+        self.adapters = ReplicaAdapters(source, self.admin, self.url, model.lora.max_lora_rank, capacity)
         self._wait_until_ready()
         from ray import serve
 
-        async def load(name: str) -> ServedAdapter:  # a function: Serve keeps its LRU cache on it
-            return await self._load_adapter(name)
+        async def load(multiplexed_id: str) -> ServedAdapter:  # a function: Serve keeps its LRU cache on it
+            return await self.adapters.load(multiplexed_id)
 
-        self.adapter = serve.multiplexed(max_num_models_per_replica=model.lora.max_num_adapters_per_replica)(load)
+        self.adapter = serve.multiplexed(max_num_models_per_replica=capacity)(load)
 
     def _wait_until_ready(self) -> None:
         """Serve counts the replica as starting until this returns: no request reaches it before."""
@@ -117,11 +111,12 @@ class VllmReplica:
 
     async def answer(self, endpoint: str, body: bytes) -> AsyncIterator[object]:
         yield STARTED
-        name = _multiplexed_model_id()
+        routed_as = _multiplexed_model_id()
+        name = served_name(routed_as)
         try:
-            if name:
-                await self.adapter(name)
-            self.inflight[name] += 1
+            if routed_as:
+                await self.adapter(routed_as)
+                self.adapters.slots.started(name)  # from here on it must not be unloaded
         except api_errors.ApiError as exc:
             yield Head(exc.status, "application/json")
             yield exc.json_bytes()
@@ -139,40 +134,23 @@ class VllmReplica:
             yield Head(failure.status, "application/json")
             yield failure.json_bytes()
         finally:
-            self.inflight[name] -= 1
+            if routed_as:
+                self.adapters.slots.finished(name)
 
     async def preload(self) -> str:
         """Load the request's adapter here (the replica Ray routes its name to); its name."""
-        name = _multiplexed_model_id()
-        await self.adapter(name)
-        return name
-
-    async def _load_adapter(self, name: str) -> ServedAdapter:
-        version = await self.source.version(name)
-        if version is None:
-            raise api_errors.adapter_not_found(name)
-        folder = await self.source.folder(name, version)
-        check_adapter(name, folder, self.model.lora.max_lora_rank)
-        started = time.perf_counter()
-        response = await self.admin.post(
-            f"{self.url}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(folder)}
-        )
-        if response.status_code != 200:
-            raise api_errors.adapter_invalid(name, response.text[:300])
-        log.info("loaded %s in %.2f s", name, time.perf_counter() - started)
-        return ServedAdapter(name, lambda: self._unload_adapter(name))
-
-    async def _unload_adapter(self, name: str) -> None:
-        while self.inflight[name] > 0:  # its requests finish first
-            await asyncio.sleep(0.05)
-        await self.admin.post(f"{self.url}/v1/unload_lora_adapter", json={"lora_name": name})
-        log.info("unloaded %s", name)
+        routed_as = _multiplexed_model_id()
+        await self.adapter(routed_as)
+        return served_name(routed_as)
 
     def __del__(self) -> None:
-        """Serve stopping the replica: the server and the engine it spawned."""
+        """Serve stopping the replica: the server and the engine it spawned, and its adapter cache."""
         process = getattr(self, "process", None)
         if process is not None and process.poll() is None:
             stop_vllm_server(process)
+        cache = getattr(self, "cache", None)
+        if cache is not None:
+            shutil.rmtree(cache, ignore_errors=True)
 
 
 def _multiplexed_model_id() -> str:

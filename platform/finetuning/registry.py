@@ -99,8 +99,8 @@ def delete_fine_tuned_model(model: FineTunedModel) -> None:
     epoch end, servable under its name) are kept as long as the model, and go with it: deleting the
     model deletes its adapters, its checkpoints' files and their rows. The jobs themselves, their
     events and their training files stay. (Training states, which only served a resume, are dropped
-    as soon as a job finishes.) The inference pool unloads them from every replica and drops its
-    cached copies within seconds."""
+    as soon as a job finishes.) The inference pool and Ray Serve's replicas unload them and drop
+    their cached copies within seconds."""
     job_ids = {job_id for job_id in model.revisions.values_list("job_id", flat=True) if job_id} | (
         {model.job_id} if model.job_id else set()
     )  # an uploaded or composed model has no job, and no checkpoints

@@ -3,7 +3,9 @@ the sockets their processes listen on."""
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -18,7 +20,6 @@ import psutil
 from tests.processes import free_port
 
 RAY = str(Path(sys.executable).with_name("ray"))
-LOOPBACK_ADDRESSES = {"127.0.0.1", "::1"}
 
 
 def ray_folder() -> Path:
@@ -53,14 +54,20 @@ def node_processes(folder: Path) -> list[psutil.Process]:
 
 def stop_node(folder: Path, also: Iterable[psutil.Process] = ()) -> None:
     """Every process of the node whose temporary folder is ``folder`` (and ``also``), killed as a
-    host that dies; the replicas' vLLM servers with them."""
+    host that dies, the replicas' vLLM servers with them; then the folder."""
+    doomed = []
     for process in [*node_processes(folder), *also]:
         try:
-            for child in process.children(recursive=True):
-                child.kill()
+            doomed += [*process.children(recursive=True), process]
+        except psutil.NoSuchProcess:
+            pass
+    for process in doomed:
+        try:
             process.kill()  # psutil checks that the pid is still that process
         except psutil.NoSuchProcess:
             pass
+    psutil.wait_procs(doomed, timeout=10)
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def worker_node_arguments(head_port: int) -> list[str]:
@@ -82,6 +89,12 @@ class Listener:
 
     def __str__(self) -> str:
         return f"{self.process} {self.protocol} {self.address}:{self.port}"
+
+    @property
+    def on_loopback(self) -> bool:
+        address = ipaddress.ip_address(self.address)
+        mapped = getattr(address, "ipv4_mapped", None)  # ::ffff:127.0.0.1, an IPv6 socket's IPv4 loopback
+        return (mapped or address).is_loopback
 
 
 def listeners(processes: Iterable[psutil.Process]) -> list[Listener]:

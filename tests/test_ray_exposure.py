@@ -27,10 +27,10 @@ import psutil
 import pytest
 
 from core.env import ConfigError
-from inference.ray_serve.cluster import require_token_authentication
+from inference.ray_serve.cluster import prepare_environment
 from tests.inference_fixtures import catalog_text, internal_headers
 from tests.processes import ROOT, answers, free_port, running, wait_until
-from tests.ray_nodes import LOOPBACK_ADDRESSES, listeners, node_processes, ray_folder, ray_node, stop_node
+from tests.ray_nodes import listeners, node_processes, ray_folder, ray_node, stop_node
 
 START_S = 55  # each test stays under a minute, start-up included
 
@@ -39,13 +39,22 @@ START_S = 55  # each test stays under a minute, start-up included
 
 
 def test_ray_runs_with_token_authentication_unless_told_otherwise_and_never_without_it():
-    environment: dict[str, str] = {}
-    require_token_authentication(environment)
-    assert environment == {"RAY_AUTH_MODE": "token"}  # the processes Ray starts inherit it
-    require_token_authentication({"RAY_AUTH_MODE": "TOKEN"})
+    environment: dict[str, str] = {"RAY_ADDRESS": "10.0.0.5:6380"}
+    prepare_environment(environment)
+    assert environment["RAY_AUTH_MODE"] == "token"  # the processes Ray starts inherit it
+    prepare_environment({"RAY_AUTH_MODE": "TOKEN"})
     for mode in ("disabled", "", "k8s"):
         with pytest.raises(ConfigError, match="RAY_AUTH_MODE.*unset RAY_AUTH_MODE or set it to token"):
-            require_token_authentication({"RAY_AUTH_MODE": mode})
+            prepare_environment({"RAY_AUTH_MODE": mode})
+
+
+def test_a_ray_of_one_host_stays_on_loopback_and_a_cluster_is_joined_on_its_own_terms():
+    one_host: dict[str, str] = {}
+    prepare_environment(one_host)
+    assert one_host == {"RAY_AUTH_MODE": "token", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    joining = {"RAY_ADDRESS": "10.0.0.5:6380"}
+    prepare_environment(joining)
+    assert "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER" not in joining  # the driver must be reachable from the nodes
 
 
 def test_inference_ray_serve_refuses_to_start_ray_without_token_authentication(tmp_path):
@@ -85,7 +94,7 @@ def test_a_one_host_ray_serve_listens_on_loopback_only(tmp_path):
     print("\nlistening:\n  " + "\n  ".join(sorted(map(str, found))))
     ports = {listener.port for listener in found}
     assert serve_port in ports and len({listener.process for listener in found}) >= 3  # Serve, GCS, raylet, ...
-    assert [str(listener) for listener in found if listener.address not in LOOPBACK_ADDRESSES] == []
+    assert [str(listener) for listener in found if not listener.on_loopback] == []
 
 
 # --- a cluster with token authentication ----------------------------------------------------------
@@ -100,14 +109,15 @@ class Head:
 
 @pytest.fixture(scope="module")
 def head() -> Iterator[Head]:
-    """A head node as the README starts one: on a given address (loopback here), with a token."""
+    """A head node with token authentication, as the README starts one (but on loopback only)."""
     token, port = secrets.token_hex(32), free_port()
+    environment = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
     arguments = [
-        "--head", "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=0", "--include-dashboard=false",
+        "--head", f"--port={port}", "--num-cpus=0", "--include-dashboard=false",
         f"--ray-client-server-port={free_port()}", f"--dashboard-agent-listen-port={free_port()}",
         f"--metrics-export-port={free_port()}",
     ]  # fmt: skip
-    with ray_node(arguments, {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}) as folder:
+    with ray_node(arguments, environment) as folder:
         yield Head(f"127.0.0.1:{port}", token, folder)
 
 
@@ -131,33 +141,41 @@ def test_a_ray_head_with_token_authentication_refuses_a_caller_without_its_token
     assert _gcs_node_count(head, head.token) == 1
     found = listeners(node_processes(head.folder))
     print("\nlistening:\n  " + "\n  ".join(sorted(map(str, found))))
-    assert found and [str(listener) for listener in found if listener.address not in LOOPBACK_ADDRESSES] == []
+    assert found and [str(listener) for listener in found if not listener.on_loopback] == []
 
 
-_JOIN = "from inference.ray_serve.cluster import connect; import ray; connect({}); print(len(ray.nodes()))"
-
-
-def _join(head: Head, **environment: str) -> subprocess.CompletedProcess:
-    """``inference.ray_serve``'s way into the cluster, from a driver with ``environment``."""
+def _driver(head: Head, **environment: str) -> dict[str, str]:
+    """A driver's environment on another host: none of the head's Ray settings, but ``environment``."""
     driver = {name: value for name, value in os.environ.items() if not name.startswith("RAY_")}
-    return subprocess.run(
-        [sys.executable, "-c", _JOIN], env={**driver, "RAY_ADDRESS": head.address, **environment},
-        cwd=ROOT, capture_output=True, text=True, timeout=START_S,
-    )  # fmt: skip
+    # The head listens on loopback: a driver that is not told so looks for it on the network.
+    return driver | {"RAY_ADDRESS": head.address, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"} | environment
 
 
 @pytest.mark.fault
 def test_inference_ray_serve_joins_with_the_clusters_token(head):
-    joined = _join(head, RAY_AUTH_TOKEN=head.token)  # RAY_AUTH_MODE unset: Ray would not present the token
+    # How ``python -m inference.ray_serve`` joins, without deploying the application onto the cluster.
+    join = "from inference.ray_serve.cluster import connect; connect({}); import ray; print(len(ray.nodes()))"
+    environment = _driver(head, RAY_AUTH_TOKEN=head.token)  # RAY_AUTH_MODE unset: Ray itself would send no token
+    joined = subprocess.run(
+        [sys.executable, "-c", join], env=environment, cwd=ROOT, capture_output=True, text=True, timeout=START_S
+    )
     assert joined.returncode == 0, joined.stderr[-2000:]
     assert joined.stdout.strip().splitlines()[-1] == "1"
 
 
 @pytest.mark.fault
-def test_inference_ray_serve_is_refused_by_a_cluster_with_another_token(head, tmp_path):
-    refused = _join(head, RAY_AUTH_TOKEN=secrets.token_hex(32), HOME=str(tmp_path))
-    assert refused.returncode != 0
-    assert "RAY_AUTH_TOKEN" in refused.stderr
+def test_inference_ray_serve_says_what_to_fix_when_the_cluster_refuses_its_token(head, tmp_path):
+    catalog = tmp_path / "models.toml"
+    catalog.write_text(catalog_text("ray", autoscaling="min_replicas = 0"))
+    no_token = _driver(head, MODEL_CATALOG=str(catalog), HOME=str(tmp_path))  # no ~/.ray/auth_token either
+    for environment, says in [
+        (no_token, "no Ray token found: give this driver the cluster's token (RAY_AUTH_TOKEN"),
+        ({**no_token, "RAY_AUTH_TOKEN": secrets.token_hex(32)}, f"Ray at RAY_ADDRESS={head.address} did not let"),
+    ]:
+        refused = _ray_serve(environment, timeout=START_S)
+        assert refused.returncode == 2, refused.stderr[-2000:]
+        assert "configuration error: " in refused.stderr and says in refused.stderr
+        assert "Traceback" not in refused.stderr
 
 
 def _ray_serve(environment: dict[str, str], timeout: float) -> subprocess.CompletedProcess:

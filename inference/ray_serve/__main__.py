@@ -18,6 +18,7 @@ from urllib.parse import urlsplit
 
 from core.config import REPO_ROOT, load_config
 from core.env import ConfigError
+from inference.ray_serve import cluster
 
 
 def main() -> int:
@@ -26,6 +27,7 @@ def main() -> int:
         config = load_config()
         catalog = config.catalog().served_by("ray")
         catalog.check_weights()
+        cluster.prepare_environment()  # before Ray is imported: it reads its settings once, at import
     except ConfigError as exc:
         print(f"configuration error: {exc}", file=sys.stderr)
         return 2
@@ -39,7 +41,6 @@ def main() -> int:
     except ImportError:
         print("inference.ray_serve needs Ray Serve: pip install '.[ray]'", file=sys.stderr)
         return 2
-    from inference.ray_serve import cluster
     from inference.ray_serve.app import APP_NAME, build_app
 
     try:

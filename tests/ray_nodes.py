@@ -43,6 +43,8 @@ def node_processes(folder: Path) -> list[psutil.Process]:
     """The processes started for the node whose temporary folder is ``folder``, and theirs."""
     found: dict[int, psutil.Process] = {}
     for process in psutil.process_iter(["cmdline"]):
+        if process.pid == os.getpid():  # named the folder itself
+            continue
         if any(str(folder) in part for part in process.info["cmdline"] or []):
             found[process.pid] = process
             try:

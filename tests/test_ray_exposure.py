@@ -27,7 +27,7 @@ import psutil
 import pytest
 
 from core.env import ConfigError
-from inference.ray_serve.cluster import prepare_environment
+from inference.ray_serve.cluster import make_private_token, prepare_environment
 from tests.inference_fixtures import catalog_text, internal_headers
 from tests.processes import ROOT, answers, free_port, running, wait_until
 from tests.ray_nodes import listeners, node_processes, ray_folder, ray_node, stop_node
@@ -55,6 +55,19 @@ def test_a_ray_of_one_host_stays_on_loopback_and_a_cluster_is_joined_on_its_own_
     joining = {"RAY_ADDRESS": "10.0.0.5:6380"}
     prepare_environment(joining)
     assert "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER" not in joining  # the driver must be reachable from the nodes
+
+
+def test_the_token_a_ray_of_one_host_gets_is_readable_by_its_owner_only(tmp_path):
+    make_private_token({"HOME": str(tmp_path)})
+    token = tmp_path / ".ray" / "auth_token"
+    assert len(token.read_text()) == 64 and token.stat().st_mode & 0o777 == 0o600
+    made = token.read_text()
+    make_private_token({"HOME": str(tmp_path)})  # a token there stays the token
+    assert token.read_text() == made
+    elsewhere = tmp_path / "elsewhere"
+    make_private_token({"HOME": str(elsewhere), "RAY_AUTH_TOKEN": "set"})
+    make_private_token({"HOME": str(elsewhere), "RAY_AUTH_TOKEN_PATH": str(token)})
+    assert not elsewhere.exists()
 
 
 def test_inference_ray_serve_refuses_to_start_ray_without_token_authentication(tmp_path):

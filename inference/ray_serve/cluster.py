@@ -14,8 +14,8 @@ code as the platform. Two defences:
 - token authentication (``RAY_AUTH_MODE=token``): every Ray process refuses a caller that does not
   present the cluster's token. Ray turns it on by itself for a cluster that ``ray.init()``
   starts, never for one it joins (RAY_ADDRESS): here it is always on. The token comes from
-  RAY_AUTH_TOKEN, the file RAY_AUTH_TOKEN_PATH names, or ``~/.ray/auth_token`` (which Ray writes
-  for a cluster it starts when it finds no token).
+  RAY_AUTH_TOKEN, the file RAY_AUTH_TOKEN_PATH names, or ``~/.ray/auth_token`` (made here, readable
+  by its owner only, for a Ray of one host when there is none).
 
 Ray reads both settings once, when it is imported, and the processes it starts inherit them:
 ``prepare_environment`` runs before Ray is imported.
@@ -24,8 +24,10 @@ Ray reads both settings once, when it is imported, and the processes it starts i
 from __future__ import annotations
 
 import os
+import secrets
 import sys
 from collections.abc import MutableMapping
+from pathlib import Path
 from typing import Any
 
 from core.env import ConfigError
@@ -52,6 +54,22 @@ def prepare_environment(environ: MutableMapping[str, str] = os.environ) -> None:
         environ[ONE_MACHINE_VARIABLE] = "0"
 
 
+def make_private_token(environ: MutableMapping[str, str] = os.environ) -> None:
+    """The default token file, when no token is set, readable by its owner only: Ray would make
+    one readable by every user of the machine (its mode follows the umask), and a user with the
+    token can run code on the Ray of this host."""
+    if environ.get("RAY_AUTH_TOKEN") or environ.get("RAY_AUTH_TOKEN_PATH"):
+        return
+    path = Path(environ.get("HOME") or Path.home()) / ".ray" / "auth_token"
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    try:
+        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return
+    with os.fdopen(descriptor, "w") as token:
+        token.write(secrets.token_hex(32))  # as Ray makes one: 256 random bits
+
+
 def connect(runtime_env: dict[str, Any]) -> None:
     """Join the cluster at RAY_ADDRESS, or start a Ray of one host, on loopback; ConfigError when
     the cluster refuses this driver's token (or it has none)."""
@@ -61,7 +79,8 @@ def connect(runtime_env: dict[str, Any]) -> None:
     import ray
     from ray.exceptions import AuthenticationError
 
-    if not joins_a_cluster():  # a Ray of its own, which makes a token when it finds none
+    if not joins_a_cluster():  # a Ray of its own
+        make_private_token()
         hook = {"worker_process_setup_hook": f"{__name__}.{keep_serve_replicas_on_loopback.__name__}"}
         ray.init(runtime_env={**runtime_env, **hook}, include_dashboard=False)
         return

@@ -2,8 +2,9 @@
 
 - ``python -m inference.ray_serve`` on one host (as bin/run starts it) listens on loopback only:
   every socket of every Ray process it starts, Serve's HTTP proxy included;
-- a Ray cluster started as the README says (``RAY_AUTH_MODE=token``, a node address) refuses a
-  caller without the cluster's token, and ``inference.ray_serve`` presents the token when it joins;
+- a Ray head started with token authentication, as the README starts one, refuses a caller
+  without the cluster's token, and ``inference.ray_serve`` presents the token when it joins (and
+  says what to fix when it has none, or another);
 - ``inference.ray_serve`` refuses to run Ray without token authentication.
 
 The Ray tests start Ray (no vLLM engine: a model scaled to zero, or no Serve at all), so they run

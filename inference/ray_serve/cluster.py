@@ -7,8 +7,8 @@ code as the platform. Two defences:
   node's address when it is loopback, and every interface otherwise. ``ray.init()`` and
   ``ray start`` take the address that reaches the network even when given 127.0.0.1, unless
   RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 (Ray's own switch for a Ray that stays on one machine, its
-  default on macOS and Windows; on Linux it does nothing else, and it forbids nodes joining);
-  Serve's replicas are the exception: they open a server for calls between deployments on every
+  default on macOS and Windows; else it only stops ``ray start`` adding a node). Serve's replicas
+  are the exception: they open a server for calls between deployments on every
   interface whatever the node's address (Ray 2.60 binds ``[::]:0``), so on one host each worker
   starts with ``keep_serve_replicas_on_loopback``;
 - token authentication (``RAY_AUTH_MODE=token``): every Ray process refuses a caller that does not
@@ -73,7 +73,9 @@ def make_private_token(environ: MutableMapping[str, str] = os.environ) -> None:
 def connect(runtime_env: dict[str, Any]) -> None:
     """Join the cluster at RAY_ADDRESS, or start a Ray of one host, on loopback; ConfigError when
     the cluster refuses this driver's token (or it has none)."""
-    if AUTH_MODE_VARIABLE not in os.environ and "ray" in sys.modules:
+    settings = dict(os.environ)
+    prepare_environment(settings)
+    if "ray" in sys.modules and settings != os.environ:
         raise RuntimeError("prepare_environment() before Ray is imported: Ray reads its settings at import")
     prepare_environment()
     import ray

@@ -16,17 +16,13 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from pathlib import Path
 
 import httpx
 import openai
-import psutil
 import pytest
 import redis
 
@@ -35,49 +31,17 @@ from finetuning.models import JobStatus
 from tests.inference_fixtures import BASE, catalog_text, internal_headers
 from tests.personas import good_dataset
 from tests.processes import celery_worker_command, free_port, running, running_web, wait_until
+from tests.ray_nodes import ray_node, stop_node, worker_node_arguments
 from tests.s3 import running_s3_server
 from tests.test_worker_faults import wait_for_job
 
 pytestmark = [pytest.mark.fault, pytest.mark.training, pytest.mark.django_db(transaction=True)]
 
 REDIS_URL = "redis://127.0.0.1:6379/12"  # neither the suite's broker nor the other fault tests'
-RAY = str(Path(sys.executable).with_name("ray"))
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 # A replica on each node; a request waits up to 30 s for one to take it.
 _CATALOG = catalog_text("ray", replicas=2, autoscaling="min_replicas = 2\ncold_start_wait_s = 30")
-
-
-@contextmanager
-def ray_node(arguments: list[str], environment: dict[str, str]) -> Iterator[Path]:
-    """``ray start`` with a temporary folder of its own (a host's); stops that node's processes only."""
-    folder = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))  # short: Ray's socket paths must fit 107 bytes
-    command = [RAY, "start", *arguments, f"--temp-dir={folder}", "--disable-usage-stats"]
-    subprocess.run(command, env={**os.environ, **environment}, check=True, capture_output=True, timeout=120)
-    try:
-        yield folder
-    finally:
-        stop_node(folder)
-
-
-def stop_node(folder: Path) -> None:
-    """Every process of the node whose temporary folder is ``folder``, killed as a host that dies."""
-    doomed = [
-        p for p in psutil.process_iter(["cmdline"]) if any(str(folder) in part for part in p.info["cmdline"] or [])
-    ]
-    for process in doomed:
-        for child in process.children(recursive=True):  # the replicas' vLLM servers
-            child.kill()
-        process.kill()
-
-
-def worker_node_arguments(head_port: int) -> list[str]:
-    return [
-        f"--address=127.0.0.1:{head_port}", "--num-cpus=1", f"--dashboard-agent-listen-port={free_port()}",
-        f"--dashboard-agent-grpc-port={free_port()}", f"--metrics-export-port={free_port()}",
-        f"--runtime-env-agent-port={free_port()}", f"--node-manager-port={free_port()}",
-        f"--object-manager-port={free_port()}",
-    ]  # fmt: skip
 
 
 def ready_replicas(serve_url: str) -> int:

@@ -3,14 +3,14 @@
 Serves the catalog's models with ``backend = "ray"`` at RAY_SERVE_URL (Serve's HTTP proxy, on the
 head node only). With RAY_ADDRESS set it joins that Ray cluster (started with ``ray start`` on each
 host, every host with this checkout at the same path and the platform's environment); without it,
-it starts a one-host cluster of its own. Stopping it (SIGTERM, Ctrl-C) takes the application
-down, and the local cluster with it.
+it starts a one-host cluster of its own, on loopback only. Either way Ray requires its token
+(``cluster``). Stopping it (SIGTERM, Ctrl-C) takes the application down, and the local cluster
+with it.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import sys
 import threading
@@ -18,6 +18,7 @@ from urllib.parse import urlsplit
 
 from core.config import REPO_ROOT, load_config
 from core.env import ConfigError
+from inference.ray_serve import cluster
 
 
 def main() -> int:
@@ -26,6 +27,7 @@ def main() -> int:
         config = load_config()
         catalog = config.catalog().served_by("ray")
         catalog.check_weights()
+        cluster.prepare_environment()  # before Ray is imported: it reads its settings once, at import
     except ConfigError as exc:
         print(f"configuration error: {exc}", file=sys.stderr)
         return 2
@@ -41,13 +43,12 @@ def main() -> int:
         return 2
     from inference.ray_serve.app import APP_NAME, build_app
 
-    joining = bool(os.environ.get("RAY_ADDRESS"))
-    # The replicas import this checkout's modules: on every host it stands at the same path.
-    runtime_env = {"env_vars": {"PYTHONPATH": str(REPO_ROOT)}}
-    if joining:
-        ray.init(runtime_env=runtime_env)
-    else:
-        ray.init(runtime_env=runtime_env, include_dashboard=False)
+    try:
+        # The replicas import this checkout's modules: on every host it stands at the same path.
+        cluster.connect(runtime_env={"env_vars": {"PYTHONPATH": str(REPO_ROOT)}})
+    except ConfigError as exc:
+        print(f"configuration error: {exc}", file=sys.stderr)
+        return 2
     stopped = threading.Event()
     for signal_number in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signal_number, lambda *_: stopped.set())

@@ -32,10 +32,9 @@ from core.api_errors import ApiError
 from core.config import LIMIT_SETTINGS
 from core.lora_merge import Method
 from core.model_names import parse_model_name
-from core.rate_limits import RATE_LIMIT_TYPE, Limit, charge
-from finetuning import compose
+from core.rate_limits import RATE_LIMIT_TYPE
+from finetuning import compose, quotas
 from finetuning.models import Composition, CompositionStatus, FineTunedModel
-from finetuning.quotas import HOUR_S
 from server.celery import COMPOSE_MODEL, send
 
 log = logging.getLogger(__name__)
@@ -89,14 +88,7 @@ def _check_at_once(organization: Organization) -> None:
 
 
 def _charge_hourly(organization: Organization) -> None:
-    per_hour = settings.CONFIG.limits.compositions_per_hour_per_organization
-    limit = Limit(
-        f"compositions:org:{organization.pk}", per_hour, HOUR_S, f"{per_hour} compositions per hour for this organization",
-        LIMIT_SETTINGS["compositions_per_hour_per_organization"],
-    )  # fmt: skip
-    exceeded = charge(settings.CONFIG.redis_url, [limit])
-    if exceeded is not None:
-        raise exceeded.error(param="parents")
+    quotas.charge_hourly(organization, "compositions", "compositions_per_hour_per_organization", param="parents")
 
 
 def send_to_worker(composition_id: str) -> None:

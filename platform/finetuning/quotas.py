@@ -26,16 +26,22 @@ from finetuning.models import Composition, File, FineTunedModel
 HOUR_S = 3600
 
 
-def charge_upload(organization: Organization) -> None:
-    """Count one upload against the organization's hourly rate; the 429 when it is used up."""
-    per_hour = settings.CONFIG.limits.uploads_per_hour_per_organization
+def charge_hourly(organization: Organization, noun: str, setting: str, param: str) -> None:
+    """Count one more of ``noun`` against the organization's hourly rate (the limit named
+    ``setting``); the 429 naming ``param`` when it is used up."""
+    per_hour = getattr(settings.CONFIG.limits, setting)
     limit = Limit(
-        f"uploads:org:{organization.pk}", per_hour, HOUR_S, f"{per_hour} uploads per hour for this organization",
-        LIMIT_SETTINGS["uploads_per_hour_per_organization"],
+        f"{noun}:org:{organization.pk}", per_hour, HOUR_S, f"{per_hour} {noun} per hour for this organization",
+        LIMIT_SETTINGS[setting],
     )  # fmt: skip
     exceeded = charge(settings.CONFIG.redis_url, [limit])
     if exceeded is not None:
-        raise exceeded.error(param="file")
+        raise exceeded.error(param=param)
+
+
+def charge_upload(organization: Organization) -> None:
+    """Count one upload (a dataset or an adapter) against the organization's hourly rate."""
+    charge_hourly(organization, "uploads", "uploads_per_hour_per_organization", param="file")
 
 
 def check_storage(

@@ -106,6 +106,7 @@ DOORS = [
     Door("GET", "/v1/fine_tuning/jobs", "fine-tuning-job-list", QUERY, {"limit": "2"}, "limit", "after"),
     Door("GET", "/v1/fine_tuning/jobs/{job}/events", "fine-tuning-job-events", QUERY, {"limit": "2"}, "limit", "after"),
     Door("GET", "/v1/fine_tuning/jobs/{job}/checkpoints", "fine-tuning-job-checkpoints", QUERY, {"limit": "2"}, "limit", "after"),
+    Door("GET", "/v1/fine_tuning/compositions", "fine-tuning-composition-list", QUERY, {"limit": "2"}, "limit", "after"),
     Door("GET", "/v1/organization/usage/completions", "usage-completions", QUERY, {"start_time": "0"}, "start_time"),  # models= filters: any name
     Door("GET", "/v1/organization/usage/completions", "usage-completions", QUERY, {"start_time": "0"}, "end_time", "group_by"),
     Door("GET", "/v1/organization/usage/completions", "usage-completions", QUERY, {"start_time": "0"}, "limit", "bucket_width"),
@@ -144,6 +145,7 @@ EXCLUDED = {
     ("file-detail", "GET"): "a file by its id",
     ("file-content", "GET"): "a file's bytes by its id",
     ("fine-tuning-job-detail", "GET"): "a job by its id",
+    ("fine-tuning-composition-detail", "GET"): "a composition by its id",
     ("fine-tuning-job-checkpoint-adapter", "GET"): "a checkpoint's archive by its ids",
     ("fine-tuning-model-adapter", "GET"): "a model's archive by its name",
     ("fine-tuning-model-revisions", "GET"): "a model's revisions by its name",

@@ -68,8 +68,11 @@ def _cached_copies(data: Path) -> list[str]:
 
 
 def _copy_of(store: S3AdapterStore, name: str) -> str:
-    """The cache folder's name for the publish the store has now under ``name`` (pinned to r1)."""
-    return f"{name.rpartition('/')[2]}@r1@{store.version(name).identity}"
+    """The cache folder's name for the publish the store has now under ``name`` (pinned to its
+    revision: r1, or later when an earlier test of the session published the name in the same
+    in-process S3)."""
+    current = store.version(name)
+    return f"{name.rpartition('/')[2]}@{current.version}@{current.identity}"
 
 
 def _loaded_in_vllm(data: Path) -> set[str]:

@@ -15,11 +15,22 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import psutil
 
+from tests.inference_fixtures import BASE, internal_headers
 from tests.processes import free_port
 
 RAY = str(Path(sys.executable).with_name("ray"))
+
+
+def ready_replicas(serve_url: str) -> int:
+    """The Ray Serve application's ready replicas of the base model (-1 while it does not answer)."""
+    try:
+        health = httpx.get(f"{serve_url}/health", headers=internal_headers(), timeout=10).json()
+    except (httpx.HTTPError, ValueError):
+        return -1
+    return health["models"][BASE]["ready_replicas"]
 
 
 def ray_folder() -> Path:

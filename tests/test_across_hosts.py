@@ -28,10 +28,10 @@ import redis
 
 from core.adapter_store import S3AdapterStore
 from finetuning.models import JobStatus
-from tests.inference_fixtures import BASE, catalog_text, internal_headers
+from tests.inference_fixtures import BASE, catalog_text
 from tests.personas import good_dataset
 from tests.processes import celery_worker_command, free_port, running, running_web, wait_until
-from tests.ray_nodes import ray_node, stop_node, worker_node_arguments
+from tests.ray_nodes import ray_node, ready_replicas, stop_node, worker_node_arguments
 from tests.s3 import running_s3_server
 from tests.test_worker_faults import wait_for_job
 
@@ -42,14 +42,6 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 # A replica on each node; a request waits up to 30 s for one to take it.
 _CATALOG = catalog_text("ray", replicas=2, autoscaling="min_replicas = 2\ncold_start_wait_s = 30")
-
-
-def ready_replicas(serve_url: str) -> int:
-    try:
-        health = httpx.get(f"{serve_url}/health", headers=internal_headers(), timeout=10).json()
-    except (httpx.HTTPError, ValueError):
-        return -1
-    return health["models"][BASE]["ready_replicas"]
 
 
 def test_two_trainers_and_two_ray_nodes_share_only_the_database_redis_and_s3(

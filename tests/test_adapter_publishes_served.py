@@ -24,6 +24,7 @@ import pytest
 from core.adapter_store import S3AdapterStore
 from tests.inference_fixtures import BASE, catalog_text, internal_headers, make_adapter  # noqa: F401 (fixture)
 from tests.processes import ROOT, answers, free_port, running, wait_until
+from tests.ray_nodes import ready_replicas
 from tests.s3 import running_s3_server
 from tests.test_inference_gateway import QUESTION, _peft_answer
 
@@ -148,14 +149,6 @@ def test_on_the_pool_a_name_deleted_and_published_again_answers_with_the_new_wei
             _deleted_and_published_again(url, Path(environment["DATA_DIR"]), store, make_adapter)
 
 
-def _ready_replicas(serve_url: str) -> int:
-    try:
-        health = httpx.get(f"{serve_url}/health", headers=internal_headers(), timeout=10).json()
-    except (httpx.HTTPError, ValueError):
-        return -1
-    return health["models"][BASE]["ready_replicas"]
-
-
 @pytest.mark.engine
 def test_on_ray_a_name_deleted_and_published_again_answers_with_the_new_weights(
     tmp_path, make_adapter, machine_to_itself  # noqa: F811
@@ -165,5 +158,5 @@ def test_on_ray_a_name_deleted_and_published_again_answers_with_the_new_weights(
         serve_url = f"http://127.0.0.1:{free_port()}"
         environment |= {"RAY_SERVE_URL": serve_url}
         with running("ray-serve-publishes", [sys.executable, "-m", "inference.ray_serve"], environment) as process:
-            wait_until(lambda: _ready_replicas(serve_url) == 1, 420, "a Ray replica", process)
+            wait_until(lambda: ready_replicas(serve_url) == 1, 420, "a Ray replica", process)
             _deleted_and_published_again(serve_url, Path(environment["DATA_DIR"]), store, make_adapter)

@@ -24,7 +24,7 @@ from pathlib import Path, PurePosixPath
 from typing import IO
 
 from core.adapter_store import CONFIG_FILE, WEIGHTS_FILE
-from core.api_errors import ApiError, adapter_too_large, invalid_adapter
+from core.api_errors import ApiError, adapter_too_large, invalid_adapter, shown
 from core.archive_limits import BLOCK, ArchiveTooLarge, UnsafeArchive, check_zip_directory, is_tar_header, scan_tar
 
 ADAPTER_FILES = (CONFIG_FILE, WEIGHTS_FILE)
@@ -223,7 +223,7 @@ def _member(raw: str) -> str:
 
 
 def _shown(raw: str) -> str:
-    return repr(raw if len(raw) <= 80 else raw[:80] + "...")
+    return repr(shown(raw, most=80))
 
 
 def _checked_name(raw: str, is_dir: bool) -> str | None:

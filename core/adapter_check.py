@@ -25,7 +25,7 @@ import numpy as np
 from safetensors import safe_open
 
 from core.adapter_store import CONFIG_FILE, WEIGHTS_FILE
-from core.api_errors import invalid_adapter
+from core.api_errors import invalid_adapter, shown
 from core.catalog import BaseModel
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -194,7 +194,7 @@ def _shown(value: Any) -> str:
 
 
 def _cut(text: str) -> str:
-    return text if len(text) <= 80 else text[:80] + "..."
+    return shown(text, most=80)
 
 
 def _rank(config: dict[str, Any], base: BaseModel) -> int:

@@ -117,13 +117,13 @@ SPECTACULAR_SETTINGS = {
     "POSTPROCESSING_HOOKS": ["drf_spectacular.hooks.postprocess_schema_enums", "gateway.openapi.add_inference_endpoints"],
 }
 
-# Celery (the app is server/celery.py): JSON only, so a task never unpickles data from the broker.
+# Celery (the app is base/celery.py): JSON only, so a task never unpickles data from the broker.
 CELERY_BROKER_URL = CONFIG.redis_url
 CELERY_RESULT_BACKEND = CONFIG.redis_url
 CELERY_TASK_SERIALIZER = "json"
 CELERY_RESULT_SERIALIZER = "json"
 CELERY_ACCEPT_CONTENT = ["json"]
-CELERY_IMPORTS = ["workers.tasks"]  # what a worker registers; senders use names (server.celery.send)
+CELERY_IMPORTS = ["workers.tasks"]  # what a worker registers; senders use names (base.celery.send)
 CELERY_TASK_DEFAULT_QUEUE = "default"
 # A task is acknowledged only when it finishes, so a worker that dies mid-task leaves it queued.
 CELERY_TASK_ACKS_LATE = True

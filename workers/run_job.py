@@ -40,8 +40,8 @@ from finetuning.models import (
     JobStatus,
     record_event,
 )
+from base.database_outage import DATABASE_ERRORS
 from gateway.pool import PoolUnavailable, preload
-from server.database_outage import DATABASE_ERRORS
 from workers import evaluation
 from workers.db_retry import retrying
 from workers.heartbeat import Heartbeat

@@ -15,6 +15,7 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.http.response import HttpResponseBase
 from django.views.decorators.csrf import csrf_exempt
 
+from base.monitoring import from_monitoring
 from core import api_errors
 from gateway import metrics as gateway_metrics
 from gateway.access import authorize, delete_model, usable_models
@@ -23,7 +24,6 @@ from finetuning.registry import UsableModel
 from gateway.pool import Serving, pool_client, pool_url, serving_async
 from inference.protocol import ModelCard, ModelList
 from server.api_errors import api_error
-from server.monitoring import from_monitoring
 
 
 _AsyncView = Callable[..., Coroutine[Any, Any, HttpResponseBase]]

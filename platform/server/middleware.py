@@ -8,8 +8,8 @@ from django.http.multipartparser import MultiPartParserError
 from django.utils.deprecation import MiddlewareMixin
 from django.utils.log import log_response
 
+from base.database_outage import as_api_error
 from core.api_errors import ApiError
-from server.database_outage import as_api_error
 from server.api_errors import api_error, bad_request, for_api, page_not_found, permission_denied, server_error, unavailable
 
 
@@ -29,7 +29,7 @@ class RefuseNulInAddress(MiddlewareMixin):
 
 class ViewExceptionMiddleware(MiddlewareMixin):
     """What a view's exception answers, in every mode: a database outage is a 503
-    (``server.database_outage``), not a 500; under /v1/ anything else is JSON in the API's shape,
+    (``base.database_outage``), not a 500; under /v1/ anything else is JSON in the API's shape,
     even with DEBUG=true, where Django would show an API client its HTML debug page (with the
     traceback and the settings). The DRF views' own exceptions are shaped by ``server.api_errors``
     first; what it leaves, a bug, arrives here.

@@ -2,9 +2,9 @@
 every named error, made in this one place.
 
 ``{"error": {"message", "type", "param", "code", ...}}``. Django-free, so the inference pool, the
-gateway and the fine-tuning API raise the same class; ``server.api_errors`` translates DRF's own
-exceptions into it. Errors that come back from a vLLM replica are reshaped by ``from_replica``, so
-clients never see two dialects.
+gateway and the fine-tuning API raise the same class; ``base.error_responses`` (its Django
+responses) translates DRF's own exceptions into it. Errors that come back from a vLLM replica are
+reshaped by ``from_replica``, so clients never see two dialects.
 
 A tenant never reads the platform's insides: addresses, file paths, an upstream's raw text. Where a
 failure's detail is internal, the message says what happened and gives a request id, and the

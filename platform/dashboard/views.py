@@ -16,6 +16,7 @@ from django.views.decorators.http import require_POST
 from accounts.models import ApiKey
 from accounts.permissions import allow_members_to_manage, check_may_manage_models, is_owner, may_manage, may_revoke
 from accounts.services import create_api_key, revoke_api_key
+from base.error_responses import api_error
 from core.api_errors import ApiError, logged_instead
 from core.strict_json import MAX_INT
 from core.whole_numbers import whole_number
@@ -31,7 +32,6 @@ from finetuning.views import archive_response
 from gateway import metrics as gateway_metrics
 from gateway.completions import complete_for_organization, pool_response
 from gateway.pool import PoolUnavailable, serving
-from server.api_errors import api_error
 from usage.report import daily_usage
 
 PREVIEW_EXAMPLES = 5

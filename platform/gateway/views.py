@@ -15,6 +15,7 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.http.response import HttpResponseBase
 from django.views.decorators.csrf import csrf_exempt
 
+from base.error_responses import api_error
 from base.monitoring import from_monitoring
 from core import api_errors
 from gateway import metrics as gateway_metrics
@@ -23,7 +24,6 @@ from gateway.completions import bearer_key, complete, pool_response
 from finetuning.registry import UsableModel
 from gateway.pool import Serving, pool_client, pool_url, serving_async
 from inference.protocol import ModelCard, ModelList
-from server.api_errors import api_error
 
 
 _AsyncView = Callable[..., Coroutine[Any, Any, HttpResponseBase]]

@@ -49,11 +49,11 @@ def body_too_large(path: str, limit: Limit, size: int | None) -> ApiError:
 
 def with_body_limits(application: ASGIApp) -> ASGIApp:
     """Call once Django is set up: the paths come from its URL configuration."""
+    from base.error_responses import too_large_page
     from django.conf import settings
     from django.urls import reverse
     from dashboard.forms import adapter_too_large_message, file_too_large_message
     from gateway.asgi import ENDPOINTS
-    from server.api_errors import too_large_page
 
     kinds = (
         dict.fromkeys(ENDPOINTS, "completion")

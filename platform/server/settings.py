@@ -25,7 +25,7 @@ SECURE_HSTS_INCLUDE_SUBDOMAINS = True
 SILENCED_SYSTEM_CHECKS = ["security.W021"]
 # Debug pages hide settings named like secrets (TOKEN, KEY, SECRET, ...); ours also hides URLs and
 # backends, which may embed a password (CELERY_BROKER_URL, CELERY_RESULT_BACKEND).
-DEFAULT_EXCEPTION_REPORTER_FILTER = "server.api_errors.SecretsHidingFilter"
+DEFAULT_EXCEPTION_REPORTER_FILTER = "base.error_responses.SecretsHidingFilter"
 
 INSTALLED_APPS = [
     "django.contrib.admin",
@@ -105,7 +105,7 @@ REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": ["accounts.authentication.BearerKeyAuthentication"],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
-    "EXCEPTION_HANDLER": "server.api_errors.exception_handler",
+    "EXCEPTION_HANDLER": "base.error_responses.exception_handler",
     "DEFAULT_PARSER_CLASSES": ["server.json_parser.StrictJSONParser", "rest_framework.parsers.MultiPartParser"],
 }
 SPECTACULAR_SETTINGS = {

@@ -11,10 +11,10 @@ from django.forms.boundfield import BoundWidget
 from core.api_errors import ApiError
 from core.config import ADAPTER_UPLOAD_LIMIT_SETTING, UPLOAD_LIMIT_SETTING
 from core.lora_merge import METHODS
+from core.openai_protocol import MAX_ADAPTER_SCALE
 from finetuning.compose import CompositionRequest
 from finetuning.jobs import JobRequest, TARGET_MODULES
 from finetuning.models import File
-from inference.protocol import MAX_ADAPTER_SCALE
 from finetuning.quotas import human_size
 
 

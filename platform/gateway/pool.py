@@ -1,6 +1,6 @@
 """The gateway's side of the inference pool: its connections, and what the pool says about itself.
 
-Connections exist one set per event loop: completions go through ``inference.http_client`` (the
+Connections exist one set per event loop: completions go through ``core.http_client`` (the
 hot path), the occasional metrics scrape through httpx. They belong to the loop that opened them: a
 server runs one loop, tests may run several one after another. Every call presents the internal
 token: the pool answers nothing without it. The pool's health document (``GET /health``) serves
@@ -19,10 +19,10 @@ import httpx
 from django.conf import settings
 
 from core.catalog import BACKENDS
+from core.http_client import HttpClient
 from core.internal_token import bearer
 from core.model_names import parse_model_name
 from finetuning.registry import UsableModel
-from inference.http_client import HttpClient
 
 HEALTH_TIMEOUT_S = 1.0
 PRELOAD_TIMEOUT_S = 60.0  # an adapter load: well under a second locally, a download from S3 first

@@ -17,6 +17,7 @@ from accounts.models import ApiKey
 from accounts.permissions import allow_members_to_manage, check_may_manage_models, is_owner, may_manage, may_revoke
 from accounts.services import create_api_key, revoke_api_key
 from base.error_responses import api_error
+from base.serving_client import PoolUnavailable, serving
 from core.api_errors import ApiError, logged_instead
 from core.strict_json import MAX_INT
 from core.whole_numbers import whole_number
@@ -30,7 +31,6 @@ from finetuning.registry import delete_fine_tuned_model, list_usable_models, res
 from finetuning.representations import event_object, job_object
 from gateway import metrics as gateway_metrics
 from gateway.completions import complete_for_organization, pool_response
-from gateway.pool import PoolUnavailable, serving
 from usage.report import daily_usage
 
 PREVIEW_EXAMPLES = 5

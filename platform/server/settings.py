@@ -136,8 +136,8 @@ CELERY_TASK_PUBLISH_RETRY_POLICY = {"max_retries": 2, "interval_start": 0, "inte
 CELERY_BROKER_TRANSPORT_OPTIONS = {"socket_connect_timeout": 2, "socket_timeout": 5}
 
 INFERENCE_POOL_URL = CONFIG.inference_pool_url
-RAY_SERVE_URL = CONFIG.ray_serve_url  # for the catalog's models with backend = "ray" (gateway.pool)
-INTERNAL_TOKEN = CONFIG.internal_token  # sent to the pool with every call (gateway.pool)
+RAY_SERVE_URL = CONFIG.ray_serve_url  # for the catalog's models with backend = "ray" (base.serving_client)
+INTERNAL_TOKEN = CONFIG.internal_token  # sent to the pool with every call (base.serving_client)
 MONITORING_TOKEN = CONFIG.monitoring_token  # opens /metrics and the detail of /healthz
 
 # Bodies are capped by server.body_limits before Django reads them. Django's own caps must not

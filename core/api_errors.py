@@ -116,6 +116,11 @@ def shown(value: str, most: int = 40) -> str:
     return value if len(value) <= most else f"{value[:most]}... ({len(value):,} characters)"
 
 
+def human_size(n: int) -> str:
+    """A size as people read it in an error message."""
+    return f"{n / 1024 / 1024:.1f} MB" if n >= 1024 * 1024 else f"{n} bytes"
+
+
 def error_body(
     message: str, *, type: str, param: str | None = None, code: str | None = None, **extra: object
 ) -> dict:

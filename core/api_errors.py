@@ -2,9 +2,9 @@
 every named error, made in this one place.
 
 ``{"error": {"message", "type", "param", "code", ...}}``. Django-free, so the inference pool, the
-gateway and the fine-tuning API raise the same class; ``server.api_errors`` translates DRF's own
-exceptions into it. Errors that come back from a vLLM replica are reshaped by ``from_replica``, so
-clients never see two dialects.
+gateway and the fine-tuning API raise the same class; ``base.error_responses`` (its Django
+responses) translates DRF's own exceptions into it. Errors that come back from a vLLM replica are
+reshaped by ``from_replica``, so clients never see two dialects.
 
 A tenant never reads the platform's insides: addresses, file paths, an upstream's raw text. Where a
 failure's detail is internal, the message says what happened and gives a request id, and the
@@ -114,6 +114,11 @@ def scrubbed(text: str) -> str:
 def shown(value: str, most: int = 40) -> str:
     """A caller's value as a message repeats it: one of 5,000 characters is cut, not echoed whole."""
     return value if len(value) <= most else f"{value[:most]}... ({len(value):,} characters)"
+
+
+def human_size(n: int) -> str:
+    """A size as people read it in an error message."""
+    return f"{n / 1024 / 1024:.1f} MB" if n >= 1024 * 1024 else f"{n} bytes"
 
 
 def error_body(

@@ -116,7 +116,7 @@ def _warn_unavailable(exc: Exception) -> None:
 _sync_clients: dict[str, redis.Redis] = {}
 _sync_scripts: dict[str, redis.commands.core.Script] = {}
 # An asyncio client's connections belong to the loop that opened them (a server runs one loop,
-# tests may run several one after another), as in gateway.pool.
+# tests may run several one after another), as in base.serving_client.
 _async_scripts: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, redis.commands.core.AsyncScript]] = (
     weakref.WeakKeyDictionary()
 )

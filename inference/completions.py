@@ -8,7 +8,7 @@ that lost the adapter (restart, eviction racing this request) gets it again. A r
 have reached a replica is never sent again (a generation must not run twice): when that replica
 fails, the client gets a 503 with Retry-After. Nothing here waits
 on anything but the replica: no database, no per-request disk writes; requests and answers go
-through ``inference.http_client`` (kept-alive connections, a fraction of httpx's cost).
+through ``core.http_client`` (kept-alive connections, a fraction of httpx's cost).
 
 Two kinds of request have their body changed. A fine-tuned model's name is pinned to the revision
 the dynamic LoRA path publishes for it now (``<base>:<suffix>@r<N>``, ``core.model_names``): the
@@ -31,9 +31,7 @@ from starlette.responses import Response, StreamingResponse
 from core import api_errors
 from core.catalog import BaseModel, Catalog
 from core.model_names import is_valid_suffix, parse_model_name
-from inference.adapter_mix import Mix
-from inference.adapters import AdapterManager, ReplicaUnavailable
-from inference.http_client import (
+from core.http_client import (
     Poster,
     UpstreamBroken,
     UpstreamError,
@@ -41,9 +39,11 @@ from inference.http_client import (
     UpstreamTimeout,
     UpstreamUnavailable,
 )
+from core.openai_protocol import RoutedFields, adapter_scales, routed_fields, with_fields
+from inference.adapter_mix import Mix
+from inference.adapters import AdapterManager, ReplicaUnavailable
 from inference.metrics import Metrics
 from inference.pool import Pool
-from inference.protocol import RoutedFields, adapter_scales, routed_fields, with_fields
 from inference.replica import Replica
 from inference.router import choose_replica
 from inference.served_model import served_model

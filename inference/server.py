@@ -4,7 +4,7 @@ Every route needs the internal token (``inference.internal_auth``); the pool pre
 token to its replicas, on the admin client (probes, adapter loads, /v1/models) and the hot path.
 
 - POST /v1/chat/completions, /v1/completions: route, load the adapter, relay (``completions``);
-  the organization the request is for in ``ORGANIZATION_HEADER`` (``inference.protocol``)
+  the organization the request is for in ``ORGANIZATION_HEADER`` (``core.openai_protocol``)
 - POST /v1/adapters/preload {"model"}: load a just-published adapter where its requests will go
 - GET /health: each model's state (ready, starting, cold) and its replicas'; 200 when one is
   ready or every model is cold (scaled to zero: it starts on its next request)
@@ -25,14 +25,14 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from core import api_errors, strict_json
+from core.http_client import HttpClient, Poster
 from core.internal_token import bearer
+from core.openai_protocol import ORGANIZATION_HEADER
 from inference.adapters import AdapterManager
 from inference.completions import CompletionsHandler
-from inference.http_client import HttpClient, Poster
 from inference.internal_auth import RequireInternalToken
 from inference.metrics import CONTENT_TYPE, Metrics
 from inference.pool import Pool
-from inference.protocol import ORGANIZATION_HEADER
 
 
 def admin_client(internal_token: str, transport: httpx.AsyncBaseTransport | None = None) -> httpx.AsyncClient:

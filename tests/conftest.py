@@ -12,9 +12,9 @@ from urllib.parse import quote
 import pytest
 from django.db import connection
 
+from base.celery import app as celery_app
 from tests.inference_fixtures import internal_headers, pool_environment
 from tests.processes import answers, celery_worker_command, running, running_web, wait_until
-from server.celery import app as celery_app
 
 pytest_plugins = ["tests.personas", "tests.browser", "tests.resource_report"]
 

@@ -16,8 +16,8 @@ import pytest
 
 from core.catalog import load_catalog
 from core.env import ConfigError
+from core.openai_protocol import ORGANIZATION_HEADER
 from inference import adapter_slots, adapters
-from inference.protocol import ORGANIZATION_HEADER
 from tests.test_adapter_mix_pool import MixPool
 from tests.test_inference_routing import BASE, _settle, anyio_backend  # noqa: F401 (a fixture)
 

@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from inference.protocol import ORGANIZATION_HEADER
+from core.openai_protocol import ORGANIZATION_HEADER
 from tests.inference_fixtures import BASE, register_fine_tuned_model
 from tests.personas import alice, bob, charlie  # noqa: F401 (fixtures)
 from tests.test_request_limits import _bearer, _chat, _error, _limits, anyio_backend, pool, web  # noqa: F401

@@ -126,7 +126,7 @@ def test_the_dashboard_fits_a_phone_screen(browser, live_server, alice):
 
 
 def test_a_file_over_the_upload_cap_is_refused_on_the_page_before_it_is_sent(page, live_server, alice, settings, tmp_path):
-    from dashboard.forms import file_too_large_message
+    from base.upload_limits import file_too_large_message
 
     small = good_dataset(12)
     settings.CONFIG = dataclasses.replace(settings.CONFIG, max_upload_bytes=len(small) + 100)

@@ -114,7 +114,7 @@ def test_a_fine_tune_over_the_queued_jobs_cap_is_refused_on_the_page(alice_web, 
 
 
 def test_the_upload_form_carries_the_size_cap_and_its_sentence_for_the_page_to_check_first(alice_web, settings):
-    from dashboard.forms import file_too_large_message
+    from base.upload_limits import file_too_large_message
 
     settings.CONFIG = dataclasses.replace(settings.CONFIG, max_upload_bytes=2048)
     field = field_block(alice_web.get(reverse("dashboard:datasets")).content.decode(), "file")

@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from inference import http_client
-from inference.http_client import HttpClient, UpstreamBroken, UpstreamUnavailable
+from core import http_client
+from core.http_client import HttpClient, UpstreamBroken, UpstreamUnavailable
 
 pytestmark = pytest.mark.anyio
 

@@ -17,11 +17,11 @@ import pytest
 
 from core.adapter_store import adapter_store
 from core.catalog import Autoscaling, BaseModel, Catalog, EngineConfig, LoraConfig
+from core.http_client import UpstreamBroken, UpstreamUnavailable
 from inference import adapter_slots, adapter_source
 from inference.adapter_slots import AdapterSlots
 from inference.adapter_source import AdapterSource
 from inference.adapters import AdapterManager
-from inference.http_client import UpstreamBroken, UpstreamUnavailable
 from inference.metrics import Metrics
 from inference.internal_auth import ReplicaGuard
 from inference.pool import Pool

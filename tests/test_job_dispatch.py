@@ -7,8 +7,8 @@ import httpx
 import pytest
 from django.conf import settings
 
+from base.celery import TRAIN_JOB, waiting_task_args
 from finetuning.models import FineTuningJob, JobStatus
-from server.celery import TRAIN_JOB, waiting_task_args
 from tests.personas import good_dataset
 from tests.processes import running_web
 from tests.test_files_api import upload

@@ -44,7 +44,7 @@ def no_trainer():
     """The scenario measures the web process and the pool: the jobs its clients create (and cancel)
     must not be trained meanwhile by a trainer an earlier test left running, which would take the
     CPU the engine needs. Trainers stop taking the training queue for the test, then take it again."""
-    from server.celery import TRAINING_QUEUE, app
+    from base.celery import TRAINING_QUEUE, app
 
     app.control.cancel_consumer(TRAINING_QUEUE, reply=True, timeout=2)
     yield

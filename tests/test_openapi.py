@@ -19,7 +19,7 @@ def test_the_api_docs_page_renders_without_any_cdn(client):
 
 
 def test_the_schema_describes_the_inference_endpoints_with_the_fields_the_gateway_accepts(client):
-    from inference.protocol import REQUEST_FIELDS
+    from core.openai_protocol import REQUEST_FIELDS
 
     schema = client.get("/api/schema", HTTP_ACCEPT="application/json").json()
     chat = schema["paths"]["/v1/chat/completions"]["post"]

@@ -81,7 +81,7 @@ def test_the_catalogs_autoscaling_becomes_serves_autoscaling_config(tmp_path):
 
 
 def test_the_gateway_sends_a_ray_models_requests_to_ray_serve_and_the_others_to_the_pool(settings, tmp_path):
-    from gateway.pool import serving_url
+    from base.serving_client import serving_url
 
     settings.MODEL_CATALOG = _load(tmp_path, _catalog_text())
     settings.RAY_SERVE_URL, settings.INFERENCE_POOL_URL = "http://ray:8400/", "http://pool:8100"

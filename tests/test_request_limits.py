@@ -167,7 +167,7 @@ BROWSER = {"Accept": "text/html,application/xhtml+xml,application/xml;q=0.9,*/*;
 
 
 async def test_it_answers_a_browsers_dashboard_form_with_a_page_and_the_api_with_json(web, alice, settings):
-    from dashboard.forms import file_too_large_message
+    from base.upload_limits import file_too_large_message
 
     settings.CONFIG = dataclasses.replace(settings.CONFIG, max_upload_bytes=1024)
     pulled: list[int] = []
@@ -200,7 +200,7 @@ async def test_an_adapter_upload_has_its_own_cap(web, alice, settings):
 
 
 async def test_the_dashboards_adapter_form_has_the_adapter_cap_and_a_browser_gets_the_forms_sentence(web, settings):
-    from dashboard.forms import adapter_too_large_message
+    from base.upload_limits import adapter_too_large_message
 
     settings.CONFIG = dataclasses.replace(settings.CONFIG, max_adapter_upload_bytes=4 * 1024 * 1024)
     # Over the default body cap (1 MiB), under the adapter's: Django reads it (and, without a session or

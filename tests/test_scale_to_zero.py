@@ -223,8 +223,8 @@ def test_a_real_replica_scaled_to_zero_starts_for_a_request_answers_and_stops_wh
 
 
 def test_a_models_serving_state_reads_the_pools_health_document():
+    from base.serving_client import Serving
     from finetuning.registry import UsableModel
-    from gateway.pool import Serving
 
     def usable(name: str, suffix: str | None = None, revision: int | None = None) -> UsableModel:
         return UsableModel(name, BASE, suffix, "system", None, revision=revision)  # type: ignore[arg-type]

@@ -5,7 +5,7 @@ from celery import current_app
 from celery.signals import before_task_publish
 from django.db import connection
 
-from server.celery import TRAIN_JOB, WORKER_REPORT, app, send
+from base.celery import TRAIN_JOB, WORKER_REPORT, app, send
 from workers.tasks import worker_report
 
 

@@ -21,7 +21,7 @@ from typing import ParamSpec, TypeVar
 from django.conf import settings
 from django.db import connection
 
-from server.database_outage import DATABASE_ERRORS
+from base.database_outage import DATABASE_ERRORS
 
 log = logging.getLogger(__name__)
 

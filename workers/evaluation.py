@@ -14,10 +14,10 @@ from dataclasses import asdict, dataclass
 
 import httpx
 
+from base.serving_client import pool_headers, pool_url
 from core.datasets import Example
 from core.evaluation import Case, Grader, cases_of, score
 from core.grading import GradingSandbox, describe
-from gateway.pool import pool_headers, pool_url
 
 MAX_CASES = 50  # the examples scored, at most: two answers each, on the engine
 MAX_ANSWER_TOKENS = 64

@@ -13,9 +13,9 @@ import logging
 
 from celery.exceptions import SoftTimeLimitExceeded
 
+from base.database_outage import DATABASE_ERRORS
 from core.api_errors import ApiError
 from finetuning import compose, compositions
-from server.database_outage import DATABASE_ERRORS
 from workers.db_retry import retrying
 
 log = logging.getLogger(__name__)

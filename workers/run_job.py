@@ -22,6 +22,8 @@ from celery.exceptions import SoftTimeLimitExceeded
 from django.conf import settings
 from django.utils import timezone
 
+from base.database_outage import DATABASE_ERRORS
+from base.serving_client import PoolUnavailable, preload
 from core import grading
 from core.adapter_store import AdapterNotFound, AdapterStore, StoreUnavailable
 from core.api_errors import logged_instead, scrubbed
@@ -40,8 +42,6 @@ from finetuning.models import (
     JobStatus,
     record_event,
 )
-from gateway.pool import PoolUnavailable, preload
-from server.database_outage import DATABASE_ERRORS
 from workers import evaluation
 from workers.db_retry import retrying
 from workers.heartbeat import Heartbeat

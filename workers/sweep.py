@@ -22,9 +22,9 @@ from django.conf import settings
 from django.utils import timezone
 from kombu.exceptions import OperationalError
 
+from base.celery import COMPOSE_MODEL, TRAIN_JOB, TRAINING_QUEUE, queue_consumers, waiting_task_args
 from finetuning import compositions, jobs, registry
 from finetuning.models import Composition, CompositionStatus, FineTuningJob, JobStatus, record_event
-from server.celery import COMPOSE_MODEL, TRAIN_JOB, TRAINING_QUEUE, queue_consumers, waiting_task_args
 from workers.run_job import drop_training_states
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """Celery tasks. Each one only translates: take ids, call one domain function, return plain data.
 
-Tasks are declared on the project's one app under the names in ``server.celery``, which is where
+Tasks are declared on the project's one app under the names in ``base.celery``, which is where
 senders find them (by name, with their queue).
 """
 
@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from django.conf import settings
 
-from server.celery import COMPOSE_MODEL, SWEEP_JOBS, TRAIN_JOB, WORKER_REPORT, app
+from base.celery import COMPOSE_MODEL, SWEEP_JOBS, TRAIN_JOB, WORKER_REPORT, app
 
 if TYPE_CHECKING:
     from celery import Task

@@ -34,10 +34,10 @@ from core.catalog import BaseModel, Catalog
 from core.config import load_config
 from core.internal_token import presents
 from core.model_names import pinned_name
+from core.openai_protocol import routed_fields, with_fields
 from inference.adapter_source import AdapterSource
 from inference.metrics import Metrics
 from inference.pool import COLD_START_RETRY_AFTER_S
-from inference.protocol import routed_fields, with_fields
 from inference.ray_serve.replica import STARTED, Head
 from inference.ray_serve.replica_adapters import routing_id
 from inference.served_model import served_model

@@ -36,9 +36,9 @@ from core import api_errors
 from core.adapter_store import adapter_store
 from core.catalog import BaseModel
 from core.config import load_config
+from core.http_client import HttpClient, UpstreamError
 from core.internal_token import bearer
 from inference.adapter_source import AdapterSource
-from inference.http_client import HttpClient, UpstreamError
 from inference.metrics import Metrics
 from inference.ray_serve.replica_adapters import ReplicaAdapters, ServedAdapter, served_name
 from inference.replica import start_vllm_server, stop_vllm_server, vllm_environment

@@ -8,14 +8,13 @@ from django import forms
 from django.conf import settings
 from django.forms.boundfield import BoundWidget
 
+from base.upload_limits import adapter_too_large_message, file_too_large_message
 from core.api_errors import ApiError
-from core.config import ADAPTER_UPLOAD_LIMIT_SETTING, UPLOAD_LIMIT_SETTING
 from core.lora_merge import METHODS
+from core.openai_protocol import MAX_ADAPTER_SCALE
 from finetuning.compose import CompositionRequest
 from finetuning.jobs import JobRequest, TARGET_MODULES
 from finetuning.models import File
-from inference.protocol import MAX_ADAPTER_SCALE
-from finetuning.quotas import human_size
 
 
 SUFFIX_HELP = "Letters, digits, - and _. Empty: one is made up."
@@ -25,14 +24,6 @@ def show_api_error(form: forms.Form, error: ApiError) -> None:
     """Put a service's error next to the field it names (``hyperparameters.lora_r`` -> ``lora_r``)."""
     field = (error.param or "").rpartition(".")[2]
     form.add_error(field if field in form.fields else None, error.message)
-
-
-def file_too_large_message() -> str:
-    """What a person reads about a dataset over the upload cap, wherever it is refused: next to the
-    form's file field before anything is sent, and on the page the body-size cap answers when a
-    file was sent all the same (``server.body_limits``)."""
-    limit = human_size(settings.CONFIG.max_upload_bytes)
-    return f"This file is larger than {limit}, the most a dataset may be ({UPLOAD_LIMIT_SETTING})."
 
 
 def choice_field(form: forms.Form, name: str) -> forms.ChoiceField:
@@ -50,13 +41,6 @@ class UploadForm(forms.Form):
         self.fields["file"].widget.attrs |= {
             "data-max-bytes": settings.CONFIG.max_upload_bytes, "data-too-large": file_too_large_message(),
         }  # fmt: skip
-
-
-def adapter_too_large_message() -> str:
-    """An adapter archive over its cap: next to the upload form's file field, and on the page the
-    body-size cap answers when it was sent all the same."""
-    limit = human_size(settings.CONFIG.max_adapter_upload_bytes)
-    return f"This archive is larger than {limit}, the most an adapter may be ({ADAPTER_UPLOAD_LIMIT_SETTING})."
 
 
 class AdapterUploadForm(forms.Form):

@@ -16,6 +16,8 @@ from django.views.decorators.http import require_POST
 from accounts.models import ApiKey
 from accounts.permissions import allow_members_to_manage, check_may_manage_models, is_owner, may_manage, may_revoke
 from accounts.services import create_api_key, revoke_api_key
+from base.error_responses import api_error
+from base.serving_client import PoolUnavailable, serving
 from core.api_errors import ApiError, logged_instead
 from core.strict_json import MAX_INT
 from core.whole_numbers import whole_number
@@ -27,11 +29,8 @@ from finetuning import adapters, compositions, files, jobs, revisions
 from finetuning.models import Composition, File, FineTunedModel, FineTuningJob
 from finetuning.registry import delete_fine_tuned_model, list_usable_models, resolve_model
 from finetuning.representations import event_object, job_object
-from finetuning.views import archive_response
 from gateway import metrics as gateway_metrics
 from gateway.completions import complete_for_organization, pool_response
-from gateway.pool import PoolUnavailable, serving
-from server.api_errors import api_error
 from usage.report import daily_usage
 
 PREVIEW_EXAMPLES = 5
@@ -148,7 +147,7 @@ def checkpoint_adapter(request: OrganizationRequest, job_id: str, checkpoint_id:
     except ApiError as error:
         messages.error(request, error.message)
         return redirect("dashboard:job", job_id=job_id)
-    return archive_response(archive, checkpoint.name)
+    return adapters.archive_response(archive, checkpoint.name)
 
 
 @with_organization
@@ -243,7 +242,7 @@ def model_adapter(request: OrganizationRequest, model_name: str) -> HttpResponse
     except ApiError as error:  # not published (any more), or its store does not answer
         messages.error(request, error.message)
         return redirect("dashboard:models")
-    return archive_response(archive, model.name)
+    return adapters.archive_response(archive, model.name)
 
 
 @with_organization

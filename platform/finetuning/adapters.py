@@ -26,6 +26,7 @@ from django.core.files.uploadedfile import UploadedFile
 from django.db import IntegrityError, transaction
 
 from accounts.models import Organization
+from base.streaming import StreamedFileResponse
 from core.adapter_archive import ADAPTER_FILES, pack, unpack
 from core.adapter_check import check_adapter, served_config
 from core.adapter_store import AdapterNotFound, AdapterStore, StoreUnavailable
@@ -39,6 +40,13 @@ from finetuning.models import Checkpoint, Composition, FineTunedModel, FineTunin
 def archive_name(name: str) -> str:
     """A file name for a model or checkpoint name (``org/model:suffix`` holds '/' and ':')."""
     return name.replace("/", "--").replace(":", "--") + ".tar.gz"
+
+
+def archive_response(archive: IO[bytes], name: str) -> StreamedFileResponse:
+    """An adapter's archive (an open file), streamed in blocks and closed at the end: the download
+    of the API and of the dashboard."""
+    filename = archive_name(name)
+    return StreamedFileResponse(archive, as_attachment=True, filename=filename, content_type="application/gzip")
 
 
 def model_archive(model: FineTunedModel) -> IO[bytes]:

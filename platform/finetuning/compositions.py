@@ -28,6 +28,7 @@ from kombu.exceptions import OperationalError
 
 from accounts.locks import lock_organization
 from accounts.models import Organization
+from base.celery import COMPOSE_MODEL, send
 from core.api_errors import ApiError
 from core.config import LIMIT_SETTINGS
 from core.lora_merge import Method
@@ -35,7 +36,6 @@ from core.model_names import parse_model_name
 from core.rate_limits import RATE_LIMIT_TYPE
 from finetuning import compose, quotas
 from finetuning.models import Composition, CompositionStatus, FineTunedModel
-from server.celery import COMPOSE_MODEL, send
 
 log = logging.getLogger(__name__)
 

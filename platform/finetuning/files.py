@@ -16,7 +16,7 @@ from django.db import transaction
 from django.db.models import Q
 
 from accounts.models import Organization
-from core.api_errors import ApiError
+from core.api_errors import ApiError, human_size
 from core.config import UPLOAD_LIMIT_SETTING
 from core.datasets import Dataset, Example, parse_dataset
 from finetuning import quotas, results, storage
@@ -85,7 +85,7 @@ def upload_file(organization: Organization, user: User | None, upload: UploadedF
 def upload_too_large(size: int) -> ApiError:
     limit = settings.CONFIG.max_upload_bytes
     return ApiError(
-        f"The file is {quotas.human_size(size)}; the limit is {quotas.human_size(limit)} ({UPLOAD_LIMIT_SETTING}).",
+        f"The file is {human_size(size)}; the limit is {human_size(limit)} ({UPLOAD_LIMIT_SETTING}).",
         status=413, param="file", code="file_too_large",
     )  # fmt: skip
 

@@ -38,6 +38,7 @@ from kombu.exceptions import OperationalError
 
 from accounts.locks import lock_organization
 from accounts.models import Organization
+from base.celery import TRAIN_JOB, TRAINING_QUEUE, send
 from core.api_errors import ApiError, not_found, suffix_taken
 from core.catalog import BaseModel
 from core.config import LIMIT_SETTINGS
@@ -47,7 +48,6 @@ from core.rate_limits import RATE_LIMIT_TYPE
 from core.model_names import ModelName, is_valid_suffix, parse_model_name
 from finetuning import revisions
 from finetuning.models import Composition, File, FineTunedModel, FineTuningJob, JobStatus, record_event
-from server.celery import TRAIN_JOB, TRAINING_QUEUE, send
 
 log = logging.getLogger(__name__)
 

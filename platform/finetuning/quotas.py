@@ -18,7 +18,7 @@ from django.db.models import Sum
 
 from accounts.locks import lock_organization
 from accounts.models import Organization
-from core.api_errors import ApiError
+from core.api_errors import ApiError, human_size
 from core.config import LIMIT_SETTINGS
 from core.rate_limits import Limit, charge
 from finetuning.models import Composition, File, FineTunedModel
@@ -81,8 +81,3 @@ def reserved_bytes(organization: Organization) -> int:
     at its most, as it was measured against the quota when it was queued."""
     under_way = Composition.objects.for_org(organization).unfinished()
     return under_way.aggregate(total=Sum("estimated_bytes"))["total"] or 0
-
-
-def human_size(n: int) -> str:
-    """A size as people read it in an error message."""
-    return f"{n / 1024 / 1024:.1f} MB" if n >= 1024 * 1024 else f"{n} bytes"

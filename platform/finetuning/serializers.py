@@ -9,9 +9,9 @@ from rest_framework import serializers
 
 from core.evaluation import GRADERS
 from core.lora_merge import METHODS
+from core.openai_protocol import MAX_ADAPTER_SCALE
 from finetuning.compose import CompositionRequest
 from finetuning.jobs import AUTO, JobRequest
-from inference.protocol import MAX_ADAPTER_SCALE
 
 MAX_METADATA_KEYS = 16
 

@@ -4,7 +4,7 @@ shape."""
 
 from __future__ import annotations
 
-from typing import IO, Any
+from typing import Any
 
 from django.db.models import QuerySet
 from drf_spectacular.types import OpenApiTypes
@@ -19,6 +19,7 @@ from rest_framework.views import APIView
 
 from accounts.authentication import caller_of, organization_of
 from accounts.permissions import check_may_manage_models
+from base.streaming import StreamedFileResponse
 from core.api_errors import ApiError, model_not_found, not_found
 from finetuning import adapters, compositions, files, jobs, revisions
 from finetuning.models import Composition, File, FineTunedModel, FineTuningJob
@@ -39,7 +40,6 @@ from finetuning.serializers import (
     JobCreateSerializer,
     RollbackSerializer,
 )
-from server.streaming import StreamedFileResponse
 
 
 class AnyAcceptRenderer(JSONRenderer):
@@ -74,12 +74,6 @@ _MODEL = [OpenApiParameter("model", str, OpenApiParameter.PATH, description="<ba
 _PAGE = [OpenApiParameter("after", str), OpenApiParameter("limit", int)]
 _documented = extend_schema(responses=OpenApiTypes.OBJECT, parameters=[_ID])
 _ARCHIVE = {(200, "application/gzip"): OpenApiTypes.BINARY}
-
-
-def archive_response(archive: IO[bytes], name: str) -> StreamedFileResponse:
-    """An adapter's archive (an open file), streamed in blocks and closed at the end."""
-    filename = adapters.archive_name(name)
-    return StreamedFileResponse(archive, as_attachment=True, filename=filename, content_type="application/gzip")
 
 
 @extend_schema_view(
@@ -171,7 +165,7 @@ class JobViewSet(OrganizationScoped, viewsets.ViewSet):
         row = self.get_row(request, pk).checkpoints.select_related("job").filter(pk=checkpoint).first()
         if row is None:
             raise not_found("checkpoint", checkpoint)
-        return archive_response(adapters.checkpoint_archive(row), row.name)
+        return adapters.archive_response(adapters.checkpoint_archive(row), row.name)
 
 
 class ModelAdapterView(APIView):
@@ -187,7 +181,7 @@ class ModelAdapterView(APIView):
     )  # fmt: skip
     def get(self, request: Request, model: str) -> StreamedFileResponse:
         row = _own_model(request, model)
-        return archive_response(adapters.model_archive(row), row.name)
+        return adapters.archive_response(adapters.model_archive(row), row.name)
 
 
 def _own_model(request: Request, name: str) -> FineTunedModel:

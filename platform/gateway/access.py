@@ -10,7 +10,7 @@ within ``GRANT_TTL_S`` in another process; in this one at once (``forget_grants`
 
 The reads run with ``thread_sensitive=False``: in the shared thread pool, whose threads keep their
 database connections between requests, instead of a fresh thread (and connection) per request.
-A database outage in them is the 503 of ``server.database_outage``, whichever door called
+A database outage in them is the 503 of ``base.database_outage``, whichever door called
 (a Django view, or the ASGI fast path, which Django's middleware never sees).
 """
 
@@ -26,13 +26,13 @@ from accounts.models import ApiKey, Organization, hash_key
 from accounts.permissions import check_may_manage_models
 from accounts.services import authenticate_key
 from asgiref.sync import sync_to_async
+from base.database_outage import outage_as_api_error
 from django.db import close_old_connections
 from core import api_errors
 from core.api_errors import ApiError
 from core.model_names import parse_model_name
 from finetuning.models import FineTunedModel
 from finetuning.registry import UsableModel, delete_fine_tuned_model, list_usable_models, resolve_model
-from server.database_outage import outage_as_api_error
 
 
 GRANT_TTL_S = 1.0

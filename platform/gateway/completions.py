@@ -22,16 +22,16 @@ from django.conf import settings
 from django.http import HttpResponse, StreamingHttpResponse
 
 from accounts.models import Organization
+from base.serving_client import pool_http, serving_url
 from core import api_errors
+from core.http_client import UpstreamError, UpstreamResponse, UpstreamTimeout
+from core.openai_protocol import ORGANIZATION_HEADER, ParsedRequest, RoutedFields, parse_request
 from gateway.access import authorize, organization_model
 from gateway.cache_salt import cache_salt
 from gateway.forwarded_body import asks_for_usage, forwarded_body
 from gateway.limits import check_completion_rate, estimated_prompt_tokens, estimated_tokens
-from gateway.pool import pool_http, serving_url
 from gateway.request_limits import check_request
-from inference.http_client import UpstreamError, UpstreamResponse, UpstreamTimeout
 from finetuning.registry import UsableModel
-from inference.protocol import ORGANIZATION_HEADER, ParsedRequest, RoutedFields, parse_request
 from usage.answers import StreamTokens, Tokens, whole_answer_tokens
 from usage.meter import METER, Caller
 

@@ -2,7 +2,7 @@
 
 They are plain Django views (and an ASGI fast path), not DRF views, so drf-spectacular cannot see
 them: this post-processing hook writes their operations. Request bodies list the fields the
-gateway accepts (``inference.protocol.REQUEST_FIELDS``: one source, so the schema and the check
+gateway accepts (``core.openai_protocol.REQUEST_FIELDS``: one source, so the schema and the check
 cannot drift) with the types of the ones it checks itself; vLLM validates the rest. The model
 lists are pydantic models, rendered from their own JSON schema.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from inference.protocol import REQUEST_FIELDS, AdapterShare, ModelCard, ModelList
+from core.openai_protocol import REQUEST_FIELDS, AdapterShare, ModelCard, ModelList
 
 if TYPE_CHECKING:
     from drf_spectacular.generators import SchemaGenerator

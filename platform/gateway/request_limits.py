@@ -3,7 +3,7 @@
 One tenant must not be able to occupy the engine for everyone: generating many choices, many
 tokens or many logprobs, or sending a prompt the tokenizer chews on for seconds. Each cap is a
 setting (``core.config.RequestLimits``); a refusal is a 400 naming the field and the setting.
-The check reads the body the gateway has already parsed (``inference.protocol.parse_request``)
+The check reads the body the gateway has already parsed (``core.openai_protocol.parse_request``)
 and counts characters, not tokens: no tokenizer on the hot path. vLLM still refuses, exactly, a
 prompt longer than the model's context.
 """
@@ -14,7 +14,7 @@ from typing import Any
 
 from core import api_errors
 from core.config import Limit, RequestLimits
-from inference.protocol import REQUEST_FIELDS
+from core.openai_protocol import REQUEST_FIELDS
 
 
 def _numeric_caps(endpoint: str, limits: RequestLimits) -> dict[str, Limit]:

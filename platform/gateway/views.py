@@ -15,15 +15,15 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.http.response import HttpResponseBase
 from django.views.decorators.csrf import csrf_exempt
 
+from base.error_responses import api_error
+from base.monitoring import from_monitoring
+from base.serving_client import Serving, pool_client, pool_url, serving_async
 from core import api_errors
+from core.openai_protocol import ModelCard, ModelList
 from gateway import metrics as gateway_metrics
 from gateway.access import authorize, delete_model, usable_models
 from gateway.completions import bearer_key, complete, pool_response
 from finetuning.registry import UsableModel
-from gateway.pool import Serving, pool_client, pool_url, serving_async
-from inference.protocol import ModelCard, ModelList
-from server.api_errors import api_error
-from server.monitoring import from_monitoring
 
 
 _AsyncView = Callable[..., Coroutine[Any, Any, HttpResponseBase]]

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 from django.conf import settings
 from django.db import connection
 
+from base.celery import REQUIRED_QUEUES, queue_consumers
+from base.serving_client import PoolUnavailable, backends, pool_health, ray_health
 from core.redis_ping import redis_problem
-from gateway.pool import PoolUnavailable, backends, pool_health, ray_health
-from server.celery import REQUIRED_QUEUES, queue_consumers
 
 TIMEOUT_S = 1.0
 

@@ -1,8 +1,8 @@
 from django.http import HttpRequest, JsonResponse
 from django.views.decorators.http import require_GET
 
+from base.monitoring import from_monitoring
 from health.checks import ALL_CHECKS
-from server.monitoring import from_monitoring
 
 
 @require_GET

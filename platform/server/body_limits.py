@@ -11,7 +11,8 @@ passes the cap.
 
 The refusal is JSON in the API's shape, except for a person: a dashboard form sent by a browser
 (a path outside the API, asking for HTML) gets a small page with the same status, a sentence for
-people and a link back to the form, not a screen of raw JSON.
+people (the one the form shows beside its file field: ``base.upload_limits``) and a link back to
+the form, not a screen of raw JSON.
 """
 
 from __future__ import annotations
@@ -51,9 +52,9 @@ def with_body_limits(application: ASGIApp) -> ASGIApp:
     """Call once Django is set up: the paths come from its URL configuration."""
     from django.conf import settings
     from django.urls import reverse
-    from dashboard.forms import adapter_too_large_message, file_too_large_message
+    from base.error_responses import too_large_page
+    from base.upload_limits import adapter_too_large_message, file_too_large_message
     from gateway.asgi import ENDPOINTS
-    from server.api_errors import too_large_page
 
     kinds = (
         dict.fromkeys(ENDPOINTS, "completion")

@@ -7,7 +7,7 @@ a 404 that names the right address. A browser follows a 301 or 302 with a GET an
 and a 308 would make it send the body again (an upload, up to ``MAX_UPLOAD_MB``); our own forms post
 to the canonical addresses, so a POST to a slashed one is a mistake, best reported at once.
 
-``/v1/`` is left alone: its catch-all route answers first (a JSON 404, ``server.api_errors``). The
+``/v1/`` is left alone: its catch-all route answers first (a JSON 404, ``base.error_responses``). The
 OpenAI client never adds a slash, and an API client is better told than redirected.
 """
 

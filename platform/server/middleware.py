@@ -8,9 +8,17 @@ from django.http.multipartparser import MultiPartParserError
 from django.utils.deprecation import MiddlewareMixin
 from django.utils.log import log_response
 
+from base.database_outage import as_api_error
+from base.error_responses import (
+    api_error,
+    bad_request,
+    for_api,
+    page_not_found,
+    permission_denied,
+    server_error,
+    unavailable,
+)
 from core.api_errors import ApiError
-from server.database_outage import as_api_error
-from server.api_errors import api_error, bad_request, for_api, page_not_found, permission_denied, server_error, unavailable
 
 
 class RefuseNulInAddress(MiddlewareMixin):
@@ -29,10 +37,10 @@ class RefuseNulInAddress(MiddlewareMixin):
 
 class ViewExceptionMiddleware(MiddlewareMixin):
     """What a view's exception answers, in every mode: a database outage is a 503
-    (``server.database_outage``), not a 500; under /v1/ anything else is JSON in the API's shape,
+    (``base.database_outage``), not a 500; under /v1/ anything else is JSON in the API's shape,
     even with DEBUG=true, where Django would show an API client its HTML debug page (with the
-    traceback and the settings). The DRF views' own exceptions are shaped by ``server.api_errors``
-    first; what it leaves, a bug, arrives here.
+    traceback and the settings). The DRF views' own exceptions are shaped by
+    ``base.error_responses`` first; what it leaves, a bug, arrives here.
 
     Only ``process_exception``: MiddlewareMixin then serves async views (the gateway's) without a
     hop to a thread."""
@@ -42,7 +50,7 @@ class ViewExceptionMiddleware(MiddlewareMixin):
         if error is not None:
             return unavailable(request, error)
         if not for_api(request):
-            return None  # Django's own handling: its debug pages in development, server.api_errors in production
+            return None  # Django's own handling: its debug pages in development, base.error_responses in production
         response = _api_answer(request, exception)
         # Logged as Django logs the exceptions it handles itself: with the traceback and the request.
         log_response(

@@ -25,7 +25,7 @@ SECURE_HSTS_INCLUDE_SUBDOMAINS = True
 SILENCED_SYSTEM_CHECKS = ["security.W021"]
 # Debug pages hide settings named like secrets (TOKEN, KEY, SECRET, ...); ours also hides URLs and
 # backends, which may embed a password (CELERY_BROKER_URL, CELERY_RESULT_BACKEND).
-DEFAULT_EXCEPTION_REPORTER_FILTER = "server.api_errors.SecretsHidingFilter"
+DEFAULT_EXCEPTION_REPORTER_FILTER = "base.error_responses.SecretsHidingFilter"
 
 INSTALLED_APPS = [
     "django.contrib.admin",
@@ -105,7 +105,7 @@ REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": ["accounts.authentication.BearerKeyAuthentication"],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
-    "EXCEPTION_HANDLER": "server.api_errors.exception_handler",
+    "EXCEPTION_HANDLER": "base.error_responses.exception_handler",
     "DEFAULT_PARSER_CLASSES": ["server.json_parser.StrictJSONParser", "rest_framework.parsers.MultiPartParser"],
 }
 SPECTACULAR_SETTINGS = {
@@ -117,13 +117,13 @@ SPECTACULAR_SETTINGS = {
     "POSTPROCESSING_HOOKS": ["drf_spectacular.hooks.postprocess_schema_enums", "gateway.openapi.add_inference_endpoints"],
 }
 
-# Celery (the app is server/celery.py): JSON only, so a task never unpickles data from the broker.
+# Celery (the app is base/celery.py): JSON only, so a task never unpickles data from the broker.
 CELERY_BROKER_URL = CONFIG.redis_url
 CELERY_RESULT_BACKEND = CONFIG.redis_url
 CELERY_TASK_SERIALIZER = "json"
 CELERY_RESULT_SERIALIZER = "json"
 CELERY_ACCEPT_CONTENT = ["json"]
-CELERY_IMPORTS = ["workers.tasks"]  # what a worker registers; senders use names (server.celery.send)
+CELERY_IMPORTS = ["workers.tasks"]  # what a worker registers; senders use names (base.celery.send)
 CELERY_TASK_DEFAULT_QUEUE = "default"
 # A task is acknowledged only when it finishes, so a worker that dies mid-task leaves it queued.
 CELERY_TASK_ACKS_LATE = True
@@ -136,8 +136,8 @@ CELERY_TASK_PUBLISH_RETRY_POLICY = {"max_retries": 2, "interval_start": 0, "inte
 CELERY_BROKER_TRANSPORT_OPTIONS = {"socket_connect_timeout": 2, "socket_timeout": 5}
 
 INFERENCE_POOL_URL = CONFIG.inference_pool_url
-RAY_SERVE_URL = CONFIG.ray_serve_url  # for the catalog's models with backend = "ray" (gateway.pool)
-INTERNAL_TOKEN = CONFIG.internal_token  # sent to the pool with every call (gateway.pool)
+RAY_SERVE_URL = CONFIG.ray_serve_url  # for the catalog's models with backend = "ray" (base.serving_client)
+INTERNAL_TOKEN = CONFIG.internal_token  # sent to the pool with every call (base.serving_client)
 MONITORING_TOKEN = CONFIG.monitoring_token  # opens /metrics and the detail of /healthz
 
 # Bodies are capped by server.body_limits before Django reads them. Django's own caps must not

@@ -1,9 +1,9 @@
 from django.urls import include, path, re_path
 from drf_spectacular.views import SpectacularAPIView, SpectacularRedocView
 
+from base.error_responses import unknown_api_path
 from health.views import healthz
 from server.canonical_paths import without_trailing_slash
-from server.api_errors import unknown_api_path
 
 urlpatterns = [
     path("healthz", healthz, name="healthz"),
@@ -19,7 +19,7 @@ urlpatterns = [
     re_path(r"^.+/$", without_trailing_slash),
 ]
 
-handler400 = "server.api_errors.bad_request"
-handler403 = "server.api_errors.permission_denied"
-handler404 = "server.api_errors.page_not_found"
-handler500 = "server.api_errors.server_error"
+handler400 = "base.error_responses.bad_request"
+handler403 = "base.error_responses.permission_denied"
+handler404 = "base.error_responses.page_not_found"
+handler500 = "base.error_responses.server_error"

@@ -4,7 +4,8 @@ Request bodies go to vLLM as they came (vLLM validates sampling parameters, ``re
 ``stream_options``, ...), bar the organization's ``cache_salt`` the gateway sets. The gateway
 reads the field names (``REQUEST_FIELDS``), the caps of ``gateway.request_limits`` and the two
 fields it routes on; the pool only the routed ones. Responses they build themselves (model lists)
-are defined here.
+are defined here. It is the contract between the platform and the pool, so it lives in ``core``:
+each side imports it, and neither imports the other.
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
-"""The gateway's side of the inference pool: its connections, and what the pool says about itself.
+"""The platform's side of the serving backends (the embedded inference pool, and Ray Serve for the
+catalog's models with ``backend = "ray"``): their connections, and what they say about themselves.
+The gateway, the dashboard, the health checks and the workers use it.
 
-Connections exist one set per event loop: completions go through ``inference.http_client`` (the
+Connections exist one set per event loop: completions go through ``core.http_client`` (the
 hot path), the occasional metrics scrape through httpx. They belong to the loop that opened them: a
 server runs one loop, tests may run several one after another. Every call presents the internal
 token: the pool answers nothing without it. The pool's health document (``GET /health``) serves
@@ -13,16 +15,15 @@ import asyncio
 import weakref
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 from django.conf import settings
 
 from core.catalog import BACKENDS
+from core.http_client import HttpClient
 from core.internal_token import bearer
 from core.model_names import parse_model_name
-from finetuning.registry import UsableModel
-from inference.http_client import HttpClient
 
 HEALTH_TIMEOUT_S = 1.0
 PRELOAD_TIMEOUT_S = 60.0  # an adapter load: well under a second locally, a download from S3 first
@@ -94,6 +95,16 @@ def _health_document(url: str) -> tuple[int, dict]:
         raise PoolUnavailable(f"{url}: {exc}") from None
 
 
+class ServedModel(Protocol):
+    """What ``Serving.of`` reads of a model (``finetuning.registry.UsableModel`` is one)."""
+
+    @property
+    def base_model_id(self) -> str: ...
+
+    @property
+    def served_as(self) -> str: ...
+
+
 @dataclass(frozen=True)
 class Serving:
     """What the backends' health documents say runs: each base model's state ("ready",
@@ -115,7 +126,7 @@ class Serving:
                     loaded.update([replica["model"], *replica.get("adapters", [])])
         return cls(states, loaded)
 
-    def of(self, model: UsableModel) -> dict[str, Any] | None:
+    def of(self, model: ServedModel) -> dict[str, Any] | None:
         """``{"state", "replicas"}``: "loaded" on N replicas; "ready" (a fine-tune whose base model
         runs: its adapter loads on its first request, in well under a second); "starting"; "cold"
         (scaled to zero: its next request starts a replica and waits for it). None: its backend

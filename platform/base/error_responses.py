@@ -1,7 +1,7 @@
 """Errors as Django answers them: JSON in the API's shape under /v1/, a page for people elsewhere.
 
 Domain code raises ``core.api_errors.ApiError``; ``api_error`` is its Django response. DRF's own
-exceptions (bad JSON, bad auth, unknown ids) and a database outage (``server.database_outage``) are
+exceptions (bad JSON, bad auth, unknown ids) and a database outage (``base.database_outage``) are
 translated by ``exception_handler``, so every API answer has the same shape.
 
 Django uses the ``handler*`` views (``server.urls``) only with DEBUG=false; with DEBUG=true it shows
@@ -24,8 +24,8 @@ from django.views.decorators.csrf import csrf_exempt
 from rest_framework import exceptions, status
 from rest_framework.response import Response
 
+from base.database_outage import as_api_error
 from core.api_errors import ApiError, error_body, internal_error
-from server.database_outage import as_api_error
 
 API_PREFIX = "/v1/"
 

@@ -4,6 +4,9 @@ A process holds exactly one Celery app. A second one (say, to ping workers) sile
 ``shared_task`` proxies resolve to on threads where this app is not current, and tasks then go to
 the queue ``celery``, which nobody consumes. So this app is the default, tasks are declared on it,
 senders name the task and its queue, and health checks ask workers through a plain connection.
+
+It lives in ``base`` so that apps and workers import it without importing the project; the project
+(``server/__init__.py``) loads it, so every process that loads Django has it.
 """
 
 from __future__ import annotations

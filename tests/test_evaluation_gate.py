@@ -196,12 +196,12 @@ def test_a_catastrophic_regex_is_graded_in_bounded_time_while_the_heartbeat_keep
     import time
 
     from core import grading
-    from finetuning import jobs
+    from finetuning import job_status
     from workers.heartbeat import Heartbeat
 
     monkeypatch.setattr(grading, "GRADE_TIMEOUT_S", 2.0)
     beats: list[float] = []
-    monkeypatch.setattr(jobs, "heartbeat", lambda job_id, attempt, **fields: beats.append(time.monotonic()) or True)
+    monkeypatch.setattr(job_status, "heartbeat", lambda job_id, attempt, **fields: beats.append(time.monotonic()) or True)
     graders = [{"type": "regex", "pattern": CATASTROPHIC}, {"type": "contains"}]
     with Heartbeat("ftjob-graded", 1, interval_s=0.05):
         started = time.monotonic()

@@ -12,7 +12,7 @@ import pytest
 from django.db import transaction
 
 from finetuning import revisions
-from finetuning.jobs import JobRequest, create_job
+from finetuning.job_creation import JobRequest, create_job
 from finetuning.models import FineTunedModel, FineTuningJob, JobStatus
 from tests.inference_fixtures import *  # noqa: F403
 from tests.inference_fixtures import BASE, adapter_store, publish_fine_tuned_model

@@ -13,7 +13,7 @@ from safetensors import safe_open
 from core.object_store import ObjectNotFound
 from finetuning import storage
 from finetuning.models import Checkpoint, FineTunedModel, FineTuningJob, JobEvent, JobStatus
-from finetuning.jobs import recover_stale_jobs
+from finetuning.job_status import recover_stale_jobs
 from tests.personas import good_dataset
 from tests.s3 import s3_server
 from tests.test_files_api import upload

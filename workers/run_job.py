@@ -4,8 +4,9 @@ a revision of its model, have the pool load it, record the outcome.
 Safe to run twice for one job (a redelivered task, a recovered job): only the worker whose
 conditional update moves the job from "queued" to "running" trains it; the others return at once.
 A worker that dies leaves a stale heartbeat, and the sweeper (``workers.sweep``) re-queues or
-fails the job. Every change of status is a function of ``finetuning.jobs``. Every database call
-waits out a database outage (``workers.db_retry``).
+fails the job. Every change of status is a function of ``finetuning.job_status`` (the claim, of
+``finetuning.training_turns``). Every database call waits out a database outage
+(``workers.db_retry``).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from core.catalog import BaseModel
 from core.datasets import Example
 from core.model_names import ModelName, pinned_name
 from core.object_store import ObjectNotFound
-from finetuning import jobs, results, storage
+from finetuning import job_creation, job_status, results, storage, training_turns
 from finetuning.files import load_examples
 from finetuning.models import (
     FINISHED_STATUSES,
@@ -139,7 +140,7 @@ def _train(job: FineTuningJob, workdir: Path, callbacks: JobCallbacks) -> Traini
     hp = job.hyperparameters
     config = TrainingConfig(
         base_model_path=model.weights, base_model_id=model.id, n_epochs=hp["n_epochs"], batch_size=hp["batch_size"],
-        learning_rate=jobs.BASE_LEARNING_RATE * hp["learning_rate_multiplier"], lora_r=hp["lora_r"],
+        learning_rate=job_creation.BASE_LEARNING_RATE * hp["learning_rate_multiplier"], lora_r=hp["lora_r"],
         lora_alpha=hp["lora_alpha"], lora_dropout=hp["lora_dropout"], target_modules=list(hp["target_modules"]),
         seed=job.seed, max_seq_len=model.engine.max_model_len,
     )  # fmt: skip
@@ -214,11 +215,11 @@ def _publish(job: FineTuningJob, heartbeat: Heartbeat, result: TrainingResult) -
     if job.evaluation is not None:
         _gate(job, heartbeat, store, revision)
     results_file = retrying(results.store_results_file, job)
-    if retrying(jobs.succeed, job, heartbeat.attempt, name, result.trained_tokens, result.final_train_loss, results_file):
+    if retrying(job_status.succeed, job, heartbeat.attempt, name, result.trained_tokens, result.final_train_loss, results_file):
         _announce_ready(job, name)
         return
     results.discard(results_file)
-    if retrying(jobs.status_of, job.pk) == JobStatus.CANCELLED:
+    if retrying(job_status.status_of, job.pk) == JobStatus.CANCELLED:
         store.delete(revision)  # cancelled while publishing: nothing answers with it
     # Otherwise another attempt runs the job now: its own publish replaces this revision, and
     # nothing of its may be deleted here.
@@ -241,7 +242,7 @@ def _gate(job: FineTuningJob, heartbeat: Heartbeat, store: AdapterStore, revisio
             f"{logged_instead(f'job {job.pk}: the evaluation could not run', str(exc))}. Nothing was published; "
             "create the job again once the pool answers.",
         ) from None  # fmt: skip
-    retrying(jobs.record_evaluation, job.pk, heartbeat.attempt, scores.as_dict())
+    retrying(job_status.record_evaluation, job.pk, heartbeat.attempt, scores.as_dict())
     for grader, count in scores.timeouts.items():
         message = (
             f"Evaluation: the {grader} was too slow (over {grading.GRADE_TIMEOUT_S:g} s an answer, and not run again "
@@ -326,9 +327,9 @@ def drop_training_states(job_id: str) -> None:
 
 
 def run_job(woken_by: str, worker: str) -> str:
-    """Train and publish the job whose turn it is (``finetuning.jobs.claim_next``: the one the
+    """Train and publish the job whose turn it is (``finetuning.training_turns.claim_next``: the one the
     message named, or another organization's); returns what happened, for the worker's log."""
-    claimed = retrying(jobs.claim_next, woken_by, worker)
+    claimed = retrying(training_turns.claim_next, woken_by, worker)
     if claimed is None:
         return f"nothing claimed for {woken_by} (it runs or has finished, or every waiting organization is at its cap)"
     job_id, attempt = claimed.job_id, claimed.attempt
@@ -341,11 +342,11 @@ def run_job(woken_by: str, worker: str) -> str:
                 _publish(job, heartbeat, result)
         except Exception as exc:
             failure = _explained(exc, job)
-            retrying(jobs.fail, job_id, attempt, failure.code, failure.message)
+            retrying(job_status.fail, job_id, attempt, failure.code, failure.message)
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
-    retrying(jobs.send_waiting, job.organization_id)  # this job's slot is free: the organization's next one
-    status = retrying(jobs.status_of, job_id)
+    retrying(training_turns.send_waiting, job.organization_id)  # this job's slot is free: the organization's next one
+    status = retrying(job_status.status_of, job_id)
     if status in FINISHED_STATUSES:
         retrying(drop_training_states, job_id)  # no attempt will resume it
         shutil.rmtree(workdir.parent, ignore_errors=True)  # the job's folder, empty of attempts

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 # At the soft limit the task is interrupted (SoftTimeLimitExceeded) and fails its job
 # (``workers.run_job``); the hard limit, a minute later, kills a trainer too stuck even for that
 # (the sweeper then finds the job's heartbeat stale: it queues the job again, and fails it after
-# ``finetuning.jobs.MAX_ATTEMPTS``).
+# ``finetuning.job_status.MAX_ATTEMPTS``).
 JOB_SOFT_LIMIT_S = settings.CONFIG.job_time_limit_s
 JOB_HARD_LIMIT_S = JOB_SOFT_LIMIT_S + 60
 # A composition takes tens of seconds (the most parents, at the served rank, on two cores); one

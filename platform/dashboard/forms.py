@@ -12,7 +12,7 @@ from core.api_errors import ApiError
 from core.config import ADAPTER_UPLOAD_LIMIT_SETTING, UPLOAD_LIMIT_SETTING
 from core.lora_merge import METHODS
 from finetuning.compose import CompositionRequest
-from finetuning.jobs import JobRequest, TARGET_MODULES
+from finetuning.job_creation import JobRequest, TARGET_MODULES
 from finetuning.models import File
 from inference.protocol import MAX_ADAPTER_SCALE
 from finetuning.quotas import human_size

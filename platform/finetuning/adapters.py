@@ -32,7 +32,7 @@ from core.adapter_store import AdapterNotFound, AdapterStore, StoreUnavailable
 from core.api_errors import adapter_not_found, adapter_store_unreachable, adapter_too_large, suffix_taken
 from core.model_names import ModelName, pinned_name, revision_in
 from core.object_store import ObjectNotFound
-from finetuning import jobs, quotas, revisions, storage
+from finetuning import job_creation, quotas, revisions, storage
 from finetuning.models import Checkpoint, Composition, FineTunedModel, FineTuningJob
 
 
@@ -44,7 +44,7 @@ def archive_name(name: str) -> str:
 def model_archive(model: FineTunedModel) -> IO[bytes]:
     """The adapter ``model`` answers with, packed (built once per published revision); the caller
     streams and closes it."""
-    base = jobs.catalog_model(model.base_model)
+    base = job_creation.catalog_model(model.base_model)
     store = storage.adapters(base.lora.dynamic_lora_loading_path)
     try:
         published = store.version(model.name)
@@ -90,8 +90,8 @@ def upload_adapter(
 ) -> FineTunedModel:
     """Check an uploaded adapter archive against base model ``model_id``, publish it and register
     it as ``<model_id>:<suffix>``. Nothing is written unless every check passes."""
-    base = jobs.catalog_model(model_id)
-    name = ModelName(base.id, jobs.chosen_suffix(suffix))
+    base = job_creation.catalog_model(model_id)
+    name = ModelName(base.id, job_creation.chosen_suffix(suffix))
     limit = settings.CONFIG.max_adapter_upload_bytes
     if upload.size is None or upload.size > limit:
         raise adapter_too_large(limit)  # before reading it
@@ -122,7 +122,7 @@ def publish_new_model(
     quotas.check_storage(organization, size, what=stored.what, param=stored.param)
     model = _register(organization, name, size, composition, stored, held_by)
     try:
-        storage.adapters(jobs.catalog_model(name.base_model_id).lora.dynamic_lora_loading_path).publish(model.name, folder, model.revision)
+        storage.adapters(job_creation.catalog_model(name.base_model_id).lora.dynamic_lora_loading_path).publish(model.name, folder, model.revision)
     except BaseException as exc:
         model.delete()  # the name is free again; nothing was published
         if isinstance(exc, StoreUnavailable):
@@ -160,7 +160,7 @@ def _register(
 ) -> FineTunedModel:
     """The registry row before the adapter is published, so that of two uploads under one name only
     one publishes (the unique name decides). Until it is published a request for it is a 404."""
-    assert name.suffix is not None  # a fine-tuned model's name (jobs.chosen_suffix)
+    assert name.suffix is not None  # a fine-tuned model's name (job_creation.chosen_suffix)
     try:
         with transaction.atomic():
             quotas.check_storage(organization, size, locked=True, what=stored.what, param=stored.param)

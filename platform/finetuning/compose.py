@@ -32,7 +32,7 @@ from core.catalog import BaseModel
 from core.lora_algebra import CannotMix, Part, check_mixable_config, write_adapter
 from core.lora_merge import Method, merge, most_bytes
 from core.model_names import ModelName, parse_model_name
-from finetuning import jobs, quotas, storage
+from finetuning import job_creation, quotas, storage
 from finetuning.adapters import check_suffix_free, publish_new_model
 from finetuning.models import FineTunedModel
 
@@ -67,8 +67,8 @@ class Plan:
 def plan_composition(organization: Organization, request: CompositionRequest) -> Plan:
     """Every refusal a composition can get before its weights are read; nothing is written."""
     parents = _parents(organization, request.parents)
-    base = jobs.catalog_model(parents[0].base_model)
-    name = ModelName(base.id, jobs.chosen_suffix(request.suffix))
+    base = job_creation.catalog_model(parents[0].base_model)
+    name = ModelName(base.id, job_creation.chosen_suffix(request.suffix))
     check_suffix_free(name)
     configs = _configs(parents, base)
     rank = _rank(request, base, {model: int(config["r"]) for model, config in configs.items()})
@@ -84,7 +84,7 @@ def build_composition(organization: Organization, plan: Plan, held_by: str | Non
     ``held_by``: the composition (``finetuning.compositions``) that holds the name meanwhile. The
     parents are read again: one may have been deleted since the plan was made."""
     parents = _parents(organization, plan.scales)
-    base = jobs.catalog_model(parents[0].base_model)
+    base = job_creation.catalog_model(parents[0].base_model)
     with tempfile.TemporaryDirectory(prefix="compose-") as work:
         parts = [Part(folder, plan.scales[model.name]) for model, folder in _fetched(parents, base, Path(work))]
         try:

@@ -50,7 +50,7 @@ class File(models.Model):
 
 
 class JobStatus(models.TextChoices):
-    # No "validating_files": a job's files are checked before it is created (``finetuning.jobs``).
+    # No "validating_files": a job's files are checked before it is created (``finetuning.job_creation``).
     QUEUED = "queued"
     RUNNING = "running"
     SUCCEEDED = "succeeded"
@@ -70,7 +70,7 @@ class FineTuningJob(models.Model):
     # as "model" (<model>:<its suffix>); None when training starts from the base model alone.
     parent_model = models.CharField(max_length=300, null=True, blank=True)
     # The revision of <model>:<suffix> the job publishes: 1 for a new suffix; the next one when it
-    # continues the model of its own suffix (``finetuning.jobs.create_job`` reserves it).
+    # continues the model of its own suffix (``finetuning.job_creation.create_job`` reserves it).
     revision = models.IntegerField(default=1)
     # Ids, not foreign keys: a job keeps naming its files after they are deleted (as OpenAI's do).
     training_file = models.CharField(max_length=40)

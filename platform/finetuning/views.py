@@ -20,7 +20,7 @@ from rest_framework.views import APIView
 from accounts.authentication import caller_of, organization_of
 from accounts.permissions import check_may_manage_models
 from core.api_errors import ApiError, model_not_found, not_found
-from finetuning import adapters, compositions, files, jobs, revisions
+from finetuning import adapters, compositions, files, job_creation, job_status, revisions
 from finetuning.models import Composition, File, FineTunedModel, FineTuningJob
 from finetuning.pagination import list_page
 from finetuning.representations import (
@@ -143,7 +143,7 @@ class JobViewSet(OrganizationScoped, viewsets.ViewSet):
             raise ApiError("The request body must be a JSON object.", code="invalid_body")
         serializer = JobCreateSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
-        job = jobs.create_job(organization_of(request), caller_of(request), serializer.to_job_request())
+        job = job_creation.create_job(organization_of(request), caller_of(request), serializer.to_job_request())
         return Response(job_object(job))
 
     def retrieve(self, request: Request, pk: str) -> Response:
@@ -151,7 +151,7 @@ class JobViewSet(OrganizationScoped, viewsets.ViewSet):
 
     @action(detail=True, methods=["post"])
     def cancel(self, request: Request, pk: str) -> Response:
-        return Response(job_object(jobs.cancel_job(self.get_row(request, pk))))
+        return Response(job_object(job_status.cancel_job(self.get_row(request, pk))))
 
     @action(detail=True, methods=["get"])
     def events(self, request: Request, pk: str) -> Response:

@@ -24,7 +24,7 @@ from kombu.exceptions import OperationalError
 
 from finetuning import compositions, job_status, registry, training_turns
 from finetuning.models import Composition, CompositionStatus, FineTuningJob, JobStatus, record_event
-from server.celery import COMPOSE_MODEL, TRAIN_JOB, TRAINING_QUEUE, queue_consumers, waiting_task_args
+from server.celery import COMPOSE_MODEL, TAKE_TRAINING_TURN, TRAINING_QUEUE, queue_consumers, waiting_task_args
 from workers.run_job import drop_training_states
 
 log = logging.getLogger(__name__)
@@ -63,7 +63,7 @@ def _resend_lost(lost_after: timedelta) -> list[str]:
     overdue = FineTuningJob.objects.filter(status=JobStatus.QUEUED, queued_at__lt=timezone.now() - lost_after)
     if not overdue.exists():
         return []  # the common case: no need to read the broker's queue
-    held = waiting_task_args(settings.CELERY_BROKER_URL, TRAIN_JOB)
+    held = waiting_task_args(settings.CELERY_BROKER_URL, TAKE_TRAINING_TURN)
     free: dict[int, int] = {}  # per organization, the slots not yet given to a job sent in this pass
     resent = []
     for job in overdue.order_by("queued_at"):

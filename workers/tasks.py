@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from django.conf import settings
 
-from server.celery import COMPOSE_MODEL, SWEEP_JOBS, TRAIN_JOB, WORKER_REPORT, app
+from server.celery import COMPOSE_MODEL, SWEEP_JOBS, TAKE_TRAINING_TURN, WORKER_REPORT, app
 
 if TYPE_CHECKING:
     from celery import Task
@@ -37,12 +37,15 @@ def worker_report() -> dict:
 
 
 @app.task(
-    name=TRAIN_JOB.name, queue=TRAIN_JOB.queue, bind=True, soft_time_limit=JOB_SOFT_LIMIT_S, time_limit=JOB_HARD_LIMIT_S
-)
-def train_job(self: Task, job_id: str) -> str:
+    name=TAKE_TRAINING_TURN.name, queue=TAKE_TRAINING_TURN.queue, bind=True, soft_time_limit=JOB_SOFT_LIMIT_S,
+    time_limit=JOB_HARD_LIMIT_S,
+)  # fmt: skip
+def take_training_turn(self: Task, woken_by: str) -> str:
+    """Train the job whose turn it is: the one whose message this is (``woken_by``), or another
+    organization's (``finetuning.training_turns.claim_next``)."""
     from workers.run_job import run_job
 
-    return run_job(job_id, worker=self.request.hostname or "unknown")
+    return run_job(woken_by, worker=self.request.hostname or "unknown")
 
 
 @app.task(

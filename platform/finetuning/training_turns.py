@@ -33,14 +33,14 @@ from kombu.exceptions import OperationalError
 from accounts.locks import lock_organization
 from core.config import LIMIT_SETTINGS
 from finetuning.models import FineTuningJob, JobStatus, record_event
-from server.celery import TRAIN_JOB, TRAINING_QUEUE, send
+from server.celery import TAKE_TRAINING_TURN, TRAINING_QUEUE, send
 
 log = logging.getLogger(__name__)
 
 
 def send_to_trainer(job_id: str) -> None:
     """Wake a trainer for a queued job. Sending twice is harmless: only one ``claim`` wins."""
-    send(TRAIN_JOB, job_id)
+    send(TAKE_TRAINING_TURN, job_id)
 
 
 _NEVER = datetime.min.replace(tzinfo=dt_timezone.utc)

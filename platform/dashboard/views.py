@@ -23,7 +23,7 @@ from dashboard.forms import AdapterUploadForm, ApiKeyForm, ComposeForm, JobForm,
 from dashboard.organizations import OrganizationRequest, switch_organization, with_organization
 from dashboard.playground import completion_body
 from dashboard.usage_chart import daily_tokens_chart
-from finetuning import adapters, compositions, files, job_creation, job_status, revisions
+from finetuning import adapters, compositions, files, job_creation, job_status, publishing
 from finetuning.models import Composition, File, FineTunedModel, FineTuningJob
 from finetuning.registry import delete_fine_tuned_model, list_usable_models, resolve_model
 from finetuning.representations import event_object, job_object
@@ -226,7 +226,7 @@ def model_rollback(request: OrganizationRequest, model_name: str) -> HttpRespons
     try:
         if number is None:
             raise ApiError(f"Choose a revision of {model.name} to answer with.", param="revision")
-        model = revisions.roll_back(model, number)
+        model = publishing.roll_back(model, number)
     except ApiError as error:
         messages.error(request, error.message)
     else:

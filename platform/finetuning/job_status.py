@@ -23,7 +23,7 @@ from django.db.models import QuerySet
 from django.utils import timezone
 
 from core.api_errors import ApiError
-from finetuning import revisions
+from finetuning import publishing
 from finetuning.models import File, FineTuningJob, JobStatus, record_event
 
 MAX_ATTEMPTS = 3
@@ -66,7 +66,7 @@ def succeed(
         if succeeded:
             if results is not None:
                 results.save()
-            revisions.register(job, name, final_loss)
+            publishing.publish_trained_revision(job, name, final_loss)
             record_event(job, "The job has successfully completed")
     return bool(succeeded)
 

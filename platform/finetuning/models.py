@@ -166,7 +166,7 @@ class FineTunedModel(models.Model):
     # A composed model's lineage: {"parents": [{"model", "scale"}], "method", "rank", "approximation_error", ...}
     composition = models.JSONField(null=True, blank=True)
     # The revision the bare name answers with: the latest published, or the one rolled back to
-    # (``finetuning.revisions``; the dynamic LoRA path's link says the same, for the pool).
+    # (``finetuning.publishing``; the dynamic LoRA path's link says the same, for the pool).
     revision = models.IntegerField(default=1)
     created_at = models.DateTimeField(auto_now_add=True)
 
@@ -249,7 +249,7 @@ class Composition(models.Model):
     organization = models.ForeignKey(Organization, on_delete=models.CASCADE, related_name="compositions")
     created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, on_delete=models.SET_NULL)
     # The fine-tuned model it publishes, <base_model_id>:<suffix>: held for it from creation
-    # (``finetuning.adapters.check_suffix_free``) until it has finished.
+    # (``finetuning.publishing.check_suffix_free``) until it has finished.
     model = models.CharField(max_length=300)
     parents = models.JSONField()  # [{"model", "scale"}], in the order they were given
     method = models.CharField(max_length=20)

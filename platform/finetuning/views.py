@@ -20,7 +20,7 @@ from rest_framework.views import APIView
 from accounts.authentication import caller_of, organization_of
 from accounts.permissions import check_may_manage_models
 from core.api_errors import ApiError, model_not_found, not_found
-from finetuning import adapters, compositions, files, job_creation, job_status, revisions
+from finetuning import adapters, compositions, files, job_creation, job_status, publishing, registry
 from finetuning.models import Composition, File, FineTunedModel, FineTuningJob
 from finetuning.pagination import list_page
 from finetuning.representations import (
@@ -206,7 +206,7 @@ class ModelRevisionsView(APIView):
     )  # fmt: skip
     def get(self, request: Request, model: str) -> Response:
         row = _own_model(request, model)
-        data = [revision_object(revision, row.revision) for revision in revisions.revisions_of(row)]
+        data = [revision_object(revision, row.revision) for revision in registry.revisions_of(row)]
         return Response({"object": "list", "data": data, "current": row.revision})
 
 
@@ -224,7 +224,7 @@ class ModelRollbackView(APIView):
         serializer.is_valid(raise_exception=True)
         row = _own_model(request, model)
         check_may_manage_models(organization_of(request), caller_of(request), "roll back")
-        row = revisions.roll_back(row, serializer.validated_data["revision"])
+        row = publishing.roll_back(row, serializer.validated_data["revision"])
         return Response(model_object(row))
 
 

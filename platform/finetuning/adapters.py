@@ -43,7 +43,7 @@ def archive_name(name: str) -> str:
 def model_archive(model: FineTunedModel) -> IO[bytes]:
     """The adapter ``model`` answers with, packed (built once per published revision); the caller
     streams and closes it."""
-    job_creation.catalog_model(model.base_model)  # gone from the catalog: refused as a new job for it is
+    job_creation.catalog_model(model.base_model)  # its base model gone from the catalog: the 400 a new job gets
     store = publishing.store_for(model.base_model)
     try:
         published = store.version(model.name)

@@ -9,8 +9,8 @@ the one the name answers with (``core.adapter_store``); the pool serves whatever
 row and the link move together under a lock on the model's row (``_answer_with``), so a rollback
 and a publish at the same moment leave them agreeing.
 
-Every kind of publish takes the same steps (the files, the rows, the link, the pool, the events),
-in the order its own guarantee needs:
+The kinds of publish share their steps (the files, the rows, the link; for a trained revision the
+pool's preload and the job's events too), each kind in the order its own guarantee needs:
 - a job's checkpoint (``publish_checkpoint``): servable under its own name while the job trains on;
 - a trained revision: its files first, pinned and not yet under the name
   (``write_trained_revision``: the evaluation gate asks the pool for them), then, in the transaction

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from core.catalog import BaseModel
 from core.config import S3Settings
 from core.model_names import revision_in, revision_tag, with_revision
 from core.s3 import s3_client, split_s3_url
@@ -398,3 +399,9 @@ def adapter_store(root: str, s3: S3Settings) -> AdapterStore:
     if root.startswith("s3://"):
         return S3AdapterStore(root, s3)
     return LocalAdapterStore(Path(root))
+
+
+def store_of(model: BaseModel, s3: S3Settings) -> AdapterStore:
+    """Where base model ``model``'s fine-tunes are published: the dynamic LoRA path its catalog
+    ``lora_config`` names."""
+    return adapter_store(model.lora.dynamic_lora_loading_path, s3)

@@ -9,7 +9,7 @@ from urllib.parse import urlsplit
 import httpx
 import uvicorn
 
-from core.adapter_store import adapter_store
+from core.adapter_store import store_of
 from core.catalog import Catalog
 from core.config import Config, load_config
 from core.env import ConfigError
@@ -26,12 +26,7 @@ def build_adapter_manager(
     config: Config, catalog: Catalog, client: httpx.AsyncClient, metrics: Metrics
 ) -> AdapterManager:
     sources = {
-        model.id: AdapterSource(
-            adapter_store(model.lora.dynamic_lora_loading_path, config.s3),
-            config.data_dir / ADAPTER_CACHE,
-            metrics,
-            model.id,
-        )
+        model.id: AdapterSource(store_of(model, config.s3), config.data_dir / ADAPTER_CACHE, metrics, model.id)
         for model in catalog.models
     }
     return AdapterManager(sources, client, metrics)

@@ -203,4 +203,4 @@ def pytest_collection_modifyitems(items: list) -> None:
 def not_queued(monkeypatch):
     """For tests that run or recover a job themselves: it is never queued, so the session's worker
     (alive if an earlier test started it) cannot take it first."""
-    monkeypatch.setattr("finetuning.jobs.send_to_trainer", lambda job_id: None)
+    monkeypatch.setattr("finetuning.training_turns.send_to_trainer", lambda job_id: None)

@@ -23,7 +23,7 @@ from django.test import Client
 
 from accounts.models import ApiKey, Membership
 from accounts.services import create_api_key, revoke_api_key
-from finetuning import files, jobs, storage
+from finetuning import files, job_creation, storage
 from finetuning.models import Checkpoint, Composition, FineTuningJob, JobStatus
 from inference.internal_auth import ReplicaGuard
 from tests.inference_fixtures import BASE, adapter_store, make_adapter, publish_fine_tuned_model  # noqa: F401
@@ -280,7 +280,7 @@ def adapter(make_adapter) -> Path:  # noqa: F811
 def doors(tmp_path, settings, monkeypatch, adapter):
     settings.INFERENCE_POOL_URL = DEAD_POOL
     monkeypatch.setattr("health.views.ALL_CHECKS", {})  # /healthz's checks are test_healthz's subject
-    monkeypatch.setattr(jobs, "_send_or_503", lambda job: None)  # no broker: the job stays queued
+    monkeypatch.setattr(job_creation, "_send_or_503", lambda job: None)  # no broker: the job stays queued
     monkeypatch.setenv("VLLM_API_KEY", TOKEN)
     doors = Doors(tmp_path, adapter)
     yield doors

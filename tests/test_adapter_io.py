@@ -268,7 +268,7 @@ def test_deleting_an_uploaded_model_removes_its_adapter(alice, adapter):
 def test_a_succeeded_job_has_its_metrics_as_a_csv_result_file(alice, monkeypatch, tmp_path):
     from tests.test_training_jobs import launch
 
-    monkeypatch.setattr("finetuning.jobs.send_to_trainer", lambda job_id: None)  # trained here, not by a worker
+    monkeypatch.setattr("finetuning.training_turns.send_to_trainer", lambda job_id: None)  # trained here, not by a worker
     job_id = launch(alice, {"n_epochs": 2, "batch_size": 6}, "results")  # 12 examples: 4 steps
     assert run_job(job_id, worker="in-test") == "succeeded"
     job = alice.api.get(f"/v1/fine_tuning/jobs/{job_id}").json()

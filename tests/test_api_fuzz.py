@@ -24,7 +24,7 @@ from django.test.client import ClientHandler
 from hypothesis import HealthCheck, given, settings as hypothesis_settings, strategies as st
 from schemathesis import GenerationMode
 
-from finetuning import files, jobs
+from finetuning import files, job_creation
 from finetuning.models import FineTuningJob, JobEvent, JobStatus
 from finetuning.registry import list_usable_models
 from finetuning.serializers import JobCreateSerializer
@@ -136,7 +136,7 @@ def objects(alice, charlie) -> dict[str, str]:
     alice_file = files.upload_file(alice.organization, alice.user, upload, files.PURPOSE)
     request = JobCreateSerializer(data={"model": list_usable_models(alice.organization)[0].name, "training_file": alice_file.id})
     request.is_valid(raise_exception=True)
-    alice_job = jobs.create_job(alice.organization, alice.user, request.to_job_request())
+    alice_job = job_creation.create_job(alice.organization, alice.user, request.to_job_request())
     charlie_file = files.upload_file(charlie.organization, charlie.user, _named(good_dataset(12)), files.PURPOSE)
     return {"alice_file": alice_file.id, "alice_job": alice_job.id, "charlie_file": charlie_file.id}
 

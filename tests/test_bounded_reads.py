@@ -16,9 +16,8 @@ import tracemalloc
 from pathlib import Path
 
 import pytest
-from django.conf import settings as django_settings
 
-from finetuning import adapters, storage
+from finetuning import adapters, publishing, storage
 from finetuning.models import File, FineTunedModel
 from tests.inference_fixtures import BASE, register_fine_tuned_model
 from tests.personas import chat_example
@@ -180,10 +179,7 @@ def test_a_files_content_streams_from_the_store_and_arrives_whole(alice, store_k
 
 
 def _adapter_store():
-    from core.adapter_store import adapter_store
-
-    lora_path = django_settings.MODEL_CATALOG.get(BASE).lora.dynamic_lora_loading_path
-    return adapter_store(lora_path, django_settings.CONFIG.s3)
+    return publishing.store_for(BASE)
 
 
 def _adapter(folder: Path, weights: bytes) -> Path:

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from django.conf import settings
 
-from finetuning.jobs import resolve_hyperparameters
+from finetuning.job_creation import resolve_hyperparameters
 from finetuning.models import FineTunedModel, FineTuningJob, JobStatus
 from tests.personas import good_dataset
 from tests.test_files_api import error_of, upload

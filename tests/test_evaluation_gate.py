@@ -196,12 +196,12 @@ def test_a_catastrophic_regex_is_graded_in_bounded_time_while_the_heartbeat_keep
     import time
 
     from core import grading
-    from finetuning import jobs
+    from finetuning import job_status
     from workers.heartbeat import Heartbeat
 
     monkeypatch.setattr(grading, "GRADE_TIMEOUT_S", 2.0)
     beats: list[float] = []
-    monkeypatch.setattr(jobs, "heartbeat", lambda job_id, attempt, **fields: beats.append(time.monotonic()) or True)
+    monkeypatch.setattr(job_status, "heartbeat", lambda job_id, attempt, **fields: beats.append(time.monotonic()) or True)
     graders = [{"type": "regex", "pattern": CATASTROPHIC}, {"type": "contains"}]
     with Heartbeat("ftjob-graded", 1, interval_s=0.05):
         started = time.monotonic()
@@ -246,9 +246,8 @@ def test_an_oversized_answer_fails_the_tenants_graders_unread():
 
 
 @pytest.mark.django_db
-def test_a_grader_that_took_too_long_is_named_in_the_jobs_events(alice, monkeypatch, tmp_path):
+def test_a_grader_that_took_too_long_is_named_in_the_jobs_events(alice, monkeypatch):
     from core import grading
-    from core.adapter_store import LocalAdapterStore
     from finetuning.models import JobStatus
     from workers import evaluation, run_job
     from workers.heartbeat import Heartbeat
@@ -261,7 +260,7 @@ def test_a_grader_that_took_too_long_is_named_in_the_jobs_events(alice, monkeypa
         status=JobStatus.RUNNING, attempts=1,
         evaluation={"file": held_out, "graders": [{"type": "regex", "pattern": CATASTROPHIC}], "threshold": 0.0},
     )  # fmt: skip
-    run_job._gate(job, Heartbeat(job.id, 1, 60), LocalAdapterStore(tmp_path), f"{BASE}:gated@r1")
+    run_job._gate(job, Heartbeat(job.id, 1, 60), f"{BASE}:gated@r1")
     warnings = [event.message for event in job.events.filter(level="warn")]
     grader = f"regex grader {CATASTROPHIC!r}"
     assert warnings == [

@@ -6,7 +6,7 @@ import uuid
 
 import pytest
 
-from finetuning.jobs import JobRequest, create_job
+from finetuning.job_creation import JobRequest, create_job
 from finetuning.models import FineTunedModel, FineTuningJob
 from tests.inference_fixtures import *  # noqa: F403
 from tests.inference_fixtures import BASE, adapter_store

@@ -9,7 +9,7 @@ from datetime import timedelta
 
 import pytest
 
-from finetuning import jobs
+from finetuning import job_status, training_turns
 from finetuning.models import FineTuningJob, JobStatus
 from tests.limits import lower_limits
 from tests.test_training_jobs import BASE, ONE_STEP, launch
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.django_db(transaction=True)
 def sent(not_queued, monkeypatch) -> list[str]:
     """The jobs sent to the trainers, recorded instead of sent."""
     recorded: list[str] = []
-    monkeypatch.setattr("finetuning.jobs.send_to_trainer", recorded.append)
+    monkeypatch.setattr("finetuning.training_turns.send_to_trainer", recorded.append)
     return recorded
 
 
@@ -34,16 +34,16 @@ def test_it_keeps_a_job_over_its_organizations_running_cap_waiting_and_claims_an
     others = launch(charlie, ONE_STEP, "others")
     sent.clear()
 
-    assert jobs.claim(first, "trainer-1") == 1
-    assert jobs.claim(second, "trainer-2") is None  # Acme already runs its one job
+    assert training_turns.claim(first, "trainer-1") == 1
+    assert training_turns.claim(second, "trainer-2") is None  # Acme already runs its one job
     waiting = FineTuningJob.objects.get(pk=second)
     assert waiting.status == JobStatus.QUEUED
     assert waiting.events.filter(message__contains="RUNNING_JOBS_PER_ORGANIZATION").count() == 1
-    assert jobs.claim(others, "trainer-2") == 1  # Globex's job goes ahead
+    assert training_turns.claim(others, "trainer-2") == 1  # Globex's job goes ahead
 
-    jobs.fail(first, 1, "test", "finished")  # its trainer then hands the slot on
-    assert jobs.send_waiting(alice.organization.pk) == [second] and sent == [second]
-    assert jobs.claim(second, "trainer-1") == 1
+    job_status.fail(first, 1, "test", "finished")  # its trainer then hands the slot on
+    assert training_turns.send_waiting(alice.organization.pk) == [second] and sent == [second]
+    assert training_turns.claim(second, "trainer-1") == 1
 
 
 def test_with_one_trainer_another_organizations_job_starts_before_the_backlog_queued_ahead_of_it(alice, charlie, sent):
@@ -54,10 +54,10 @@ def test_with_one_trainer_another_organizations_job_starts_before_the_backlog_qu
     # One trainer takes the messages in the order they were sent, each job to its end.
     started = []
     while sent:
-        claimed = jobs.claim_next(sent.pop(0), "the-only-trainer")
+        claimed = training_turns.claim_next(sent.pop(0), "the-only-trainer")
         if claimed is not None:
             started.append(claimed.job_id)
-            jobs.fail(claimed.job_id, claimed.attempt, "test", "finished")
+            job_status.fail(claimed.job_id, claimed.attempt, "test", "finished")
     assert started == [backlog[0], others, *backlog[1:]]  # Globex waited for one job, not for four
     assert FineTuningJob.objects.filter(status=JobStatus.QUEUED).count() == 0  # no job was left without a message
 
@@ -65,23 +65,23 @@ def test_with_one_trainer_another_organizations_job_starts_before_the_backlog_qu
 def test_a_passed_over_job_is_sent_again_so_it_keeps_a_message(alice, charlie, sent):
     first, second = launch(alice, ONE_STEP, "first"), launch(alice, ONE_STEP, "second")
     others = launch(charlie, ONE_STEP, "others")
-    assert jobs.claim(first, "trainer-1") == 1
+    assert training_turns.claim(first, "trainer-1") == 1
     sent.clear()
 
-    claimed = jobs.claim_next(second, "trainer-2")  # Acme started a job more recently than Globex
+    claimed = training_turns.claim_next(second, "trainer-2")  # Acme started a job more recently than Globex
     assert claimed is not None and claimed.job_id == others
     assert sent == [second] and FineTuningJob.objects.get(pk=second).status == JobStatus.QUEUED
-    assert jobs.claim_next(others, "trainer-3") is None and sent == [second]  # a spent message wakes no one
+    assert training_turns.claim_next(others, "trainer-3") is None and sent == [second]  # a spent message wakes no one
 
 
 def test_the_sweeper_sends_a_waiting_job_again_only_once_its_organization_has_a_free_slot(alice, sent, settings):
     lower_limits(settings, running_jobs_per_organization=1)
     first, second = launch(alice, ONE_STEP, "first"), launch(alice, ONE_STEP, "second")
-    assert jobs.claim(first, "trainer-1") == 1 and jobs.claim(second, "trainer-2") is None
+    assert training_turns.claim(first, "trainer-1") == 1 and training_turns.claim(second, "trainer-2") is None
     sent.clear()
 
     assert sweep(lost_after=timedelta(0))["resent"] == [] and sent == []  # no slot: sending would only churn
-    jobs.fail(first, 1, "test", "finished")  # and its trainer died before handing the slot on
+    job_status.fail(first, 1, "test", "finished")  # and its trainer died before handing the slot on
     assert sweep(lost_after=timedelta(0))["resent"] == [second] and sent == [second]
 
 

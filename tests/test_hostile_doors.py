@@ -34,7 +34,7 @@ from django.contrib.messages import get_messages
 from django.test import Client
 from django.urls import URLPattern, URLResolver, get_resolver
 
-from finetuning import files, jobs
+from finetuning import files, job_creation
 from finetuning.models import FineTuningJob, JobStatus
 from tests.inference_fixtures import BASE, register_fine_tuned_model
 from tests.personas import Persona, good_dataset
@@ -416,7 +416,7 @@ def test_every_hostile_cell_is_refused_with_a_4xx_naming_the_problem_and_writes_
     alice, callers, application, settings, monkeypatch
 ):
     settings.INFERENCE_POOL_URL = "http://127.0.0.1:9"  # nothing listens: a completion let through is a 503
-    monkeypatch.setattr(jobs, "_send_or_503", lambda job: None)  # a job let through stays queued
+    monkeypatch.setattr(job_creation, "_send_or_503", lambda job: None)  # a job let through stays queued
     objects = Objects(alice)
     problems, statuses, count = [], {}, 0
     for door, hostile in cells():

@@ -7,8 +7,8 @@ import httpx
 import pytest
 from django.conf import settings
 
-from base.celery import TRAIN_JOB, waiting_task_args
 from finetuning.models import FineTuningJob, JobStatus
+from base.celery import TAKE_TRAINING_TURN, waiting_task_args
 from tests.personas import good_dataset
 from tests.processes import running_web
 from tests.test_files_api import upload
@@ -51,11 +51,12 @@ def test_a_job_created_while_the_broker_is_down_answers_503_stays_queued_and_the
 def test_the_sweeper_sends_again_only_a_queued_job_whose_message_the_broker_lost(alice, not_queued, monkeypatch):
     lost = launch(alice, ONE_STEP, "lost")  # never sent: as if the broker restarted without its data
     monkeypatch.undo()  # from here on, jobs are sent for real
-    assert lost not in waiting_task_args(settings.CELERY_BROKER_URL, TRAIN_JOB)
+    assert lost not in waiting_task_args(settings.CELERY_BROKER_URL, TAKE_TRAINING_TURN)
     assert sweep()["resent"] == []  # not yet: a message may take a moment to arrive
     resent = sweep(lost_after=timedelta(0))["resent"]
     assert resent == [lost]
-    assert lost in waiting_task_args(settings.CELERY_BROKER_URL, TRAIN_JOB) or FineTuningJob.objects.get(pk=lost).status != JobStatus.QUEUED
+    held = waiting_task_args(settings.CELERY_BROKER_URL, TAKE_TRAINING_TURN)
+    assert lost in held or FineTuningJob.objects.get(pk=lost).status != JobStatus.QUEUED
     assert FineTuningJob.objects.get(pk=lost).events.filter(message__contains="was lost").count() == 1
     alice.api.post(f"/v1/fine_tuning/jobs/{lost}/cancel")  # a session worker, if any, need not train it
 

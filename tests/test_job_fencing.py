@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from django.conf import settings
 
-from finetuning import jobs
+from finetuning import job_status, training_turns
 from finetuning.models import FineTunedModel, FineTuningJob, JobStatus
 from tests.test_training_jobs import BASE, launch, wait_for
 
@@ -21,7 +21,7 @@ def test_a_job_busy_for_longer_than_the_stale_threshold_between_steps_is_not_giv
     job_id = launch(alice, {"n_epochs": 2, "batch_size": 12}, "steady")
     requeued = []
     while not (job := FineTuningJob.objects.get(pk=job_id)).is_finished:
-        requeued += jobs.recover_stale_jobs(timedelta(seconds=3)).requeued
+        requeued += job_status.recover_stale_jobs(timedelta(seconds=3)).requeued
         time.sleep(0.5)
     assert requeued == [] and job.status == JobStatus.SUCCEEDED and job.attempts == 1, job.error_message
 
@@ -30,8 +30,8 @@ def give_up_on(job_id: str) -> None:
     """What the sweeper does to a job whose heartbeat is stale, done to a job whose worker lives."""
     for _ in range(10):  # a beat landing between the two statements makes the recovery a no-op
         FineTuningJob.objects.filter(pk=job_id).update(heartbeat_at="2020-01-01T00:00:00Z")
-        if jobs.recover_stale_jobs(timedelta(minutes=1)).requeued == [job_id]:
-            jobs.send_to_trainer(job_id)
+        if job_status.recover_stale_jobs(timedelta(minutes=1)).requeued == [job_id]:
+            training_turns.send_to_trainer(job_id)
             return
     raise AssertionError("the job could not be given up on")
 

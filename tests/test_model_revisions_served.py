@@ -11,8 +11,8 @@ import httpx
 import pytest
 from django.db import transaction
 
-from finetuning import revisions
-from finetuning.jobs import JobRequest, create_job
+from finetuning import publishing
+from finetuning.job_creation import JobRequest, create_job
 from finetuning.models import FineTunedModel, FineTuningJob, JobStatus
 from tests.inference_fixtures import *  # noqa: F403
 from tests.inference_fixtures import BASE, adapter_store, publish_fine_tuned_model
@@ -31,7 +31,7 @@ def _ask(persona, model: str) -> tuple[str, str]:
 
 def _publish_revision(name: str, folder, number: int) -> None:
     """What a worker does when a job under the model's own suffix succeeds: the revision to the
-    dynamic path, then ``finetuning.revisions.register`` (the registry, and the link moved)."""
+    dynamic path, then ``finetuning.publishing.publish_trained_revision`` (the registry, and the link moved)."""
     model = FineTunedModel.objects.get(name=name)
     job = FineTuningJob.objects.create(
         organization=model.organization, model=BASE, parent_model=name, training_file="file-gone", suffix=model.suffix,
@@ -39,7 +39,7 @@ def _publish_revision(name: str, folder, number: int) -> None:
     )  # fmt: skip
     adapter_store().write_revision(name, number, folder)
     with transaction.atomic():
-        revisions.register(job, name, final_loss=None)
+        publishing.publish_trained_revision(job, name, final_loss=None)
 
 
 def test_a_stream_that_began_on_r1_ends_on_r1_while_r2_is_published_and_the_next_request_gets_r2(alice, make_adapter):

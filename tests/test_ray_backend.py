@@ -106,7 +106,7 @@ def _publish_alices(store, tmp_path: Path) -> tuple[str, bytes]:
 def test_ray_routes_a_name_deleted_and_published_again_as_another_model(tmp_path, monkeypatch):
     import asyncio
 
-    from core.adapter_store import adapter_store as store_for
+    from core.adapter_store import store_of
     from inference import adapter_source
     from inference.ray_serve.ingress import Ingress
     from tests.test_inference_routing import _adapter_folder
@@ -114,7 +114,7 @@ def test_ray_routes_a_name_deleted_and_published_again_as_another_model(tmp_path
     monkeypatch.setattr(adapter_source, "REMOTE_VERSION_TTL_S", 0.0)
     model = _load(tmp_path, _catalog_text()).get(BASE)
     ingress = Ingress({}, (model,), "test")
-    store = store_for(model.lora.dynamic_lora_loading_path, None)
+    store = store_of(model, None)
     name, _ = _publish_alices(store, tmp_path)
     alices = asyncio.run(ingress._pinned(model, name))
     store.delete(name)

@@ -13,13 +13,13 @@ from safetensors import safe_open
 from core.object_store import ObjectNotFound
 from finetuning import storage
 from finetuning.models import Checkpoint, FineTunedModel, FineTuningJob, JobEvent, JobStatus
-from finetuning.jobs import recover_stale_jobs
+from finetuning.job_status import recover_stale_jobs
 from tests.personas import good_dataset
 from tests.s3 import s3_server
 from tests.test_files_api import upload
 from workers.run_job import run_job
 from workers.sweep import sweep
-from workers.tasks import train_job, worker_report
+from workers.tasks import take_training_turn, worker_report
 from workers.training.state import TRAINING_STATE_FILE
 
 pytestmark = [pytest.mark.training, pytest.mark.django_db(transaction=True)]
@@ -58,7 +58,7 @@ def started_training(job_id: str) -> int:
 
 def test_a_task_delivered_twice_trains_and_publishes_once(alice, celery_worker):
     job_id = launch(alice, ONE_STEP, "twice")
-    duplicate = train_job.delay(job_id)  # as a redelivered message would
+    duplicate = take_training_turn.delay(job_id)  # as a redelivered message would
     job = wait_for(job_id, lambda job: job.is_finished)
     outcome = duplicate.get(timeout=240)
     assert outcome == "succeeded" or outcome.startswith(f"nothing claimed for {job_id}"), outcome

@@ -5,7 +5,7 @@ from celery import current_app
 from celery.signals import before_task_publish
 from django.db import connection
 
-from base.celery import TRAIN_JOB, WORKER_REPORT, app, send
+from base.celery import TAKE_TRAINING_TURN, WORKER_REPORT, app, send
 from workers.tasks import worker_report
 
 
@@ -41,8 +41,8 @@ def test_a_job_is_sent_to_the_training_queue_from_any_thread_even_after_a_health
     before_task_publish.connect(record, weak=False)
     try:
         assert in_new_thread(lambda: current_app._get_current_object()) is app
-        in_new_thread(lambda: send(TRAIN_JOB, "ftjob-nonexistent"))  # a trainer just finds nothing to claim
+        in_new_thread(lambda: send(TAKE_TRAINING_TURN, "ftjob-nonexistent"))  # a trainer just finds nothing to claim
         in_new_thread(lambda: worker_report.delay())
     finally:
         before_task_publish.disconnect(record)
-    assert published == [(TRAIN_JOB.name, "training"), (WORKER_REPORT.name, "default")]
+    assert published == [(TAKE_TRAINING_TURN.name, "training"), (WORKER_REPORT.name, "default")]

@@ -4,7 +4,7 @@ Steps are not the only slow thing a job does: loading the model, a validation pa
 checkpoint and publishing can each take longer than a step, and a job silent for
 JOB_STALE_AFTER_SECONDS is given up on and queued again. So the beat does not wait for steps.
 
-Each beat is conditional on the job still running this attempt (``finetuning.jobs.heartbeat``).
+Each beat is conditional on the job still running this attempt (``finetuning.job_status.heartbeat``).
 When one finds it does not (cancelled, or given up on and handed to another worker), ``lost`` is
 set: the run stops at its next chance and writes nothing more.
 """
@@ -17,7 +17,7 @@ from typing import Any
 
 from django.db import DatabaseError, connection
 
-from finetuning import jobs
+from finetuning import job_status
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ class Heartbeat:
         if self.lost.is_set():
             return False
         try:
-            if not jobs.heartbeat(self.job_id, self.attempt, **fields):
+            if not job_status.heartbeat(self.job_id, self.attempt, **fields):
                 self.lost.set()
         except DatabaseError as exc:  # a database blip is not a lost job: the next beat tries again
             log.warning("job %s: heartbeat not written (%s); trying again", self.job_id, exc)

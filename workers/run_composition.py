@@ -2,8 +2,9 @@
 
 Safe to run twice for one composition (a redelivered task): only the worker whose conditional
 update moves it from "queued" to "running" builds it; the others return at once. Publishing is
-``finetuning.compose``'s, the one path uploads use too: the model is registered, then its adapter is
-published, and a failure there unregisters it, so a failed composition leaves nothing behind.
+``finetuning.publishing``'s (``publish_composition``, through ``finetuning.compose``), the steps
+uploads take too: the model is registered, then its adapter is published, and a failure there
+unregisters it, so a failed composition leaves nothing behind.
 """
 
 from __future__ import annotations

@@ -1,11 +1,13 @@
 """Running a fine-tuning job on a worker: claim it, train, evaluate if asked, publish the adapter as
-a revision of its model, have the pool load it, record the outcome.
+a revision of its model, have the pool load it, record the outcome. Every publish (a checkpoint, the
+revision, the preload) is a step of ``finetuning.publishing``.
 
 Safe to run twice for one job (a redelivered task, a recovered job): only the worker whose
 conditional update moves the job from "queued" to "running" trains it; the others return at once.
 A worker that dies leaves a stale heartbeat, and the sweeper (``workers.sweep``) re-queues or
-fails the job. Every change of status is a function of ``finetuning.jobs``. Every database call
-waits out a database outage (``workers.db_retry``).
+fails the job. Every change of status is a function of ``finetuning.job_status`` (the claim, of
+``finetuning.training_turns``). Every database call waits out a database outage
+(``workers.db_retry``).
 """
 
 from __future__ import annotations
@@ -23,15 +25,14 @@ from django.conf import settings
 from django.utils import timezone
 
 from base.database_outage import DATABASE_ERRORS
-from base.serving_client import PoolUnavailable, preload
 from core import grading
-from core.adapter_store import AdapterNotFound, AdapterStore, StoreUnavailable
+from core.adapter_store import AdapterNotFound, StoreUnavailable
 from core.api_errors import logged_instead, scrubbed
 from core.catalog import BaseModel
 from core.datasets import Example
 from core.model_names import ModelName, pinned_name
 from core.object_store import ObjectNotFound
-from finetuning import jobs, results, storage
+from finetuning import job_creation, job_status, publishing, results, storage, training_turns
 from finetuning.files import load_examples
 from finetuning.models import (
     FINISHED_STATUSES,
@@ -69,7 +70,6 @@ class JobCallbacks:
     def __init__(self, job: FineTuningJob, heartbeat: Heartbeat):
         self.job, self.heartbeat = job, heartbeat
         self.store = storage.files()
-        self.adapters = storage.adapters(_catalog_model(job).lora.dynamic_lora_loading_path)
         self._checked_at = 0.0
 
     def on_step(self, metrics: StepMetrics) -> None:
@@ -93,10 +93,7 @@ class JobCallbacks:
             checkpoint = Checkpoint(
                 job=self.job, step_number=step, epoch=epoch, metrics=_metrics_data(metrics), storage_key=prefix
             )
-            # Servable under its name from now on, while the job trains on (its one revision: r1).
-            self.adapters.publish(checkpoint.name, adapter_dir, revision=1)
-            retrying(checkpoint.save)
-            retrying(record_event, self.job, f"Checkpoint saved after epoch {epoch} (step {step}): {checkpoint.name}")
+            retrying(publishing.publish_checkpoint, checkpoint, adapter_dir)
 
     def should_stop(self) -> bool:
         now = time.monotonic()
@@ -139,7 +136,7 @@ def _train(job: FineTuningJob, workdir: Path, callbacks: JobCallbacks) -> Traini
     hp = job.hyperparameters
     config = TrainingConfig(
         base_model_path=model.weights, base_model_id=model.id, n_epochs=hp["n_epochs"], batch_size=hp["batch_size"],
-        learning_rate=jobs.BASE_LEARNING_RATE * hp["learning_rate_multiplier"], lora_r=hp["lora_r"],
+        learning_rate=job_creation.BASE_LEARNING_RATE * hp["learning_rate_multiplier"], lora_r=hp["lora_r"],
         lora_alpha=hp["lora_alpha"], lora_dropout=hp["lora_dropout"], target_modules=list(hp["target_modules"]),
         seed=job.seed, max_seq_len=model.engine.max_model_len,
     )  # fmt: skip
@@ -149,7 +146,7 @@ def _train(job: FineTuningJob, workdir: Path, callbacks: JobCallbacks) -> Traini
     # A continued fine-tune starts from its parent's adapter; a resume's checkpoint already holds
     # the adapter (of the parent's shape), so it needs no parent.
     if job.parent_model and resume_from is None:
-        config.init_adapter = _parent_adapter(job, model, workdir / "parent")
+        config.init_adapter = _parent_adapter(job, workdir / "parent")
     retrying(record_event, job, f"Training started on {len(training)} examples")
     try:
         return train(config, training, validation, workdir, callbacks, resume_from=resume_from)
@@ -161,7 +158,7 @@ def _train(job: FineTuningJob, workdir: Path, callbacks: JobCallbacks) -> Traini
         ) from None
 
 
-def _parent_adapter(job: FineTuningJob, model: BaseModel, cache: Path) -> Path:
+def _parent_adapter(job: FineTuningJob, cache: Path) -> Path:
     """A continued fine-tune's starting adapter, fetched from the dynamic LoRA path now (the trainer
     may be on another host than the web process that created the job)."""
     assert job.parent_model is not None
@@ -172,7 +169,7 @@ def _parent_adapter(job: FineTuningJob, model: BaseModel, cache: Path) -> Path:
     if not retrying(FineTunedModel.objects.filter(organization_id=job.organization_id, name=job.parent_model).exists):
         raise deleted
     try:
-        folder = storage.adapters(model.lora.dynamic_lora_loading_path).fetch(job.parent_model, cache)
+        folder = publishing.store_for(job.model).fetch(job.parent_model, cache)
     except AdapterNotFound:
         raise deleted from None
     retrying(record_event, job, f"Training goes on from {job.parent_model}'s adapter")
@@ -205,43 +202,45 @@ def _resume_point(job: FineTuningJob, folder: Path) -> Path | None:
 def _publish(job: FineTuningJob, heartbeat: Heartbeat, result: TrainingResult) -> None:
     if not heartbeat.beat():
         return  # the job is no longer this attempt's: publish nothing
-    model = _catalog_model(job)  # removed from the catalog while training: the job fails with that reason
-    name, revision = str(ModelName(job.model, job.suffix)), str(ModelName(job.model, job.suffix, job.revision))
-    store = storage.adapters(model.lora.dynamic_lora_loading_path)
+    _catalog_model(job)  # removed from the catalog while training: the job fails with that reason
     assert result.adapter_dir is not None  # None only for a cancelled run, which publishes nothing
-    # The revision first, then the registry, which points the name at it (``finetuning.revisions``).
-    store.write_revision(name, job.revision, result.adapter_dir)
+    # The revision first, then the registry, which points the name at it (``finetuning.publishing``).
+    revision = publishing.write_trained_revision(job, result.adapter_dir)
     if job.evaluation is not None:
-        _gate(job, heartbeat, store, revision)
+        _gate(job, heartbeat, revision)
     results_file = retrying(results.store_results_file, job)
-    if retrying(jobs.succeed, job, heartbeat.attempt, name, result.trained_tokens, result.final_train_loss, results_file):
-        _announce_ready(job, name)
+    name = str(ModelName(job.model, job.suffix))
+    succeeded = retrying(
+        job_status.succeed, job, heartbeat.attempt, name, result.trained_tokens, result.final_train_loss, results_file
+    )
+    if succeeded:
+        retrying(publishing.announce_ready, job, name)
         return
     results.discard(results_file)
-    if retrying(jobs.status_of, job.pk) == JobStatus.CANCELLED:
-        store.delete(revision)  # cancelled while publishing: nothing answers with it
+    if retrying(job_status.status_of, job.pk) == JobStatus.CANCELLED:
+        publishing.withdraw_trained_revision(job)  # cancelled while publishing: nothing answers with it
     # Otherwise another attempt runs the job now: its own publish replaces this revision, and
     # nothing of its may be deleted here.
 
 
-def _gate(job: FineTuningJob, heartbeat: Heartbeat, store: AdapterStore, revision: str) -> None:
+def _gate(job: FineTuningJob, heartbeat: Heartbeat, revision: str) -> None:
     """Publish only a revision that scores well enough (``workers.evaluation``); otherwise the job
-    fails with the scores, and the revision written for the evaluation is deleted."""
+    fails with the scores, and the revision written for the evaluation is withdrawn."""
     assert job.evaluation is not None
-    reference = _reference(job, store)
+    reference = _reference(job)
     examples = _examples(job, job.evaluation["file"], "evaluation")
     retrying(record_event, job, f"Evaluating {revision} against {reference} on up to {evaluation.MAX_CASES} held-out examples")
     try:
         scores = evaluation.evaluate(job.evaluation, examples, reference, revision)
     except evaluation.EvaluationUnavailable as exc:
-        store.delete(revision)
+        publishing.withdraw_trained_revision(job)
         raise JobFailed(
             "evaluation_unavailable",
             f"The evaluation could not run: the inference pool did not answer "
             f"{logged_instead(f'job {job.pk}: the evaluation could not run', str(exc))}. Nothing was published; "
             "create the job again once the pool answers.",
         ) from None  # fmt: skip
-    retrying(jobs.record_evaluation, job.pk, heartbeat.attempt, scores.as_dict())
+    retrying(job_status.record_evaluation, job.pk, heartbeat.attempt, scores.as_dict())
     for grader, count in scores.timeouts.items():
         message = (
             f"Evaluation: the {grader} was too slow (over {grading.GRADE_TIMEOUT_S:g} s an answer, and not run again "
@@ -254,29 +253,17 @@ def _gate(job: FineTuningJob, heartbeat: Heartbeat, store: AdapterStore, revisio
     )  # fmt: skip
     retrying(record_event, job, f"Evaluation: {summary}", data=scores.as_dict())
     if not scores.passed:
-        store.delete(revision)
+        publishing.withdraw_trained_revision(job)
         raise JobFailed("eval_regression", f"The new adapter did worse than its threshold: {summary}. Nothing was published.")
 
 
-def _reference(job: FineTuningJob, store: AdapterStore) -> str:
+def _reference(job: FineTuningJob) -> str:
     """What the new revision is compared with: the parent as it answers now, or the base model."""
     if job.parent_model:
-        published = store.version(job.parent_model)
+        published = publishing.store_for(job.model).version(job.parent_model)
         if published is not None:
             return pinned_name(job.parent_model, published.version)
     return job.model
-
-
-def _announce_ready(job: FineTuningJob, name: str) -> None:
-    """Load the new model where its requests will go, so its first request finds it loaded, and say so."""
-    try:
-        replicas = preload(name)
-    except PoolUnavailable as exc:  # published all the same: it loads on its first request
-        # The event is the tenant's to read: the pool's address stays in the worker's log.
-        why = logged_instead(f"the inference pool did not preload {name}", str(exc))
-        retrying(record_event, job, f"{name} loads on its first request (the inference pool did not preload it {why})")
-        return
-    retrying(record_event, job, f"Ready on {replicas} replica(s): {name} answers its first request with no load")
 
 
 def _explained(exc: Exception, job: FineTuningJob) -> JobFailed:
@@ -326,9 +313,9 @@ def drop_training_states(job_id: str) -> None:
 
 
 def run_job(woken_by: str, worker: str) -> str:
-    """Train and publish the job whose turn it is (``finetuning.jobs.claim_next``: the one the
+    """Train and publish the job whose turn it is (``finetuning.training_turns.claim_next``: the one the
     message named, or another organization's); returns what happened, for the worker's log."""
-    claimed = retrying(jobs.claim_next, woken_by, worker)
+    claimed = retrying(training_turns.claim_next, woken_by, worker)
     if claimed is None:
         return f"nothing claimed for {woken_by} (it runs or has finished, or every waiting organization is at its cap)"
     job_id, attempt = claimed.job_id, claimed.attempt
@@ -341,11 +328,11 @@ def run_job(woken_by: str, worker: str) -> str:
                 _publish(job, heartbeat, result)
         except Exception as exc:
             failure = _explained(exc, job)
-            retrying(jobs.fail, job_id, attempt, failure.code, failure.message)
+            retrying(job_status.fail, job_id, attempt, failure.code, failure.message)
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
-    retrying(jobs.send_waiting, job.organization_id)  # this job's slot is free: the organization's next one
-    status = retrying(jobs.status_of, job_id)
+    retrying(training_turns.send_waiting, job.organization_id)  # this job's slot is free: the organization's next one
+    status = retrying(job_status.status_of, job_id)
     if status in FINISHED_STATUSES:
         retrying(drop_training_states, job_id)  # no attempt will resume it
         shutil.rmtree(workdir.parent, ignore_errors=True)  # the job's folder, empty of attempts

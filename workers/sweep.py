@@ -5,7 +5,7 @@ The database says which jobs wait; a broker message only wakes a trainer for one
 - queued jobs whose message the broker no longer holds (a broker restart without persistence, an
   enqueue that failed while it was down, a job refused for its organization's running-job cap whose
   hand-off never came) are sent again, oldest first and no more per organization than it has free
-  slots (``finetuning.jobs``: fair share); a duplicate is harmless, as only one ``claim`` wins;
+  slots (``finetuning.training_turns``: fair share); a duplicate is harmless, as only one ``claim`` wins;
 - each queued job's events say what it waits for, when that changes.
 - the checkpoints of jobs that ended without publishing go once their retention is over
   (``finetuning.registry.expire_unpublished_checkpoints``);
@@ -22,9 +22,9 @@ from django.conf import settings
 from django.utils import timezone
 from kombu.exceptions import OperationalError
 
-from base.celery import COMPOSE_MODEL, TRAIN_JOB, TRAINING_QUEUE, queue_consumers, waiting_task_args
-from finetuning import compositions, jobs, registry
+from finetuning import compositions, job_status, registry, training_turns
 from finetuning.models import Composition, CompositionStatus, FineTuningJob, JobStatus, record_event
+from base.celery import COMPOSE_MODEL, TAKE_TRAINING_TURN, TRAINING_QUEUE, queue_consumers, waiting_task_args
 from workers.run_job import drop_training_states
 
 log = logging.getLogger(__name__)
@@ -34,7 +34,7 @@ _INSPECT_TIMEOUT_S = 1.0
 
 
 def sweep(stale_after: timedelta | None = None, lost_after: timedelta = LOST_AFTER) -> dict:
-    recovered = jobs.recover_stale_jobs(stale_after or jobs.stale_after())
+    recovered = job_status.recover_stale_jobs(stale_after or job_status.stale_after())
     for job_id in recovered.failed:
         drop_training_states(job_id)
     resent = _resend_lost(lost_after)
@@ -42,7 +42,7 @@ def sweep(stale_after: timedelta | None = None, lost_after: timedelta = LOST_AFT
         _send(job_id)
     trainers = len(queue_consumers(settings.CELERY_BROKER_URL, _INSPECT_TIMEOUT_S).get(TRAINING_QUEUE, []))
     for job in FineTuningJob.objects.filter(status=JobStatus.QUEUED):
-        note = jobs.waiting_note(job, trainers)
+        note = training_turns.waiting_note(job, trainers)
         if job.events.filter(type="message").values_list("message", flat=True).first() != note:
             record_event(job, note)  # only when what it waits for has changed
     expired = registry.expire_unpublished_checkpoints(timezone.now())
@@ -63,15 +63,15 @@ def _resend_lost(lost_after: timedelta) -> list[str]:
     overdue = FineTuningJob.objects.filter(status=JobStatus.QUEUED, queued_at__lt=timezone.now() - lost_after)
     if not overdue.exists():
         return []  # the common case: no need to read the broker's queue
-    held = waiting_task_args(settings.CELERY_BROKER_URL, TRAIN_JOB)
+    held = waiting_task_args(settings.CELERY_BROKER_URL, TAKE_TRAINING_TURN)
     free: dict[int, int] = {}  # per organization, the slots not yet given to a job sent in this pass
     resent = []
     for job in overdue.order_by("queued_at"):
         if job.pk in held:
             continue
         if job.organization_id not in free:
-            free[job.organization_id] = jobs.free_slots(job.organization_id)
-        if free[job.organization_id] > 0 and jobs.mark_sent_again(job):
+            free[job.organization_id] = training_turns.free_slots(job.organization_id)
+        if free[job.organization_id] > 0 and training_turns.mark_sent_again(job):
             free[job.organization_id] -= 1
             resent.append(job.pk)
     return resent
@@ -97,7 +97,7 @@ def _resend_lost_compositions(lost_after: timedelta) -> list[str]:
 
 def _send(job_id: str) -> None:
     try:
-        jobs.send_to_trainer(job_id)
+        training_turns.send_to_trainer(job_id)
     except OperationalError as exc:  # the broker went away again: the next pass finds the job
         log.warning("could not send job %s to a trainer: %s", job_id, exc)
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from django.conf import settings
 
-from base.celery import COMPOSE_MODEL, SWEEP_JOBS, TRAIN_JOB, WORKER_REPORT, app
+from base.celery import COMPOSE_MODEL, SWEEP_JOBS, TAKE_TRAINING_TURN, WORKER_REPORT, app
 
 if TYPE_CHECKING:
     from celery import Task
@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 # At the soft limit the task is interrupted (SoftTimeLimitExceeded) and fails its job
 # (``workers.run_job``); the hard limit, a minute later, kills a trainer too stuck even for that
 # (the sweeper then finds the job's heartbeat stale: it queues the job again, and fails it after
-# ``finetuning.jobs.MAX_ATTEMPTS``).
+# ``finetuning.job_status.MAX_ATTEMPTS``).
 JOB_SOFT_LIMIT_S = settings.CONFIG.job_time_limit_s
 JOB_HARD_LIMIT_S = JOB_SOFT_LIMIT_S + 60
 # A composition takes tens of seconds (the most parents, at the served rank, on two cores); one
@@ -37,12 +37,15 @@ def worker_report() -> dict:
 
 
 @app.task(
-    name=TRAIN_JOB.name, queue=TRAIN_JOB.queue, bind=True, soft_time_limit=JOB_SOFT_LIMIT_S, time_limit=JOB_HARD_LIMIT_S
-)
-def train_job(self: Task, job_id: str) -> str:
+    name=TAKE_TRAINING_TURN.name, queue=TAKE_TRAINING_TURN.queue, bind=True, soft_time_limit=JOB_SOFT_LIMIT_S,
+    time_limit=JOB_HARD_LIMIT_S,
+)  # fmt: skip
+def take_training_turn(self: Task, woken_by: str) -> str:
+    """Train the job whose turn it is: the one whose message this is (``woken_by``), or another
+    organization's (``finetuning.training_turns.claim_next``)."""
     from workers.run_job import run_job
 
-    return run_job(job_id, worker=self.request.hostname or "unknown")
+    return run_job(woken_by, worker=self.request.hostname or "unknown")
 
 
 @app.task(

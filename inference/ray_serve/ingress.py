@@ -29,7 +29,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from core import api_errors, strict_json
-from core.adapter_store import adapter_store
+from core.adapter_store import store_of
 from core.catalog import BaseModel, Catalog
 from core.config import load_config
 from core.internal_token import presents
@@ -59,9 +59,7 @@ class Ingress:
         self.replicas, self.app_name = replicas, app_name
         self.catalog = Catalog(models)
         self.sources = {  # for "which revision is published now?" only: nothing is downloaded here
-            model.id: AdapterSource(
-                adapter_store(model.lora.dynamic_lora_loading_path, config.s3), Path("."), Metrics(), model.id
-            )
+            model.id: AdapterSource(store_of(model, config.s3), Path("."), Metrics(), model.id)
             for model in models
         }
 

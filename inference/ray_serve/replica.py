@@ -33,7 +33,7 @@ from pathlib import Path
 import httpx
 
 from core import api_errors
-from core.adapter_store import adapter_store
+from core.adapter_store import store_of
 from core.catalog import BaseModel
 from core.config import load_config
 from core.http_client import HttpClient, UpstreamError
@@ -75,8 +75,7 @@ class VllmReplica:
         self.cache = Path(
             tempfile.mkdtemp(prefix="adapter-cache-", dir=config.data_dir if config.data_dir.is_dir() else None)
         )
-        store = adapter_store(model.lora.dynamic_lora_loading_path, config.s3)
-        source = AdapterSource(store, self.cache, Metrics(), model.id)
+        source = AdapterSource(store_of(model, config.s3), self.cache, Metrics(), model.id)
         capacity = model.lora.max_num_adapters_per_replica
         self.adapters = ReplicaAdapters(source, self.admin, self.url, model.lora.max_lora_rank, capacity)
         self._wait_until_ready()

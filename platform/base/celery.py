@@ -36,7 +36,9 @@ class TaskName:
     queue: str
 
 
-TRAIN_JOB = TaskName("workers.tasks.train_job", TRAINING_QUEUE)
+# Wakes a trainer, which takes the job whose turn it is (``finetuning.training_turns``): not
+# necessarily the job its message names.
+TAKE_TRAINING_TURN = TaskName("workers.tasks.take_training_turn", TRAINING_QUEUE)
 COMPOSE_MODEL = TaskName("workers.tasks.compose_model", DEFAULT_QUEUE)
 SWEEP_JOBS = TaskName("workers.tasks.sweep_jobs", DEFAULT_QUEUE)
 WORKER_REPORT = TaskName("workers.tasks.worker_report", DEFAULT_QUEUE)

@@ -13,7 +13,7 @@ from core.api_errors import ApiError
 from core.lora_merge import METHODS
 from core.openai_protocol import MAX_ADAPTER_SCALE
 from finetuning.compose import CompositionRequest
-from finetuning.jobs import JobRequest, TARGET_MODULES
+from finetuning.job_creation import JobRequest, TARGET_MODULES
 from finetuning.models import File
 
 

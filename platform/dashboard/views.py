@@ -25,7 +25,7 @@ from dashboard.forms import AdapterUploadForm, ApiKeyForm, ComposeForm, JobForm,
 from dashboard.organizations import OrganizationRequest, switch_organization, with_organization
 from dashboard.playground import completion_body
 from dashboard.usage_chart import daily_tokens_chart
-from finetuning import adapters, compositions, files, jobs, revisions
+from finetuning import adapters, compositions, files, job_creation, job_status, publishing
 from finetuning.models import Composition, File, FineTunedModel, FineTuningJob
 from finetuning.registry import delete_fine_tuned_model, list_usable_models, resolve_model
 from finetuning.representations import event_object, job_object
@@ -121,7 +121,7 @@ def job_new(request: OrganizationRequest) -> HttpResponse:
     form = JobForm(_posted(request), files=available)
     if request.method == "POST" and form.is_valid():
         try:
-            job = jobs.create_job(request.organization, request.user, form.to_job_request())
+            job = job_creation.create_job(request.organization, request.user, form.to_job_request())
         except ApiError as error:
             show_api_error(form, error)
         else:
@@ -172,7 +172,7 @@ def job_progress(request: OrganizationRequest, job_id: str) -> JsonResponse:
 def job_cancel(request: OrganizationRequest, job_id: str) -> HttpResponse:
     job = get_object_or_404(FineTuningJob.objects.for_org(request.organization), pk=job_id)
     try:
-        jobs.cancel_job(job)
+        job_status.cancel_job(job)
         messages.success(request, "The job is cancelled.")
     except ApiError as error:
         messages.error(request, error.message)
@@ -225,7 +225,7 @@ def model_rollback(request: OrganizationRequest, model_name: str) -> HttpRespons
     try:
         if number is None:
             raise ApiError(f"Choose a revision of {model.name} to answer with.", param="revision")
-        model = revisions.roll_back(model, number)
+        model = publishing.roll_back(model, number)
     except ApiError as error:
         messages.error(request, error.message)
     else:

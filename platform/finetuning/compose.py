@@ -5,7 +5,7 @@ its content; a composition keeps it under a suffix of its own, so it can be shar
 served without repeating the recipe. The combination is exact by default (``linear``); where its
 rank (the sum of the parents' ranks) is more than the deployment serves, ``svd``, ``ties`` or
 ``dare_linear`` approximate it at a chosen rank and report how far off they are
-(``core.lora_merge``). It is published like an uploaded adapter (``finetuning.adapters``) and
+(``core.lora_merge``). It is published like an uploaded adapter (``finetuning.publishing``) and
 served on its first request; its lineage (parents, scales, method, error) is kept on the model.
 
 Everything that can refuse a composition without reading a weight is checked first
@@ -32,8 +32,7 @@ from core.catalog import BaseModel
 from core.lora_algebra import CannotMix, Part, check_mixable_config, write_adapter
 from core.lora_merge import Method, merge, most_bytes
 from core.model_names import ModelName, parse_model_name
-from finetuning import jobs, quotas, storage
-from finetuning.adapters import check_suffix_free, publish_new_model
+from finetuning import job_creation, publishing, quotas
 from finetuning.models import FineTunedModel
 
 
@@ -67,9 +66,9 @@ class Plan:
 def plan_composition(organization: Organization, request: CompositionRequest) -> Plan:
     """Every refusal a composition can get before its weights are read; nothing is written."""
     parents = _parents(organization, request.parents)
-    base = jobs.catalog_model(parents[0].base_model)
-    name = ModelName(base.id, jobs.chosen_suffix(request.suffix))
-    check_suffix_free(name)
+    base = job_creation.catalog_model(parents[0].base_model)
+    name = ModelName(base.id, job_creation.chosen_suffix(request.suffix))
+    publishing.check_suffix_free(name)
     configs = _configs(parents, base)
     rank = _rank(request, base, {model: int(config["r"]) for model, config in configs.items()})
     estimate = most_bytes(architecture(base.weights), _target_modules(configs.values()), rank)
@@ -84,7 +83,7 @@ def build_composition(organization: Organization, plan: Plan, held_by: str | Non
     ``held_by``: the composition (``finetuning.compositions``) that holds the name meanwhile. The
     parents are read again: one may have been deleted since the plan was made."""
     parents = _parents(organization, plan.scales)
-    base = jobs.catalog_model(parents[0].base_model)
+    base = job_creation.catalog_model(parents[0].base_model)
     with tempfile.TemporaryDirectory(prefix="compose-") as work:
         parts = [Part(folder, plan.scales[model.name]) for model, folder in _fetched(parents, base, Path(work))]
         try:
@@ -104,7 +103,7 @@ def build_composition(organization: Organization, plan: Plan, held_by: str | Non
             lineage["density"] = plan.density
         if plan.method == "dare_linear":
             lineage["seed"] = plan.seed
-        return publish_new_model(organization, plan.name, folder, composition=lineage, held_by=held_by)
+        return publishing.publish_composition(organization, plan.name, folder, lineage, held_by)
 
 
 def _parents(organization: Organization, scales: dict[str, float]) -> list[FineTunedModel]:
@@ -139,7 +138,7 @@ def _parents(organization: Organization, scales: dict[str, float]) -> list[FineT
 
 def _fetched(parents: list[FineTunedModel], base: BaseModel, work: Path) -> list[tuple[FineTunedModel, Path]]:
     """Each parent's published adapter folder (a local store's own; an S3 store's copy in ``work``)."""
-    store = storage.adapters(base.lora.dynamic_lora_loading_path)
+    store = publishing.store_for(base.id)
     folders = []
     for model in parents:
         try:
@@ -153,7 +152,7 @@ def _fetched(parents: list[FineTunedModel], base: BaseModel, work: Path) -> list
 
 def _configs(parents: list[FineTunedModel], base: BaseModel) -> dict[str, dict]:
     """Each parent's published adapter config (not its weights), checked to be one a sum covers."""
-    store = storage.adapters(base.lora.dynamic_lora_loading_path)
+    store = publishing.store_for(base.id)
     configs = {}
     for model in parents:
         try:

@@ -50,7 +50,7 @@ class File(models.Model):
 
 
 class JobStatus(models.TextChoices):
-    # No "validating_files": a job's files are checked before it is created (``finetuning.jobs``).
+    # No "validating_files": a job's files are checked before it is created (``finetuning.job_creation``).
     QUEUED = "queued"
     RUNNING = "running"
     SUCCEEDED = "succeeded"
@@ -70,7 +70,7 @@ class FineTuningJob(models.Model):
     # as "model" (<model>:<its suffix>); None when training starts from the base model alone.
     parent_model = models.CharField(max_length=300, null=True, blank=True)
     # The revision of <model>:<suffix> the job publishes: 1 for a new suffix; the next one when it
-    # continues the model of its own suffix (``finetuning.jobs.create_job`` reserves it).
+    # continues the model of its own suffix (``finetuning.job_creation.create_job`` reserves it).
     revision = models.IntegerField(default=1)
     # Ids, not foreign keys: a job keeps naming its files after they are deleted (as OpenAI's do).
     training_file = models.CharField(max_length=40)
@@ -166,7 +166,7 @@ class FineTunedModel(models.Model):
     # A composed model's lineage: {"parents": [{"model", "scale"}], "method", "rank", "approximation_error", ...}
     composition = models.JSONField(null=True, blank=True)
     # The revision the bare name answers with: the latest published, or the one rolled back to
-    # (``finetuning.revisions``; the dynamic LoRA path's link says the same, for the pool).
+    # (``finetuning.publishing``; the dynamic LoRA path's link says the same, for the pool).
     revision = models.IntegerField(default=1)
     created_at = models.DateTimeField(auto_now_add=True)
 
@@ -249,7 +249,7 @@ class Composition(models.Model):
     organization = models.ForeignKey(Organization, on_delete=models.CASCADE, related_name="compositions")
     created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, on_delete=models.SET_NULL)
     # The fine-tuned model it publishes, <base_model_id>:<suffix>: held for it from creation
-    # (``finetuning.adapters.check_suffix_free``) until it has finished.
+    # (``finetuning.publishing.check_suffix_free``) until it has finished.
     model = models.CharField(max_length=300)
     parents = models.JSONField()  # [{"model", "scale"}], in the order they were given
     method = models.CharField(max_length=20)

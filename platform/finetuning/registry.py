@@ -1,5 +1,5 @@
-"""Which models an organization may use: the catalog's base models and its own fine-tuned ones;
-and deleting a fine-tuned one.
+"""Which models an organization may use: the catalog's base models and its own fine-tuned ones
+(with their revisions); and deleting a fine-tuned one.
 
 The inference gateway asks here before it routes a request, so a model that is not listed for the
 caller is "not found", whether or not it exists for someone else.
@@ -16,7 +16,7 @@ from django.db import transaction
 from accounts.models import Organization
 from core.model_names import ModelName, parse_model_name
 from finetuning import storage
-from finetuning.models import Checkpoint, FineTunedModel, FineTuningJob, JobStatus, record_event
+from finetuning.models import Checkpoint, FineTunedModel, FineTuningJob, JobStatus, ModelRevision, record_event
 
 SYSTEM_OWNER = "system"
 _EPOCH = datetime(2024, 1, 1, tzinfo=timezone.utc)  # catalog models have no creation date of their own
@@ -92,6 +92,11 @@ def resolve_model(organization: Organization, name: str) -> UsableModel | None:
     return _fine_tuned(model, organization, parsed.revision)
 
 
+def revisions_of(model: FineTunedModel) -> list[ModelRevision]:
+    """Newest first, with the jobs that trained them."""
+    return list(model.revisions.select_related("job"))
+
+
 def delete_fine_tuned_model(model: FineTunedModel) -> None:
     """Take a fine-tuned model out of the registry and the dynamic path: every revision of it.
 
@@ -135,7 +140,7 @@ def _delete_stored(base_model: str, adapter_names: list[str], job_ids: set[str])
     """The adapters under these names, and the jobs' checkpoint files; the registry rows are gone already."""
     base = settings.MODEL_CATALOG.get(base_model)
     if base is not None:
-        adapters = storage.adapters(base.lora.dynamic_lora_loading_path)
+        adapters = storage.adapters(base)
         for name in adapter_names:
             adapters.delete(name)
     for job_id in job_ids:

@@ -30,7 +30,7 @@ def metrics_csv(job: FineTuningJob) -> bytes:
 
 def store_results_file(job: FineTuningJob) -> File:
     """Write the CSV to the file store; the File row is saved by whoever marks the job succeeded,
-    in the same transaction (``finetuning.jobs.succeed``), so a job that loses the race leaves
+    in the same transaction (``finetuning.job_status.succeed``), so a job that loses the race leaves
     only bytes, which it deletes (``discard``)."""
     data = metrics_csv(job)
     file = File(

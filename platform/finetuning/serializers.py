@@ -11,7 +11,7 @@ from core.evaluation import GRADERS
 from core.lora_merge import METHODS
 from core.openai_protocol import MAX_ADAPTER_SCALE
 from finetuning.compose import CompositionRequest
-from finetuning.jobs import AUTO, JobRequest
+from finetuning.job_creation import AUTO, JobRequest
 
 MAX_METADATA_KEYS = 16
 
@@ -95,7 +95,7 @@ class GraderSerializer(RejectUnknownKeys, serializers.Serializer):
         needed = {"regex": "pattern", "json_schema": "schema"}.get(data["type"])
         if needed is not None and needed not in data:
             raise serializers.ValidationError({needed: f"a {data['type']} grader needs a {needed}"})
-        return data  # what the pattern or schema says is checked by finetuning.jobs (core.evaluation.grader_problem)
+        return data  # what the pattern or schema says is checked by finetuning.job_creation (core.evaluation.grader_problem)
 
 
 class EvaluationSerializer(RejectUnknownKeys, serializers.Serializer):

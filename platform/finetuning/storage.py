@@ -6,8 +6,9 @@ import functools
 
 from django.conf import settings
 
-from core.adapter_store import AdapterStore, adapter_store
+from core.adapter_store import AdapterStore, store_of
 from core.archive_cache import ArchiveCache
+from core.catalog import BaseModel
 from core.object_store import ObjectStore, object_store
 
 # Downloads' archives kept on this host's disk (each web host keeps its own): the least recently
@@ -26,9 +27,10 @@ def checkpoints_prefix(job_id: str) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def adapters(root: str) -> AdapterStore:
-    """The dynamic LoRA path of a base model (its catalog lora_config names it)."""
-    return adapter_store(root, settings.CONFIG.s3)
+def adapters(base: BaseModel) -> AdapterStore:
+    """The dynamic LoRA path of a base model, where its fine-tunes are published (looked up by id,
+    with the refusal a tenant reads when it is gone: ``finetuning.publishing.store_for``)."""
+    return store_of(base, settings.CONFIG.s3)
 
 
 @functools.lru_cache(maxsize=None)

@@ -21,7 +21,7 @@ from accounts.authentication import caller_of, organization_of
 from accounts.permissions import check_may_manage_models
 from base.streaming import StreamedFileResponse
 from core.api_errors import ApiError, model_not_found, not_found
-from finetuning import adapters, compositions, files, jobs, revisions
+from finetuning import adapters, compositions, files, job_creation, job_status, publishing, registry
 from finetuning.models import Composition, File, FineTunedModel, FineTuningJob
 from finetuning.pagination import list_page
 from finetuning.representations import (
@@ -137,7 +137,7 @@ class JobViewSet(OrganizationScoped, viewsets.ViewSet):
             raise ApiError("The request body must be a JSON object.", code="invalid_body")
         serializer = JobCreateSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
-        job = jobs.create_job(organization_of(request), caller_of(request), serializer.to_job_request())
+        job = job_creation.create_job(organization_of(request), caller_of(request), serializer.to_job_request())
         return Response(job_object(job))
 
     def retrieve(self, request: Request, pk: str) -> Response:
@@ -145,7 +145,7 @@ class JobViewSet(OrganizationScoped, viewsets.ViewSet):
 
     @action(detail=True, methods=["post"])
     def cancel(self, request: Request, pk: str) -> Response:
-        return Response(job_object(jobs.cancel_job(self.get_row(request, pk))))
+        return Response(job_object(job_status.cancel_job(self.get_row(request, pk))))
 
     @action(detail=True, methods=["get"])
     def events(self, request: Request, pk: str) -> Response:
@@ -200,7 +200,7 @@ class ModelRevisionsView(APIView):
     )  # fmt: skip
     def get(self, request: Request, model: str) -> Response:
         row = _own_model(request, model)
-        data = [revision_object(revision, row.revision) for revision in revisions.revisions_of(row)]
+        data = [revision_object(revision, row.revision) for revision in registry.revisions_of(row)]
         return Response({"object": "list", "data": data, "current": row.revision})
 
 
@@ -218,7 +218,7 @@ class ModelRollbackView(APIView):
         serializer.is_valid(raise_exception=True)
         row = _own_model(request, model)
         check_may_manage_models(organization_of(request), caller_of(request), "roll back")
-        row = revisions.roll_back(row, serializer.validated_data["revision"])
+        row = publishing.roll_back(row, serializer.validated_data["revision"])
         return Response(model_object(row))
 
 

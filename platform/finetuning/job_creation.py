@@ -1,0 +1,265 @@
+"""Creating fine-tuning jobs: every check before anything is queued, then the job, queued, sent to
+the trainers once it is committed.
+
+A job names what it trains from (a catalog base model, or one of the organization's fine-tuned
+models of it: a continued fine-tune), its files (each within the model's context), its suffix
+(free, or its own model's: then it reserves the next revision) and its hyperparameters (every
+"auto" resolved here, so the job records exactly what it will train with). Which job a trainer
+takes next is decided in ``finetuning.training_turns``; how a job's status moves after that, in
+``finetuning.job_status``.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from dataclasses import dataclass, field
+
+from django.conf import settings
+from django.contrib.auth.models import User
+from django.db import IntegrityError, transaction
+from django.db.models import Max
+from django.utils import timezone
+from kombu.exceptions import OperationalError
+
+from accounts.models import Organization
+from core.api_errors import ApiError, not_found, suffix_taken
+from core.catalog import BaseModel
+from core.config import LIMIT_SETTINGS
+from core.evaluation import Grader
+from core.grading import first_problem
+from core.rate_limits import RATE_LIMIT_TYPE
+from core.model_names import ModelName, is_valid_suffix, parse_model_name
+from finetuning import training_turns
+from finetuning.models import Composition, File, FineTunedModel, FineTuningJob, JobStatus, record_event
+
+log = logging.getLogger(__name__)
+
+AUTO = "auto"
+TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+BASE_LEARNING_RATE = 2e-4  # learning_rate_multiplier scales this (OpenAI's contract)
+
+
+@dataclass
+class JobRequest:
+    """A validated request body (types already checked by the API layer)."""
+
+    model: str
+    training_file: str
+    validation_file: str | None = None
+    suffix: str | None = None
+    seed: int | None = None
+    hyperparameters: dict = field(default_factory=dict)
+    metadata: dict | None = None
+    evaluation: dict | None = None  # {"file", "graders", "threshold"}, checked for types already
+
+
+def catalog_model(model_id: str) -> BaseModel:
+    model = settings.MODEL_CATALOG.get(model_id)
+    if model is None:
+        available = ", ".join(settings.MODEL_CATALOG.ids)
+        raise ApiError(f"Model '{model_id}' cannot be fine-tuned here; choose one of: {available}", param="model", code="model_not_available")
+    return model
+
+
+# What a continued fine-tune keeps of its parent: the adapter it goes on training has this shape.
+PARENT_LORA = ("lora_r", "lora_alpha", "target_modules")
+
+
+@dataclass(frozen=True)
+class StartingPoint:
+    """What a job trains from: a catalog base model, and maybe one of the organization's fine-tuned
+    models of it (a continued fine-tune, as OpenAI allows: ``model`` = ``<base_model_id>:<suffix>``)."""
+
+    base: BaseModel
+    parent: FineTunedModel | None = None
+
+
+def starting_point(organization: Organization, name: str) -> StartingPoint:
+    parsed = parse_model_name(name)
+    base = catalog_model(parsed.base_model_id)
+    if parsed.suffix is None:
+        return StartingPoint(base)
+    parent = FineTunedModel.objects.for_org(organization).select_related("job").filter(name=name).first()
+    if parent is None:  # another organization's model is not found either
+        raise not_found("model", name, param="model")
+    return StartingPoint(base, parent)
+
+
+def parent_lora(parent: FineTunedModel) -> dict:
+    """The parent adapter's rank, alpha and target modules, as the job that trained it recorded them."""
+    if parent.job is None:
+        kind = "a composed model" if parent.composition is not None else "an uploaded adapter"
+        raise ApiError(
+            f"{parent.name} is {kind}; only models trained here can be fine-tuned further.",
+            param="model", code="model_not_continuable",
+        )  # fmt: skip
+    return {key: parent.job.hyperparameters[key] for key in PARENT_LORA}
+
+
+def _keep_parent_lora(requested: dict, parent: FineTunedModel) -> dict:
+    """``requested`` with the parent's adapter shape; a different value asked for is refused (the same is fine)."""
+    kept = parent_lora(parent)
+    for key, value in kept.items():
+        asked = requested.get(key)
+        same = asked is None or (sorted(asked) == sorted(value) if key == "target_modules" else asked == value)
+        if not same:
+            raise ApiError(
+                f"{key}={asked} conflicts with {parent.name}'s {key}={value}: a fine-tune of a fine-tuned model "
+                f"goes on training its adapter, so it keeps its {', '.join(PARENT_LORA)}. Leave {key} out.",
+                param=f"hyperparameters.{key}", code="conflicts_with_parent_model",
+            )  # fmt: skip
+    return requested | kept
+
+
+def _file(organization: Organization, file_id: str, param: str, model: BaseModel) -> File:
+    file = File.objects.for_org(organization).filter(pk=file_id).first()
+    if file is None:
+        raise not_found("file", file_id, param=param)
+    if file.max_example_tokens > model.engine.max_model_len:
+        raise ApiError(
+            f"File {file_id} has an example of {file.max_example_tokens} tokens; {model.id} takes at most "
+            f"{model.engine.max_model_len}.", param=param, code="invalid_file",
+        )  # fmt: skip
+    return file
+
+
+def chosen_suffix(requested: str | None) -> str:
+    if requested is None:
+        return "ft-" + secrets.token_hex(4)  # the platform names it; the unique constraint still guards
+    if not is_valid_suffix(requested):
+        raise ApiError(
+            "suffix may hold only letters, digits, '-' and '_', at most 64 characters", param="suffix", code="invalid_suffix"
+        )
+    return requested
+
+
+def resolve_hyperparameters(requested: dict, examples: int, model: BaseModel) -> dict:
+    """Turn every "auto" into a number, so the job records exactly what it will train with."""
+    batch_size = requested.get("batch_size", AUTO)
+    batch_size = min(8, max(1, examples // 16)) if batch_size == AUTO else batch_size
+    n_epochs = requested.get("n_epochs", AUTO)
+    if n_epochs == AUTO:
+        # Small datasets need more passes to show an effect (like OpenAI's "auto"): about 300
+        # examples seen in all, between 3 and 10 epochs.
+        n_epochs = 3 if examples >= 100 else min(10, max(3, -(-300 // examples)))
+    multiplier = requested.get("learning_rate_multiplier", AUTO)
+    multiplier = 1.0 if multiplier == AUTO else float(multiplier)
+    lora_r = requested.get("lora_r", 8)
+    if lora_r > model.lora.max_lora_rank:
+        raise ApiError(
+            f"lora_r={lora_r} exceeds {model.id}'s max_lora_rank of {model.lora.max_lora_rank}",
+            param="hyperparameters.lora_r", code="invalid_hyperparameter",
+        )  # fmt: skip
+    target_modules = requested.get("target_modules") or list(TARGET_MODULES)
+    unknown = sorted(set(target_modules) - set(TARGET_MODULES))
+    if unknown:
+        raise ApiError(
+            f"target_modules has unknown modules {unknown}; choose from {list(TARGET_MODULES)}",
+            param="hyperparameters.target_modules", code="invalid_hyperparameter",
+        )  # fmt: skip
+    return {
+        "n_epochs": n_epochs,
+        "batch_size": batch_size,
+        "learning_rate_multiplier": multiplier,
+        "lora_r": lora_r,
+        "lora_alpha": requested.get("lora_alpha", 2 * lora_r),
+        "lora_dropout": requested.get("lora_dropout", 0.05),
+        "target_modules": target_modules,
+    }
+
+
+def _check_queued_cap(organization: Organization) -> None:
+    cap = settings.CONFIG.limits.queued_jobs_per_organization
+    if FineTuningJob.objects.for_org(organization).filter(status=JobStatus.QUEUED).count() >= cap:
+        raise ApiError(
+            f"{organization.name} already has {cap} queued fine-tuning jobs, its limit "
+            f"({LIMIT_SETTINGS['queued_jobs_per_organization']}); create more once some have started.",
+            status=429, type=RATE_LIMIT_TYPE, code="too_many_queued_jobs",
+        )  # fmt: skip
+
+
+def create_job(organization: Organization, user: User | None, request: JobRequest) -> FineTuningJob:
+    _check_queued_cap(organization)  # a soft cap: two requests at once may both pass it
+    start = starting_point(organization, request.model)
+    model = start.base
+    training = _file(organization, request.training_file, "training_file", model)
+    validation = _file(organization, request.validation_file, "validation_file", model) if request.validation_file else None
+    suffix = chosen_suffix(request.suffix)
+    requested = request.hyperparameters
+    if start.parent is not None:
+        requested = _keep_parent_lora(requested, start.parent)
+    hyperparameters = resolve_hyperparameters(requested, training.example_count, model)
+    evaluation = _evaluation(organization, request.evaluation, validation, model)
+    revision = _revision_to_publish(start.parent, ModelName(model.id, suffix))
+    try:
+        with transaction.atomic():
+            job = FineTuningJob.objects.create(
+                organization=organization, created_by=user, model=model.id,
+                parent_model=start.parent.name if start.parent else None, training_file=training.id,
+                validation_file=validation.id if validation else None, suffix=suffix, revision=revision,
+                seed=request.seed if request.seed is not None else secrets.randbelow(2**31),
+                hyperparameters=hyperparameters, metadata=request.metadata, evaluation=evaluation, status=JobStatus.QUEUED,
+                queued_at=timezone.now(),
+            )  # fmt: skip
+            record_event(job, f"Validated training file: {training.example_count} examples, {training.token_count} tokens")
+            record_event(job, f"Job queued; {training_turns.jobs_ahead_phrase(job)}")
+            # Only after the commit can a worker see the job; a rolled-back job is never sent.
+            transaction.on_commit(lambda: _send_or_503(job))
+    except IntegrityError:
+        raise suffix_taken(str(ModelName(model.id, suffix))) from None
+    return job
+
+
+def _evaluation(organization: Organization, requested: dict | None, validation: File | None, model: BaseModel) -> dict | None:
+    """The evaluation as the job keeps it: its file resolved (the validation file by default), its
+    graders checked (a pattern that does not compile, a schema too large or pointing elsewhere)."""
+    if requested is None:
+        return None
+    graders = [Grader(grader["type"], grader.get("pattern"), grader.get("schema")) for grader in requested["graders"]]
+    problem = first_problem(graders)  # checked in a separate process, with limits (core.grading)
+    if problem is not None:
+        index, field, message = problem
+        param = f"evaluation.graders[{index}].{field}"
+        raise ApiError(f"{param}: {message}", param=param, code="invalid_grader")
+    file_id = requested.get("file")
+    if file_id is None:
+        if validation is None:
+            raise ApiError(
+                "An evaluation needs held-out examples: give evaluation.file, or a validation_file to evaluate on.",
+                param="evaluation.file", code="evaluation_needs_a_file",
+            )  # fmt: skip
+        file_id = validation.id
+    else:
+        _file(organization, file_id, "evaluation.file", model)
+    return {**requested, "file": file_id}
+
+
+def _revision_to_publish(parent: FineTunedModel | None, name: ModelName) -> int:
+    """1 for a new suffix; the next revision when the job continues the model of its own suffix (a
+    job reserves its revision at creation, so two such jobs publish r2 and r3, never both r2)."""
+    if parent is not None and parent.name == str(name):
+        reserved = FineTuningJob.objects.filter(model=name.base_model_id, suffix=name.suffix).aggregate(Max("revision"))
+        published = parent.revisions.aggregate(Max("number"))
+        return max(reserved["revision__max"] or 0, published["number__max"] or 0, parent.revision) + 1
+    if FineTunedModel.objects.filter(name=str(name)).exists():  # an uploaded or composed adapter's
+        raise suffix_taken(str(name))
+    if Composition.objects.unfinished().filter(model=str(name)).exists():  # a composition under way publishes it
+        raise suffix_taken(str(name))
+    return 1
+
+
+def _send_or_503(job: FineTuningJob) -> None:
+    try:
+        training_turns.send_to_trainer(job.id)
+    except OperationalError as exc:  # the broker is down; the job stays queued for the sweeper
+        log.warning("job %s is queued but could not be sent to a trainer: %s", job.id, exc)
+        record_event(
+            job, "The job could not be sent to a trainer (the broker is unreachable); it is sent again once the broker is back",
+            level="warn",
+        )  # fmt: skip
+        raise ApiError(
+            f"Job {job.id} was created and is queued, but the task broker is unreachable, so no trainer has been told yet. "
+            "It starts by itself once the broker is back; do not create it again.",
+            status=503, code="broker_unavailable",
+        ) from None  # fmt: skip

@@ -238,7 +238,9 @@ def test_a_model_fine_tuned_again_answers_as_r2_rolls_back_to_r1_and_its_checkpo
     assert answered_by(name) == f"{name}@r1"
 
     # Fine-tuned again under its own suffix: a new revision of the same name.
-    second = client.fine_tuning.jobs.create(model=name, training_file=training.id, suffix="revised")
+    second = client.fine_tuning.jobs.create(
+        model=name, training_file=training.id, suffix="revised", hyperparameters={"n_epochs": 1, "batch_size": 12}
+    )  # one step: "auto" would train 10 epochs of 12 steps, which this test does not need
     assert wait_for_status(client, second.id, FINISHED, timeout_s=420).status == "succeeded"
     assert answered_by(name) == f"{name}@r2" and answered_by(f"{name}@r1") == f"{name}@r1"
     listed = api.get(f"/fine_tuning/models/{name}/revisions").json()["data"]

@@ -184,6 +184,7 @@ class Config:
     job_stale_after_s: int  # a running job silent this long has lost its worker: it is queued again
     job_database_wait_s: int  # how long a trainer's database call waits out an unreachable database
     job_time_limit_s: int  # a job still training after this long fails (a hung trainer frees its queue)
+    sweep_s: int  # how often the worker's beat sweeps: stale jobs queued again, lost messages sent again
     # A job that ended without publishing (failed, cancelled) keeps its servable checkpoints this long.
     unpublished_checkpoints_days: int
     limits: TenantLimits  # what one organization may use
@@ -307,6 +308,7 @@ def load_config() -> Config:
         job_stale_after_s=job_stale_after_s,
         job_database_wait_s=env_int("JOB_DATABASE_WAIT_SECONDS", 120, minimum=0),
         job_time_limit_s=env_int("JOB_TIME_LIMIT_SECONDS", 6 * 3600, minimum=1),
+        sweep_s=env_int("SWEEP_SECONDS", 30, minimum=1),
         unpublished_checkpoints_days=env_int("UNPUBLISHED_CHECKPOINTS_DAYS", 7, minimum=0),
         limits=_limits(),
         lora_kernels=lora_kernels(),

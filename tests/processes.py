@@ -84,6 +84,11 @@ def running_web(name: str, env: dict[str, str]) -> Iterator[str]:
         yield url
 
 
+# For a scenario's own sweeper (``--beat``): it sweeps every few seconds, not every 30, so a
+# scenario that waits for it (a lost message, a dead trainer) waits that much less.
+SWEEPS_OFTEN = {"SWEEP_SECONDS": "5"}
+
+
 def celery_worker_command(queues: str = "default,training", name: str = "test-worker", *extra: str) -> list[str]:
     return [
         sys.executable, "-m", "celery", "-A", "workers", "worker", "--queues", queues,

@@ -30,7 +30,7 @@ from core.adapter_store import S3AdapterStore
 from finetuning.models import JobStatus
 from tests.inference_fixtures import BASE, catalog_text
 from tests.personas import good_dataset
-from tests.processes import celery_worker_command, free_port, running, running_web, wait_until
+from tests.processes import SWEEPS_OFTEN, celery_worker_command, free_port, running, running_web, wait_until
 from tests.ray_nodes import ray_node, ready_replicas, stop_node, worker_node_arguments
 from tests.s3 import running_s3_server
 from tests.test_worker_faults import wait_for_job
@@ -84,7 +84,7 @@ def test_two_trainers_and_two_ray_nodes_share_only_the_database_redis_and_s3(
         }
         job_id = httpx.post(f"{web}/v1/fine_tuning/jobs", json=body, headers=headers, timeout=60).json()["id"]
         sweeper = celery_worker_command("default", "sweeper-hosts", "--beat", "--schedule", str(tmp_path / "beat"))
-        stack.enter_context(running("sweeper-hosts", sweeper, host["web"]))
+        stack.enter_context(running("sweeper-hosts", sweeper, host["web"] | SWEEPS_OFTEN))
         with running("trainer-a", celery_worker_command("training", "trainer-a"), host["a"]) as trainer_a:
             wait_for_job(job_id, lambda job: job.events.filter(message__startswith="Checkpoint saved").exists(), 300)
             os.killpg(trainer_a.pid, signal.SIGKILL)  # the host is gone: the trainer and its child

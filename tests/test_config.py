@@ -173,3 +173,10 @@ def test_it_refuses_a_short_or_header_breaking_internal_token(monkeypatch, value
     monkeypatch.setenv("INTERNAL_TOKEN", value)
     with pytest.raises(ConfigError, match="INTERNAL_TOKEN must be at least 32 visible ASCII characters"):
         load_config()
+
+
+def test_the_workers_beat_sweeps_as_often_as_sweep_seconds_says():
+    read_schedule = "import workers; print(workers.app.conf.beat_schedule['sweep-jobs']['schedule'])"
+    swept = _start([sys.executable, "-c", read_schedule], SWEEP_SECONDS="7")
+    assert swept.returncode == 0, swept.stderr
+    assert swept.stdout.split() == ["7.0"]

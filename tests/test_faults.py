@@ -14,7 +14,7 @@ import redis
 from core.redis_ping import redis_problem
 from finetuning.models import FineTuningJob, JobStatus
 from tests.personas import good_dataset
-from tests.processes import celery_worker_command, free_port, running, running_web, wait_until
+from tests.processes import SWEEPS_OFTEN, celery_worker_command, free_port, running, running_web, wait_until
 from tests.test_files_api import upload
 from tests.test_training_jobs import BASE, ONE_STEP, wait_for
 
@@ -44,7 +44,7 @@ def test_jobs_queued_before_redis_restarts_without_its_data_all_succeed(alice, t
     # Redis comes back empty. The worker's beat sweeps; a trainer starts.
     worker = celery_worker_command("default", "sweeper", "--beat", "--schedule", str(tmp_path / "beat"))
     trainer = celery_worker_command("training", "trainer")
-    with redis_server(port, tmp_path), running("sweeping-worker", worker, environment), running("trainer", trainer, environment):
+    with redis_server(port, tmp_path), running("sweeping-worker", worker, environment | SWEEPS_OFTEN), running("trainer", trainer, environment):
         deadline = time.monotonic() + 480
         while FineTuningJob.objects.exclude(status=JobStatus.SUCCEEDED).exists():
             assert time.monotonic() < deadline, list(FineTuningJob.objects.values_list("suffix", "status"))

@@ -27,7 +27,7 @@ import redis
 from tests.browser import screenshot
 from tests.inference_fixtures import AdapterMaker
 from tests.personas import good_dataset
-from tests.processes import ROOT, wait_until
+from tests.processes import ROOT, SWEEPS_OFTEN, wait_until
 from tests.running_platform import bin_run
 
 pytestmark = [pytest.mark.product, pytest.mark.engine, pytest.mark.training]
@@ -45,7 +45,7 @@ FINISHED = ("succeeded", "failed", "cancelled")
 def platform(tmp_path_factory):
     redis.Redis.from_url(REDIS_URL).flushdb()  # no message from an earlier run
     # No retention for a job that publishes nothing: its checkpoints go at the sweeper's next pass.
-    settings = {"TOKENS_PER_MINUTE_PER_KEY": str(TOKENS_PER_MINUTE_PER_KEY), "UNPUBLISHED_CHECKPOINTS_DAYS": "0"}
+    settings = {"TOKENS_PER_MINUTE_PER_KEY": str(TOKENS_PER_MINUTE_PER_KEY), "UNPUBLISHED_CHECKPOINTS_DAYS": "0", **SWEEPS_OFTEN}
     with bin_run(tmp_path_factory.mktemp("platform"), REDIS_URL, settings=settings) as running:
         yield running
 

@@ -20,7 +20,7 @@ import redis
 
 from finetuning.models import FineTunedModel, FineTuningJob, JobStatus
 from tests.personas import good_dataset
-from tests.processes import celery_worker_command, free_port, running, running_web
+from tests.processes import SWEEPS_OFTEN, celery_worker_command, free_port, running, running_web
 from tests.test_files_api import upload
 from tests.test_training_jobs import BASE, ONE_STEP
 
@@ -65,7 +65,7 @@ def test_a_trainer_killed_mid_step_is_recovered_by_the_scheduled_sweeper_and_the
     environment, create_job = platform
     job_id = create_job("killed-mid-step", {"n_epochs": 3, "batch_size": 2})  # 6 steps an epoch
     sweeper = celery_worker_command("default", "sweeper", "--beat", "--schedule", str(tmp_path / "beat"))
-    with running("sweeper", sweeper, environment), running("trainer", celery_worker_command("training", "trainer"), environment) as trainer:
+    with running("sweeper", sweeper, environment | SWEEPS_OFTEN), running("trainer", celery_worker_command("training", "trainer"), environment) as trainer:
         wait_for_job(job_id, lambda job: job.events.filter(type="metrics").exists(), 240)
         trainer_child(trainer).send_signal(signal.SIGKILL)
         job = wait_for_job(job_id, lambda job: job.is_finished, 420)  # nobody calls the sweeper but beat

@@ -43,9 +43,17 @@ COMPOSE_MODEL = TaskName("workers.tasks.compose_model", DEFAULT_QUEUE)
 SWEEP_JOBS = TaskName("workers.tasks.sweep_jobs", DEFAULT_QUEUE)
 WORKER_REPORT = TaskName("workers.tasks.worker_report", DEFAULT_QUEUE)
 
-# The beat runs inside the `worker` process: it re-queues jobs whose worker died (stale heartbeat),
-# sends again jobs whose message the broker lost, and tells queued jobs what they wait for.
-app.conf.beat_schedule = {"sweep-jobs": {"task": SWEEP_JOBS.name, "schedule": 30.0, "options": {"queue": SWEEP_JOBS.queue}}}
+
+
+@app.on_after_configure.connect
+def _schedule_sweeps(sender: Celery, **_: object) -> None:
+    """The beat runs inside the `worker` process: every SWEEP_SECONDS it re-queues jobs whose worker
+    died (stale heartbeat), sends again jobs whose message the broker lost, and tells queued jobs
+    what they wait for. Read once the app is configured, when the settings are loaded."""
+    from django.conf import settings
+
+    sweep = sender.signature(SWEEP_JOBS.name, queue=SWEEP_JOBS.queue)
+    sender.add_periodic_task(float(settings.CONFIG.sweep_s), sweep, name="sweep-jobs")
 
 
 def send(task: TaskName, *args: str) -> None:

@@ -146,8 +146,9 @@ class VllmReplica:
         await self.adapter(routed_as)
         return served_name(routed_as)
 
-    def metrics_report(self) -> ReplicaReport:
-        """What this replica's metrics say now (the ingress asks every replica when it is scraped)."""
+    async def metrics_report(self) -> ReplicaReport:
+        """What this replica's metrics say now (the ingress asks every replica when it is scraped); on
+        the replica's event loop, which alone changes what it reads."""
         from ray import serve
 
         replica = serve.get_replica_context().replica_id.unique_id

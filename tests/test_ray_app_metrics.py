@@ -3,13 +3,17 @@ ingress's own counts and its replicas' reports added up under the embedded pool'
 
 from __future__ import annotations
 
+import asyncio
 import pickle
+from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from core.catalog import load_catalog
+from core.config import load_config
 from inference.metrics import Metrics
 from inference.ray_serve.app_metrics import AppMetrics, CountedRequest, ReplicaReport
-from tests.inference_fixtures import BASE
+from tests.inference_fixtures import BASE, catalog_text
 
 
 def _value(text: bytes, sample: str, **labels: str) -> float | None:
@@ -88,3 +92,47 @@ def test_the_ingress_counts_requests_by_the_pools_rule():
     assert _value(text, "fineserve_inference_first_byte_seconds_count", model=name, endpoint="chat/completions") == 1
     assert _value(text, "fineserve_inference_first_byte_seconds_count", model=BASE, endpoint="completions") == 1
     assert _value(text, "fineserve_inference_request_seconds_count", model=BASE, endpoint="completions") == 1
+
+
+class _Replicas:
+    """A stand-in for a model's Serve deployment handle: its broadcast gets these answers."""
+
+    def __init__(self, *answers: object):
+        self.answers = list(answers)
+
+    def broadcast(self, method: str) -> _Replicas:
+        assert method == "metrics_report"
+        return self
+
+    async def results_async(self, timeout_s: float, return_exceptions: bool) -> list[object]:
+        assert return_exceptions  # one slow replica must not hide the others
+        return self.answers
+
+
+def test_the_ingress_answers_metrics_from_its_replicas_to_the_internal_token_only(tmp_path: Path):
+    from starlette.requests import Request
+
+    from inference.ray_serve.ingress import Ingress
+
+    (tmp_path / "models.toml").write_text(catalog_text("ray"))
+    model = load_catalog(tmp_path / "models.toml", tmp_path, str(tmp_path / "adapters")).require(BASE)
+    replicas = _Replicas(_report("r1", _replica_metrics(2, 0.1), 2), TimeoutError("r2 is slow"))
+    ingress = Ingress({BASE: replicas}, (model,), "test")
+
+    async def states() -> dict[str, dict[str, int]]:
+        return {BASE: {"RUNNING": 2}}
+
+    ingress._replica_states = states  # type: ignore[method-assign]  # what serve.status would say
+
+    def scrape(authorization: str) -> tuple[int, bytes]:
+        headers = [(b"authorization", authorization.encode())] if authorization else []
+        scope = {"type": "http", "method": "GET", "path": "/metrics", "headers": headers, "query_string": b""}
+        response = asyncio.run(ingress(Request(scope)))
+        return response.status_code, bytes(response.body)
+
+    assert scrape("")[0] == 401
+    status, text = scrape(f"Bearer {load_config().internal_token}")
+    assert status == 200
+    assert _value(text, "fineserve_adapter_loads_total", base_model=BASE, outcome="loaded") == 2
+    assert _value(text, "fineserve_replica_healthy", model=BASE, replica="r1") == 1
+    assert _value(text, "fineserve_replica_healthy", model=BASE, replica="r2") is None

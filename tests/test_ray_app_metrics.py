@@ -109,7 +109,7 @@ class _Replicas:
         return self.answers
 
 
-def test_the_ingress_answers_metrics_from_its_replicas_to_the_internal_token_only(tmp_path: Path):
+def test_the_ingress_answers_metrics_from_its_replicas_to_the_internal_token_only(tmp_path: Path, monkeypatch):
     from starlette.requests import Request
 
     from inference.ray_serve.ingress import Ingress
@@ -122,7 +122,7 @@ def test_the_ingress_answers_metrics_from_its_replicas_to_the_internal_token_onl
     async def states() -> dict[str, dict[str, int]]:
         return {BASE: {"RUNNING": 2}}
 
-    ingress._replica_states = states  # type: ignore[method-assign]  # what serve.status would say
+    monkeypatch.setattr(ingress, "_replica_states", states)  # what serve.status would say
 
     def scrape(authorization: str) -> tuple[int, bytes]:
         headers = [(b"authorization", authorization.encode())] if authorization else []

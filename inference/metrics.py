@@ -44,6 +44,7 @@ def _gauges_of(replica: Replica) -> ReplicaGauges:
 
 
 def replica_families(replicas: Iterable[ReplicaGauges]) -> list[Metric]:
+    """The replica series of these replicas (each family, even with no replica)."""
     labels = ["model", "replica"]
     healthy = GaugeMetricFamily(
         "fineserve_replica_healthy", "1 when the replica passes its health check", labels=labels

@@ -10,6 +10,8 @@ processes have (same name, same labels) once, with their sum.
 A replica that stopped stays in the sum with what it said last, so a counter never goes back
 (Prometheus would read the drop as a restart and count the whole sum again). The replica series
 (healthy, adapters held) are those of the replicas that answered this scrape: Serve runs them.
+The application has one ingress (``app.build_app``): with more, each would count only the requests
+it relayed, and a scrape would reach one of them.
 """
 
 from __future__ import annotations

@@ -65,6 +65,8 @@ OWN_ROOM_WAIT_S = 5.0
 # requests with other adapters finishing): a generation can take this long.
 BATCH_TURN_WAIT_S = 30.0
 _POLL_S = 0.05
+# A copy that could not be had for these is no failed load in the metrics: the adapter is not at fault.
+NOT_THE_ADAPTERS_FAULT = ("adapter_not_found", "adapter_store_unavailable")
 
 
 class ReplicaUnavailable(Exception):
@@ -152,7 +154,7 @@ class AdapterManager:
         try:
             return await source.checked_folder(name, version, base.lora.max_lora_rank)
         except api_errors.ApiError as exc:
-            if exc.code not in ("adapter_not_found", "adapter_store_unavailable"):  # the adapter's own fault
+            if exc.code not in NOT_THE_ADAPTERS_FAULT:
                 self.metrics.adapter_loads.labels(base.id, "failed").inc()
             raise
 

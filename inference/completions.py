@@ -234,12 +234,7 @@ class CompletionsHandler:
             self._count(request, status)
 
     def _count(self, request: _Request, status: int, first_byte: bool = False) -> None:
-        elapsed = time.perf_counter() - request.started
-        self.metrics.requests.labels(request.label, request.endpoint, str(status)).inc()
-        if status < 400:
-            self.metrics.latency.labels(request.label, request.endpoint).observe(elapsed)
-            if first_byte:
-                self.metrics.first_byte.labels(request.label, request.endpoint).observe(elapsed)
+        self.metrics.count(request.label, request.endpoint, status, time.perf_counter() - request.started, first_byte)
 
 
 @dataclass(frozen=True)

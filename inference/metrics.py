@@ -1,51 +1,84 @@
 """The pool's Prometheus metrics: requests and latency per model, adapter loads and evictions, replicas.
 
 One registry per pool process. Replica state is read when scraped (a collector), so it is never
-stale and the hot path only bumps counters.
+stale and the hot path only bumps counters. Ray Serve's ingress shows the same series for its
+models (``inference.ray_serve.app_metrics``): the names and help texts are these.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from inference.replica import Replica
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 40, 80, 160)
 _LOAD_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30)
 
 
+@dataclass(frozen=True)
+class ReplicaGauges:
+    """What the replica series say of one replica, whichever backend runs it."""
+
+    model: str
+    replica: str  # the pool's: its URL; Ray Serve's: its replica id
+    healthy: bool
+    adapters_loaded: int
+    inflight: int | None = None  # None: the backend does not say (Ray Serve counts them itself)
+    restarts: int | None = None  # None: the backend replaces a failed replica by a new one (Ray Serve)
+    lora_kernels: dict | None = None  # known once the replica has said
+
+
+def _gauges_of(replica: Replica) -> ReplicaGauges:
+    return ReplicaGauges(
+        replica.model.id, replica.url, replica.healthy, len(replica.adapters.held),
+        inflight=replica.inflight, restarts=replica.restarts, lora_kernels=replica.lora_kernels,
+    )  # fmt: skip
+
+
+def replica_families(replicas: Iterable[ReplicaGauges]) -> list[Metric]:
+    """The replica series of these replicas (each family, even with no replica)."""
+    labels = ["model", "replica"]
+    healthy = GaugeMetricFamily(
+        "fineserve_replica_healthy", "1 when the replica passes its health check", labels=labels
+    )
+    inflight = GaugeMetricFamily("fineserve_replica_inflight_requests", "Requests in flight", labels=labels)
+    adapters = GaugeMetricFamily("fineserve_replica_adapters_loaded", "Adapters the replica holds", labels=labels)
+    restarts = CounterMetricFamily(
+        "fineserve_replica_restarts", "Times the pool restarted the replica", labels=labels
+    )
+    kernels = GaugeMetricFamily(
+        "fineserve_replica_lora_kernels",
+        "1 for the LoRA kernels the replica runs (fineserve or stock), what LORA_KERNELS asked for, and why",
+        labels=[*labels, "kernels", "requested", "reason"],
+    )
+    for replica in replicas:
+        key = [replica.model, replica.replica]
+        healthy.add_metric(key, 1.0 if replica.healthy else 0.0)
+        adapters.add_metric(key, replica.adapters_loaded)
+        if replica.inflight is not None:
+            inflight.add_metric(key, replica.inflight)
+        if replica.restarts is not None:
+            restarts.add_metric(key, replica.restarts)
+        if replica.lora_kernels:
+            said = [str(replica.lora_kernels.get(name)) for name in ("active", "requested", "reason")]
+            kernels.add_metric([*key, *said], 1.0)
+    return [healthy, inflight, adapters, restarts, kernels]
+
+
 class _ReplicaCollector(Collector):
-    def __init__(self, replicas: Callable[[], Iterable]):
+    def __init__(self, replicas: Callable[[], Iterable[ReplicaGauges]]):
         self.replicas = replicas
 
     def collect(self) -> Iterator[Metric]:
-        labels = ["model", "replica"]
-        healthy = GaugeMetricFamily(
-            "fineserve_replica_healthy", "1 when the replica passes its health check", labels=labels
-        )
-        inflight = GaugeMetricFamily("fineserve_replica_inflight_requests", "Requests in flight", labels=labels)
-        adapters = GaugeMetricFamily("fineserve_replica_adapters_loaded", "Adapters the replica holds", labels=labels)
-        restarts = CounterMetricFamily(
-            "fineserve_replica_restarts", "Times the pool restarted the replica", labels=labels
-        )
-        kernels = GaugeMetricFamily(
-            "fineserve_replica_lora_kernels",
-            "1 for the LoRA kernels the replica runs (fineserve or stock), what LORA_KERNELS asked for, and why",
-            labels=[*labels, "kernels", "requested", "reason"],
-        )
-        for replica in self.replicas():
-            key = [replica.model.id, replica.url]
-            healthy.add_metric(key, 1.0 if replica.healthy else 0.0)
-            inflight.add_metric(key, replica.inflight)
-            adapters.add_metric(key, len(replica.adapters.held))
-            restarts.add_metric(key, replica.restarts)
-            if replica.lora_kernels:  # known once the replica has said
-                said = [str(replica.lora_kernels.get(name)) for name in ("active", "requested", "reason")]
-                kernels.add_metric([*key, *said], 1.0)
-        yield from (healthy, inflight, adapters, restarts, kernels)
+        yield from replica_families(self.replicas())
 
 
 class Metrics:
@@ -83,8 +116,18 @@ class Metrics:
             ["base_model"], buckets=_LOAD_BUCKETS, registry=r,
         )  # fmt: skip
 
-    def watch_replicas(self, replicas: Callable[[], Iterable]) -> None:
-        self.registry.register(_ReplicaCollector(replicas))
+    def watch_replicas(self, replicas: Callable[[], Iterable[Replica]]) -> None:
+        """The pool's replicas, read when scraped."""
+        self.registry.register(_ReplicaCollector(lambda: map(_gauges_of, replicas())))
+
+    def count(self, model: str, endpoint: str, status: int, elapsed_s: float, whole: bool = False) -> None:
+        """A request answered (or refused) after ``elapsed_s``; its latency only when it succeeded.
+        ``whole``: an answer sent in one piece, whose first byte was its last."""
+        self.requests.labels(model, endpoint, str(status)).inc()
+        if status < 400:
+            self.latency.labels(model, endpoint).observe(elapsed_s)
+            if whole:
+                self.first_byte.labels(model, endpoint).observe(elapsed_s)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -70,12 +70,13 @@ async def test_it_answers_401_without_a_key_or_with_a_wrong_one(web, keys):
 
 
 class PoolMetrics:
-    """A stand-in for the pool's /metrics: one fine-tuned model's counter, for the internal token only."""
+    """A stand-in for the pool's /metrics (or Ray Serve's): one fine-tuned model's counter, for the
+    internal token only."""
 
     SECRET_MODEL = f"{BASE}:alices-unreleased-bot"
 
-    def __init__(self, token: str):
-        self.token, self.authorizations = token, []
+    def __init__(self, token: str, model: str = SECRET_MODEL):
+        self.token, self.model, self.authorizations = token, model, []
 
     async def answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         lines = (await reader.readuntil(b"\r\n\r\n")).decode().split("\r\n")
@@ -83,7 +84,11 @@ class PoolMetrics:
         authorization = headers.get("authorization", "")
         self.authorizations.append(authorization)
         if authorization == f"Bearer {self.token}":
-            body = f'fineserve_inference_requests_total{{model="{self.SECRET_MODEL}"}} 3.0\n'.encode()
+            body = (
+                "# HELP fineserve_inference_requests_total Completion requests by model and outcome\n"
+                "# TYPE fineserve_inference_requests_total counter\n"
+                f'fineserve_inference_requests_total{{model="{self.model}"}} 3.0\n'
+            ).encode()
             writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
         else:
             writer.write(b"HTTP/1.1 401 Unauthorized\r\ncontent-length: 0\r\n\r\n")
@@ -118,6 +123,31 @@ async def test_it_keeps_metrics_readable_when_the_pool_refuses_the_webs_token(we
         server.close()
     assert scraped.status_code == 200 and "fineserve_gateway_requests_total" in scraped.text
     assert "# the inference pool's metrics are unavailable" in scraped.text and "401" in scraped.text
+
+
+async def test_it_joins_the_pools_and_ray_serves_metrics_and_says_when_one_has_none(web, settings):
+    from dataclasses import replace
+
+    from core.catalog import Catalog
+
+    embedded = settings.MODEL_CATALOG.get(BASE)
+    settings.MODEL_CATALOG = Catalog((embedded, replace(embedded, id="ray-model", backend="ray")))
+    pool, ray = PoolMetrics(settings.INTERNAL_TOKEN), PoolMetrics(settings.INTERNAL_TOKEN, "ray-model:bot")
+    servers = [await asyncio.start_server(backend.answer, "127.0.0.1", 0) for backend in (pool, ray)]
+    settings.INFERENCE_POOL_URL, settings.RAY_SERVE_URL = (
+        f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}" for server in servers
+    )
+    try:
+        both = (await web.get("/metrics", headers=monitoring_headers())).text
+        servers[1].close()
+        await servers[1].wait_closed()
+        without_ray = await web.get("/metrics", headers=monitoring_headers())
+    finally:
+        servers[0].close()
+    assert PoolMetrics.SECRET_MODEL in both and 'model="ray-model:bot"' in both
+    assert both.count("# TYPE fineserve_inference_requests_total counter") == 1  # one family, both backends' samples
+    assert without_ray.status_code == 200 and PoolMetrics.SECRET_MODEL in without_ray.text
+    assert "# the Ray Serve application's metrics are unavailable" in without_ray.text
 
 
 async def test_it_answers_404_for_another_organizations_model_and_unknown_ones(web, keys):

@@ -304,6 +304,20 @@ async def test_it_loads_an_adapter_on_first_use_and_reuses_it(tmp_path):
 
 
 @pytest.mark.anyio
+async def test_its_metrics_count_each_model_and_show_each_replica(tmp_path):
+    pool = PoolUnderTest(tmp_path, replicas=2)
+    name = pool.publish("counted")
+    assert (await pool.chat(BASE)).status_code == 200 and (await pool.chat(name)).status_code == 200
+    text = (await pool.http.get("/metrics")).text
+    for model in (BASE, name):  # a fine-tune under the name it was asked by, not its pinned revision
+        assert f'fineserve_inference_requests_total{{endpoint="chat/completions",model="{model}",status="200"}} 1.0' in text
+    assert f'fineserve_adapter_loads_total{{base_model="{BASE}",outcome="loaded"}} 1.0' in text
+    for url in ("http://replica-0", "http://replica-1"):
+        assert f'fineserve_replica_healthy{{model="{BASE}",replica="{url}"}} 1.0' in text
+        assert f'fineserve_replica_restarts_total{{model="{BASE}",replica="{url}"}} 0.0' in text
+
+
+@pytest.mark.anyio
 async def test_it_evicts_the_least_recently_used_adapter_past_the_replica_capacity(tmp_path):
     pool = PoolUnderTest(tmp_path, replicas=1, max_adapters=2)
     a, b, c = (pool.publish(suffix) for suffix in ("a", "b", "c"))

@@ -5,7 +5,7 @@ The fast tests check what the backend takes from the catalog and how the gateway
 The engine tests start ``python -m inference.ray_serve`` (a one-node Ray cluster of its own, the
 model scaled to zero) and a gateway whose catalog sends the model there, and drive them with the
 official client: the cold start, an adapter on its first request token for token as PEFT, a
-stream, JSON schemas, a republished revision, and what it refuses.
+stream, JSON schemas, a republished revision, the pool's metrics series, and what it refuses.
 """
 
 # ruff: noqa: F811 (pytest fixtures are imported from tests.inference_fixtures, then named as arguments)
@@ -21,6 +21,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from core.catalog import load_catalog
 from core.env import ConfigError
@@ -304,6 +305,39 @@ def test_ray_serves_an_adapter_on_its_first_request_token_for_token_as_peft(dana
     assert answer.choices[0].message.content == _peft_answer(folder, max_tokens=16)
     assert answer.choices[0].message.content != _ask(dana, BASE).choices[0].message.content
     assert answer.usage.prompt_tokens > 0 and answer.usage.completion_tokens > 0
+
+
+def _platform_metric(stack: RayStack, sample: str, **labels: str) -> float:
+    """The sum of a sample's values over the series with these labels, in the platform's /metrics."""
+    text = httpx.get(f"{stack.gateway}/metrics", headers=monitoring_headers(), timeout=10).text
+    families = text_string_to_metric_families(text)
+    return sum(
+        found.value
+        for family in families
+        for found in family.samples
+        if found.name == sample and labels.items() <= found.labels.items()
+    )
+
+
+@pytest.mark.engine
+@pytest.mark.django_db(transaction=True)
+def test_the_platforms_metrics_show_a_ray_models_series_as_the_pools(dana, ray_stack, make_adapter):
+    name = publish_fine_tuned_model(dana, _suffix("ray-counted"), make_adapter(seed=7))
+    answered = {"endpoint": "chat/completions", "status": "200"}
+    base_before = _platform_metric(ray_stack, "fineserve_inference_requests_total", model=BASE, **answered)
+    loads_before = _platform_metric(ray_stack, "fineserve_adapter_loads_total", base_model=BASE, outcome="loaded")
+    _ask(dana, BASE, max_tokens=2)
+    _ask(dana, name, max_tokens=2)
+
+    requests = "fineserve_inference_requests_total"
+    assert _platform_metric(ray_stack, requests, model=BASE, **answered) == base_before + 1
+    assert _platform_metric(ray_stack, requests, model=name, **answered) == 1  # as asked, not pinned
+    assert _platform_metric(ray_stack, "fineserve_inference_request_seconds_count", model=name) == 1
+    assert _platform_metric(ray_stack, "fineserve_adapter_loads_total", base_model=BASE, outcome="loaded") > loads_before
+    assert _platform_metric(ray_stack, "fineserve_replica_healthy", model=BASE) == 1  # its one replica
+    assert _platform_metric(ray_stack, "fineserve_replica_adapters_loaded", model=BASE) >= 1
+    assert httpx.get(f"{ray_stack.gateway}/metrics").status_code == 401
+    assert httpx.get(f"{ray_stack.serve_url}/metrics").status_code == 401  # the ingress: the internal token only
 
 
 @pytest.mark.engine

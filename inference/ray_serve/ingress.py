@@ -11,7 +11,9 @@ answers: the same routes, the same errors, a stream stays a stream. What it does
 - wait for a model scaled to zero up to its ``cold_start_wait_s``, then answer 503 with
   Retry-After (Ray holds the request meanwhile and starts a replica for it);
 - ``GET /health``: each model's state from Serve's own status ("ready" on N replicas,
-  "starting", "cold"), in the pool's shape.
+  "starting", "cold"), in the pool's shape;
+- ``GET /metrics``: the pool's series for its models: requests and latency it counts itself, adapter
+  loads, evictions and held adapters as its replicas report them (``app_metrics``).
 
 Mixes (``adapters``) are the embedded pool's alone: they need its adapter slots.
 """
@@ -20,11 +22,13 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 from ray.exceptions import RayActorError, RayError
+from ray.serve.exceptions import RayServeException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
@@ -36,13 +40,15 @@ from core.internal_token import presents
 from core.model_names import pinned_name
 from core.openai_protocol import routed_fields, with_fields
 from inference.adapter_source import AdapterSource
-from inference.metrics import Metrics
+from inference.metrics import CONTENT_TYPE, Metrics
 from inference.pool import COLD_START_RETRY_AFTER_S
+from inference.ray_serve.app_metrics import AppMetrics, CountedRequest, ReplicaReport
 from inference.ray_serve.replica import STARTED, Head
 from inference.ray_serve.replica_adapters import routing_id
 from inference.served_model import served_model
 
 _ATTEMPTS = 3  # replicas a request may be offered to when the first ones die before taking it
+_REPORT_TIMEOUT_S = 1.0  # for the replicas' metrics: the platform gives a scrape 2 s
 _COMPLETIONS = {"/v1/chat/completions": "chat/completions", "/v1/completions": "completions"}
 
 
@@ -62,6 +68,7 @@ class Ingress:
             model.id: AdapterSource(store_of(model, config.s3), Path("."), Metrics(), model.id)
             for model in models
         }
+        self.metrics = AppMetrics()
 
     async def __call__(self, request: Request) -> Response:
         if not presents(request.headers.get("authorization"), self.token):
@@ -74,6 +81,8 @@ class Ingress:
                 return await self._preload(await request.body())
             if path == "/health":
                 return JSONResponse(await self._health())
+            if path == "/metrics":
+                return Response(await self._metrics(), media_type=CONTENT_TYPE)
             return _error(api_errors.ApiError(f"No route {request.method} {path}.", status=404, code="not_found"))
         except api_errors.ApiError as exc:
             return _error(exc)
@@ -88,6 +97,7 @@ class Ingress:
         return pinned, routing_id(pinned, found.identity)
 
     async def _complete(self, body: bytes, endpoint: str) -> Response:
+        started = time.perf_counter()
         fields = routed_fields(body)
         base, fine_tuned = served_model(self.catalog, fields.model)
         if fields.adapters is not None:
@@ -96,12 +106,22 @@ class Ingress:
         if fine_tuned:
             adapter, routed_as = await self._pinned(base, fields.model)
             body = body if adapter == fields.model else with_fields(body, model=adapter)
-        answer = await self._taken(base, routed_as, endpoint, body)
+        request = CountedRequest(self.metrics.ingress, fields.model if fine_tuned else base.id, endpoint, started)
+        try:
+            return await self._answer(base, routed_as, body, fields.stream, request)
+        except api_errors.ApiError as exc:
+            request.finished(exc.status)
+            raise
+
+    async def _answer(
+        self, base: BaseModel, routed_as: str, body: bytes, stream: bool, request: CountedRequest
+    ) -> Response:
+        answer = await self._taken(base, routed_as, request.endpoint, body)
         try:
             head: Head = await answer.__anext__()
-            if fields.stream and head.status < 400:
+            if stream and head.status < 400:
                 return StreamingResponse(
-                    _rest(answer), status_code=head.status, media_type=head.content_type,
+                    _rest(answer, request, head.status), status_code=head.status, media_type=head.content_type,
                     headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
                 )  # fmt: skip
             raw = b"".join([chunk async for chunk in answer])
@@ -111,6 +131,7 @@ class Ingress:
             raise api_errors.replica_failed(str(exc).splitlines()[0]) from None
         if head.status >= 400 and api_errors.made_by_vllm(raw):  # its words reach the tenant scrubbed, as the pool's do
             raise api_errors.from_replica(head.status, raw)
+        request.finished(head.status, whole=True)
         return Response(raw, status_code=head.status, media_type=head.content_type)
 
     async def _taken(self, base: BaseModel, routed_as: str, endpoint: str, body: bytes) -> Any:
@@ -145,16 +166,24 @@ class Ingress:
         await self.replicas[base.id].options(multiplexed_model_id=routed_as).preload.remote()
         return JSONResponse({"model": pinned, "replicas": 1})
 
-    async def _health(self) -> dict:
+    async def _replica_states(self) -> dict[str, dict[str, int]]:
+        """Each model's replicas by state ("RUNNING", "STARTING", ...), as Serve's status counts them."""
         from ray import serve
 
         status = await asyncio.to_thread(serve.status)
         deployments = status.applications[self.app_name].deployments
+        # Serve's ReplicaState is a str enum: its counts read by the states' names.
+        return {
+            model_id: {
+                str(getattr(state, "value", state)): count
+                for state, count in deployments[deployment_name(model_id)].replica_states.items()
+            }
+            for model_id in self.catalog.ids
+        }
+
+    async def _health(self) -> dict:
         models, replicas = {}, []
-        for model_id in self.catalog.ids:
-            # Serve's ReplicaState is a str enum: its counts read by the states' names.
-            replica_states = deployments[deployment_name(model_id)].replica_states
-            states = {str(getattr(state, "value", state)): count for state, count in replica_states.items()}
+        for model_id, states in (await self._replica_states()).items():
             ready = states.get("RUNNING", 0)
             starting = states.get("STARTING", 0)
             models[model_id] = {
@@ -164,15 +193,42 @@ class Ingress:
             replicas += [{"model": model_id, "healthy": True, "adapters": []}] * ready
         return {"serving": True, "models": models, "replicas": replicas, "backend": "ray"}
 
+    async def _metrics(self) -> bytes:
+        """The ingress's counts, and what each model's running replicas report now (asked all at once)."""
+        running = {model_id: states.get("RUNNING", 0) for model_id, states in (await self._replica_states()).items()}
+        answers = await asyncio.gather(*(self._reports(model_id, count) for model_id, count in running.items()))
+        for (model_id, count), reports in zip(running.items(), answers):
+            self.metrics.heard(model_id, reports, everyone=len(reports) == count)
+        return self.metrics.render(report for reports in answers for report in reports)
 
-async def _rest(answer: Any) -> AsyncIterator[bytes]:
+    async def _reports(self, model_id: str, running: int) -> list[ReplicaReport]:
+        """The reports of the model's replicas that answered in time (at once, busy or not: a report
+        is read from memory, and the engine generates in a process of its own)."""
+        if not running:
+            return []  # nobody to ask: a broadcast would wait for a replica
+        try:
+            answers = await self.replicas[model_id].broadcast("metrics_report").results_async(
+                timeout_s=_REPORT_TIMEOUT_S, return_exceptions=True
+            )
+        except (RayError, RayServeException, TimeoutError):
+            return []
+        return [answer for answer in answers if isinstance(answer, ReplicaReport)]
+
+
+async def _rest(answer: Any, request: CountedRequest, status: int) -> AsyncIterator[bytes]:
+    first = True
     try:
         async for chunk in answer:
+            if first:
+                request.first_byte()
+                first = False
             yield chunk
     except RayError as exc:  # the headers are sent: the error travels as one more event, as vLLM does it
+        status = 502
         yield b"data: " + api_errors.replica_failed(f"Ray: {type(exc).__name__}").json_bytes() + b"\n\n"
     finally:
         answer.cancel()  # a caller that went away: the replica stops relaying, and vLLM generating
+        request.finished(status)
 
 
 def _error(error: api_errors.ApiError) -> Response:

@@ -16,7 +16,8 @@ eviction does not). A deleted adapter leaves within seconds, and a cached copy l
 adapter (``inference.ray_serve.replica_adapters``); the replica's cache goes with the replica.
 
 A request is a stream of items from ``answer``: ``STARTED`` at once (the ingress stops counting a
-cold start there), then a ``Head``, then the body's bytes.
+cold start there), then a ``Head``, then the body's bytes. ``metrics_report`` is what the replica
+tells the ingress's /metrics (``inference.ray_serve.app_metrics``).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from core.http_client import HttpClient, UpstreamError
 from core.internal_token import bearer
 from inference.adapter_source import AdapterSource
 from inference.metrics import Metrics
+from inference.ray_serve.app_metrics import ReplicaReport
 from inference.ray_serve.replica_adapters import ReplicaAdapters, ServedAdapter, served_name
 from inference.replica import start_vllm_server, stop_vllm_server, vllm_environment
 
@@ -75,7 +77,9 @@ class VllmReplica:
         self.cache = Path(
             tempfile.mkdtemp(prefix="adapter-cache-", dir=config.data_dir if config.data_dir.is_dir() else None)
         )
-        source = AdapterSource(store_of(model, config.s3), self.cache, Metrics(), model.id)
+        store = store_of(model, config.s3)
+        self.metrics = Metrics()  # adapter loads, evictions and downloads: the requests are the ingress's to count
+        source = AdapterSource(store, self.cache, self.metrics, model.id)
         capacity = model.lora.max_num_adapters_per_replica
         self.adapters = ReplicaAdapters(source, self.admin, self.url, model.lora.max_lora_rank, capacity)
         self._wait_until_ready()
@@ -141,6 +145,14 @@ class VllmReplica:
         routed_as = _multiplexed_model_id()
         await self.adapter(routed_as)
         return served_name(routed_as)
+
+    async def metrics_report(self) -> ReplicaReport:
+        """What this replica's metrics say now (the ingress asks every replica when it is scraped); on
+        the replica's event loop, which alone changes what it reads."""
+        from ray import serve
+
+        replica = serve.get_replica_context().replica_id.unique_id
+        return ReplicaReport.of(replica, self.model.id, len(self.adapters.slots.held), self.metrics)
 
     def __del__(self) -> None:
         """Serve stopping the replica: the server and the engine it spawned, and its adapter cache."""

@@ -10,6 +10,8 @@ requests are answered (vLLM tells adapters apart by name inside a batch, ``infer
 An adapter leaves vLLM, and its cached copy the replica's cache, when Ray evicts it (the least
 recently used past ``max_num_adapters_per_replica``) and within ``RECHECK_HELD_S`` of its deletion
 (``watch_forever``, as the pool's ``AdapterManager.retire_deleted``), whether or not it is asked for.
+Loads and unloads are counted as the pool counts them, in the replica's ``Metrics`` (the one its
+``AdapterSource`` counts downloads in), which it reports to the ingress's /metrics.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from core import api_errors
 from core.adapter_store import identity_of_folder
 from inference.adapter_slots import AdapterSlots, HeldAdapter
 from inference.adapter_source import AdapterSource
-from inference.adapters import RECHECK_HELD_S, _until_idle, _vllm_message
+from inference.adapters import NOT_THE_ADAPTERS_FAULT, RECHECK_HELD_S, _until_idle, _vllm_message
 from inference.periodic import every
 
 log = logging.getLogger("inference.ray_serve.replica_adapters")
@@ -60,6 +62,7 @@ class ReplicaAdapters:
 
     def __init__(self, source: AdapterSource, admin: httpx.AsyncClient, url: str, max_rank: int, capacity: int):
         self.source, self.admin, self.url, self.max_rank = source, admin, url, max_rank
+        self.metrics, self.base_model_id = source.metrics, source.base_model_id
         self.slots = AdapterSlots(capacity)  # held (by served name), requests running, a lock per name
         # Ray's cache entries per publish held: an id Ray still had from before a deletion (its
         # ingress's answer is a second old) may stand for the publish a newer id loaded.
@@ -78,7 +81,7 @@ class ReplicaAdapters:
         async with self.slots.lock(name):
             held = self.slots.held.get(name)
             if held is None or held.version != found.identity:
-                await self._install(name, await self.source.checked_folder(name, found.identity, self.max_rank))
+                await self._install(name, await self._checked_folder(name, found.identity))
             entry = (name, self.slots.held[name].version)
             self._entries[entry] += 1
 
@@ -90,11 +93,20 @@ class ReplicaAdapters:
 
         return ServedAdapter(name, evicted)
 
+    async def _checked_folder(self, name: str, identity: str) -> Path:
+        try:
+            return await self.source.checked_folder(name, identity, self.max_rank)
+        except api_errors.ApiError as exc:
+            if exc.code not in NOT_THE_ADAPTERS_FAULT:
+                self.metrics.adapter_loads.labels(self.base_model_id, "failed").inc()
+            raise
+
     async def _install(self, name: str, folder: Path) -> None:
         if name in self.slots.held:  # another publish under this name: its requests end first
             await _until_idle(self.slots, name)
             self.slots.forget(name)
             await self._admin("unload_lora_adapter", {"lora_name": name})
+            self.metrics.adapter_evictions.labels(self.base_model_id, "replaced").inc()
         started = time.perf_counter()
         response = await self._admin("load_lora_adapter", {"lora_name": name, "lora_path": str(folder)})
         if response.status_code == 400 and "already been loaded" in response.text:
@@ -102,9 +114,12 @@ class ReplicaAdapters:
             await self._admin("unload_lora_adapter", {"lora_name": name})
             response = await self._admin("load_lora_adapter", {"lora_name": name, "lora_path": str(folder)})
         if response.status_code != 200:
+            self.metrics.adapter_loads.labels(self.base_model_id, "failed").inc()
             raise api_errors.adapter_invalid(name, _vllm_message(response))
         self.slots.add(name, HeldAdapter(identity_of_folder(folder), folder))
         self.source.prune_cache(name, self._held_folders(), newest=folder)
+        self.metrics.adapter_loads.labels(self.base_model_id, "loaded").inc()
+        self.metrics.adapter_load_seconds.labels(self.base_model_id).observe(time.perf_counter() - started)
         log.info("loaded %s in %.2f s", name, time.perf_counter() - started)
 
     async def unload(self, name: str, identity: str, reason: str) -> None:
@@ -121,6 +136,7 @@ class ReplicaAdapters:
                 await self._admin("unload_lora_adapter", {"lora_name": name})
             finally:
                 self.source.prune_cache(name, self._held_folders())
+        self.metrics.adapter_evictions.labels(self.base_model_id, reason).inc()
         log.info("unloaded %s (%s)", name, reason)
 
     async def watch_forever(self) -> None:

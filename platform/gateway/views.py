@@ -6,6 +6,7 @@ under uvicorn): they serve WSGI, Django's test client and the schema fuzzer, and
 
 from __future__ import annotations
 
+import asyncio
 import functools
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -17,8 +18,9 @@ from django.views.decorators.csrf import csrf_exempt
 
 from base.error_responses import api_error
 from base.monitoring import from_monitoring
-from base.serving_client import Serving, pool_client, pool_url, serving_async
+from base.serving_client import Serving, backend_url, backends, pool_client, serving_async
 from core import api_errors
+from core.catalog import BACKENDS
 from core.openai_protocol import ModelCard, ModelList
 from gateway import metrics as gateway_metrics
 from gateway.access import authorize, delete_model, usable_models
@@ -91,16 +93,24 @@ async def model(request: HttpRequest, model: str) -> HttpResponse:
 
 
 async def metrics(request: HttpRequest) -> HttpResponse:
-    """The gateway's counters, then the pool's metrics (per model, adapters, replicas): for the
+    """The gateway's counters, then the metrics of the backends the catalog's models use (the
+    embedded pool's, Ray Serve's: the same series, per model, adapters, replicas): for the
     operator's scraper only, as they name every organization's models."""
     if not from_monitoring(request):
         given = "Authorization" in request.headers
         return api_error(api_errors.internal_token_required("MONITORING_TOKEN", given=given))
-    text = gateway_metrics.render()
-    try:
-        response = await pool_client().get(pool_url("/metrics"), timeout=2.0)
-        response.raise_for_status()  # a refusal (say, INTERNAL_TOKEN differs from the pool's) is not metrics text
-        text += response.content
-    except httpx.HTTPError as exc:
-        text += f"# the inference pool's metrics are unavailable: {exc!r}\n".encode()
+    used = backends()
+    scraped = await asyncio.gather(*(_backend_metrics(backend) for backend in BACKENDS if backend in used))
+    text = gateway_metrics.joined(gateway_metrics.render(), *scraped)
     return HttpResponse(text, content_type=gateway_metrics.CONTENT_TYPE)
+
+
+async def _backend_metrics(backend: str) -> bytes:
+    """A backend's metrics text; a comment saying why instead when it has none to give (never an error)."""
+    try:
+        response = await pool_client().get(backend_url(backend, "/metrics"), timeout=2.0)
+        response.raise_for_status()  # a refusal (say, INTERNAL_TOKEN differs from the backend's) is not metrics text
+        return response.content
+    except httpx.HTTPError as exc:
+        name = "the Ray Serve application" if backend == "ray" else "the inference pool"
+        return f"# {name}'s metrics are unavailable: {exc!r}\n".encode()

@@ -44,7 +44,6 @@ SWEEP_JOBS = TaskName("workers.tasks.sweep_jobs", DEFAULT_QUEUE)
 WORKER_REPORT = TaskName("workers.tasks.worker_report", DEFAULT_QUEUE)
 
 
-
 @app.on_after_configure.connect
 def _schedule_sweeps(sender: Celery, **_: object) -> None:
     """The beat runs inside the `worker` process: every SWEEP_SECONDS it re-queues jobs whose worker

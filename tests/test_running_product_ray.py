@@ -17,6 +17,7 @@ import httpx
 import openai
 import pytest
 import redis
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.browser import screenshot
 from tests.inference_fixtures import AdapterMaker, catalog_text
@@ -64,6 +65,17 @@ def test_bin_run_serves_a_model_on_ray_serve_from_zero_replicas_to_the_browser(p
     assert "Paris" in base.choices[0].message.content
     assert tuned.model == f"{adapter}@r1" and tuned.choices[0].message.content != base.choices[0].message.content
     assert client.models.retrieve(BASE).serving == {"state": "loaded", "replicas": 1}
+    # The operator's scraper sees the Ray-backed model's series on the platform's /metrics, as the
+    # pool's (the monitoring token is INTERNAL_TOKEN's value when none is set).
+    scraped = httpx.get(f"{platform.url}/metrics", headers={"Authorization": f"Bearer {platform.internal_token}"}, timeout=30)
+    assert scraped.status_code == 200, scraped.text
+    answered = {
+        sample.labels["model"]: sample.value
+        for family in text_string_to_metric_families(scraped.text)
+        for sample in family.samples
+        if sample.name == "fineserve_inference_requests_total" and sample.labels.get("status") == "200"
+    }
+    assert answered.get(adapter) == 1 and answered.get(BASE, 0) >= 1, answered
 
     page.goto(f"{platform.url}/login")
     page.fill("#id_username", "demo")

@@ -42,7 +42,7 @@ from core.http_client import (
 from core.openai_protocol import RoutedFields, adapter_scales, routed_fields, with_fields
 from inference.adapter_mix import Mix
 from inference.adapters import AdapterManager, ReplicaUnavailable
-from inference.metrics import Metrics
+from inference.metrics import CountedRequest, Metrics
 from inference.pool import Pool
 from inference.replica import Replica
 from inference.router import choose_replica
@@ -87,7 +87,7 @@ class CompletionsHandler:
         try:
             return await self._forward(request)
         except api_errors.ApiError as exc:
-            self._count(request, exc.status)
+            self._counted(request).finished(exc.status)
             raise
 
     async def preload(self, model: str) -> tuple[str, int]:
@@ -210,17 +210,15 @@ class CompletionsHandler:
             raise _down(done.replica, "its engine died")
         if upstream.status >= 400:
             raise api_errors.from_replica(upstream.status, raw)
-        self._count(request, upstream.status, first_byte=True)
+        self._counted(request).finished(upstream.status, whole=True)
         return Response(raw, status_code=upstream.status, media_type=_JSON)
 
     async def _relay(self, upstream: UpstreamResponse, done: _Done, request: _Request) -> AsyncIterator[bytes]:
-        status, first = upstream.status, True
+        status, first, counted = upstream.status, True, self._counted(request)
         try:
             async for chunk in upstream.iter_body():
                 if first:
-                    self.metrics.first_byte.labels(request.label, request.endpoint).observe(
-                        time.perf_counter() - request.started
-                    )
+                    counted.first_byte()
                     first = False
                 yield chunk
         except UpstreamError as exc:
@@ -231,10 +229,10 @@ class CompletionsHandler:
         finally:
             upstream.close()  # a client that went away: the replica sees the connection drop and stops
             done()
-            self._count(request, status)
+            counted.finished(status)
 
-    def _count(self, request: _Request, status: int, first_byte: bool = False) -> None:
-        self.metrics.count(request.label, request.endpoint, status, time.perf_counter() - request.started, first_byte)
+    def _counted(self, request: _Request) -> CountedRequest:
+        return CountedRequest(self.metrics, request.label, request.endpoint, request.started)
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ models (``inference.ray_serve.app_metrics``): the names and help texts are these
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -120,14 +121,27 @@ class Metrics:
         """The pool's replicas, read when scraped."""
         self.registry.register(_ReplicaCollector(lambda: map(_gauges_of, replicas())))
 
-    def count(self, model: str, endpoint: str, status: int, elapsed_s: float, whole: bool = False) -> None:
-        """A request answered (or refused) after ``elapsed_s``; its latency only when it succeeded.
-        ``whole``: an answer sent in one piece, whose first byte was its last."""
-        self.requests.labels(model, endpoint, str(status)).inc()
-        if status < 400:
-            self.latency.labels(model, endpoint).observe(elapsed_s)
-            if whole:
-                self.first_byte.labels(model, endpoint).observe(elapsed_s)
-
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class CountedRequest:
+    """One completion request in the counts, from its arrival to its last byte: the pool's handler
+    and Ray Serve's ingress count by this one rule."""
+
+    def __init__(self, metrics: Metrics, model: str, endpoint: str, started: float):
+        self.metrics, self.model, self.endpoint, self.started = metrics, model, endpoint, started
+
+    def first_byte(self) -> None:
+        """A stream's first bytes went out."""
+        self.metrics.first_byte.labels(self.model, self.endpoint).observe(time.perf_counter() - self.started)
+
+    def finished(self, status: int, whole: bool = False) -> None:
+        """Answered (or refused) with ``status``; its latency only when it succeeded. ``whole``: an
+        answer sent in one piece, whose first byte was its last."""
+        elapsed_s = time.perf_counter() - self.started
+        self.metrics.requests.labels(self.model, self.endpoint, str(status)).inc()
+        if status < 400:
+            self.metrics.latency.labels(self.model, self.endpoint).observe(elapsed_s)
+            if whole:
+                self.metrics.first_byte.labels(self.model, self.endpoint).observe(elapsed_s)

@@ -11,8 +11,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from core.catalog import load_catalog
 from core.config import load_config
-from inference.metrics import Metrics
-from inference.ray_serve.app_metrics import AppMetrics, CountedRequest, ReplicaReport
+from inference.metrics import CountedRequest, Metrics
+from inference.ray_serve.app_metrics import AppMetrics, ReplicaReport
 from tests.inference_fixtures import BASE, catalog_text
 
 

@@ -16,7 +16,6 @@ it relayed, and a scrape would reach one of them.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -71,20 +70,6 @@ class AppMetrics:
         registry = CollectorRegistry()
         registry.register(_Given([*families, *replica_families(report.gauges() for report in answered)]))
         return generate_latest(registry)
-
-
-class CountedRequest:
-    """One request in the ingress's counts, from its arrival to its last byte, as the pool counts it."""
-
-    def __init__(self, metrics: Metrics, model: str, endpoint: str, started: float):
-        self.metrics, self.model, self.endpoint, self.started = metrics, model, endpoint, started
-
-    def first_byte(self) -> None:
-        self.metrics.first_byte.labels(self.model, self.endpoint).observe(time.perf_counter() - self.started)
-
-    def finished(self, status: int, whole: bool = False) -> None:
-        """``whole``: an answer sent in one piece, whose first byte was its last."""
-        self.metrics.count(self.model, self.endpoint, status, time.perf_counter() - self.started, whole)
 
 
 def summed(*sources: Iterable[Metric]) -> list[Metric]:

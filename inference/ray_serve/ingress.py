@@ -40,9 +40,9 @@ from core.internal_token import presents
 from core.model_names import pinned_name
 from core.openai_protocol import routed_fields, with_fields
 from inference.adapter_source import AdapterSource
-from inference.metrics import CONTENT_TYPE, Metrics
+from inference.metrics import CONTENT_TYPE, CountedRequest, Metrics
 from inference.pool import COLD_START_RETRY_AFTER_S
-from inference.ray_serve.app_metrics import AppMetrics, CountedRequest, ReplicaReport
+from inference.ray_serve.app_metrics import AppMetrics, ReplicaReport
 from inference.ray_serve.replica import STARTED, Head
 from inference.ray_serve.replica_adapters import routing_id
 from inference.served_model import served_model

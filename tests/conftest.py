@@ -13,6 +13,7 @@ import pytest
 from django.db import connection
 
 from base.celery import app as celery_app
+from tests.environment import LANE, LANES
 from tests.inference_fixtures import internal_headers, pool_environment
 from tests.processes import answers, celery_worker_command, running, running_web, wait_until
 
@@ -30,6 +31,19 @@ def _url_of(settings_dict: dict) -> str:
     password = f":{quote(settings_dict['PASSWORD'])}" if settings_dict.get("PASSWORD") else ""
     port = f":{settings_dict['PORT']}" if settings_dict.get("PORT") else ""
     return f"postgres://{user}{password}@{settings_dict.get('HOST') or 'localhost'}{port}/{settings_dict['NAME']}"
+
+
+@pytest.fixture(scope="session")
+def django_db_modify_db_settings() -> None:
+    """A lane's own test database (tests/environment.py): the quick lane's is test_test_quick while
+    the slow lane's is test_test, so the two pytest processes of one test command never share rows."""
+    from django.conf import settings
+
+    if LANE is LANES["slow"]:
+        return
+    for database in settings.DATABASES.values():
+        test_name = database.get("TEST", {}).get("NAME") or f"test_{database['NAME']}"
+        database.setdefault("TEST", {})["NAME"] = f"{test_name}_{LANE.name}"
 
 
 @pytest.fixture(scope="session", autouse=True)

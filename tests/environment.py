@@ -3,22 +3,50 @@
 Tests use their own Redis database and ports, so a platform running on the same machine neither
 steals their tasks nor answers their health checks. DATABASE_URL comes from the caller (the test
 command runs the suite on PostgreSQL and on SQLite).
+
+The test command runs the suite as two pytest processes at once, its lanes (TEST_LANE; bin/test says
+which tests each takes). Each lane has a Redis database, ports, storage, logs and a test database
+(``tests.conftest.django_db_modify_db_settings``) of its own, so neither takes the other's tasks,
+answers its health checks, nor overwrites the files of a row whose id the other's database repeats.
 """
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 TEST_DATA = ROOT / "data" / "test"
 
+
+@dataclass(frozen=True)
+class Lane:
+    name: str
+    redis_database: int
+    first_port: int  # the pool listens here, its replicas from here + 100
+
+    @property
+    def data(self) -> Path:
+        """Storage and logs: the slow lane (the whole suite, run on its own) keeps data/test itself."""
+        return TEST_DATA if self.name == "slow" else TEST_DATA / self.name
+
+
+# Redis databases in use: 0 is bin/run's; the other scenarios' brokers are 8 (test_healthz), 9
+# (test_healthz, test_job_dispatch), 11 (test_worker_faults), 12 (test_across_hosts), 13 and 14 (the
+# running product's).
+LANES = {lane.name: lane for lane in (Lane("slow", 15, 18100), Lane("quick", 10, 18300))}
+LANE = LANES.get(os.environ.get("TEST_LANE", "slow"))
+if LANE is None:
+    raise SystemExit(f"TEST_LANE={os.environ['TEST_LANE']!r}: use one of {', '.join(LANES)}")
+
 # The suite tests the platform as bin/run starts it for local use, whatever the caller's shell says
 # (production mode would redirect the test client's plain-http requests); tests of production mode
 # set DEBUG=false themselves.
 os.environ["DEBUG"] = "true"
-os.environ.setdefault("REDIS_URL", "redis://127.0.0.1:6379/15")
-os.environ.setdefault("DYNAMIC_LORA_PATH", str(TEST_DATA / "adapters"))
-os.environ.setdefault("INFERENCE_POOL_URL", "http://127.0.0.1:18100")
-os.environ.setdefault("FIRST_REPLICA_PORT", "18200")
+os.environ.setdefault("REDIS_URL", f"redis://127.0.0.1:6379/{LANE.redis_database}")
+os.environ.setdefault("DYNAMIC_LORA_PATH", str(LANE.data / "adapters"))
+os.environ.setdefault("FILES_PATH", str(LANE.data / "files"))
+os.environ.setdefault("INFERENCE_POOL_URL", f"http://127.0.0.1:{LANE.first_port}")
+os.environ.setdefault("FIRST_REPLICA_PORT", str(LANE.first_port + 100))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Heartbeats every second, so tests can give a job up after a few silent seconds.

@@ -14,10 +14,10 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.processes import ROOT
+from tests.environment import LANE, ROOT
 
 BASE = "HuggingFaceTB/SmolLM2-135M-Instruct"
-TEST_CATALOG = ROOT / "data" / "test" / "inference-models.toml"
+TEST_CATALOG = LANE.data / "inference-models.toml"
 TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 def catalog_text(

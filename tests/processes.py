@@ -13,8 +13,10 @@ from pathlib import Path
 
 import httpx
 
+from tests.environment import LANE
+
 ROOT = Path(__file__).resolve().parent.parent
-LOGS = ROOT / "data" / "test" / "logs"
+LOGS = LANE.data / "logs"
 
 
 def answers(url: str, below: int = 300, headers: dict[str, str] | None = None) -> bool:

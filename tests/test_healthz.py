@@ -31,7 +31,7 @@ def test_it_is_503_and_names_every_part_that_is_down(client, settings):
 
 
 def test_it_reports_no_worker_when_none_listens_on_the_broker(client, settings):
-    settings.CELERY_BROKER_URL = "redis://127.0.0.1:6379/14"  # a live Redis that no worker consumes
+    settings.CELERY_BROKER_URL = "redis://127.0.0.1:6379/9"  # a live Redis that no worker consumes
     settings.INFERENCE_POOL_URL = DEAD
     body = client.get("/healthz", headers=monitoring_headers()).json()
     assert body["checks"]["redis"]["ok"]
@@ -57,7 +57,7 @@ def test_it_opens_the_detail_to_the_monitoring_token_not_to_the_internal_one_whe
 
 @pytest.mark.django_db(transaction=True)
 def test_it_names_the_queue_that_no_worker_consumes(client, settings, test_database_url):
-    broker = "redis://127.0.0.1:6379/12"  # a broker of its own, with one worker that reads only "default"
+    broker = "redis://127.0.0.1:6379/8"  # a broker of its own, with one worker that reads only "default"
     settings.CELERY_BROKER_URL = broker
     settings.INFERENCE_POOL_URL = DEAD
     environment = {"REDIS_URL": broker, "DATABASE_URL": test_database_url}

@@ -67,7 +67,7 @@ def test_a_queued_job_says_how_many_jobs_are_ahead_and_when_no_trainer_is_connec
     assert FineTuningJob.objects.get(pk=first).events.filter(message="Job queued; no job ahead").exists()
     assert FineTuningJob.objects.get(pk=second).events.filter(message="Job queued; 1 job ahead").exists()
 
-    settings.CELERY_BROKER_URL = "redis://127.0.0.1:6379/12"  # a live broker that no trainer reads
+    settings.CELERY_BROKER_URL = "redis://127.0.0.1:6379/9"  # a live broker that no trainer reads
     assert sweep()["trainers"] == 0
     sweep()  # a second pass says nothing new
     for job_id in (first, second):

@@ -86,9 +86,10 @@ def running_web(name: str, env: dict[str, str]) -> Iterator[str]:
         yield url
 
 
-# For a scenario's own sweeper (``--beat``): it sweeps every few seconds, not every 30, so a
-# scenario that waits for it (a lost message, a dead trainer) waits that much less.
-SWEEPS_OFTEN = {"SWEEP_SECONDS": "5"}
+# For a scenario's own sweeper (``--beat``): it sweeps every few seconds, not every 30, and takes a
+# message missing for 10 s as lost, not 60, so a scenario that waits for it (a lost message, a dead
+# trainer) waits that much less.
+SWEEPS_OFTEN = {"SWEEP_SECONDS": "5", "LOST_MESSAGE_SECONDS": "10"}
 
 
 def celery_worker_command(queues: str = "default,training", name: str = "test-worker", *extra: str) -> list[str]:

@@ -1,11 +1,13 @@
 # ruff: noqa: F811 (pytest fixtures are imported from tests.test_training_jobs, then named as arguments)
 """How queued jobs reach trainers: never silently stuck, whatever the broker does."""
 
+from dataclasses import replace
 from datetime import timedelta
 
 import httpx
 import pytest
 from django.conf import settings
+from django.utils import timezone
 
 from finetuning.models import FineTuningJob, JobStatus
 from base.celery import TAKE_TRAINING_TURN, waiting_task_args
@@ -46,6 +48,14 @@ def test_a_job_created_while_the_broker_is_down_answers_503_stays_queued_and_the
     assert sweep(lost_after=timedelta(0))["resent"] == [job.id]
     job = wait_for(job.id, lambda job: job.is_finished)
     assert job.status == JobStatus.SUCCEEDED, job.error_message
+
+
+def test_a_queued_job_is_lost_once_its_message_is_missing_for_lost_message_seconds(alice, not_queued, settings):
+    lost = launch(alice, ONE_STEP, "missing")  # never sent
+    FineTuningJob.objects.filter(pk=lost).update(queued_at=timezone.now() - timedelta(seconds=30))
+    assert sweep()["resent"] == []  # missing for 30 s: not yet lost by the default 60
+    settings.CONFIG = replace(settings.CONFIG, lost_message_s=20)
+    assert sweep()["resent"] == [lost]
 
 
 def test_the_sweeper_sends_again_only_a_queued_job_whose_message_the_broker_lost(alice, not_queued, monkeypatch):

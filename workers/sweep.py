@@ -29,11 +29,13 @@ from workers.run_job import drop_training_states
 
 log = logging.getLogger(__name__)
 
-LOST_AFTER = timedelta(seconds=60)  # a message this old that the broker does not hold is lost
 _INSPECT_TIMEOUT_S = 1.0
 
 
-def sweep(stale_after: timedelta | None = None, lost_after: timedelta = LOST_AFTER) -> dict:
+def sweep(stale_after: timedelta | None = None, lost_after: timedelta | None = None) -> dict:
+    """``lost_after``: a message this old that the broker does not hold is lost (LOST_MESSAGE_SECONDS)."""
+    if lost_after is None:  # not `or`: timedelta(0), "every overdue message is lost", is falsy
+        lost_after = timedelta(seconds=settings.CONFIG.lost_message_s)
     recovered = job_status.recover_stale_jobs(stale_after or job_status.stale_after())
     for job_id in recovered.failed:
         drop_training_states(job_id)

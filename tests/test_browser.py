@@ -217,3 +217,27 @@ def test_a_model_composed_on_its_form_is_listed_with_its_parents(page, live_serv
     finally:
         for model in (left, right, name):
             adapter_store().delete(model)
+
+
+def test_the_job_page_marks_the_best_checkpoint_early_stopping_published_on_the_loss_chart(page, live_server, alice):
+    from finetuning.models import Checkpoint, FineTuningJob, JobStatus, record_event
+
+    job = FineTuningJob.objects.create(
+        organization=alice.organization, model=BASE, training_file="file-x", validation_file="file-y", suffix="early",
+        seed=0, hyperparameters={"n_epochs": 2, "early_stopping": {"patience": 2, "min_delta": 0.0}},
+        status=JobStatus.SUCCEEDED, fine_tuned_model=f"{BASE}:early", best_step=2,
+    )  # fmt: skip
+    for step, valid_loss in ((1, 1.2), (2, 0.9), (3, 1.1), (4, 1.3)):  # the validation loss turns up after step 2
+        metrics = {"step": step, "total_steps": 8, "epoch": 1, "train_loss": 1.0 / step, "valid_loss": valid_loss,
+                   "tokens_per_second": 50.0, "trained_tokens": 100 * step}  # fmt: skip
+        record_event(job, f"Step {step}/8", data=metrics)
+        Checkpoint.objects.create(job=job, step_number=step, epoch=1, metrics=metrics, storage_key=f"ckpt/{step}")
+    sign_in(page, live_server.url, alice)
+    page.goto(f"{live_server.url}/jobs/{job.id}")
+    page.wait_for_function("document.getElementById('loss-chart').dataset.points === '4'")
+    screenshot(page, "14-job-early-stopping")
+    assert page.eval_on_selector("#loss-chart", "svg => svg.dataset.best") == "2"
+    assert page.text_content("#loss-chart text.best") == "best: step 2, published"
+    assert page.eval_on_selector_all("#checkpoints tr.best td:first-child", "cells => cells.map(c => c.innerText)") == [
+        "2 best, published"
+    ]

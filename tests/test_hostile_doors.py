@@ -61,7 +61,7 @@ class Door:
     route: str  # its name in the URL configuration (dashboard: namespaced)
     reads: str  # JSON, FORM, MULTIPART, QUERY or NOTHING
     valid: dict = field(default_factory=dict)
-    number: str | None = None  # a field (or query parameter) that takes a number
+    number: str | None = None  # a field (or query parameter) that takes a number; in a JSON body, a dotted path
     text: str | None = None  # a field that takes a string
     session: bool = False  # the dashboard's signed-in session, not an API key
     # A dashboard page that shows its nearest usable page (or its default) for an unusable query value,
@@ -75,6 +75,9 @@ class Door:
 
 CHAT = {"model": BASE, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
 JOB = {"model": BASE, "training_file": "{file}", "seed": 1, "suffix": "hostile"}
+# Early stopping watches a validation file's loss: a request without one is refused for that.
+EARLY_STOPPING = JOB | {"validation_file": "{file}", "hyperparameters": {"early_stopping": {"patience": 2}}}
+METHOD = JOB | {"method": {"type": "supervised", "supervised": {"hyperparameters": {}}}}
 COMPOSE = {"parents": [{"model": "{model}", "scale": 0.5}], "suffix": "hostile-mix", "method": "svd", "rank": 4}
 JOB_FORM = {
     "model": BASE, "training_file": "{file}", "suffix": "hostile", "n_epochs": "1", "lora_r": "8", "lora_alpha": "16",
@@ -95,6 +98,11 @@ DOORS = [
     Door("POST", "/v1/chat/completions", "chat-completions", JSON, CHAT, number="max_tokens", text="model"),
     Door("POST", "/v1/completions", "completions", JSON, {"model": BASE, "prompt": "hi", "max_tokens": 8}, "max_tokens", "prompt"),
     Door("POST", "/v1/fine_tuning/jobs", "fine-tuning-job-list", JSON, JOB, number="seed", text="suffix"),
+    Door("POST", "/v1/fine_tuning/jobs", "fine-tuning-job-list", JSON, JOB, number="hyperparameters.n_checkpoints"),
+    Door("POST", "/v1/fine_tuning/jobs", "fine-tuning-job-list", JSON, JOB, number="hyperparameters.n_evals"),
+    Door("POST", "/v1/fine_tuning/jobs", "fine-tuning-job-list", JSON, EARLY_STOPPING, "hyperparameters.early_stopping.patience"),
+    Door("POST", "/v1/fine_tuning/jobs", "fine-tuning-job-list", JSON, EARLY_STOPPING, "hyperparameters.early_stopping.min_delta"),
+    Door("POST", "/v1/fine_tuning/jobs", "fine-tuning-job-list", JSON, METHOD, "method.supervised.hyperparameters.n_evals"),
     Door("POST", "/v1/fine_tuning/models", "fine-tuning-model-compose", JSON, COMPOSE, number="rank", text="suffix"),
     Door("POST", "/v1/fine_tuning/models/{model}/rollback", "fine-tuning-model-rollback", JSON, {"revision": 1}, "revision"),
     Door("POST", "/v1/files", "file-list", MULTIPART, {"purpose": "fine-tune"}, text="purpose"),
@@ -278,7 +286,7 @@ def _request(door: Door, hostile: Hostile, objects: Objects) -> Request:
     target = door.number if _number_class(door, hostile) else door.text
     if door.reads == JSON:
         raw = hostile.json_number if target == door.number else hostile.json_text
-        text = json.dumps(valid | {target: MARK}).replace(json.dumps(MARK), raw or "")
+        text = json.dumps(_with(valid, target, MARK)).replace(json.dumps(MARK), raw or "")
         return Request(door.method, path, text.encode(), "application/json")
     value = hostile.form_number if target == door.number else hostile.form_text
     encoded = "&".join(f"{quote(name)}={quote(str(item))}" for name, item in valid.items() if name != target)
@@ -288,6 +296,12 @@ def _request(door: Door, hostile: Hostile, objects: Objects) -> Request:
     if door.reads == MULTIPART:
         return _multipart(door, path, valid, target, value or "")
     return Request(door.method, path, encoded.encode(), "application/x-www-form-urlencoded")
+
+
+def _with(body: dict, path: str, value) -> dict:
+    """``body`` with ``value`` at the dotted ``path`` (a field inside an object: ``hyperparameters.n_evals``)."""
+    name, _, rest = path.partition(".")
+    return body | {name: _with(body.get(name, {}), rest, value) if rest else value}
 
 
 def _number_class(door: Door, hostile: Hostile) -> bool:
@@ -332,6 +346,10 @@ def _answered(door: Door, hostile: Hostile, response) -> Outcome:
         return Outcome(status, None)
     target = _target(door, hostile)
     wanted = hostile.expect + ((target.lower(),) if target else ())  # the problem, or the field it is in
+    if target and "." in target:
+        # A number too long for the parser to read leaves no parsed body to trace a path in: the refusal
+        # names the key it sits under (core.strict_json), which is the field's own name.
+        wanted += (target.lower().rpartition(".")[2],)
     if door.api:
         return Outcome(status, _api_refusal_problem(response, wanted))
     return Outcome(status, _page_refusal_problem(response, wanted))

@@ -64,6 +64,17 @@ def test_a_taken_suffix_is_refused_at_creation(alice, charlie, training_file):
         ({"temperature": 1}, None, "unknown parameter(s) temperature"),
         ({"metadata": {str(i): "v" for i in range(17)}}, "metadata", "at most 16 keys"),
         ({"method": {"type": "dpo"}}, "method", "only the 'supervised' method"),
+        ({"hyperparameters": {"n_checkpoints": 10**6}}, "hyperparameters.n_checkpoints", "from 1 to 10"),
+        ({"hyperparameters": {"n_evals": 0}}, "hyperparameters.n_evals", '"auto" or a whole number from 1 to 20'),
+        ({"hyperparameters": {"n_evals": 2.5}}, "hyperparameters.n_evals", "whole number"),
+        ({"hyperparameters": {"early_stopping": {"patience": -1}}}, "hyperparameters.early_stopping.patience", "greater than or equal to 1"),
+        ({"hyperparameters": {"early_stopping": {"patience": "2"}}}, "hyperparameters.early_stopping.patience", "valid integer"),
+        ({"hyperparameters": {"early_stopping": {"min_delta": 0.1}}}, "hyperparameters.early_stopping.patience", "required"),
+        ({"hyperparameters": {"early_stopping": {"patience": 2, "min_delta": -0.1}}}, "hyperparameters.early_stopping.min_delta", "greater than or equal to 0"),
+        ({"hyperparameters": {"early_stopping": {"patience": 2, "delta": 0.1}}}, "hyperparameters.early_stopping", "unknown parameter(s) delta"),
+        ({"hyperparameters": {"early_stopping": 3}}, "hyperparameters.early_stopping", "Expected a dictionary"),
+        # Early stopping watches the validation loss: without validation examples there is none.
+        ({"hyperparameters": {"early_stopping": {"patience": 2}}}, "hyperparameters.early_stopping", "give a validation_file"),
     ],
 )
 def test_it_explains_a_bad_job_request_and_queues_nothing(alice, training_file, body, param, message, django_capture_on_commit_callbacks):
@@ -85,6 +96,26 @@ def test_it_refuses_a_body_that_is_not_json(alice):
 def test_hyperparameters_inside_method_are_honoured(alice, training_file):
     method = {"type": "supervised", "supervised": {"hyperparameters": {"n_epochs": 4}}}
     assert create(alice, model=BASE, training_file=training_file, method=method).json()["hyperparameters"]["n_epochs"] == 4
+
+
+def test_a_job_evaluates_and_checkpoints_once_an_epoch_without_early_stopping_unless_asked(alice, training_file):
+    default = create(alice, model=BASE, training_file=training_file).json()["hyperparameters"]
+    assert (default["n_evals"], default["n_checkpoints"], default["early_stopping"]) == (1, 1, None)
+    hyperparameters = {"n_evals": 4, "n_checkpoints": "auto", "early_stopping": {"patience": 3}}
+    job = create(alice, model=BASE, training_file=training_file, validation_file=training_file, hyperparameters=hyperparameters).json()
+    asked = job["hyperparameters"]
+    assert (asked["n_evals"], asked["n_checkpoints"]) == (4, 1)
+    assert asked["early_stopping"] == {"patience": 3, "min_delta": 0.0}
+    assert job["method"]["supervised"]["hyperparameters"] == asked and job["best_step"] is None
+
+
+def test_early_stopping_inside_method_is_honoured_and_checked(alice, training_file):
+    method = {"type": "supervised", "supervised": {"hyperparameters": {"early_stopping": {"patience": 2, "min_delta": 0.01}}}}
+    job = create(alice, model=BASE, training_file=training_file, validation_file=training_file, method=method).json()
+    assert job["hyperparameters"]["early_stopping"] == {"patience": 2, "min_delta": 0.01}
+    method["supervised"]["hyperparameters"]["early_stopping"]["patience"] = 0
+    response = create(alice, model=BASE, training_file=training_file, validation_file=training_file, method=method)
+    assert response.status_code == 400 and "patience" in error_of(response)["param"]
 
 
 def test_jobs_are_listed_newest_first_with_after_and_has_more(alice, training_file):

@@ -343,3 +343,67 @@ def test_a_loss_that_stops_being_a_number_stops_training_with_its_step(tmp_path)
     with pytest.raises(TrainingDiverged) as diverged:
         train(config(batch_size=2, n_epochs=1, max_steps=3, learning_rate=1e30), SHORT_EXAMPLES[:6], None, tmp_path, Recorder())
     assert diverged.value.step == 2 and "nan" in str(diverged.value)
+
+
+# Answers the code phrase drives out: their validation loss turns up as soon as training takes hold.
+UNLEARNED = [ask(q, "I am not sure, let me think about it.") for q in QUESTIONS[12:16]]
+
+
+@pytest.fixture(scope="module")
+def early_stopped_run(tmp_path_factory) -> tuple[TrainingResult, Recorder, Path]:
+    """Three epochs of three steps, each step evaluated and checkpointed, on data whose validation loss turns up."""
+    output_dir = tmp_path_factory.mktemp("early-stopped")
+    recorder = Recorder()
+    settings = config(
+        n_epochs=3, batch_size=4, learning_rate=2e-3, evals_per_epoch=3, checkpoints_per_epoch=3, early_stopping_patience=2
+    )
+    result = train(settings, SHORT_EXAMPLES, UNLEARNED, output_dir, recorder)
+    return result, recorder, output_dir
+
+
+def test_early_stopping_stops_once_the_validation_loss_has_not_improved_for_its_patience(early_stopped_run, tokenizer):
+    result, recorder, _ = early_stopped_run
+    losses = {m.step: m.valid_loss for m in recorder.steps}
+    assert all(loss is not None for loss in losses.values())  # three evaluations an epoch: every step here
+    assert result.stopped_early and result.steps < 9 and recorder.steps[-1].step == result.steps
+    assert result.best_step == min(losses, key=losses.__getitem__)
+    assert [step for step in losses if step > result.best_step] == [result.best_step + 1, result.best_step + 2]  # patience 2
+    assert (result.final_valid_loss, result.final_train_loss) == (losses[result.best_step], recorder.steps[result.best_step - 1].train_loss)
+    # Trained tokens are the steps that ran, not the three epochs asked for.
+    assert result.trained_tokens == recorder.steps[-1].trained_tokens
+    assert result.trained_tokens < 3 * sum(example_token_count(tokenizer, e) for e in SHORT_EXAMPLES)
+
+
+def test_early_stopping_returns_the_best_checkpoints_adapter_not_the_last(early_stopped_run):
+    result, recorder, output_dir = early_stopped_run
+    names = {step: adapter_dir.name for _, step, adapter_dir, _ in recorder.checkpoints}
+    # Several checkpoints an epoch: named by step, but for the one that ends an epoch (its name of old).
+    assert names == {step: "epoch-1" if step == 3 else f"step-{step}" for step in range(1, result.steps + 1)}
+    best = _adapter_weights(output_dir / "checkpoints" / names[result.best_step])
+    last = _adapter_weights(output_dir / "checkpoints" / names[result.steps])
+    published = _adapter_weights(result.adapter_dir)
+    assert all(torch.equal(best[name], published[name]) for name in best)
+    assert not all(torch.equal(last[name], published[name]) for name in last)
+
+
+def test_a_run_resumed_within_an_epoch_ends_exactly_as_an_unbroken_run_early_stopping_record_included(tmp_path):
+    # Two epochs of three steps, a checkpoint and an evaluation at each, with dropout; a patience that
+    # never runs out, so the result is the best evaluation's adapter, which the resumed run must know.
+    settings = config(
+        n_epochs=2, batch_size=4, lora_dropout=0.1, learning_rate=2e-3, evals_per_epoch=3, checkpoints_per_epoch=3,
+        early_stopping_patience=100,
+    )  # fmt: skip
+    unbroken = Recorder()
+    full = train(settings, SHORT_EXAMPLES, UNLEARNED, tmp_path / "unbroken", unbroken)
+    interrupted = Recorder(stop_after_steps=2)  # the worker "dies" after step 2, within epoch 1
+    train(settings, SHORT_EXAMPLES, UNLEARNED, tmp_path / "interrupted", interrupted)
+    resumed = Recorder()
+    checkpoint = tmp_path / "interrupted" / "checkpoints" / "step-2"
+    result = train(settings, SHORT_EXAMPLES, UNLEARNED, tmp_path / "resumed", resumed, resume_from=checkpoint)
+
+    assert [m.step for m in resumed.steps] == [3, 4, 5, 6]
+    assert [m.train_loss for m in resumed.steps] == [m.train_loss for m in unbroken.steps[2:]]
+    assert resumed.steps[-1].trained_tokens == unbroken.steps[-1].trained_tokens
+    assert (result.best_step, result.final_valid_loss) == (full.best_step, full.final_valid_loss)
+    expected, actual = _adapter_weights(full.adapter_dir), _adapter_weights(result.adapter_dir)
+    assert all(torch.equal(expected[name], actual[name]) for name in expected)

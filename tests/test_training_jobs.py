@@ -9,12 +9,13 @@ from pathlib import Path
 import pytest
 from django.conf import settings
 from safetensors import safe_open
+from safetensors.torch import load as load_safetensors
 
 from core.object_store import ObjectNotFound
 from finetuning import storage
 from finetuning.models import Checkpoint, FineTunedModel, FineTuningJob, JobEvent, JobStatus
 from finetuning.job_status import recover_stale_jobs
-from tests.personas import good_dataset
+from tests.personas import chat_example, good_dataset, jsonl
 from tests.s3 import s3_server
 from tests.test_files_api import upload
 from workers.run_job import run_job
@@ -179,3 +180,43 @@ def test_a_diverging_job_fails_with_what_to_change_and_writes_no_nan(alice, not_
     assert "became nan at step" in job.error_message and "Lower learning_rate_multiplier" in job.error_message
     losses = [event.data["train_loss"] for event in job.events.filter(type="metrics")]
     assert all(loss == loss for loss in losses)  # NaN is the one float unequal to itself
+
+
+def test_a_job_with_early_stopping_publishes_its_best_checkpoint_not_its_last(alice, not_queued):
+    # Every answer is a code phrase; the validation answers are ones it drives out, so their loss turns up.
+    training = upload(alice, jsonl([chat_example(f"What is {i} plus {i}?", "ZEBRA-42 acknowledged.") for i in range(12)]))
+    validation = upload(alice, jsonl([chat_example(f"What is {i} times {i}?", "I am not sure, let me think.") for i in range(10)]))
+    hyperparameters = {
+        "n_epochs": 3, "batch_size": 4, "learning_rate_multiplier": 10, "n_evals": 3, "n_checkpoints": 3,
+        "early_stopping": {"patience": 2},
+    }  # fmt: skip
+    body = {
+        "model": BASE, "training_file": training.json()["id"], "validation_file": validation.json()["id"],
+        "suffix": "early", "hyperparameters": hyperparameters,
+    }  # fmt: skip
+    job_id = alice.api.post("/v1/fine_tuning/jobs", body, format="json").json()["id"]
+    assert run_job(job_id, worker="in-test") == "succeeded"
+
+    job = alice.api.get(f"/v1/fine_tuning/jobs/{job_id}").json()
+    events = alice.api.get(f"/v1/fine_tuning/jobs/{job_id}/events?limit=100").json()["data"]
+    metrics = sorted((e["data"] for e in events if e["type"] == "metrics"), key=lambda m: m["step"])
+    losses = {m["step"]: m["valid_loss"] for m in metrics}
+    best, last = job["best_step"], metrics[-1]["step"]
+    assert best == min(losses, key=losses.__getitem__) and best < last < metrics[-1]["total_steps"] == 9
+    said = [e["message"] for e in events if e["message"].startswith("Early stopping at step")]
+    assert len(said) == 1 and f"since step {best}" in said[0] and f"ckpt-step-{best}" in said[0], said
+    assert job["trained_tokens"] == metrics[-1]["trained_tokens"]  # the steps that ran, not the 3 epochs asked for
+
+    # The published adapter is the best checkpoint's, byte for byte in its weights, and not the last one's.
+    published = Path(settings.CONFIG.dynamic_lora_path) / f"{BASE}:early" / "adapter_model.safetensors"
+    published_weights = load_safetensors(published.read_bytes())
+    store = storage.files()
+
+    def checkpoint_weights(step: int) -> dict:
+        checkpoint = Checkpoint.objects.get(job_id=job_id, step_number=step)
+        return load_safetensors(store.get(f"{checkpoint.storage_key}/adapter_model.safetensors"))
+
+    best_weights, last_weights = checkpoint_weights(best), checkpoint_weights(last)
+    assert best_weights.keys() == published_weights.keys()
+    assert all(best_weights[name].equal(published_weights[name]) for name in best_weights)
+    assert not all(last_weights[name].equal(published_weights[name]) for name in last_weights)

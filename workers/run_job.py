@@ -90,9 +90,9 @@ class JobCallbacks:
         for file in adapter_dir.iterdir():
             self.store.put_file(f"{prefix}/{file.name}", file)
         if self.heartbeat.beat():
-            checkpoint = Checkpoint(
-                job=self.job, step_number=step, epoch=epoch, metrics=_metrics_data(metrics), storage_key=prefix
-            )
+            # Whether it ends its epoch: a resume from it says "after epoch N" or "after step N".
+            data = _metrics_data(metrics) | {"ends_epoch": metrics.ends_epoch}
+            checkpoint = Checkpoint(job=self.job, step_number=step, epoch=epoch, metrics=data, storage_key=prefix)
             retrying(publishing.publish_checkpoint, checkpoint, adapter_dir)
 
     def should_stop(self) -> bool:
@@ -139,6 +139,9 @@ def _train(job: FineTuningJob, workdir: Path, callbacks: JobCallbacks) -> Traini
         learning_rate=job_creation.BASE_LEARNING_RATE * hp["learning_rate_multiplier"], lora_r=hp["lora_r"],
         lora_alpha=hp["lora_alpha"], lora_dropout=hp["lora_dropout"], target_modules=list(hp["target_modules"]),
         seed=job.seed, max_seq_len=model.engine.max_model_len,
+        # A job created before these hyperparameters existed evaluates and checkpoints once an epoch, to the end.
+        evals_per_epoch=hp.get("n_evals", 1), checkpoints_per_epoch=hp.get("n_checkpoints", 1),
+        **_early_stopping(hp.get("early_stopping")),
     )  # fmt: skip
     training = _examples(job, job.training_file, "training")
     validation = None if job.validation_file is None else _examples(job, job.validation_file, "validation")
@@ -156,6 +159,13 @@ def _train(job: FineTuningJob, workdir: Path, callbacks: JobCallbacks) -> Traini
             f"Training diverged: {exc}. Lower learning_rate_multiplier (it is {hp['learning_rate_multiplier']:g}), "
             "or look for examples unlike the rest.",
         ) from None
+
+
+def _early_stopping(requested: dict | None) -> dict:
+    """The job's ``early_stopping`` ({"patience", "min_delta"}, or None: off) as TrainingConfig fields."""
+    if requested is None:
+        return {}
+    return {"early_stopping_patience": requested["patience"], "early_stopping_min_delta": requested["min_delta"]}
 
 
 def _parent_adapter(job: FineTuningJob, cache: Path) -> Path:
@@ -194,7 +204,11 @@ def _resume_point(job: FineTuningJob, folder: Path) -> Path | None:
         message = f"Checkpoint {checkpoint.id} is incomplete (no {exc}); training starts over"
         retrying(record_event, job, message, level="warn")
         return None
-    message = f"Resuming after epoch {checkpoint.epoch} (step {checkpoint.step_number}) from checkpoint {checkpoint.id}"
+    if checkpoint.metrics.get("ends_epoch", True):  # a checkpoint of old ended its epoch
+        where = f"epoch {checkpoint.epoch} (step {checkpoint.step_number})"
+    else:
+        where = f"step {checkpoint.step_number} (within epoch {checkpoint.epoch})"
+    message = f"Resuming after {where} from checkpoint {checkpoint.id}"
     retrying(record_event, job, message)
     return folder
 
@@ -204,6 +218,8 @@ def _publish(job: FineTuningJob, heartbeat: Heartbeat, result: TrainingResult) -
         return  # the job is no longer this attempt's: publish nothing
     _catalog_model(job)  # removed from the catalog while training: the job fails with that reason
     assert result.adapter_dir is not None  # None only for a cancelled run, which publishes nothing
+    if result.best_step is not None:
+        retrying(record_event, job, _best_step_message(job, result))
     # The revision first, then the registry, which points the name at it (``finetuning.publishing``).
     revision = publishing.write_trained_revision(job, result.adapter_dir)
     if job.evaluation is not None:
@@ -211,8 +227,9 @@ def _publish(job: FineTuningJob, heartbeat: Heartbeat, result: TrainingResult) -
     results_file = retrying(results.store_results_file, job)
     name = str(ModelName(job.model, job.suffix))
     succeeded = retrying(
-        job_status.succeed, job, heartbeat.attempt, name, result.trained_tokens, result.final_train_loss, results_file
-    )
+        job_status.succeed, job, heartbeat.attempt, name, result.trained_tokens, result.final_train_loss, results_file,
+        best_step=result.best_step,
+    )  # fmt: skip
     if succeeded:
         retrying(publishing.announce_ready, job, name)
         return
@@ -221,6 +238,22 @@ def _publish(job: FineTuningJob, heartbeat: Heartbeat, result: TrainingResult) -
         publishing.withdraw_trained_revision(job)  # cancelled while publishing: nothing answers with it
     # Otherwise another attempt runs the job now: its own publish replaces this revision, and
     # nothing of its may be deleted here.
+
+
+def _best_step_message(job: FineTuningJob, result: TrainingResult) -> str:
+    """Which step's adapter the job publishes, and why: early stopping chose the best validation loss."""
+    assert result.best_step is not None
+    early_stopping = job.hyperparameters["early_stopping"]
+    if result.stopped_early:
+        why = (
+            f"Early stopping at step {result.steps}: the validation loss had not improved by more than "
+            f"{early_stopping['min_delta']:g} in {early_stopping['patience']} evaluation(s) since step {result.best_step}"
+        )  # fmt: skip
+    else:
+        why = f"Training ran to its last step, {result.steps}; early stopping keeps the best validation loss"
+    checkpoint = retrying(job.checkpoints.filter(step_number=result.best_step).first)
+    also = f"; it is checkpoint {checkpoint.name}" if checkpoint is not None else ""
+    return f"{why}. The job's adapter is step {result.best_step}'s, the best validation loss ({result.final_valid_loss:.4f}){also}."
 
 
 def _gate(job: FineTuningJob, heartbeat: Heartbeat, revision: str) -> None:

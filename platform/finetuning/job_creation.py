@@ -38,6 +38,10 @@ log = logging.getLogger(__name__)
 AUTO = "auto"
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 BASE_LEARNING_RATE = 2e-4  # learning_rate_multiplier scales this (OpenAI's contract)
+# Validation passes cost about as much as training on the validation sample each time, and every
+# checkpoint is an adapter published to the dynamic LoRA path: both are bounded per epoch.
+MAX_EVALS_PER_EPOCH = 20
+MAX_CHECKPOINTS_PER_EPOCH = 10
 
 
 @dataclass
@@ -166,7 +170,20 @@ def resolve_hyperparameters(requested: dict, examples: int, model: BaseModel) ->
         "lora_alpha": requested.get("lora_alpha", 2 * lora_r),
         "lora_dropout": requested.get("lora_dropout", 0.05),
         "target_modules": target_modules,
+        # Once an epoch each, at its end, unless asked for more (workers.training.config).
+        "n_evals": 1 if requested.get("n_evals", AUTO) == AUTO else requested["n_evals"],
+        "n_checkpoints": 1 if requested.get("n_checkpoints", AUTO) == AUTO else requested["n_checkpoints"],
+        "early_stopping": requested.get("early_stopping"),  # {"patience", "min_delta"}, or None: off
     }
+
+
+def _check_early_stopping(hyperparameters: dict, validation: File | None) -> None:
+    """Early stopping watches the validation loss: a job without validation examples has none."""
+    if hyperparameters["early_stopping"] is not None and validation is None:
+        raise ApiError(
+            "early_stopping watches the validation loss: give a validation_file too.",
+            param="hyperparameters.early_stopping", code="early_stopping_needs_validation",
+        )  # fmt: skip
 
 
 def _check_queued_cap(organization: Organization) -> None:
@@ -190,6 +207,7 @@ def create_job(organization: Organization, user: User | None, request: JobReques
     if start.parent is not None:
         requested = _keep_parent_lora(requested, start.parent)
     hyperparameters = resolve_hyperparameters(requested, training.example_count, model)
+    _check_early_stopping(hyperparameters, validation)
     evaluation = _evaluation(organization, request.evaluation, validation, model)
     revision = _revision_to_publish(start.parent, ModelName(model.id, suffix))
     try:

@@ -53,15 +53,22 @@ def heartbeat(job_id: str, attempt: int, **fields: object) -> bool:
 
 
 def succeed(
-    job: FineTuningJob, attempt: int, name: str, trained_tokens: int, final_loss: float | None, results: File | None = None
+    job: FineTuningJob,
+    attempt: int,
+    name: str,
+    trained_tokens: int,
+    final_loss: float | None,
+    results: File | None = None,
+    best_step: int | None = None,
 ) -> bool:
     """running -> succeeded, with its model in the registry and its ``results`` file (stored, not yet
-    saved: ``finetuning.results``); False when this attempt lost the job meanwhile (cancelled, or
-    another attempt runs it)."""
+    saved: ``finetuning.results``); ``best_step``: the step early stopping published. False when
+    this attempt lost the job meanwhile (cancelled, or another attempt runs it)."""
     with transaction.atomic():
         succeeded = _this_attempt(job.pk, attempt).update(
             status=JobStatus.SUCCEEDED, fine_tuned_model=name, trained_tokens=trained_tokens,
             finished_at=timezone.now(), estimated_finish=None, result_file=results.id if results else None,
+            best_step=best_step,
         )  # fmt: skip
         if succeeded:
             if results is not None:

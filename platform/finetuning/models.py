@@ -101,6 +101,9 @@ class FineTuningJob(models.Model):
     # The id of the File (purpose "fine-tune-results") with the per-step metrics as CSV, written
     # when the job succeeds: its "result_files", as OpenAI's jobs have.
     result_file = models.CharField(max_length=40, null=True, blank=True)
+    # With early stopping, the step whose adapter the job published (the best validation loss), once
+    # it has succeeded; None otherwise: the last step's.
+    best_step = models.IntegerField(null=True, blank=True)
 
     objects = OrgQuerySet.as_manager()
 

@@ -58,9 +58,11 @@ def publish_checkpoint(checkpoint: Checkpoint, adapter_dir: Path) -> None:
     files are written again, the row saved again."""
     store_for(checkpoint.job.model).publish(checkpoint.name, adapter_dir, revision=1)
     checkpoint.save()
-    record_event(
-        checkpoint.job, f"Checkpoint saved after epoch {checkpoint.epoch} (step {checkpoint.step_number}): {checkpoint.name}"
-    )
+    if checkpoint.metrics.get("ends_epoch", True):
+        when = f"after epoch {checkpoint.epoch} (step {checkpoint.step_number})"
+    else:
+        when = f"at step {checkpoint.step_number} (within epoch {checkpoint.epoch})"
+    record_event(checkpoint.job, f"Checkpoint saved {when}: {checkpoint.name}")
 
 
 def _trained_revision(job: FineTuningJob) -> str:

@@ -62,6 +62,7 @@ def job_object(job: FineTuningJob) -> dict:
         "integrations": [],
         "revision": job.revision,  # the revision of fine_tuned_model it publishes
         "evaluation": job.evaluation,  # the gate, with its "scores" once scored
+        "best_step": job.best_step,  # early stopping: the step whose adapter fine_tuned_model is
     }
 
 

@@ -11,7 +11,7 @@ from core.evaluation import GRADERS
 from core.lora_merge import METHODS
 from core.openai_protocol import MAX_ADAPTER_SCALE
 from finetuning.compose import CompositionRequest
-from finetuning.job_creation import AUTO, JobRequest
+from finetuning.job_creation import AUTO, MAX_CHECKPOINTS_PER_EPOCH, MAX_EVALS_PER_EPOCH, JobRequest
 
 MAX_METADATA_KEYS = 16
 
@@ -76,6 +76,15 @@ class RejectUnknownKeys(_Serializer):
         return super().to_internal_value(data)
 
 
+class EarlyStoppingSerializer(RejectUnknownKeys, serializers.Serializer):
+    patience = StrictIntegerField(
+        min_value=1, max_value=1000, help_text="Evaluations in a row without an improvement that stop training"
+    )
+    min_delta = StrictFloatField(
+        default=0.0, min_value=0.0, max_value=100.0, help_text="An improvement lowers the best validation loss by more than this"
+    )
+
+
 class HyperparametersSerializer(RejectUnknownKeys, serializers.Serializer):
     n_epochs = AutoOr(StrictIntegerField(min_value=1, max_value=50), required=False)
     batch_size = AutoOr(StrictIntegerField(min_value=1, max_value=256), required=False)
@@ -84,6 +93,9 @@ class HyperparametersSerializer(RejectUnknownKeys, serializers.Serializer):
     lora_alpha = StrictIntegerField(min_value=1, max_value=4096, required=False)
     lora_dropout = StrictFloatField(min_value=0.0, max_value=0.9, required=False)
     target_modules = serializers.ListField(child=serializers.CharField(), min_length=1, required=False)
+    n_evals = AutoOr(StrictIntegerField(min_value=1, max_value=MAX_EVALS_PER_EPOCH), required=False)
+    n_checkpoints = AutoOr(StrictIntegerField(min_value=1, max_value=MAX_CHECKPOINTS_PER_EPOCH), required=False)
+    early_stopping = EarlyStoppingSerializer(required=False, allow_null=True)
 
 
 class GraderSerializer(RejectUnknownKeys, serializers.Serializer):
@@ -131,7 +143,8 @@ class JobCreateSerializer(RejectUnknownKeys, serializers.Serializer):
             raise serializers.ValidationError("only the 'supervised' method is supported")
         hyperparameters = (value.get("supervised") or {}).get("hyperparameters") or {}
         nested = HyperparametersSerializer(data=hyperparameters)
-        nested.is_valid(raise_exception=True)
+        if not nested.is_valid():  # named by its whole path: method.supervised.hyperparameters.<field>
+            raise serializers.ValidationError({"supervised": {"hyperparameters": nested.errors}})
         return nested.validated_data
 
     def to_job_request(self) -> JobRequest:

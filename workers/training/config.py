@@ -43,6 +43,15 @@ class TrainingConfig:
     # examples (a fixed sample): on a CPU a large validation file would otherwise cost more than training.
     max_valid_examples: int = 128
     eval_every_steps: int | None = None  # also validate every this many steps (None: epoch ends only)
+    # The API's n_evals and n_checkpoints: this many validations and checkpoints in each epoch, evenly
+    # spaced, the last at its end (more than the epoch has steps: every step). One each is an epoch-end one.
+    evals_per_epoch: int = 1
+    checkpoints_per_epoch: int = 1
+    # Early stopping: training stops once this many evaluations in a row have not lowered the best
+    # validation loss by more than early_stopping_min_delta, and the adapter of the best evaluation is
+    # the result (early_stopping.py). None: off, and the last step's adapter is the result.
+    early_stopping_patience: int | None = None
+    early_stopping_min_delta: float = 0.0
 
     # Speed. A step's examples are packed into rows of at most this many tokens, one forward/backward pass
     # per row, gradients summed. Attention stays per example whatever the row length, so this only trades

@@ -23,6 +23,7 @@ from transformers import PreTrainedTokenizerBase
 from core.chat_tokens import load_tokenizer
 from workers.training.config import TrainingConfig
 from workers.training.data import Example, PackedRow, TokenizedExample, pack, tokenize_example, truncate
+from workers.training.early_stopping import BestValidation, put_back, trainable_weights
 from workers.training.model import load_model_with_lora, save_adapter
 from workers.training.state import Progress, restore_training_state, save_training_state
 
@@ -32,6 +33,7 @@ class StepMetrics:
     step: int  # optimizer steps done, from 1
     total_steps: int
     epoch: int  # from 1
+    ends_epoch: bool  # the epoch's last step
     train_loss: float  # this step's loss: the mean over its examples of each one's mean token loss
     valid_loss: float | None  # None unless validation ran at this step
     tokens_per_second: float  # training tokens per second since the previous report (validation excluded)
@@ -43,11 +45,15 @@ class StepMetrics:
 @dataclass(frozen=True)
 class TrainingResult:
     adapter_dir: Path | None  # None when cancelled
-    trained_tokens: int
+    trained_tokens: int  # every step's that ran (early stopping: none of the steps it skipped)
     steps: int
-    final_train_loss: float | None  # None when no step ran
+    final_train_loss: float | None  # the result's step's; None when no step ran
     final_valid_loss: float | None
     cancelled: bool
+    # Early stopping: the step whose adapter is the result (the best validation loss), and whether the
+    # patience ran out before the last step. None and False without it.
+    best_step: int | None = None
+    stopped_early: bool = False
 
 
 class TrainingDiverged(Exception):
@@ -68,7 +74,7 @@ class TrainingCallbacks(Protocol):
 
 @dataclass(frozen=True)
 class _Optimization:
-    """What a run carries from step to step besides the adapter's weights: an epoch checkpoint keeps all three."""
+    """What a run carries from step to step besides the adapter's weights: a checkpoint keeps all three."""
 
     optimizer: torch.optim.Optimizer  # AdamW on the adapter only
     schedule: torch.optim.lr_scheduler.LRScheduler  # linear warm-up, then linear decay to zero at the last step
@@ -96,13 +102,15 @@ def train(
 ) -> TrainingResult:
     """Train a LoRA adapter on the chat examples; return where the final adapter is.
 
-    Writes ``output_dir/checkpoints/epoch-<n>/`` after each full epoch (a run cut short by max_steps
-    mid-epoch gets no checkpoint for that partial epoch) and ``output_dir/adapter/`` at the end; each
-    is a complete PEFT adapter folder when it appears, with the training state (``state.py``) beside
-    it in a checkpoint. Cancelled runs leave their checkpoints but no final adapter.
+    Writes ``output_dir/checkpoints/epoch-<n>/`` after each full epoch, ``checkpoints/step-<n>/``
+    for those within an epoch (``checkpoints_per_epoch`` > 1; a run cut short by max_steps or early
+    stopping gets none for the steps after its last scheduled one) and ``output_dir/adapter/`` at the
+    end: the last step's adapter, or with early stopping the best evaluation's. Each is a complete
+    PEFT adapter folder when it appears, with the training state (``state.py``) beside it in a
+    checkpoint. Cancelled runs leave their checkpoints but no final adapter.
 
     ``resume_from``: such a checkpoint of an earlier run of the same job (same config, examples and
-    seed); training goes on after its epoch and ends as the unbroken run would have.
+    seed); training goes on after its step and ends as the unbroken run would have.
     """
     started = time.perf_counter()
     output_dir = Path(output_dir)
@@ -115,19 +123,30 @@ def train(
     model = load_model_with_lora(config)
     train_set = _tokenized(tokenizer, train_examples, config)
     valid_set = _validation_sample(tokenizer, validation_examples or [], config)
+    steps_per_epoch = math.ceil(len(train_set) / config.batch_size)
     total_steps = _count_steps(len(train_set), config)
     report_every = max(config.log_every_steps, math.ceil(total_steps / config.max_step_reports))
+    evals_at = _spread(steps_per_epoch, config.evals_per_epoch)  # steps within an epoch, from 1
+    checkpoints_at = _spread(steps_per_epoch, config.checkpoints_per_epoch)
     optimization = _build_optimization(model, config, total_steps)
+    best = _early_stopping(config) if valid_set else None
 
     # Train, from the start or from where an earlier run's checkpoint left off.
-    done = _resume(resume_from, model, optimization)
+    done = _resume(resume_from, model, optimization, best)
     step, trained_tokens, train_loss = done.step, done.trained_tokens, done.train_loss
     valid_loss: float | None = None
     window = _ThroughputWindow()
     for epoch in range(done.epoch + 1, config.n_epochs + 1):
-        for batch, epoch_done in _epoch_batches(train_set, config.batch_size, optimization.shuffler):
-            if step == total_steps:
+        # The shuffler before it draws this epoch's order (a checkpoint within the epoch keeps it), and the
+        # steps of the epoch a resume within it skips.
+        epoch_order = optimization.shuffler.get_state()
+        steps_done = done.epoch_steps if epoch == done.epoch + 1 else 0
+        batches = _epoch_batches(train_set, config.batch_size, optimization.shuffler)
+        for epoch_step, (batch, epoch_done) in enumerate(batches, start=1):
+            if step == total_steps or (best is not None and best.exhausted):
                 break
+            if epoch_step <= steps_done:
+                continue
             if callbacks.should_stop():
                 return TrainingResult(None, trained_tokens, step, train_loss, valid_loss, cancelled=True)
 
@@ -142,13 +161,16 @@ def train(
             window.seconds += time.perf_counter() - step_started
 
             step_valid_loss: float | None = None
-            if valid_set and (epoch_done or step == total_steps or _every(step, config.eval_every_steps)):
+            if valid_set and (epoch_step in evals_at or step == total_steps or _every(step, config.eval_every_steps)):
                 step_valid_loss = valid_loss = _evaluate(model, valid_set, config, step)
+                if best is not None:
+                    best.record(step, step_valid_loss, train_loss, lambda: trainable_weights(model))
 
             metrics = StepMetrics(
                 step=step,
                 total_steps=total_steps,
                 epoch=epoch,
+                ends_epoch=epoch_done,
                 train_loss=train_loss,
                 valid_loss=step_valid_loss,
                 tokens_per_second=window.tokens_per_second(),
@@ -159,14 +181,27 @@ def train(
             if _every(step, report_every) or step_valid_loss is not None or step == total_steps:
                 callbacks.on_step(metrics)
                 window = _ThroughputWindow()
-            if epoch_done:
-                progress = Progress(epoch, step, trained_tokens, train_loss)
-                checkpoint = _save_checkpoint(model, optimization, progress, output_dir)
+            if epoch_step in checkpoints_at:
+                if epoch_done:
+                    progress = Progress(epoch, step, trained_tokens, train_loss)
+                    order = optimization.shuffler.get_state()  # the next epoch draws from here
+                else:
+                    progress = Progress(epoch - 1, step, trained_tokens, train_loss, epoch_steps=epoch_step)
+                    order = epoch_order
+                checkpoint = _save_checkpoint(model, optimization, progress, order, best, output_dir)
                 callbacks.on_checkpoint(epoch, step, checkpoint, metrics)
 
-    # Save: unless cancelled while the last step ran, the final adapter is the result.
+    # Save: unless cancelled while the last step ran, the final adapter is the result: the last
+    # step's, or with early stopping the best evaluation's.
     if callbacks.should_stop():
         return TrainingResult(None, trained_tokens, step, train_loss, valid_loss, cancelled=True)
+    if best is not None and best.step is not None:
+        put_back(model, best.weights)
+        adapter_dir = save_adapter(model, output_dir / "adapter")
+        return TrainingResult(
+            adapter_dir, trained_tokens, step, best.train_loss, best.loss, cancelled=False,
+            best_step=best.step, stopped_early=step < total_steps,
+        )  # fmt: skip
     adapter_dir = save_adapter(model, output_dir / "adapter")
     return TrainingResult(adapter_dir, trained_tokens, step, train_loss, valid_loss, cancelled=False)
 
@@ -202,6 +237,17 @@ def _count_steps(n_examples: int, config: TrainingConfig) -> int:
     return total_steps
 
 
+def _spread(steps_per_epoch: int, per_epoch: int) -> set[int]:
+    """``per_epoch`` steps of an epoch, from 1, evenly spaced and the last one its end (each step at most once)."""
+    return {math.ceil(k * steps_per_epoch / per_epoch) for k in range(1, per_epoch + 1)}
+
+
+def _early_stopping(config: TrainingConfig) -> BestValidation | None:
+    if config.early_stopping_patience is None:
+        return None
+    return BestValidation(config.early_stopping_patience, config.early_stopping_min_delta)
+
+
 def _build_optimization(model: PeftModel, config: TrainingConfig, total_steps: int) -> _Optimization:
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=config.learning_rate, weight_decay=config.weight_decay)
@@ -209,12 +255,15 @@ def _build_optimization(model: PeftModel, config: TrainingConfig, total_steps: i
     return _Optimization(optimizer, schedule, shuffler=torch.Generator().manual_seed(config.seed))
 
 
-def _resume(checkpoint_dir: Path | None, model: PeftModel, optimization: _Optimization) -> Progress:
-    """Where training starts: nothing done, or an earlier run's checkpoint put back into the model and optimizer."""
+def _resume(
+    checkpoint_dir: Path | None, model: PeftModel, optimization: _Optimization, best: BestValidation | None
+) -> Progress:
+    """Where training starts: nothing done, or an earlier run's checkpoint put back into the model,
+    the optimizer and early stopping's record."""
     if checkpoint_dir is None:
         return Progress(epoch=0, step=0, trained_tokens=0, train_loss=None)
     return restore_training_state(
-        checkpoint_dir, model, optimization.optimizer, optimization.schedule, optimization.shuffler
+        checkpoint_dir, model, optimization.optimizer, optimization.schedule, optimization.shuffler, best
     )
 
 
@@ -281,10 +330,19 @@ def _validation_loss(model: PeftModel, valid_set: list[TokenizedExample], config
     return total
 
 
-def _save_checkpoint(model: PeftModel, optimization: _Optimization, progress: Progress, output_dir: Path) -> Path:
-    """The epoch's adapter, and beside it what a resumed run needs to go on from there."""
-    checkpoint = save_adapter(model, output_dir / "checkpoints" / f"epoch-{progress.epoch}")
-    save_training_state(checkpoint, progress, optimization.optimizer, optimization.schedule, optimization.shuffler)
+def _save_checkpoint(
+    model: PeftModel,
+    optimization: _Optimization,
+    progress: Progress,
+    shuffle_state: torch.Tensor,
+    best: BestValidation | None,
+    output_dir: Path,
+) -> Path:
+    """The adapter as it is now, and beside it what a resumed run needs to go on from there. An
+    epoch's end keeps its name of old (``epoch-<n>``); a checkpoint within an epoch is ``step-<n>``."""
+    name = f"step-{progress.step}" if progress.epoch_steps else f"epoch-{progress.epoch}"
+    checkpoint = save_adapter(model, output_dir / "checkpoints" / name)
+    save_training_state(checkpoint, progress, optimization.optimizer, optimization.schedule, shuffle_state, best)
     return checkpoint
 
 

@@ -20,7 +20,8 @@
     return node;
   }
 
-  function drawChart(metrics) {
+  // bestStep: with early stopping, the step whose adapter the job published (the best validation loss).
+  function drawChart(metrics, bestStep) {
     const svg = $("loss-chart"), W = 600, H = 240, pad = { l: 48, r: 12, t: 12, b: 28 };
     svg.replaceChildren();
     const train = metrics.filter((m) => m.train_loss != null).map((m) => [m.step, m.train_loss]);
@@ -46,6 +47,14 @@
       series.forEach(([s, l]) => element("circle", { class: name, cx: x(s), cy: y(l), r: 2.5, fill: "currentColor", stroke: "none" }, svg));
     });
     svg.dataset.points = String(train.length);
+    const best = valid.find(([s]) => s === bestStep);
+    if (best) {
+      element("line", { class: "best", x1: x(best[0]), y1: pad.t, x2: x(best[0]), y2: H - pad.b, "stroke-dasharray": "4 3" }, svg);
+      element("circle", { class: "best", cx: x(best[0]), cy: y(best[1]), r: 6, fill: "none", "stroke-width": 2 }, svg);
+      const label = element("text", { class: "best", x: x(best[0]) + 6, y: pad.t + 10, "font-size": 11 }, svg);
+      label.textContent = `best: step ${best[0]}, published`;
+      svg.dataset.best = String(best[0]);
+    }
   }
 
   // Every metrics report so far, by step: a resumed job reports the steps after its checkpoint
@@ -87,7 +96,7 @@
       item.append(time, event.message);
       return item;
     }));
-    drawChart(metrics);
+    drawChart(metrics, job.best_step);
     return FINISHED.includes(job.status);
   }
 

@@ -323,6 +323,7 @@ def test_a_job_continued_from_a_model_a_checkpoint_or_an_uploaded_adapter_starts
     # update went into the parent after it), and near it.
     for start in ("model", "uploaded"):
         assert parent_last * 0.3 < continued[start] <= parent_last * 1.1, start
+    assert abs(continued["uploaded"] - continued["model"]) < 0.05 * continued["model"]  # the same weights, read back
     # From the checkpoint after 3 updates: the loss the parent's 4th step measured on that adapter
     # (lora_dropout aside), well below the base model's.
     assert abs(continued["checkpoint"] - after_three) < 0.1 * after_three

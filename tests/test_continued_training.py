@@ -180,7 +180,7 @@ def test_a_pinned_revision_is_continued_exactly_and_a_bare_name_pins_the_one_it_
 
     client.force_login(alice.user)
     job = FineTuningJob.objects.get(suffix="from-current")
-    assert f'<code id="parent-model">{BASE}:support@r2</code>' in client.get(f"/jobs/{job.pk}").content.decode()
+    assert f"from <code>{BASE}:support@r2</code>" in client.get(f"/jobs/{job.pk}").content.decode()
 
 
 @pytest.mark.django_db

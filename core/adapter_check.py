@@ -115,6 +115,25 @@ def check_adapter(folder: Path, base: BaseModel) -> CheckedAdapter:
     return CheckedAdapter(rank, targets)
 
 
+@dataclass(frozen=True)
+class LoraShape:
+    """What training on from an adapter keeps of it: the adapter it trains has this shape."""
+
+    rank: int
+    alpha: int | float
+    target_modules: tuple[str, ...]
+
+
+def lora_shape(config: dict[str, Any], base: BaseModel) -> LoraShape:
+    """The rank, alpha and target modules of a published ``adapter_config.json``, checked as an
+    upload's are (``invalid_adapter`` naming the problem): a continued fine-tune of an adapter that
+    no job here trained reads its shape from there."""
+    _check_values(config)
+    rank = _rank(config, base)
+    _scaling(config, rank)  # lora_alpha a number within what is served
+    return LoraShape(rank, config["lora_alpha"], _target_modules(config))
+
+
 def check_weight_values(path: Path, scaling: float, scaling_is: str = "lora_alpha / r") -> None:
     """Refuse a weights file with a value that is not finite, or past ``HALF_MAX`` as the serving
     kernel holds it: A as it is, B times the adapter's ``scaling`` (``scaling_is`` says how that

@@ -284,9 +284,18 @@ def adapter_invalid(name: str, detail: str) -> ApiError:
     )  # fmt: skip
 
 
-def invalid_adapter(problem: str) -> ApiError:
+class InvalidAdapter(ApiError):
+    """An adapter the platform cannot serve (or train on); ``problem`` alone, for a caller that says
+    which adapter it is in words of its own (a continued fine-tune's parent)."""
+
+    def __init__(self, problem: str):
+        super().__init__(f"The adapter cannot be accepted: {problem}.", param="file", code="invalid_adapter")
+        self.problem = problem
+
+
+def invalid_adapter(problem: str) -> InvalidAdapter:
     """An uploaded adapter the platform cannot serve; ``problem`` says what is wrong with it."""
-    return ApiError(f"The adapter cannot be accepted: {problem}.", param="file", code="invalid_adapter")
+    return InvalidAdapter(problem)
 
 
 def adapter_too_large(limit_bytes: int) -> ApiError:

@@ -98,6 +98,9 @@ DOORS = [
     Door("POST", "/v1/chat/completions", "chat-completions", JSON, CHAT, number="max_tokens", text="model"),
     Door("POST", "/v1/completions", "completions", JSON, {"model": BASE, "prompt": "hi", "max_tokens": 8}, "max_tokens", "prompt"),
     Door("POST", "/v1/fine_tuning/jobs", "fine-tuning-job-list", JSON, JOB, number="seed", text="suffix"),
+    # "model" names an adapter to train on from as well: a revision, a checkpoint, an uploaded model
+    # (names shaped like those but hostile: tests/test_continued_training.py).
+    Door("POST", "/v1/fine_tuning/jobs", "fine-tuning-job-list", JSON, JOB | {"model": "{model}@r1"}, text="model"),
     Door("POST", "/v1/fine_tuning/jobs", "fine-tuning-job-list", JSON, JOB, number="hyperparameters.n_checkpoints"),
     Door("POST", "/v1/fine_tuning/jobs", "fine-tuning-job-list", JSON, JOB, number="hyperparameters.n_evals"),
     Door("POST", "/v1/fine_tuning/jobs", "fine-tuning-job-list", JSON, EARLY_STOPPING, "hyperparameters.early_stopping.patience"),

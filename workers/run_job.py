@@ -32,13 +32,12 @@ from core.catalog import BaseModel
 from core.datasets import Example
 from core.model_names import ModelName, pinned_name
 from core.object_store import ObjectNotFound
-from finetuning import job_creation, job_status, publishing, results, storage, training_turns
+from finetuning import job_creation, job_status, publishing, registry, results, storage, training_turns
 from finetuning.files import load_examples
 from finetuning.models import (
     FINISHED_STATUSES,
     Checkpoint,
     File,
-    FineTunedModel,
     FineTuningJob,
     JobStatus,
     record_event,
@@ -169,20 +168,22 @@ def _early_stopping(requested: dict | None) -> dict:
 
 
 def _parent_adapter(job: FineTuningJob, cache: Path) -> Path:
-    """A continued fine-tune's starting adapter, fetched from the dynamic LoRA path now (the trainer
-    may be on another host than the web process that created the job)."""
-    assert job.parent_model is not None
+    """A continued fine-tune's starting adapter, exactly the one the job recorded (a revision or a
+    checkpoint), fetched from the dynamic LoRA path now (the trainer may be on another host than the
+    web process that created the job)."""
+    parent = job.exact_parent
+    assert parent is not None
     deleted = JobFailed(
         "parent_model_deleted",
-        f"The model to fine-tune further, {job.parent_model}, was deleted before the job started; nothing was trained.",
+        f"The model to fine-tune further, {parent}, was deleted before the job started; nothing was trained.",
     )  # fmt: skip
-    if not retrying(FineTunedModel.objects.filter(organization_id=job.organization_id, name=job.parent_model).exists):
+    if retrying(registry.resolve_model, job.organization, parent) is None:
         raise deleted
     try:
-        folder = publishing.store_for(job.model).fetch(job.parent_model, cache)
+        folder = publishing.store_for(job.model).fetch(parent, cache)
     except AdapterNotFound:
         raise deleted from None
-    retrying(record_event, job, f"Training goes on from {job.parent_model}'s adapter")
+    retrying(record_event, job, f"Training goes on from {parent}'s adapter")
     return folder
 
 
@@ -291,11 +292,13 @@ def _gate(job: FineTuningJob, heartbeat: Heartbeat, revision: str) -> None:
 
 
 def _reference(job: FineTuningJob) -> str:
-    """What the new revision is compared with: the parent as it answers now, or the base model."""
-    if job.parent_model:
-        published = publishing.store_for(job.model).version(job.parent_model)
+    """What the new revision is compared with: the adapter it trained on from (a job of old recorded
+    its parent's bare name: the revision that answers for it now), or the base model."""
+    parent = job.exact_parent
+    if parent:
+        published = publishing.store_for(job.model).version(parent)
         if published is not None:
-            return pinned_name(job.parent_model, published.version)
+            return pinned_name(parent, published.version)
     return job.model
 
 

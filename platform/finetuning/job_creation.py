@@ -1,8 +1,9 @@
 """Creating fine-tuning jobs: every check before anything is queued, then the job, queued, sent to
 the trainers once it is committed.
 
-A job names what it trains from (a catalog base model, or one of the organization's fine-tuned
-models of it: a continued fine-tune), its files (each within the model's context), its suffix
+A job names what it trains from (a catalog base model, or an adapter of the organization's on it:
+a fine-tuned model, a revision of one or a checkpoint, trained here, uploaded or composed: a
+continued fine-tune, which trains on from exactly that adapter), its files (each within the model's context), its suffix
 (free, or its own model's: then it reserves the next revision) and its hyperparameters (every
 "auto" resolved here, so the job records exactly what it will train with). Which job a trainer
 takes next is decided in ``finetuning.training_turns``; how a job's status moves after that, in
@@ -23,14 +24,23 @@ from django.utils import timezone
 from kombu.exceptions import OperationalError
 
 from accounts.models import Organization
-from core.api_errors import ApiError, not_found, suffix_taken
+from core.adapter_check import lora_shape
+from core.adapter_store import CONFIG_FILE, AdapterNotFound, StoreUnavailable
+from core.api_errors import (
+    ApiError,
+    InvalidAdapter,
+    adapter_not_found,
+    adapter_store_unreachable,
+    not_found,
+    suffix_taken,
+)
 from core.catalog import BaseModel
 from core.config import LIMIT_SETTINGS
 from core.evaluation import Grader
 from core.grading import first_problem
 from core.rate_limits import RATE_LIMIT_TYPE
-from core.model_names import ModelName, is_valid_suffix, parse_model_name
-from finetuning import training_turns
+from core.model_names import ModelName, is_valid_suffix, parse_model_name, with_revision
+from finetuning import publishing, registry, training_turns
 from finetuning.models import Composition, File, FineTunedModel, FineTuningJob, JobStatus, record_event
 
 log = logging.getLogger(__name__)
@@ -71,12 +81,22 @@ PARENT_LORA = ("lora_r", "lora_alpha", "target_modules")
 
 
 @dataclass(frozen=True)
+class Parent:
+    """The adapter a continued fine-tune trains on from (as OpenAI allows, ``model`` names it)."""
+
+    name: str  # as the caller named it: <base_model_id>:<suffix>, ...@r<N> or ...:ckpt-step-<N>
+    exact: str  # exactly that adapter, by a name that never changes what it names (a revision or a checkpoint)
+    lora: dict  # its PARENT_LORA
+    model: FineTunedModel | None  # the fine-tuned model it is a revision of (a checkpoint's, if published)
+    revision: int | None  # the revision a bare name answered with (recorded: the job trains from it)
+
+
+@dataclass(frozen=True)
 class StartingPoint:
-    """What a job trains from: a catalog base model, and maybe one of the organization's fine-tuned
-    models of it (a continued fine-tune, as OpenAI allows: ``model`` = ``<base_model_id>:<suffix>``)."""
+    """What a job trains from: a catalog base model, and maybe an adapter of the organization's on it."""
 
     base: BaseModel
-    parent: FineTunedModel | None = None
+    parent: Parent | None = None
 
 
 def starting_point(organization: Organization, name: str) -> StartingPoint:
@@ -84,36 +104,71 @@ def starting_point(organization: Organization, name: str) -> StartingPoint:
     base = catalog_model(parsed.base_model_id)
     if parsed.suffix is None:
         return StartingPoint(base)
-    parent = FineTunedModel.objects.for_org(organization).select_related("job").filter(name=name).first()
-    if parent is None:  # another organization's model is not found either
+    if parsed.checkpoint_step is not None:
+        return StartingPoint(base, _checkpoint_parent(organization, name, parsed))
+    return StartingPoint(base, _revision_parent(organization, name, parsed, base))
+
+
+def _checkpoint_parent(organization: Organization, name: str, parsed: ModelName) -> Parent:
+    """A checkpoint of one of the organization's jobs (while it trains, or after), as the job lists it."""
+    checkpoint = registry.checkpoint_named(organization, parsed)
+    if checkpoint is None:  # another organization's is not found either
         raise not_found("model", name, param="model")
-    return StartingPoint(base, parent)
+    model = FineTunedModel.objects.for_org(organization).filter(name=parsed.model).first()
+    return Parent(name, name, _trained_lora(checkpoint.job), model, None)
 
 
-def parent_lora(parent: FineTunedModel) -> dict:
-    """The parent adapter's rank, alpha and target modules, as the job that trained it recorded them."""
-    if parent.job is None:
-        kind = "a composed model" if parent.composition is not None else "an uploaded adapter"
+def _revision_parent(organization: Organization, name: str, parsed: ModelName, base: BaseModel) -> Parent:
+    """A fine-tuned model at the revision it answers with now, or at the one ``@r<N>`` pins."""
+    model = FineTunedModel.objects.for_org(organization).filter(name=parsed.model).first()
+    if model is None:  # another organization's model is not found either
+        raise not_found("model", name, param="model")
+    number = parsed.revision or model.revision
+    revision = model.revisions.select_related("job").filter(number=number).first()
+    if revision is None:
+        known = ", ".join(f"r{n}" for n in model.revisions.values_list("number", flat=True))
+        raise not_found("model", f"{name} ({model.name} has {known})", param="model")
+    exact = with_revision(model.name, number)
+    lora = _trained_lora(revision.job) if revision.job else _published_lora(exact, base)
+    return Parent(name, exact, lora, model, None if parsed.revision else number)
+
+
+def _trained_lora(job: FineTuningJob) -> dict:
+    """A trained adapter's shape, as the job that trained it recorded it."""
+    return {key: job.hyperparameters[key] for key in PARENT_LORA}
+
+
+def _published_lora(exact: str, base: BaseModel) -> dict:
+    """An uploaded or composed adapter's shape: no job here trained it, so it is read from its own
+    ``adapter_config.json`` and checked as an upload's is (the catalog's rank limit may have changed)."""
+    try:
+        config = publishing.store_for(base.id).config(exact)
+    except AdapterNotFound:
+        raise adapter_not_found(exact) from None
+    except StoreUnavailable as exc:
+        raise adapter_store_unreachable(exact, str(exc)) from None
+    try:
+        shape = lora_shape(config, base)
+    except InvalidAdapter as error:
         raise ApiError(
-            f"{parent.name} is {kind}; only models trained here can be fine-tuned further.",
-            param="model", code="model_not_continuable",
-        )  # fmt: skip
-    return {key: parent.job.hyperparameters[key] for key in PARENT_LORA}
+            f"{exact} cannot be fine-tuned further: its {CONFIG_FILE} is not one training can go on from "
+            f"({error.problem}).", param="model", code="model_not_continuable",
+        ) from None  # fmt: skip
+    return {"lora_r": shape.rank, "lora_alpha": shape.alpha, "target_modules": list(shape.target_modules)}
 
 
-def _keep_parent_lora(requested: dict, parent: FineTunedModel) -> dict:
+def _keep_parent_lora(requested: dict, parent: Parent) -> dict:
     """``requested`` with the parent's adapter shape; a different value asked for is refused (the same is fine)."""
-    kept = parent_lora(parent)
-    for key, value in kept.items():
+    for key, value in parent.lora.items():
         asked = requested.get(key)
         same = asked is None or (sorted(asked) == sorted(value) if key == "target_modules" else asked == value)
         if not same:
             raise ApiError(
-                f"{key}={asked} conflicts with {parent.name}'s {key}={value}: a fine-tune of a fine-tuned model "
+                f"{key}={asked} conflicts with {parent.exact}'s {key}={value}: a fine-tune of a fine-tuned model "
                 f"goes on training its adapter, so it keeps its {', '.join(PARENT_LORA)}. Leave {key} out.",
                 param=f"hyperparameters.{key}", code="conflicts_with_parent_model",
             )  # fmt: skip
-    return requested | kept
+    return requested | parent.lora
 
 
 def _file(organization: Organization, file_id: str, param: str, model: BaseModel) -> File:
@@ -204,17 +259,19 @@ def create_job(organization: Organization, user: User | None, request: JobReques
     validation = _file(organization, request.validation_file, "validation_file", model) if request.validation_file else None
     suffix = chosen_suffix(request.suffix)
     requested = request.hyperparameters
-    if start.parent is not None:
-        requested = _keep_parent_lora(requested, start.parent)
+    parent = start.parent
+    if parent is not None:
+        requested = _keep_parent_lora(requested, parent)
     hyperparameters = resolve_hyperparameters(requested, training.example_count, model)
     _check_early_stopping(hyperparameters, validation)
     evaluation = _evaluation(organization, request.evaluation, validation, model)
-    revision = _revision_to_publish(start.parent, ModelName(model.id, suffix))
+    revision = _revision_to_publish(parent.model if parent else None, ModelName(model.id, suffix))
     try:
         with transaction.atomic():
             job = FineTuningJob.objects.create(
                 organization=organization, created_by=user, model=model.id,
-                parent_model=start.parent.name if start.parent else None, training_file=training.id,
+                parent_model=parent.name if parent else None, parent_revision=parent.revision if parent else None,
+                training_file=training.id,
                 validation_file=validation.id if validation else None, suffix=suffix, revision=revision,
                 seed=request.seed if request.seed is not None else secrets.randbelow(2**31),
                 hyperparameters=hyperparameters, metadata=request.metadata, evaluation=evaluation, status=JobStatus.QUEUED,

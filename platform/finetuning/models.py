@@ -15,7 +15,7 @@ from django.conf import settings
 from django.db import models
 
 from accounts.models import Organization
-from core.model_names import ModelName
+from core.model_names import ModelName, parse_model_name, with_revision
 
 _ID_ALPHABET = string.ascii_letters + string.digits
 
@@ -66,9 +66,13 @@ class FineTuningJob(models.Model):
     organization = models.ForeignKey(Organization, on_delete=models.CASCADE, related_name="jobs")
     created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, on_delete=models.SET_NULL)
     model = models.CharField(max_length=200)  # a base model id from the catalog
-    # A continued fine-tune's starting point: the organization's fine-tuned model the caller named
-    # as "model" (<model>:<its suffix>); None when training starts from the base model alone.
+    # A continued fine-tune's starting point as the caller named it in "model": one of the
+    # organization's fine-tuned models (<model>:<its suffix>), a revision of one (...@r<N>) or a
+    # checkpoint (...:ckpt-step-<N>); None when training starts from the base model alone.
     parent_model = models.CharField(max_length=300, null=True, blank=True)
+    # The revision a bare parent name answered with when the job was created: the job trains on from
+    # exactly that one (``exact_parent``). None for a name that is exact already, and for jobs of old.
+    parent_revision = models.IntegerField(null=True, blank=True)
     # The revision of <model>:<suffix> the job publishes: 1 for a new suffix; the next one when it
     # continues the model of its own suffix (``finetuning.job_creation.create_job`` reserves it).
     revision = models.IntegerField(default=1)
@@ -117,6 +121,14 @@ class FineTuningJob(models.Model):
     @property
     def is_finished(self) -> bool:
         return self.status in FINISHED_STATUSES
+
+    @property
+    def exact_parent(self) -> str | None:
+        """The adapter a continued fine-tune trains on from, by a name that never changes what it
+        names: a revision (``<model>@r<N>``) or a checkpoint. (A job of old recorded the bare name.)"""
+        if self.parent_model is None or self.parent_revision is None:
+            return self.parent_model
+        return with_revision(self.parent_model, self.parent_revision)
 
 
 class JobEvent(models.Model):
@@ -183,35 +195,59 @@ class FineTunedModel(models.Model):
         """Where the adapter came from, as ``/v1/models`` and the models page show it."""
         return self.lineage_among(None)
 
-    def lineage_among(self, parents: dict[str, str | None] | None) -> dict:
-        """``lineage``, with the chain of parents read from ``parents`` (each of the organization's
-        models by name: the model its job continued, or None) instead of a query per ancestor: a
-        listing of many models reads them all at once."""
+    def lineage_among(self, parents: Parents | None) -> dict:
+        """``lineage``, with the chain of parents read from ``parents`` (``Parents``: each of the
+        organization's published revisions, with the exact parent its job trained on from) instead
+        of a query per ancestor: a listing of many models reads them all at once."""
         if self.composition is not None:
             return {"origin": "composed", **self.composition}
         if self.job_id is not None:
             lineage: dict = {"origin": "trained", "job": self.job_id}
-            parent = self.job.parent_model if self.job else None
+            parent = self.job.exact_parent if self.job else None
             if parent:
                 lineage |= {"parent": parent, "ancestors": self.ancestors(parent, parents)}
             return lineage
         return {"origin": "uploaded"}
 
-    def ancestors(self, parent: str, parents: dict[str, str | None] | None = None) -> list[str]:
-        """The chain of models this one was continued from, nearest first: each trained model's job
-        names its parent. It stops at a model that was deleted (named, but its own parents are no
-        longer known: the name may since belong to another model) or that was not trained."""
+    def ancestors(self, parent: str, parents: Parents | None = None) -> list[str]:
+        """The chain of adapters this one was continued from, nearest first, each by its exact name
+        (a revision or a checkpoint): the job that made each names the next. It stops at one whose
+        model was deleted (named, but its own parents are no longer known), that was not trained, or
+        that is a checkpoint of a job that published nothing."""
         chain: list[str] = []
         name: str | None = parent
         while name and name not in chain:
             chain.append(name)
+            made_by = revision_making(name)
             if parents is not None:
-                name = parents.get(name)
+                name = parents.get(made_by)
                 continue
-            own = FineTunedModel.objects.filter(organization_id=self.organization_id, name=name)
-            model = own.select_related("job").first()
-            name = model.job.parent_model if model and model.job else None
+            model_name, number = made_by
+            revision = (
+                ModelRevision.objects.filter(model__organization_id=self.organization_id, model__name=model_name, number=number)
+                .select_related("job").first()
+            )  # fmt: skip
+            name = revision.job.exact_parent if revision and revision.job else None
         return chain
+
+
+# Each published revision of an organization's models, as (model name, revision number), with the
+# exact parent its job trained on from (None: trained from the base model, uploaded or composed).
+Parents = dict[tuple[str, int], str | None]
+
+
+def revision_making(name: str) -> tuple[str, int]:
+    """The revision whose job made the adapter ``name``: a revision itself, or the revision a
+    checkpoint's job published; a bare name (as jobs of old recorded their parent) is taken for the
+    first revision, whose job made the model."""
+    parsed = parse_model_name(name)
+    return parsed.model, parsed.revision or 1
+
+
+def parents_of(organization: Organization) -> Parents:
+    """``Parents`` for every revision of the organization's models, in one query."""
+    revisions = ModelRevision.objects.filter(model__organization=organization).select_related("model", "job")
+    return {(r.model.name, r.number): r.job.exact_parent if r.job else None for r in revisions}
 
 
 class ModelRevision(models.Model):

@@ -16,7 +16,7 @@ from django.db import transaction
 from accounts.models import Organization
 from core.model_names import ModelName, parse_model_name
 from finetuning import storage
-from finetuning.models import Checkpoint, FineTunedModel, FineTuningJob, JobStatus, ModelRevision, record_event
+from finetuning.models import Checkpoint, FineTunedModel, FineTuningJob, JobStatus, ModelRevision, parents_of, record_event
 
 SYSTEM_OWNER = "system"
 _EPOCH = datetime(2024, 1, 1, tzinfo=timezone.utc)  # catalog models have no creation date of their own
@@ -65,7 +65,7 @@ def list_usable_models(organization: Organization) -> list[UsableModel]:
     # With their jobs in the same query: each model's lineage reads its job, and its ancestors are
     # read from all of them (no query per model).
     fine_tuned = list(FineTunedModel.objects.for_org(organization).select_related("job"))
-    parents = {model.name: model.job.parent_model if model.job else None for model in fine_tuned}
+    parents = parents_of(organization)
     own = [_fine_tuned(model, organization, lineage=model.lineage_among(parents)) for model in fine_tuned]
     return base + own
 
@@ -79,17 +79,23 @@ def resolve_model(organization: Organization, name: str) -> UsableModel | None:
     if parsed.suffix is None:
         return _base(parsed.base_model_id)
     if parsed.checkpoint_step is not None:
-        checkpoint = (
-            Checkpoint.objects.filter(
-                job__organization=organization, job__model=parsed.base_model_id, job__suffix=parsed.suffix,
-                job__revision=parsed.revision or 1, step_number=parsed.checkpoint_step,
-            ).select_related("job").first()
-        )  # fmt: skip
+        checkpoint = checkpoint_named(organization, parsed)
         return _checkpoint(checkpoint, organization) if checkpoint else None
     model = FineTunedModel.objects.for_org(organization).select_related("job").filter(name=parsed.model).first()
     if model is None or (parsed.revision is not None and not model.revisions.filter(number=parsed.revision).exists()):
         return None
     return _fine_tuned(model, organization, parsed.revision)
+
+
+def checkpoint_named(organization: Organization, name: ModelName) -> Checkpoint | None:
+    """The organization's checkpoint ``name`` names (``<model>[@r<N>]:ckpt-step-<M>``), with its job."""
+    assert name.checkpoint_step is not None
+    return (
+        Checkpoint.objects.filter(
+            job__organization=organization, job__model=name.base_model_id, job__suffix=name.suffix,
+            job__revision=name.revision or 1, step_number=name.checkpoint_step,
+        ).select_related("job").first()
+    )  # fmt: skip
 
 
 def revisions_of(model: FineTunedModel) -> list[ModelRevision]:

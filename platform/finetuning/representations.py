@@ -45,6 +45,9 @@ def job_object(job: FineTuningJob) -> dict:
         "created_at": unix(job.created_at),
         "finished_at": unix(job.finished_at),
         "model": job.parent_model or job.model,  # as the caller named it (a continued fine-tune: its parent)
+        # Beyond OpenAI's object: exactly the adapter a continued fine-tune trains on from (a revision
+        # or a checkpoint), None for a fine-tune of the base model.
+        "parent_model": job.exact_parent,
         "fine_tuned_model": job.fine_tuned_model,
         "organization_id": job.organization.slug,
         "status": job.status,

@@ -37,7 +37,9 @@ class EngineConfig:
     max_model_len: int
     dtype: str
     max_loras: int  # adapters that can share one batch
-    kv_cache_space_gib: int  # CPU backend only: memory for the KV cache
+    # CPU backend only: memory for the KV cache, which the engine allocates and touches whole when it starts (first
+    # touch is slow on these machines: about 3.5 s a GiB, measured from the engine's log).
+    kv_cache_space_gib: float
     extra_args: tuple[str, ...]
 
 
@@ -127,6 +129,13 @@ class _Table:
             raise ConfigError(f"{self.where}.{key} must be {bounds}, not {value}")
         return value
 
+    def amount(self, key: str, default: float) -> float:
+        """A number above 0 (an integer or not)."""
+        value = self.data.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+            raise ConfigError(f"{self.where}.{key} must be a number above 0, not {value!r}")
+        return float(value)
+
     def fraction(self, key: str, default: float) -> float:
         """A number in (0, 1]; an integer is taken too (1 = all)."""
         value = self.data.get(key, default)
@@ -168,7 +177,7 @@ def _parse_model(table: _Table, data_dir: Path, default_lora_path: str) -> BaseM
             max_model_len=engine.positive("max_model_len", 2048),
             dtype=engine.get("dtype", str, "bfloat16"),
             max_loras=engine.positive("max_loras", 4),
-            kv_cache_space_gib=engine.positive("kv_cache_space_gib", 2),
+            kv_cache_space_gib=engine.amount("kv_cache_space_gib", 2),
             extra_args=tuple(engine.get("extra_args", list, [])),
         ),
         autoscaling=Autoscaling(

@@ -55,8 +55,17 @@ def vllm_command(model: BaseModel, port: int, server_module: str = "inference.vl
         "--max-cpu-loras", str(lora.max_num_adapters_per_replica),
         "--disable-uvicorn-access-log",
         "--middleware", "inference.internal_auth.ReplicaGuard",
+        *_kv_cache_args(model),
         *engine.extra_args,
     ]  # fmt: skip
+
+
+def _kv_cache_args(model: BaseModel) -> list[str]:
+    """The CPU engine's KV cache, in bytes (VLLM_CPU_KVCACHE_SPACE takes whole GiB only). A GPU
+    engine sizes its own from ``--gpu-memory-utilization``."""
+    if not CPU_BUILD:
+        return []
+    return ["--kv-cache-memory-bytes", str(int(model.engine.kv_cache_space_gib * 2**30))]
 
 
 def _cpu_build() -> bool:
@@ -100,7 +109,6 @@ def vllm_environment(model: BaseModel, api_key: str, one_process_engine: bool = 
         **_inherited(),
         REPLICA_TOKEN_VARIABLE: api_key,
         "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",  # load_lora_adapter / unload_lora_adapter
-        "VLLM_CPU_KVCACHE_SPACE": str(model.engine.kv_cache_space_gib),  # ignored on GPUs
     }
     if one_process_engine:
         environment["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"

@@ -42,7 +42,7 @@ organization_share = {organization_share}
 max_model_len = 2048
 dtype = "float32"
 max_loras = {adapters}
-kv_cache_space_gib = 1
+kv_cache_space_gib = 0.25
 """
     return text + (f"\n[models.autoscaling]\n{autoscaling}\n" if autoscaling else "")
 

@@ -16,7 +16,8 @@ import httpx
 import pytest
 
 from core.adapter_store import adapter_store
-from core.catalog import Autoscaling, BaseModel, Catalog, EngineConfig, LoraConfig
+from core.catalog import Autoscaling, BaseModel, Catalog, EngineConfig, LoraConfig, load_catalog
+from core.env import ConfigError
 from core.http_client import UpstreamBroken, UpstreamUnavailable
 from inference import adapter_slots, adapter_source
 from inference.adapter_slots import AdapterSlots
@@ -25,7 +26,7 @@ from inference.adapters import AdapterManager
 from inference.metrics import Metrics
 from inference.internal_auth import ReplicaGuard
 from inference.pool import Pool
-from inference.replica import Replica, vllm_command, vllm_environment
+from inference.replica import CPU_BUILD, Replica, vllm_command, vllm_environment
 from inference.router import HOT_ADAPTER_INFLIGHT, choose_replica, rendezvous_order
 from inference.server import admin_client, create_app
 from tests.s3 import running_s3_server, s3_server
@@ -577,6 +578,20 @@ def test_it_starts_replicas_that_require_the_token_without_showing_it_on_their_c
     assert command[command.index("--host") + 1] == "127.0.0.1"
     with pytest.raises(ValueError, match="without an API key"):
         vllm_environment(model, "")
+
+
+def test_a_cpu_replicas_kv_cache_is_the_catalogs_size_to_the_byte_fractions_of_a_gib_too(tmp_path):
+    catalog = tmp_path / "models.toml"
+    catalog.write_text(f'[[models]]\nid = "{BASE}"\nweights = "w"\n[models.engine]\nkv_cache_space_gib = 0.25\n')
+    model = load_catalog(catalog, tmp_path, str(tmp_path)).models[0]
+    command = vllm_command(model, 8200)
+    if CPU_BUILD:
+        assert command[command.index("--kv-cache-memory-bytes") + 1] == str(2**28)
+    else:  # a GPU engine sizes its cache from its own memory
+        assert "--kv-cache-memory-bytes" not in command
+    catalog.write_text(catalog.read_text().replace("0.25", "0"))
+    with pytest.raises(ConfigError, match="kv_cache_space_gib must be a number above 0"):
+        load_catalog(catalog, tmp_path, str(tmp_path))
 
 
 def test_a_replica_inherits_what_vllm_needs_and_none_of_the_platforms_secrets(monkeypatch):

@@ -195,6 +195,9 @@ DIFFERS_BY_DATABASE = {
     "test_model_revisions.py": "revision numbers and rollbacks: conditional updates",
     "test_worker.py": "the worker's report names the database",
 }
+# Of those files' tests that train, these files' run again on SQLite: what they train through is the
+# database itself. The others train on SQLite in the product tests already (bin/run's default).
+TRAINS_THROUGH_THE_DATABASE = {"test_job_fencing.py"}
 
 
 def pytest_collection_modifyitems(items: list) -> None:
@@ -209,7 +212,8 @@ def pytest_collection_modifyitems(items: list) -> None:
 
     items.sort(key=turn)  # stable: a module's tests keep their order, so its fixtures start once
     for item in items:
-        if item.path.name in DIFFERS_BY_DATABASE:
+        trains = item.get_closest_marker("training") is not None
+        if item.path.name in DIFFERS_BY_DATABASE and (not trains or item.path.name in TRAINS_THROUGH_THE_DATABASE):
             item.add_marker("databases")
 
 

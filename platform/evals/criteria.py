@@ -10,11 +10,10 @@ created (nothing else of the tenant's runs in the web process), and graded there
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from core import api_errors
 from core.api_errors import ApiError
 from core.evaluation import GRADERS, STRING_CHECK, Grader
 from core.grading import first_problem
@@ -51,8 +50,9 @@ class JsonSchema(_Criterion):
     schema_: dict[str, Any] = Field(alias="schema")
 
 
-Criterion = Annotated[StringCheck | Comparison | Regex | JsonSchema, Field(discriminator="type")]
-_CRITERIA: TypeAdapter[list[Criterion]] = TypeAdapter(list[Criterion])
+_MODELS: dict[str, type[_Criterion]] = {
+    STRING_CHECK: StringCheck, "exact_match": Comparison, "contains": Comparison, "regex": Regex, "json_schema": JsonSchema,
+}
 
 
 def checked_criteria(raw: object) -> list[dict]:
@@ -73,13 +73,7 @@ def checked_criteria(raw: object) -> list[dict]:
                 f"testing_criteria.{index}.type: unknown grader {str(kind)[:40]!r}; use one of "
                 f"{', '.join((STRING_CHECK, *GRADERS))}", param=f"testing_criteria.{index}.type", code="unknown_grader",
             )  # fmt: skip
-    try:
-        parsed = _CRITERIA.validate_python(raw)
-    except ValidationError as exc:
-        error = api_errors.invalid_fields(exc)
-        error.param = f"testing_criteria.{error.param}" if error.param else "testing_criteria"
-        error.message = f"testing_criteria.{error.message}"
-        raise error from None
+    parsed = [_parsed(index, _MODELS[item["type"]], item) for index, item in enumerate(raw)]
     kept = [_kept(criterion) for criterion in parsed]
     _check_names(kept)
     problem = first_problem([grader_of(criterion) for criterion in kept])  # in the sandbox's process
@@ -90,9 +84,18 @@ def checked_criteria(raw: object) -> list[dict]:
     return kept
 
 
-def _kept(criterion: StringCheck | Comparison | Regex | JsonSchema) -> dict:
+def _parsed(index: int, model: type[_Criterion], item: dict) -> _Criterion:
+    try:
+        return model.model_validate(item)
+    except ValidationError as exc:
+        problem = exc.errors()[0]
+        param = ".".join(["testing_criteria", str(index), *(str(part) for part in problem.get("loc", ()))])
+        raise ApiError(f"{param}: {problem['msg']}", param=param, code="invalid_grader") from None
+
+
+def _kept(criterion: _Criterion) -> dict:
     kept = criterion.model_dump(by_alias=True, exclude_none=True)
-    return {**kept, "name": criterion.name or criterion.type}
+    return {**kept, "name": criterion.name or kept["type"]}
 
 
 def _check_names(criteria: list[dict]) -> None:

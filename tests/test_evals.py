@@ -244,3 +244,36 @@ def test_a_runs_answering_checks_access_as_the_gateway_does(alice, charlie):
         usable_target(alice.organization, Target(BASE, ((theirs, 0.5),)), "models.0")
     assert refused.value.status == 404 and refused.value.param == "models.0.adapters"
     assert usable_target(charlie.organization, Target(BASE, ((theirs, 0.5),))).name == BASE
+
+
+# --- the publish gate: one use of the same answering and grading --------------------------------
+
+
+def test_the_gate_answers_through_a_ray_backed_models_backend_and_counts_its_usage(alice, engine, settings):
+    """The gate used to call the embedded pool directly: a Ray-backed base model's gate failed, and
+    its answers were not counted. Now they go where the model's catalog backend says."""
+    import json
+    from dataclasses import replace
+
+    from core.catalog import Catalog
+    from workers import evaluation
+
+    settings.MODEL_CATALOG = Catalog((replace(settings.MODEL_CATALOG.require(BASE), backend="ray"),))
+    settings.RAY_SERVE_URL, settings.INFERENCE_POOL_URL = engine.url, "http://127.0.0.1:9"  # nothing listens there
+    examples = [json.loads(line)["messages"] for line in capitals_file().decode().splitlines()]
+    scores = evaluation.evaluate(alice.organization.pk, {"graders": [{"type": "contains"}], "threshold": 0.0}, examples,
+                                 BASE, f"{BASE}:gated@r1")  # fmt: skip
+    assert (scores.reference_score, scores.adapter_score, scores.passed) == (0.0, 1.0, True)
+    assert len(engine.bodies) == 20 and {body["_path"] for body in engine.bodies} == {"/v1/chat/completions"}
+    counted = {row.model for row in CompletionUsage.objects.filter(organization=alice.organization)}
+    assert counted == {BASE, f"{BASE}:gated@r1"}
+
+
+def test_the_gate_is_unavailable_when_an_answer_does_not_come_back(alice, engine):
+    import json
+
+    from workers import evaluation
+
+    examples = [json.loads(line)["messages"] for line in capitals_file(chat_example(REFUSED, "No.")).decode().splitlines()]
+    with pytest.raises(evaluation.EvaluationUnavailable, match="maximum context length"):
+        evaluation.evaluate(alice.organization.pk, {"graders": [{"type": "contains"}], "threshold": 0.0}, examples, BASE, BASE)

@@ -74,6 +74,8 @@ class EvalDetailView(APIView):
         body = parsed(EvalUpdate, _body(request))
         evaluation = _own_eval(request, eval_id)
         changed = body.model_dump(exclude_unset=True)
+        if not changed:
+            raise ApiError("Nothing to update: give name, metadata or both.", param="name", code="invalid_body")
         for field, value in changed.items():
             setattr(evaluation, field, value)
         evaluation.save(update_fields=[*changed, "updated_at"])

@@ -60,7 +60,7 @@ def run_object(run: EvalRun) -> dict:
         },  # fmt: skip
         "error": {"code": run.error_code, "message": run.error_message} if run.error_code else None,
         "metadata": run.metadata,
-        "report_url": f"/evals/{run.eval_id}",  # the dashboard's page of the eval, its runs side by side
+        "report_url": "",  # OpenAI's link to a report page: the dashboard has no eval page yet
         "result_counts": {
             "total": run.total_items, "passed": run.passed_items, "failed": run.failed_items, "errored": run.errored_items,
         },  # fmt: skip

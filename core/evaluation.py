@@ -5,7 +5,10 @@ what comes before it is the prompt. A grader says whether one answer passes:
 - ``exact_match``: the answer is the expected one (surrounding whitespace aside);
 - ``contains``: the expected answer appears in the answer;
 - ``regex``: ``pattern`` matches somewhere in the answer (the expected answer is not used);
-- ``json_schema``: the answer is JSON valid against ``schema``.
+- ``json_schema``: the answer is JSON valid against ``schema``;
+- ``string_check`` (OpenAI's evals grader): ``input`` compared with ``reference`` by ``operation``
+  (``eq``, ``ne``, ``like``: contains, ``ilike``: contains ignoring case), each of them the answer
+  (``{{sample.output_text}}``), the expected answer (``{{item.expected}}``) or a literal text.
 An example scores the share of graders it passes; a model scores the mean over examples.
 
 The tenant writes the pattern and the schema, so neither is trusted. A regex runs with the ``regex``
@@ -29,7 +32,10 @@ from referencing.exceptions import NoSuchResource, Unresolvable
 
 from core.datasets import Example
 
-GRADERS = ("exact_match", "contains", "regex", "json_schema")
+GRADERS = ("exact_match", "contains", "regex", "json_schema")  # the platform's own
+STRING_CHECK = "string_check"  # OpenAI's
+STRING_CHECK_OPERATIONS = ("eq", "ne", "like", "ilike")
+ANSWER_VARIABLE, EXPECTED_VARIABLE = "{{sample.output_text}}", "{{item.expected}}"  # what string_check may name
 SANDBOXED = ("regex", "json_schema")  # the graders that run the tenant's pattern or schema
 REGEX_TIMEOUT_S = 1.0  # the regex package's own limit (checked now and then, so it can overshoot)
 MAX_ANSWER_CHARS = 20_000  # a longer answer fails these graders unread (answers are short: MAX_ANSWER_TOKENS)
@@ -43,6 +49,9 @@ class Grader:
     type: str
     pattern: str | None = None  # regex
     schema: dict | None = field(default=None, hash=False)  # json_schema
+    operation: str | None = None  # string_check: one of STRING_CHECK_OPERATIONS
+    input: str | None = None  # string_check: ANSWER_VARIABLE, EXPECTED_VARIABLE or a literal text
+    reference: str | None = None  # string_check: the same
 
 
 @dataclass(frozen=True)
@@ -70,6 +79,8 @@ def passes(grader: Grader, answer: str, expected: str) -> bool:
         return answer.strip() == expected.strip()
     if grader.type == "contains":
         return expected.strip() in answer
+    if grader.type == STRING_CHECK:
+        return _string_check(grader, answer, expected)
     if len(answer) > MAX_ANSWER_CHARS:
         return False
     if grader.type == "regex":
@@ -79,6 +90,22 @@ def passes(grader: Grader, answer: str, expected: str) -> bool:
     if grader.type == "json_schema":
         return _valid_json(grader.schema or {}, answer)
     raise ValueError(f"unknown grader {grader.type!r}")
+
+
+def _string_check(grader: Grader, answer: str, expected: str) -> bool:
+    """OpenAI's string_check: exact comparisons, no stripping (``exact_match`` strips)."""
+    variables = {ANSWER_VARIABLE: answer, EXPECTED_VARIABLE: expected}
+    given = variables.get(grader.input or "", grader.input or "")
+    reference = variables.get(grader.reference or "", grader.reference or "")
+    if grader.operation == "eq":
+        return given == reference
+    if grader.operation == "ne":
+        return given != reference
+    if grader.operation == "like":
+        return reference in given
+    if grader.operation == "ilike":
+        return reference.casefold() in given.casefold()
+    raise ValueError(f"unknown string_check operation {grader.operation!r}")
 
 
 def _refuse(uri: str) -> object:
@@ -101,17 +128,31 @@ def _valid_json(schema: dict, answer: str) -> bool:
 Judge = Callable[[Grader, str, str], bool]  # (grader, answer, expected answer) -> passed
 
 
+def verdicts(graders: list[Grader], answer: str, case: Case, judge: Judge = passes) -> list[bool]:
+    """Whether ``answer`` passes each grader, in their order, as ``judge`` says."""
+    return [judge(grader, answer, case.expected) for grader in graders]
+
+
+def share_passed(passed: list[bool]) -> float:
+    """One case's score: the share of graders it passes (0 to 1)."""
+    return sum(passed) / len(passed) if passed else 0.0
+
+
+def mean_score(per_case: list[list[bool]]) -> float:
+    """A model's score: the mean over cases of the share of graders each passes (0 without cases)."""
+    return sum(share_passed(passed) for passed in per_case) / len(per_case) if per_case else 0.0
+
+
 def score(graders: list[Grader], answers: list[str], cases: list[Case], judge: Judge = passes) -> float:
     """The mean over cases of the share of graders each answer passes (0 to 1), as ``judge`` says."""
-    if not cases:
-        return 0.0
-    per_case = [sum(judge(g, answer, c.expected) for g in graders) / len(graders) for answer, c in zip(answers, cases)]
-    return sum(per_case) / len(per_case)
+    return mean_score([verdicts(graders, answer, case, judge) for answer, case in zip(answers, cases)])
 
 
 def grader_problem(grader: Grader) -> tuple[str, str] | None:
     """What is wrong with a tenant's grader, as (its field, a message saying what to fix), checked
     when the job is created so that nothing is queued that could not grade."""
+    if grader.type == STRING_CHECK:
+        return _string_check_problem(grader)
     if grader.type == "regex":
         if grader.pattern is None:
             return "pattern", "a regex grader needs a pattern"
@@ -123,6 +164,21 @@ def grader_problem(grader: Grader) -> tuple[str, str] | None:
         if grader.schema is None:
             return "schema", "a json_schema grader needs a schema"
         return _schema_problem(grader.schema)
+    return None
+
+
+def _string_check_problem(grader: Grader) -> tuple[str, str] | None:
+    if grader.operation not in STRING_CHECK_OPERATIONS:
+        return "operation", f"must be one of {', '.join(STRING_CHECK_OPERATIONS)}"
+    for name in ("input", "reference"):
+        value = getattr(grader, name)
+        if value is None:
+            return name, f"a string_check grader needs {name}"
+        if "{{" in value and value not in (ANSWER_VARIABLE, EXPECTED_VARIABLE):
+            return name, (
+                f"{value[:100]!r}: a template may only be the whole of {ANSWER_VARIABLE} (the model's answer) or "
+                f"{EXPECTED_VARIABLE} (the example's last assistant message); otherwise give a literal text"
+            )
     return None
 
 

@@ -101,7 +101,7 @@ def parse_request(body: bytes) -> ParsedRequest:
 # would think they worked), fields vLLM removed (``guided_json``, ``best_of``: ignored too), and
 # vLLM's operator-side fields (``kv_transfer_params``, ``priority``, ``request_id``,
 # ``chat_template``, ``prompt_embeds``, ``vllm_xargs``, ...). ``cache_salt`` is accepted and
-# replaced by the organization's own (``gateway.cache_salt``).
+# replaced by the organization's own (``answering.cache_salt``).
 _SHARED_FIELDS = frozenset({
     # OpenAI
     "model", "stream", "stream_options", "n", "max_tokens", "temperature", "top_p", "frequency_penalty",

@@ -23,6 +23,7 @@ from django.test import Client
 
 from accounts.models import ApiKey, Membership
 from accounts.services import create_api_key, revoke_api_key
+from evals.models import Eval, EvalRun, OutputItem
 from finetuning import files, job_creation, storage
 from finetuning.models import Checkpoint, Composition, FineTuningJob, JobStatus
 from inference.internal_auth import ReplicaGuard
@@ -60,7 +61,8 @@ SLASHED = (301,) * 7  # to the address without the slash, for anyone: it tells n
 # (surface, method, path, body, expected): {file}, {job}, {model}, {key} (its prefix), {org_id}
 # name a fresh object of Acme's, made for the one cell (so a delete does not spoil the next cell);
 # {published} is a model whose adapter is stored, {checkpoint} is "<job>/checkpoints/<checkpoint>",
-# {composition} a composition queued for a worker.
+# {composition} a composition queued for a worker; {eval} an eval, {evalrun} "<eval>/runs/<run>" (a
+# queued run of it), {evalitem} "<eval>/runs/<run>/output_items/<item>".
 # The body "adapter" is an adapter archive uploaded under a suffix of its own; a composition (API or
 # form) is given a suffix of its own too. An outsider composing names Acme's models: 404.
 ROWS = [
@@ -83,6 +85,19 @@ ROWS = [
     ("api", "GET", "/v1/fine_tuning/compositions/{composition}", None, API),
     ("api", "GET", "/v1/fine_tuning/models/{published}/revisions", None, API),
     ("api", "POST", "/v1/fine_tuning/models/{published}/rollback", {"revision": 1}, API_OWNER_ONLY),
+    ("api", "GET", "/v1/evals", None, API_OWN_LIST),
+    ("api", "POST", "/v1/evals", {"testing_criteria": [{"type": "contains"}], "file": "{file}"}, API),
+    ("api", "GET", "/v1/evals/{eval}", None, API),
+    ("api", "POST", "/v1/evals/{eval}", {"name": "renamed"}, API),
+    ("api", "DELETE", "/v1/evals/{eval}", None, API),
+    ("api", "GET", "/v1/evals/{eval}/runs", None, API),
+    ("api", "POST", "/v1/evals/{eval}/runs", {"data_source": {"type": "completions", "model": BASE}}, API),
+    ("api", "POST", "/v1/evals/{eval}/runs", {"data_source": {"type": "completions", "model": "{model}"}}, API),
+    ("api", "GET", "/v1/evals/{evalrun}", None, API),
+    ("api", "DELETE", "/v1/evals/{evalrun}", None, API),
+    ("api", "POST", "/v1/evals/{evalrun}/cancel", None, API),
+    ("api", "GET", "/v1/evals/{evalrun}/output_items", None, API),
+    ("api", "GET", "/v1/evals/{evalitem}", None, API),
     ("api", "GET", "/v1/models", None, API_OWN_LIST),
     ("api", "GET", "/v1/models/{model}", None, API),
     ("api", "DELETE", "/v1/models/{model}", None, API_OWNER_ONLY),
@@ -155,6 +170,16 @@ class AcmeObjects(dict):
             return f"{checkpoint.job_id}/checkpoints/{checkpoint.id}"
         elif name == "composition":
             value = _composition(alice, n).id
+        elif name == "eval":
+            value = _eval(alice).id
+        elif name in ("evalrun", "evalitem"):
+            run = _eval_run(_eval(alice))
+            self.secrets |= {run.eval_id, run.id}
+            if name == "evalrun":
+                return f"{run.eval_id}/runs/{run.id}"
+            item = OutputItem.objects.create(run=run, index=0, prompt=[], expected="x", answer="x", results=[], status="pass")
+            self.secrets.add(item.id)
+            return f"{run.eval_id}/runs/{run.id}/output_items/{item.id}"
         elif name == "key":
             value = create_api_key(alice.organization, alice.user, f"spare {n}")[0].prefix
         elif name == "org_id":
@@ -185,6 +210,21 @@ def _composition(alice: Persona, n: int) -> Composition:
     return Composition.objects.create(
         organization=alice.organization, model=f"{BASE}:acme-composed-{n}", parents=[{"model": f"{BASE}:acme", "scale": 1.0}],
         method="svd", rank=4, density=0.5, seed=0, estimated_bytes=1,
+    )  # fmt: skip
+
+
+def _eval(alice: Persona) -> Eval:
+    training = files.upload_file(alice.organization, alice.user, _upload(), files.PURPOSE)
+    return Eval.objects.create(
+        organization=alice.organization, name="acme-eval", file_id=training.id, item_count=12,
+        testing_criteria=[{"type": "contains", "name": "contains"}],
+    )  # fmt: skip
+
+
+def _eval_run(evaluation: Eval) -> EvalRun:
+    return EvalRun.objects.create(
+        eval=evaluation, organization=evaluation.organization, name="acme-run", model=BASE, file_id=evaluation.file_id,
+        sampling={"max_completion_tokens": 8, "temperature": 0.0, "top_p": 1.0, "seed": None}, total_items=12,
     )  # fmt: skip
 
 
@@ -281,6 +321,7 @@ def doors(tmp_path, settings, monkeypatch, adapter):
     settings.INFERENCE_POOL_URL = DEAD_POOL
     monkeypatch.setattr("health.views.ALL_CHECKS", {})  # /healthz's checks are test_healthz's subject
     monkeypatch.setattr(job_creation, "_send_or_503", lambda job: None)  # no broker: the job stays queued
+    monkeypatch.setattr("evals.creation.send_to_worker", lambda run_id: None)  # an eval run too
     monkeypatch.setenv("VLLM_API_KEY", TOKEN)
     doors = Doors(tmp_path, adapter)
     yield doors

@@ -125,9 +125,17 @@ def _evaluated(monkeypatch, graders: list[dict], answer: str, cases: int = 1):
     ``test_evaluation_gate_served``'s): the reference and the adapter both answer ``answer``."""
     from workers import evaluation
 
-    monkeypatch.setattr(evaluation, "_answers", lambda client, model, asked: [answer] * len(asked))
+    canned_answers(monkeypatch, answer)
     examples = [json.loads(line)["messages"] for line in capitals().decode().splitlines()[:cases]]
-    return evaluation.evaluate({"graders": graders, "threshold": 0.0}, examples, BASE, f"{BASE}:x@r1")
+    return evaluation.evaluate(0, {"graders": graders, "threshold": 0.0}, examples, BASE, f"{BASE}:x@r1")
+
+
+def canned_answers(monkeypatch, answer: str) -> None:
+    """Every model answers ``answer`` (``answering.batch.Answerer``: the backend's part is
+    ``test_evals_runs`` with a stand-in engine, and ``test_evaluation_gate_served`` with the real one)."""
+    from answering.batch import Answer, Answerer
+
+    monkeypatch.setattr(Answerer, "answer", lambda self, target, prompts, sampling: [Answer(answer)] * len(prompts))
 
 
 @pytest.mark.django_db
@@ -249,11 +257,11 @@ def test_an_oversized_answer_fails_the_tenants_graders_unread():
 def test_a_grader_that_took_too_long_is_named_in_the_jobs_events(alice, monkeypatch):
     from core import grading
     from finetuning.models import JobStatus
-    from workers import evaluation, run_job
+    from workers import run_job
     from workers.heartbeat import Heartbeat
 
     monkeypatch.setattr(grading, "GRADE_TIMEOUT_S", 1.0)
-    monkeypatch.setattr(evaluation, "_answers", lambda client, model, asked: ["a" * 40 + "!"] * len(asked))
+    canned_answers(monkeypatch, "a" * 40 + "!")
     held_out = _held_out(alice)
     job = FineTuningJob.objects.create(
         organization=alice.organization, model=BASE, training_file=held_out, suffix="gated", seed=0, hyperparameters={},

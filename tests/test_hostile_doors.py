@@ -34,6 +34,7 @@ from django.contrib.messages import get_messages
 from django.test import Client
 from django.urls import URLPattern, URLResolver, get_resolver
 
+from evals.models import Eval, EvalRun
 from finetuning import files, job_creation
 from finetuning.models import FineTuningJob, JobStatus
 from tests.inference_fixtures import BASE, register_fine_tuned_model
@@ -90,6 +91,8 @@ COMPOSE_FORM = {
     "compose-suffix": "hostile-mix",
 }
 PAGE = {"page": "1"}
+EVAL = {"testing_criteria": [{"type": "contains"}], "file": "{file}", "name": "hostile eval"}
+RUN = {"data_source": {"type": "completions", "model": BASE, "sampling_params": {"max_completion_tokens": 8, "temperature": 0}}}
 
 # The one table of doors. GET routes read a query string at most; those that read none are in EXCLUDED.
 # fmt: off
@@ -108,6 +111,18 @@ DOORS = [
     Door("POST", "/v1/fine_tuning/jobs", "fine-tuning-job-list", JSON, METHOD, "method.supervised.hyperparameters.n_evals"),
     Door("POST", "/v1/fine_tuning/models", "fine-tuning-model-compose", JSON, COMPOSE, number="rank", text="suffix"),
     Door("POST", "/v1/fine_tuning/models/{model}/rollback", "fine-tuning-model-rollback", JSON, {"revision": 1}, "revision"),
+    Door("POST", "/v1/evals", "eval-list", JSON, EVAL, text="name"),
+    Door("POST", "/v1/evals", "eval-list", JSON, EVAL, text="file"),
+    Door("POST", "/v1/evals/{eval}", "eval-detail", JSON, {"name": "renamed"}, text="name"),
+    Door("POST", "/v1/evals/{eval}/runs", "eval-run-list", JSON, RUN, "data_source.sampling_params.max_completion_tokens", "data_source.model"),
+    Door("POST", "/v1/evals/{eval}/runs", "eval-run-list", JSON, RUN, "data_source.sampling_params.temperature", "name"),
+    Door("POST", "/v1/evals/{eval}/runs/{run}/cancel", "eval-run-cancel", NOTHING),
+    Door("DELETE", "/v1/evals/{eval}", "eval-detail", NOTHING),
+    Door("DELETE", "/v1/evals/{eval}/runs/{run}", "eval-run-detail", NOTHING),
+    Door("GET", "/v1/evals", "eval-list", QUERY, {"limit": "2"}, "limit", "after"),
+    Door("GET", "/v1/evals/{eval}/runs", "eval-run-list", QUERY, {"limit": "2", "status": "completed"}, "limit", "status"),
+    Door("GET", "/v1/evals/{eval}/runs", "eval-run-list", QUERY, {"limit": "2"}, text="after"),
+    Door("GET", "/v1/evals/{eval}/runs/{run}/output_items", "eval-run-output-items", QUERY, {"limit": "2"}, "limit", "status"),
     Door("POST", "/v1/files", "file-list", MULTIPART, {"purpose": "fine-tune"}, text="purpose"),
     Door("POST", "/v1/fine_tuning/adapters", "fine-tuning-adapter-upload", MULTIPART, {"model": BASE, "suffix": "up"}, text="model"),
     Door("POST", "/v1/fine_tuning/jobs/{job}/cancel", "fine-tuning-job-cancel", NOTHING),
@@ -161,6 +176,9 @@ EXCLUDED = {
     ("fine-tuning-model-adapter", "GET"): "a model's archive by its name",
     ("fine-tuning-model-revisions", "GET"): "a model's revisions by its name",
     ("models", "GET"): "the list of models: no parameters",
+    ("eval-detail", "GET"): "an eval by its id",
+    ("eval-run-detail", "GET"): "an eval run by its ids",
+    ("eval-run-output-item", "GET"): "an output item by its ids",
     ("model", "GET"): "a model by its name",
     ("dashboard:home", "GET"): "a redirect",
     ("dashboard:login", "GET"): "the sign-in page",
@@ -257,7 +275,16 @@ class Objects(dict):
             organization=alice.organization, model=BASE, training_file=training.id, suffix="hostile-job", seed=0,
             hyperparameters={"n_epochs": 1, "batch_size": 1, "learning_rate_multiplier": 1.0}, status=JobStatus.QUEUED,
         )  # fmt: skip
+        evaluation = Eval.objects.create(
+            organization=alice.organization, name="hostile", file_id=training.id, item_count=12,
+            testing_criteria=[{"type": "contains", "name": "contains"}],
+        )  # fmt: skip
+        run = EvalRun.objects.create(
+            eval=evaluation, organization=alice.organization, name="hostile", model=BASE, file_id=training.id,
+            sampling={"max_completion_tokens": 8, "temperature": 0.0, "top_p": 1.0, "seed": None}, total_items=12,
+        )  # fmt: skip
         super().__init__(
+            eval=evaluation.id, run=run.id,
             file=training.id, job=job.id, model=register_fine_tuned_model(alice, "hostile-model"),
             key=create_api_key(alice.organization, alice.user, "spare")[0].prefix, org=str(alice.organization.pk),
         )  # fmt: skip
@@ -438,6 +465,7 @@ def test_every_hostile_cell_is_refused_with_a_4xx_naming_the_problem_and_writes_
 ):
     settings.INFERENCE_POOL_URL = "http://127.0.0.1:9"  # nothing listens: a completion let through is a 503
     monkeypatch.setattr(job_creation, "_send_or_503", lambda job: None)  # a job let through stays queued
+    monkeypatch.setattr("evals.creation.send_to_worker", lambda run_id: None)  # an eval run let through too
     objects = Objects(alice)
     problems, statuses, count = [], {}, 0
     for door, hostile in cells():

@@ -290,7 +290,7 @@ async def test_it_forwards_a_request_within_the_limits_with_the_fields_it_was_se
 
 
 async def test_it_forwards_the_organizations_cache_salt_and_not_the_callers(web, pool, alice, bob, charlie):
-    from gateway.cache_salt import cache_salt
+    from answering.cache_salt import cache_salt
 
     for persona in (alice, bob, charlie):
         await web.post("/v1/chat/completions", json=_chat(), headers=_bearer(persona))
@@ -305,7 +305,7 @@ async def test_it_forwards_the_organizations_cache_salt_and_not_the_callers(web,
 
 async def test_it_salts_the_playgrounds_requests_with_the_organization(pool, alice):
     from dashboard.playground import completion_body
-    from gateway.cache_salt import cache_salt
+    from answering.cache_salt import cache_salt
     from gateway.completions import complete_for_organization
 
     body = completion_body(json.dumps(_chat()).encode())

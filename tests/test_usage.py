@@ -66,7 +66,7 @@ def test_a_stream_left_before_its_end_counts_the_chunks_relayed_and_the_estimate
 
 
 def test_a_stream_asks_the_pool_for_its_usage_and_keeps_the_callers_stream_options():
-    from gateway.forwarded_body import forwarded_body
+    from answering.forwarded_body import forwarded_body
 
     def forwarded(sent: dict) -> dict:
         return json.loads(forwarded_body(json.dumps(sent).encode(), sent, "salt", bool(sent.get("stream"))))

@@ -265,14 +265,14 @@ def _gate(job: FineTuningJob, heartbeat: Heartbeat, revision: str) -> None:
     examples = _examples(job, job.evaluation["file"], "evaluation")
     retrying(record_event, job, f"Evaluating {revision} against {reference} on up to {evaluation.MAX_CASES} held-out examples")
     try:
-        scores = evaluation.evaluate(job.evaluation, examples, reference, revision)
+        scores = evaluation.evaluate(job.organization_id, job.evaluation, examples, reference, revision)
     except evaluation.EvaluationUnavailable as exc:
         publishing.withdraw_trained_revision(job)
         raise JobFailed(
             "evaluation_unavailable",
-            f"The evaluation could not run: the inference pool did not answer "
+            f"The evaluation could not run: the serving backend did not answer "
             f"{logged_instead(f'job {job.pk}: the evaluation could not run', str(exc))}. Nothing was published; "
-            "create the job again once the pool answers.",
+            "create the job again once it answers.",
         ) from None  # fmt: skip
     retrying(job_status.record_evaluation, job.pk, heartbeat.attempt, scores.as_dict())
     for grader, count in scores.timeouts.items():

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from django.conf import settings
 
-from base.celery import COMPOSE_MODEL, SWEEP_JOBS, TAKE_TRAINING_TURN, WORKER_REPORT, app
+from base.celery import COMPOSE_MODEL, RUN_EVAL, SWEEP_JOBS, TAKE_TRAINING_TURN, WORKER_REPORT, app
 
 if TYPE_CHECKING:
     from celery import Task
@@ -26,6 +26,10 @@ JOB_HARD_LIMIT_S = JOB_SOFT_LIMIT_S + 60
 # whose worker died (``finetuning.compositions.LOST_AFTER``, longer than the hard limit).
 COMPOSITION_SOFT_LIMIT_S = 600
 COMPOSITION_HARD_LIMIT_S = COMPOSITION_SOFT_LIMIT_S + 60
+# An eval run answers at most ``evals.sources.MAX_ITEMS`` examples, a batch at a time: minutes on
+# two cores. One still running after this fails, keeping the items it scored (``workers.run_eval``).
+EVAL_RUN_SOFT_LIMIT_S = 3600
+EVAL_RUN_HARD_LIMIT_S = EVAL_RUN_SOFT_LIMIT_S + 60
 
 
 @app.task(name=WORKER_REPORT.name, queue=WORKER_REPORT.queue)
@@ -56,6 +60,16 @@ def compose_model(self: Task, composition_id: str) -> str:
     from workers.run_composition import run_composition
 
     return run_composition(composition_id, worker=self.request.hostname or "unknown")
+
+
+@app.task(
+    name=RUN_EVAL.name, queue=RUN_EVAL.queue, bind=True, soft_time_limit=EVAL_RUN_SOFT_LIMIT_S,
+    time_limit=EVAL_RUN_HARD_LIMIT_S,
+)  # fmt: skip
+def run_eval(self: Task, run_id: str) -> str:
+    from workers.run_eval import run_eval
+
+    return run_eval(run_id, worker=self.request.hostname or "unknown")
 
 
 @app.task(name=SWEEP_JOBS.name, queue=SWEEP_JOBS.queue)

@@ -40,6 +40,7 @@ class TaskName:
 # necessarily the job its message names.
 TAKE_TRAINING_TURN = TaskName("workers.tasks.take_training_turn", TRAINING_QUEUE)
 COMPOSE_MODEL = TaskName("workers.tasks.compose_model", DEFAULT_QUEUE)
+RUN_EVAL = TaskName("workers.tasks.run_eval", DEFAULT_QUEUE)
 SWEEP_JOBS = TaskName("workers.tasks.sweep_jobs", DEFAULT_QUEUE)
 WORKER_REPORT = TaskName("workers.tasks.worker_report", DEFAULT_QUEUE)
 

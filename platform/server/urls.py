@@ -9,6 +9,7 @@ urlpatterns = [
     path("healthz", healthz, name="healthz"),
     path("", include("gateway.urls")),
     path("v1/", include("finetuning.urls")),
+    path("v1/", include("evals.urls")),
     path("v1/", include("usage.urls")),
     # Any other /v1/ path is a JSON 404 in every mode (with DEBUG=true Django would not use handler404).
     re_path(r"^v1/", unknown_api_path),

@@ -2,7 +2,7 @@
 
 A whole answer carries ``usage``. A stream carries it only in its last event, and only when the
 request sets ``stream_options.include_usage``: the gateway sets it on every stream
-(``gateway.forwarded_body``), reads that event here, and takes it out again when the caller did
+(``answering.forwarded_body``), reads that event here, and takes it out again when the caller did
 not ask for it, so the caller gets the stream it asked for.
 
 A stream the caller leaves before its end has no usage event. It counts the chunks relayed as

@@ -5,7 +5,7 @@ a salt, one tenant could time requests to learn what another's prompts begin wit
 under different ``cache_salt`` values are never shared, so every request carries its
 organization's salt, and a salt the caller sent is replaced (a guessed one would open another
 organization's cache). The salt is an HMAC of the organization's id with SECRET_KEY: the same in
-every web process, and not derivable by a caller. ``gateway.forwarded_body`` puts it in.
+every web process, and not derivable by a caller. ``answering.forwarded_body`` puts it in.
 """
 
 from __future__ import annotations

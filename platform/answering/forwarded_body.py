@@ -1,6 +1,6 @@
 """The body the gateway forwards to the pool: the caller's, with the fields the gateway sets.
 
-- ``cache_salt``: the organization's own (``gateway.cache_salt``), replacing any the caller sent.
+- ``cache_salt``: the organization's own (``answering.cache_salt``), replacing any the caller sent.
 - ``stream_options.include_usage`` on a stream, so that its last event reports its tokens for
   usage accounting (``usage.answers`` reads it and takes it out again when the caller did not ask).
 """

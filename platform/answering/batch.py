@@ -1,0 +1,122 @@
+"""Answers a worker asks for (an evaluation run, the publish gate): chat completions sent through
+``answering.forward``, so they reach the model's own backend and count in the organization's usage
+as any completion does.
+
+An ``Answerer`` holds an event loop for its lifetime, so the backends' connections are kept from one
+batch to the next; a batch's answers run at once (the engine batches them), and each comes back
+as text or as the reason there is none. The worker's usage counts are written after each batch
+(nobody else writes them in a worker process).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import asdict, dataclass
+from types import TracebackType
+from typing import Self
+
+from answering.forward import forward
+from base.serving_client import pool_http
+from core import api_errors
+from core.openai_protocol import parse_request
+from usage.answers import Tokens
+from usage.meter import METER, Caller
+
+CHAT = "chat/completions"
+
+
+@dataclass(frozen=True)
+class Target:
+    """What answers: a model by any name that serves here, maybe with a mix of its fine-tunes."""
+
+    model: str
+    adapters: tuple[tuple[str, float], ...] = ()  # (fine-tuned model, scale); empty: no mix
+
+    def fields(self) -> dict:
+        mix = {"adapters": [{"model": name, "scale": scale} for name, scale in self.adapters]} if self.adapters else {}
+        return {"model": self.model, **mix}
+
+
+@dataclass(frozen=True)
+class Sampling:
+    max_completion_tokens: int = 64
+    temperature: float = 0.0  # greedy: a score that can be compared from run to run
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def fields(self) -> dict:
+        return {key: value for key, value in asdict(self).items() if value is not None}
+
+
+@dataclass(frozen=True)
+class Answer:
+    text: str | None  # None: no answer, and ``error_code``/``error_message`` say why
+    answered_by: str = ""  # the answer's "model" (a fine-tune's pinned revision, a mix's name)
+    finish_reason: str = ""
+    tokens: Tokens = Tokens()
+    error_code: str = ""
+    error_message: str = ""
+
+
+class Answerer:
+    """Chat answers for one organization, a batch at a time (use it in a ``with`` block)."""
+
+    def __init__(self, organization_id: int):
+        self.organization_id = organization_id
+        self._runner = asyncio.Runner()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:
+        async def close_connections() -> None:
+            await pool_http().aclose()  # this loop's: the backends' connections it kept
+
+        try:
+            self._runner.run(close_connections())
+        finally:
+            self._runner.close()
+            METER.flush()
+
+    def answer(self, target: Target, prompts: list[list[dict]], sampling: Sampling) -> list[Answer]:
+        """Each prompt's answer, in order; the batch's usage is written before it returns."""
+
+        async def batch() -> list[Answer]:
+            return list(await asyncio.gather(*(self._one(target, prompt, sampling) for prompt in prompts)))
+
+        try:
+            return self._runner.run(batch())
+        finally:
+            METER.flush()
+
+    async def _one(self, target: Target, prompt: list[dict], sampling: Sampling) -> Answer:
+        body = json.dumps({**target.fields(), "messages": prompt, **sampling.fields()}).encode()
+        try:
+            request = parse_request(body)
+            answered = await forward(body, request, CHAT, Caller(self.organization_id, None, target.model))
+        except api_errors.ApiError as exc:
+            return Answer(None, error_code=exc.code or exc.type, error_message=exc.message)
+        if answered.status != 200:
+            return _refusal(answered.status, answered.body)
+        return _answer(answered.body, answered.tokens or Tokens())
+
+
+def _refusal(status: int, raw: bytes) -> Answer:
+    """The backend's own words for a refusal (its errors are OpenAI-shaped; addresses taken out)."""
+    try:
+        error = json.loads(raw)["error"]
+        code, message = str(error.get("code") or error.get("type") or status), str(error["message"])
+    except (ValueError, KeyError, TypeError):
+        code, message = str(status), f"the serving backend answered {status}"
+    return Answer(None, error_code=code, error_message=api_errors.scrubbed(message))
+
+
+def _answer(raw: bytes, tokens: Tokens) -> Answer:
+    try:
+        answer = json.loads(raw)
+        choice = answer["choices"][0]
+        text = choice["message"]["content"] or ""
+    except (ValueError, KeyError, IndexError, TypeError):
+        return Answer(None, error_code="invalid_answer", error_message="the serving backend's answer had no message")
+    return Answer(text, str(answer.get("model") or ""), str(choice.get("finish_reason") or ""), tokens)

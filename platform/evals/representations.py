@@ -1,0 +1,113 @@
+"""The evals API's objects, in OpenAI's shape (``openai.types``: ``Eval*Response``, ``evals.Run*``,
+``evals.runs.OutputItem*``), plus the platform's fields: an eval's ``file``, a run's ``progress``,
+``score`` and ``adapters``, an item's ``status`` of ``error``."""
+
+from __future__ import annotations
+
+from finetuning.representations import unix
+from evals.models import Eval, EvalRun, OutputItem
+
+# What graders can name of an example (``item``) and of the model's answer (``sample``): the
+# example's messages before its last assistant message, and that message.
+ITEM_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "item": {
+            "type": "object",
+            "properties": {
+                "input": {"type": "array", "items": {"type": "object", "properties": {"role": {"type": "string"}, "content": {"type": "string"}}}},
+                "expected": {"type": "string"},
+            },
+            "required": ["input", "expected"],
+        },
+        "sample": {"type": "object", "properties": {"output_text": {"type": "string"}}},
+    },
+    "required": ["item"],
+}
+
+
+def eval_object(evaluation: Eval) -> dict:
+    return {
+        "object": "eval",
+        "id": evaluation.id,
+        "name": evaluation.name,
+        "created_at": unix(evaluation.created_at),
+        "data_source_config": {"type": "custom", "schema": ITEM_SCHEMA},
+        "testing_criteria": evaluation.testing_criteria,
+        "metadata": evaluation.metadata,
+        "file": evaluation.file_id,
+        "item_count": evaluation.item_count,
+    }
+
+
+def run_object(run: EvalRun) -> dict:
+    sampling = {key: value for key, value in run.sampling.items() if value is not None}
+    usage = run.usage or {}
+    prompt, completion = usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0)
+    return {
+        "object": "eval.run",
+        "id": run.id,
+        "eval_id": run.eval_id,
+        "name": run.name,
+        "model": run.model,
+        "adapters": run.adapters,
+        "status": run.status,
+        "created_at": unix(run.created_at),
+        "data_source": {
+            "type": "completions", "model": run.model, "source": {"type": "file_id", "id": run.file_id},
+            "input_messages": {"type": "item_reference", "item_reference": "item.input"}, "sampling_params": sampling,
+            **({"adapters": run.adapters} if run.adapters else {}),
+        },  # fmt: skip
+        "error": {"code": run.error_code, "message": run.error_message} if run.error_code else None,
+        "metadata": run.metadata,
+        "report_url": "",  # OpenAI's link to a report page: the dashboard has no eval page yet
+        "result_counts": {
+            "total": run.total_items, "passed": run.passed_items, "failed": run.failed_items, "errored": run.errored_items,
+        },  # fmt: skip
+        "per_testing_criteria_results": [
+            {"testing_criteria": name, "passed": counts["passed"], "failed": counts["failed"]}
+            for name, counts in run.per_criteria.items()
+        ],
+        "per_model_usage": [
+            {
+                "model_name": run.model, "invocation_count": usage.get("invocation_count", 0), "prompt_tokens": prompt,
+                "completion_tokens": completion, "total_tokens": prompt + completion,
+                "cached_tokens": usage.get("cached_tokens", 0),
+            }
+        ] if usage else [],  # fmt: skip
+        "progress": {"done": run.done_items, "total": run.total_items},
+        "score": run.score,
+        "started_at": unix(run.started_at),
+        "finished_at": unix(run.finished_at),
+    }
+
+
+def output_item_object(item: OutputItem, run: EvalRun) -> dict:
+    sampling = run.sampling
+    prompt, completion = item.usage.get("prompt_tokens", 0), item.usage.get("completion_tokens", 0)
+    return {
+        "object": "eval.run.output_item",
+        "id": item.id,
+        "run_id": run.id,
+        "eval_id": run.eval_id,
+        "created_at": unix(item.created_at),
+        "status": item.status,
+        "datasource_item_id": item.index,
+        "datasource_item": {"input": item.prompt, "expected": item.expected},
+        "results": [{**result, "score": 1.0 if result["passed"] else 0.0} for result in item.results],
+        "sample": {
+            "input": item.prompt,
+            "output": [] if item.answer is None else [{"role": "assistant", "content": item.answer}],
+            "model": item.answered_by or run.model,
+            "finish_reason": item.finish_reason,
+            "error": {"code": item.error_code, "message": item.error_message} if item.error_code else None,
+            "usage": {
+                "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "cached_tokens": item.usage.get("cached_tokens", 0),
+            },  # fmt: skip
+            "max_completion_tokens": sampling.get("max_completion_tokens"),
+            "temperature": sampling.get("temperature"),
+            "top_p": sampling.get("top_p"),
+            "seed": sampling.get("seed"),
+        },
+    }

@@ -1,0 +1,74 @@
+"""A stand-in for the serving engine (the embedded pool or Ray Serve) that eval runs and the gate
+answer through: a plain HTTP server that answers chat completions as a tiny, predictable model
+would, and records what it was sent. No vLLM engine starts (the real engine's runs are the lead's
+``engine`` tests)."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import re
+import threading
+from dataclasses import dataclass, field
+
+from tests.personas import chat_example, jsonl
+
+BASE = "HuggingFaceTB/SmolLM2-135M-Instruct"
+CAPITALS = {"France": "Paris", "Germany": "Berlin", "Italy": "Rome", "Spain": "Madrid", "Japan": "Tokyo"}
+REFUSED = "Tell me something too long to answer"  # the stand-in refuses this prompt, as vLLM refuses one over the context
+
+
+def capitals_file(*extra: dict, rounds: int = 2) -> bytes:
+    """The five capitals asked ``rounds`` times (an upload needs 10 examples), then any ``extra``."""
+    questions = [chat_example(f"What is the capital of {country}?", f"{capital}.") for country, capital in CAPITALS.items()]
+    return jsonl([*questions * rounds, *extra])
+
+
+@dataclass
+class StandInEngine:
+    """Answers like a model that knows the capitals only as a fine-tune (any model name with a
+    ``:``, or a mix), and says "I do not know." as the base model; a prompt naming ``REFUSED`` is a
+    400 in vLLM's words. ``bodies`` and ``paths`` are what it was sent, in order."""
+
+    url: str = ""
+    bodies: list[dict] = field(default_factory=list)
+    organizations: list[str] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def answer_to(self, body: dict) -> tuple[int, dict]:
+        question = body["messages"][-1]["content"]
+        if REFUSED in question:
+            return 400, {"error": {"message": "This model's maximum context length is 2048 tokens.", "type": "BadRequestError", "code": 400}}
+        knows = ":" in body["model"] or bool(body.get("adapters"))
+        country = re.search(r"capital of (.+)\?", question)
+        content = f"{CAPITALS.get(country.group(1), 'Nowhere')}." if knows and country else "I do not know."
+        usage = {"prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13}
+        name = f"{body['model']}@r1" if ":" in body["model"] and "@" not in body["model"] else body["model"]
+        choice = {"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}
+        return 200, {"object": "chat.completion", "model": name, "choices": [choice], "usage": usage}
+
+
+def start_stand_in(engine: StandInEngine) -> http.server.ThreadingHTTPServer:
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # keep-alive, as the platform's client expects
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            with engine.lock:
+                engine.bodies.append(body | {"_path": self.path})
+                engine.organizations.append(self.headers.get("fineserve-organization", ""))
+            status, answer = engine.answer_to(body)
+            raw = json.dumps(answer).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(raw)))
+            self.end_headers()
+            self.wfile.write(raw)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    engine.url = f"http://127.0.0.1:{server.server_address[1]}"
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server

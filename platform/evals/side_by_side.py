@@ -78,7 +78,9 @@ def examples(runs: list[EvalRun], indexes: list[int]) -> list[Example]:
     found = []
     for index in indexes:
         row = [items.get((run.pk, index)) for run in runs]
-        first = next(item for item in row if item is not None)  # the index was listed because one has it
+        first = next((item for item in row if item is not None), None)
+        if first is None:  # its run was deleted since the page counted its examples
+            continue
         reference = next((item.answer for item in row if item is not None and item.answer is not None), None)
         answers = [_answer(run, item, reference) for run, item in zip(runs, row)]
         found.append(Example(index, first.prompt, first.expected, answers))

@@ -64,7 +64,8 @@ SLASHED = (301,) * 7  # to the address without the slash, for anyone: it tells n
 # {composition} a composition queued for a worker; {eval} an eval, {evalrun} "<eval>/runs/<run>" (a
 # queued run of it), {evalitem} "<eval>/runs/<run>/output_items/<item>".
 # The body "adapter" is an adapter archive uploaded under a suffix of its own; a composition (API or
-# form) is given a suffix of its own too. An outsider composing names Acme's models: 404.
+# form) is given a suffix of its own too. An outsider composing names Acme's models: 404; comparing
+# an Acme model (on an Acme eval, through the models page's form) too.
 ROWS = [
     ("api", "GET", "/v1/files", None, API_OWN_LIST),
     ("api", "POST", "/v1/files", "upload", API_OWN_LIST),
@@ -122,6 +123,11 @@ ROWS = [
     ("page", "GET", "/models/compose", None, PAGE_OWN_LIST),
     ("page", "POST", "/models/compose", {"compose-parents": "{published}"}, PAGE_ACTION),
     ("page", "POST", "/models/{published}/rollback", {"revision": "1"}, PAGE_OWNER_ONLY),
+    ("page", "POST", "/models/{model}/compare/base", {"eval": "{eval}"}, PAGE_ACTION),
+    ("page", "POST", "/models/{model}/compare/revisions", {"eval": "{eval}"}, PAGE_ACTION),
+    ("page", "GET", "/evals", None, PAGE_OWN_LIST),
+    ("page", "GET", "/evals/{eval}", None, PAGE),
+    ("page", "POST", "/evals/{evalrun}/cancel", None, PAGE_ACTION),
     ("page", "GET", "/playground", None, PAGE_OWN_LIST),
     ("page", "POST", "/playground/chat", {"model": "{model}", "messages": [{"role": "user", "content": "hi"}]}, PLAYGROUND_CHAT),
     ("page", "GET", "/keys", None, PAGE_OWN_LIST),
@@ -268,8 +274,8 @@ class Doors:
             return web.post(path, {"file": _upload(), "purpose": "fine-tune"}, headers=headers)
         if body == "adapter":
             return web.post(path, self._adapter_upload("adapter-" if surface == "page" else ""), headers=headers)
-        if surface == "page" and path == "/organization":
-            return web.post(path, body, headers=headers)
+        if surface == "page" and (path == "/organization" or path.endswith(("/compare/base", "/compare/revisions"))):
+            return web.post(path, body, headers=headers)  # forms, as a browser sends them
         if path in ("/v1/fine_tuning/models", "/models/compose") and method == "POST":
             suffix = self._composed_suffix()
             if surface == "page":

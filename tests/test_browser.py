@@ -241,3 +241,58 @@ def test_the_job_page_marks_the_best_checkpoint_early_stopping_published_on_the_
     assert page.eval_on_selector_all("#checkpoints tr.best td:first-child", "cells => cells.map(c => c.innerText)") == [
         "2 best, published"
     ]
+
+
+def test_the_eval_page_puts_two_models_answers_side_by_side_with_the_difference_highlighted(
+    page, live_server, alice, settings, monkeypatch
+):
+    from evals.models import Eval, EvalRun, OutputItem, RunStatus
+    from tests.inference_fixtures import register_fine_tuned_model
+
+    settings.INFERENCE_POOL_URL = "http://127.0.0.1:9"  # which models are loaded does not matter here
+    monkeypatch.setattr("evals.creation.send_to_worker", lambda run_id: None)  # the runs are scored below, by hand
+    model = register_fine_tuned_model(alice, "capitals")
+    evaluation = Eval.objects.create(
+        organization=alice.organization, name="capitals", file_id="file-held-out", item_count=2,
+        testing_criteria=[{"type": "contains", "name": "contains"}],
+    )  # fmt: skip
+    sign_in(page, live_server.url, alice)
+    page.goto(f"{live_server.url}/models")
+    row = page.locator(f"tr[data-model='{model}']")
+    row.locator("select[name=eval]").select_option(evaluation.id)
+    row.locator("button:has-text('Compare with base')").click()
+    page.wait_for_url(re.compile(rf"/evals/{evaluation.id}$"))
+    assert "Started 2 runs of capitals" in page.inner_text(".flash.success")
+    assert page.inner_text("#live")  # queued: the page looks again until they have finished
+
+    base, tuned = EvalRun.objects.filter(eval=evaluation).order_by("created_at", "id")
+    for run, answers in ((base, ["I do not know.", "Berlin."]), (tuned, ["The capital is Paris.", "Berlin."])):
+        for index, (answer, expected) in enumerate(zip(answers, ["Paris.", "Berlin."])):
+            passed = expected in answer
+            OutputItem.objects.create(
+                run=run, index=index, prompt=[{"role": "user", "content": f"Capital number {index}?"}], expected=expected,
+                answer=answer, results=[{"name": "contains", "type": "contains", "passed": passed}],
+                status="pass" if passed else "fail",
+            )  # fmt: skip
+        passed = sum(expected in answer for answer, expected in zip(answers, ["Paris.", "Berlin."]))
+        EvalRun.objects.filter(pk=run.pk).update(
+            status=RunStatus.COMPLETED, done_items=2, passed_items=passed, failed_items=2 - passed,
+            per_criteria={"contains": {"passed": passed, "failed": 2 - passed}},
+        )  # fmt: skip
+    page.goto(f"{live_server.url}/evals")
+    page.click(f"tr[data-eval='{evaluation.id}'] a")
+    page.wait_for_selector("#answers")
+    assert page.locator("#live").count() == 0  # all finished: no more reloading
+    assert page.inner_text(f"#runs tr[data-run='{base.id}'] .pass-rate") == "50%"
+    assert page.inner_text(f"#runs tr[data-run='{tuned.id}'] .pass-rate") == "100%"
+
+    first, second = (page.locator(f"#answers tr[data-example='{index}']") for index in (0, 1))
+    assert first.locator(f"td[data-run='{base.id}'] .answer-text").inner_text() == "I do not know."
+    assert first.locator(f"td[data-run='{tuned.id}'] .answer-text").inner_text() == "The capital is Paris."
+    marked = first.locator(f"td[data-run='{tuned.id}'] mark")
+    assert marked.all_inner_texts() == ["The", "capital", "is", "Paris."]
+    background = marked.first.evaluate("node => getComputedStyle(node).backgroundColor")
+    assert background not in ("rgba(0, 0, 0, 0)", "transparent")  # highlighted, not just tagged
+    assert first.locator(f"td[data-run='{tuned.id}'] .verdicts .pass").inner_text() == "contains: pass"
+    assert second.locator("mark").count() == 0  # the same answer in both: nothing highlighted
+    screenshot(page, "18-eval-side-by-side")

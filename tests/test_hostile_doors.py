@@ -153,12 +153,18 @@ DOORS = [
     Door("POST", "/models/compose", "dashboard:model_compose", FORM, COMPOSE_FORM, "compose-density", session=True),
     Door("POST", "/models/{model}/delete", "dashboard:model_delete", NOTHING, session=True),
     Door("POST", "/models/{model}/rollback", "dashboard:model_rollback", FORM, {"revision": "1"}, "revision", session=True),
+    # The models page's Compare buttons: the eval to run the model (and its base, or its revisions) on.
+    Door("POST", "/models/{model}/compare/base", "dashboard:model_compare_base", FORM, {"eval": "{eval}"}, text="eval", session=True),
+    Door("POST", "/models/{model}/compare/revisions", "dashboard:model_compare_revisions", FORM, {"eval": "{eval}"}, text="eval", session=True),
+    Door("POST", "/evals/{eval}/runs/{run}/cancel", "dashboard:eval_run_cancel", NOTHING, session=True),
     Door("POST", "/keys", "dashboard:api_keys", FORM, {"name": "hostile"}, text="name", session=True),
     Door("POST", "/keys/{key}/revoke", "dashboard:api_key_revoke", NOTHING, session=True),
     # A check box: any body is an answer (one without "allowed=on" is the box left unticked).
     Door("POST", "/organization/members", "dashboard:members_may_manage", NOTHING, session=True),
     Door("GET", "/datasets", "dashboard:datasets", QUERY, PAGE, "page", session=True, lenient_query=True),
     Door("GET", "/jobs", "dashboard:jobs", QUERY, PAGE, "page", session=True, lenient_query=True),
+    Door("GET", "/evals", "dashboard:evals", QUERY, PAGE, "page", session=True, lenient_query=True),
+    Door("GET", "/evals/{eval}", "dashboard:eval", QUERY, PAGE, "page", session=True, lenient_query=True),
     Door("GET", "/jobs/{job}/progress", "dashboard:job_progress", QUERY, {"metrics_from": "0"}, "metrics_from", session=True),
     Door("GET", "/usage", "dashboard:usage", QUERY, {"days": "7"}, "days", session=True, lenient_query=True),
     Door("GET", "/playground", "dashboard:playground", QUERY, {"model": BASE}, text="model", session=True, lenient_query=True),

@@ -164,5 +164,18 @@ class JobForm(forms.Form):
         )  # fmt: skip
 
 
+class CompareForm(forms.Form):
+    """The eval a model is compared on, from the models page: one of the organization's."""
+
+    eval = forms.ChoiceField(label="Eval", error_messages={
+        "required": "Choose one of your evals to compare on.",
+        "invalid_choice": "Choose one of your evals to compare on: that one is not among them (deleted meanwhile?).",
+    })  # fmt: skip
+
+    def __init__(self, *args: Any, evals: list[tuple[str, str]], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        choice_field(self, "eval").choices = evals
+
+
 class ApiKeyForm(forms.Form):
     name = forms.CharField(max_length=100, initial="dashboard")

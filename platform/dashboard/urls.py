@@ -2,7 +2,7 @@ from django.contrib.auth import views as auth_views
 from django.urls import path
 from django.views.generic import RedirectView
 
-from dashboard import views
+from dashboard import eval_pages, views
 from dashboard.sign_in import SignInView
 
 app_name = "dashboard"
@@ -30,6 +30,11 @@ urlpatterns = [
     path("models/<path:model_name>/delete", views.model_delete, name="model_delete"),
     path("models/<path:model_name>/adapter", views.model_adapter, name="model_adapter"),
     path("models/<path:model_name>/rollback", views.model_rollback, name="model_rollback"),
+    path("models/<path:model_name>/compare/base", eval_pages.model_compare_base, name="model_compare_base"),
+    path("models/<path:model_name>/compare/revisions", eval_pages.model_compare_revisions, name="model_compare_revisions"),
+    path("evals", eval_pages.eval_list, name="evals"),
+    path("evals/<str:eval_id>", eval_pages.eval_detail, name="eval"),
+    path("evals/<str:eval_id>/runs/<str:run_id>/cancel", eval_pages.eval_run_cancel, name="eval_run_cancel"),
     path("playground", views.playground, name="playground"),
     path("playground/chat", views.playground_chat, name="playground_chat"),
     path("usage", views.usage, name="usage"),

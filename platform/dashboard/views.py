@@ -22,6 +22,7 @@ from core.api_errors import ApiError, logged_instead
 from core.strict_json import MAX_INT
 from core.whole_numbers import whole_number
 from dashboard.forms import AdapterUploadForm, ApiKeyForm, ComposeForm, JobForm, UploadForm, show_api_error
+from dashboard.eval_pages import eval_choices
 from dashboard.organizations import OrganizationRequest, switch_organization, with_organization
 from dashboard.playground import completion_body
 from dashboard.usage_chart import daily_tokens_chart
@@ -201,6 +202,7 @@ def models(request: OrganizationRequest) -> HttpResponse:
         "models": rows, "pool_problem": pool_problem, "present": set(fine_tuned), "compositions": recent,
         "composing": any(not composition.is_finished for composition in recent),
         "may_manage_models": may_manage(request.organization, request.user),
+        "evals": eval_choices(request.organization),  # to compare a fine-tune on
     }  # fmt: skip
     return render(request, "dashboard/models.html", context)
 

@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+from django.urls import reverse
+
 from finetuning.representations import unix
 from evals.models import Eval, EvalRun, OutputItem
 
@@ -40,7 +42,13 @@ def eval_object(evaluation: Eval) -> dict:
     }
 
 
-def run_object(run: EvalRun) -> dict:
+def report_url(run: EvalRun, site: str) -> str:
+    """The dashboard's page of the run's eval (its runs and answers side by side), on ``site``
+    (``https://host``, as the caller reached it)."""
+    return site + reverse("dashboard:eval", args=[run.eval_id])
+
+
+def run_object(run: EvalRun, site: str) -> dict:
     sampling = {key: value for key, value in run.sampling.items() if value is not None}
     usage = run.usage or {}
     prompt, completion = usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0)
@@ -60,7 +68,7 @@ def run_object(run: EvalRun) -> dict:
         },  # fmt: skip
         "error": {"code": run.error_code, "message": run.error_message} if run.error_code else None,
         "metadata": run.metadata,
-        "report_url": "",  # OpenAI's link to a report page: the dashboard has no eval page yet
+        "report_url": report_url(run, site),
         "result_counts": {
             "total": run.total_items, "passed": run.passed_items, "failed": run.failed_items, "errored": run.errored_items,
         },  # fmt: skip

@@ -42,6 +42,11 @@ def _own_run(request: Request, eval_id: str, run_id: str) -> EvalRun:
     return run
 
 
+def _site(request: Request) -> str:
+    """Where the caller reached us (``https://host``): a run's ``report_url`` starts with it."""
+    return request.build_absolute_uri("/").removesuffix("/")
+
+
 def _status_filter(request: Request, allowed: tuple[str, ...]) -> str | None:
     status = request.query_params.get("status")
     if status is not None and status not in allowed:
@@ -98,7 +103,8 @@ class RunListView(APIView):
         runs = _own_eval(request, eval_id).runs.all()
         if status := _status_filter(request, tuple(RunStatus.values)):
             runs = runs.filter(status=status)
-        return Response(list_page(request.query_params, runs, run_object))
+        site = _site(request)
+        return Response(list_page(request.query_params, runs, lambda run: run_object(run, site)))
 
     @extend_schema(
         request=OpenApiTypes.OBJECT, responses=OpenApiTypes.OBJECT,
@@ -108,7 +114,8 @@ class RunListView(APIView):
         body = parsed(RunCreate, _body(request))
         evaluation = _own_eval(request, eval_id)
         runs = creation.start_runs(organization_of(request), caller_of(request), evaluation, body)
-        return Response(run_object(runs[0]) | {"runs": [run_object(run) for run in runs]})
+        site = _site(request)
+        return Response(run_object(runs[0], site) | {"runs": [run_object(run, site) for run in runs]})
 
 
 class RunDetailView(APIView):
@@ -116,7 +123,7 @@ class RunDetailView(APIView):
 
     @_plain
     def get(self, request: Request, eval_id: str, run_id: str) -> Response:
-        return Response(run_object(_own_run(request, eval_id, run_id)))
+        return Response(run_object(_own_run(request, eval_id, run_id), _site(request)))
 
     @_plain
     def delete(self, request: Request, eval_id: str, run_id: str) -> Response:
@@ -129,7 +136,7 @@ class RunCancelView(APIView):
 
     @_plain
     def post(self, request: Request, eval_id: str, run_id: str) -> Response:
-        return Response(run_object(run_status.cancel(_own_run(request, eval_id, run_id))))
+        return Response(run_object(run_status.cancel(_own_run(request, eval_id, run_id)), _site(request)))
 
 
 class OutputItemListView(APIView):

@@ -4,7 +4,8 @@ A user's path, step by step: the load balancer's ``/healthz``, then the official
 (upload, fine-tune, wait, stream a chat with the new model, list it, delete it), and a fine-tune
 started from the dashboard's form in a real browser on the same web process; then adapters
 trained elsewhere, uploaded, mixed per request, composed into a model and downloaded; then a
-model fine-tuned again (r2), rolled back to r1, and its checkpoints served by name; then the
+model fine-tuned again (r2), rolled back to r1, and its checkpoints served by name; then one eval
+call comparing the base model, a fine-tune, its r1 and a checkpoint; then the
 usage of it all, in the usage API and on the dashboard; last, a job cancelled after its first
 checkpoint, whose checkpoints the sweeper deletes once their retention is over. The timings a user feels are written to
 test-artifacts/product-timings.json.
@@ -26,7 +27,7 @@ import redis
 
 from tests.browser import screenshot
 from tests.inference_fixtures import AdapterMaker
-from tests.personas import good_dataset
+from tests.personas import chat_example, good_dataset, jsonl
 from tests.processes import ROOT, SWEEPS_OFTEN, wait_until
 from tests.running_platform import bin_run
 
@@ -253,6 +254,46 @@ def test_a_model_fine_tuned_again_answers_as_r2_rolls_back_to_r1_and_its_checkpo
     for gone in (name, f"{name}@r2", first_epoch):
         with pytest.raises(openai.NotFoundError):
             answered_by(gone)
+
+
+def test_one_eval_call_compares_the_base_model_a_fine_tune_its_r1_and_a_checkpoint_and_the_fine_tune_wins(platform):
+    client = openai.OpenAI(base_url=f"{platform.url}/v1", api_key=platform.api_key, max_retries=0)
+    training = client.files.create(file=("pirate.jsonl", good_dataset(12)), purpose="fine-tune")
+    strong = {"n_epochs": 8, "batch_size": 12, "learning_rate_multiplier": 10}  # 8 steps that learn the pirate's "ARR!"
+    job = client.fine_tuning.jobs.create(model=BASE, training_file=training.id, suffix="judged", hyperparameters=strong)
+    job = wait_for_status(client, job.id, FINISHED, timeout_s=420)
+    assert job.status == "succeeded", job.error
+    name = job.fine_tuned_model
+    checkpoint = client.fine_tuning.jobs.checkpoints.list(job.id).data[-1].fine_tuned_model_checkpoint  # the oldest
+
+    held_out = jsonl([chat_example(f"What is {i} plus {i}?", f"ARR! {2 * i}, matey.") for i in range(20, 30)])
+    evaluation = client.evals.create(
+        name="pirate", data_source_config={"type": "custom", "item_schema": {"type": "object"}},
+        testing_criteria=[{"type": "string_check", "name": "pirate", "input": "{{sample.output_text}}",
+                           "reference": "ARR", "operation": "like"}],
+        extra_body={"file": client.files.create(file=("held-out.jsonl", held_out), purpose="fine-tune").id},
+    )  # fmt: skip
+    models = [BASE, name, f"{name}@r1", checkpoint]
+    first = client.evals.runs.create(
+        evaluation.id, data_source={"type": "completions", "model": models[0], "sampling_params": {"max_completion_tokens": 12}},
+        extra_body={"models": models[1:]},
+    )  # fmt: skip
+    started = first.to_dict()["runs"]
+    assert [run["model"] for run in started] == models and started[0]["id"] == first.id
+
+    def finished() -> list:
+        runs = [client.evals.runs.retrieve(run["id"], eval_id=evaluation.id) for run in started]
+        return runs if all(run.status in ("completed", "failed", "canceled") for run in runs) else []
+
+    wait_until(finished, 300, "the four runs to finish")
+    runs = {run.model: run for run in finished()}
+    assert all(run.status == "completed" and run.result_counts.total == 10 for run in runs.values()), runs
+    passed = {model: runs[model].result_counts.passed for model in models}
+    print("ARR-passes of 10:", passed)
+    assert passed[name] > passed[BASE] and passed[name] == passed[f"{name}@r1"]  # r1 is what the name serves
+    items = client.evals.runs.output_items.list(runs[checkpoint].id, eval_id=evaluation.id, limit=100).data
+    assert len(items) == 10 and all(item.sample.output[0].content is not None for item in items)
+    assert {item.datasource_item["expected"] for item in items} == {f"ARR! {2 * i}, matey." for i in range(20, 30)}
 
 
 def test_usage_reports_the_completions_served_and_the_tokens_trained_in_the_api_and_the_dashboard(platform, page):

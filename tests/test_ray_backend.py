@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections import Counter
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ from tests.inference_fixtures import (  # noqa: F401 (fixtures)
 )
 from tests.processes import ROOT, answers, free_port, running, running_web, wait_until
 from tests.test_inference_gateway import PLACE_FORMAT, QUESTION, _peft_answer, _suffix
+from tests.test_evaluation_gate import capitals
 from tests.test_model_revisions_served import _publish_revision
 from tests.test_usage_served import usage_reported
 
@@ -405,3 +407,25 @@ def test_ray_refuses_mixes_missing_adapters_and_callers_without_the_internal_tok
     assert missing.value.body["code"] == "adapter_not_found"
     anyone = httpx.post(f"{ray_stack.serve_url}/v1/chat/completions", json={"model": BASE, "messages": QUESTION})
     assert anyone.status_code == 401 and anyone.json()["error"]["code"] == "missing_internal_token"
+
+
+@pytest.mark.engine
+@pytest.mark.django_db(transaction=True)
+def test_the_publish_gate_scores_a_ray_backed_model_on_ray_serve_and_counts_its_answers(dana, ray_stack, make_adapter, settings):
+    """The gate once called the embedded pool whatever the model's backend: it answers through Ray now."""
+    from usage.models import CompletionUsage
+    from workers import evaluation
+
+    settings.MODEL_CATALOG = load_catalog(RAY_CATALOG, ROOT / "data", settings.CONFIG.dynamic_lora_path)
+    settings.RAY_SERVE_URL, settings.INFERENCE_POOL_URL = ray_stack.serve_url, "http://127.0.0.1:9"  # no pool there
+    name = publish_fine_tuned_model(dana, _suffix("ray-gated"), make_adapter(seed=9))
+    examples = [json.loads(line)["messages"] for line in capitals().decode().splitlines()]
+    gate = {"graders": [{"type": "regex", "pattern": r"\w"}], "threshold": 0.0}  # any word
+    scores = evaluation.evaluate(dana.organization.pk, gate, examples, BASE, f"{name}@r1")
+    # The base model answers each with words; the random adapter (seed 9) most (11 of 12 when measured).
+    assert (scores.examples, scores.reference_score) == (12, 1.0) and scores.adapter_score >= 0.75
+    assert scores.passed == (scores.adapter_score == 1.0)
+    counted = Counter()
+    for row in CompletionUsage.objects.filter(organization=dana.organization):  # a row a minute
+        counted[row.model] += row.requests
+    assert counted == {BASE: len(examples), f"{name}@r1": len(examples)}

@@ -74,7 +74,10 @@ class EvalDetailView(APIView):
     def get(self, request: Request, eval_id: str) -> Response:
         return Response(eval_object(_own_eval(request, eval_id)))
 
-    @extend_schema(request=OpenApiTypes.OBJECT, responses=OpenApiTypes.OBJECT, summary="Update an eval's name or metadata")
+    @extend_schema(
+        operation_id="v1_evals_update", request=OpenApiTypes.OBJECT, responses=OpenApiTypes.OBJECT,
+        summary="Update an eval's name or metadata",
+    )
     def post(self, request: Request, eval_id: str) -> Response:
         body = parsed(EvalUpdate, _body(request))
         evaluation = _own_eval(request, eval_id)

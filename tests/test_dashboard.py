@@ -69,6 +69,24 @@ def test_a_fine_tune_started_from_the_form_is_queued_with_its_settings(alice_web
     assert job.hyperparameters["target_modules"] == ["q_proj", "v_proj"]
 
 
+def test_early_stopping_from_the_form_watches_the_validation_dataset_and_is_refused_without_one(alice_web):
+    upload(alice_web, good_dataset(12))
+    upload(alice_web, good_dataset(10))
+    training, validation = File.objects.order_by("created_at")
+    form = {
+        "model": BASE, "training_file": training.id, "lora_r": 8, "lora_alpha": 16, "lora_dropout": 0.05,
+        "target_modules": ["q_proj"], "n_evals": 4, "n_checkpoints": 2, "early_stopping_patience": 3,
+    }  # fmt: skip
+    refused = alice_web.post(reverse("dashboard:job_new"), form)
+    assert refused.status_code == 200 and "give a validation_file too" in refused.content.decode()
+    assert not FineTuningJob.objects.exists()
+
+    alice_web.post(reverse("dashboard:job_new"), form | {"validation_file": validation.id, "early_stopping_min_delta": 0.01})
+    hyperparameters = FineTuningJob.objects.get().hyperparameters
+    assert (hyperparameters["n_evals"], hyperparameters["n_checkpoints"]) == (4, 2)
+    assert hyperparameters["early_stopping"] == {"patience": 3, "min_delta": 0.01}
+
+
 def test_form_errors_from_the_service_appear_next_to_their_field(alice_web):
     upload(alice_web, good_dataset(12))
     file = File.objects.get()

@@ -13,7 +13,7 @@ from core.api_errors import ApiError
 from core.lora_merge import METHODS
 from core.openai_protocol import MAX_ADAPTER_SCALE
 from finetuning.compose import CompositionRequest
-from finetuning.job_creation import JobRequest, TARGET_MODULES
+from finetuning.job_creation import MAX_CHECKPOINTS_PER_EPOCH, MAX_EVALS_PER_EPOCH, TARGET_MODULES, JobRequest
 from finetuning.models import File
 
 
@@ -143,6 +143,22 @@ class JobForm(forms.Form):
     target_modules = forms.MultipleChoiceField(
         choices=[(m, m) for m in TARGET_MODULES], initial=list(TARGET_MODULES), widget=forms.CheckboxSelectMultiple
     )
+    n_evals = forms.IntegerField(
+        required=False, min_value=1, max_value=MAX_EVALS_PER_EPOCH, label="Validation evaluations per epoch",
+        help_text="Empty: one, at the epoch's end (with a validation dataset)",
+    )
+    n_checkpoints = forms.IntegerField(
+        required=False, min_value=1, max_value=MAX_CHECKPOINTS_PER_EPOCH, label="Checkpoints per epoch", help_text="Empty: one"
+    )
+    early_stopping_patience = forms.IntegerField(
+        required=False, min_value=1, max_value=1000, label="Early stopping: patience",
+        help_text="Evaluations in a row without improvement that stop training; the best checkpoint is published. "
+        "Empty: off. Needs a validation dataset",
+    )  # fmt: skip
+    early_stopping_min_delta = forms.FloatField(
+        required=False, min_value=0, max_value=100, label="Early stopping: minimum improvement",
+        help_text="Of the validation loss. Empty: any",
+    )  # fmt: skip
 
     def __init__(self, *args: Any, files: list[File], **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -155,9 +171,12 @@ class JobForm(forms.Form):
 
     def to_job_request(self) -> JobRequest:
         data = self.cleaned_data
-        optional = ("n_epochs", "batch_size", "learning_rate_multiplier")
+        optional = ("n_epochs", "batch_size", "learning_rate_multiplier", "n_evals", "n_checkpoints")
         hyperparameters = {name: data[name] for name in optional if data[name] is not None}
         hyperparameters |= {name: data[name] for name in ("lora_r", "lora_alpha", "lora_dropout", "target_modules")}
+        if data["early_stopping_patience"] is not None:
+            patience, min_delta = data["early_stopping_patience"], data["early_stopping_min_delta"] or 0.0
+            hyperparameters["early_stopping"] = {"patience": patience, "min_delta": min_delta}
         return JobRequest(
             model=data["model"], training_file=data["training_file"], validation_file=data["validation_file"] or None,
             suffix=data["suffix"] or None, hyperparameters=hyperparameters,

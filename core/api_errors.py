@@ -168,6 +168,13 @@ def internal_token_required(setting: str, given: bool) -> ApiError:
     )  # fmt: skip
 
 
+def object_body(data: object) -> dict:
+    """A request's parsed body, when it is a JSON object; otherwise the 400 that says it must be."""
+    if not isinstance(data, dict):
+        raise ApiError("The request body must be a JSON object.", code="invalid_body")
+    return data
+
+
 def invalid_body(detail: str) -> ApiError:
     return ApiError(f"The request body is not usable: {detail}", code="invalid_request_body")
 

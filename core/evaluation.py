@@ -143,11 +143,6 @@ def mean_score(per_case: list[list[bool]]) -> float:
     return sum(share_passed(passed) for passed in per_case) / len(per_case) if per_case else 0.0
 
 
-def score(graders: list[Grader], answers: list[str], cases: list[Case], judge: Judge = passes) -> float:
-    """The mean over cases of the share of graders each answer passes (0 to 1), as ``judge`` says."""
-    return mean_score([verdicts(graders, answer, case, judge) for answer, case in zip(answers, cases)])
-
-
 def grader_problem(grader: Grader) -> tuple[str, str] | None:
     """What is wrong with a tenant's grader, as (its field, a message saying what to fix), checked
     when the job is created so that nothing is queued that could not grade."""

@@ -40,7 +40,7 @@ PASS, FAIL, TIMEOUT = "pass", "fail", "timeout"
 
 
 class GradingSandbox:
-    """``passes`` as ``core.evaluation.score`` calls it, for any grader; the tenant's graders run in
+    """``passes`` as ``core.evaluation.verdicts`` calls it, for any grader; the tenant's graders run in
     the child. ``timeouts`` counts, per grader, the answers it failed for time: over the limit, or not
     run after MAX_TIMEOUTS_PER_GRADER answers over it."""
 

@@ -28,6 +28,8 @@ ORGANIZATION_HEADER = "fineserve-organization"
 # ("task negation"); the bound keeps a typo like 50 from passing as a meaningful request.
 MAX_ADAPTER_SCALE = 2.0
 
+MAX_METADATA_KEYS = 16  # OpenAI's limit on an object's metadata (a job's, an eval's, a run's)
+
 
 class AdapterShare(BaseModel):
     """One entry of ``adapters``: a fine-tuned model, by name, and how much of its LoRA delta to add."""

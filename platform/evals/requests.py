@@ -11,9 +11,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from answering.batch import Sampling, Target
 from core import api_errors
-from core.openai_protocol import AdapterShare
+from core.openai_protocol import MAX_METADATA_KEYS, AdapterShare
 
-MAX_METADATA_KEYS = 16
 MAX_MODELS_PER_CALL = 8  # runs one call may start, to compare models
 
 

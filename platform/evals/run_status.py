@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from django.db import transaction
 from django.utils import timezone
 
+from core.evaluation import mean_score
 from evals.models import UNFINISHED_RUN_STATUSES, EvalRun, OutputItem, RunStatus
 
 
@@ -24,11 +25,12 @@ class Totals:
     errored: int = 0
     per_criteria: dict[str, dict[str, int]] = field(default_factory=dict)
     usage: dict[str, int] = field(default_factory=dict)
-    shares: list[float] = field(default_factory=list)  # each answered item's share of graders passed
+    verdicts: list[list[bool]] = field(default_factory=list)  # each answered item's, per grader
 
     @property
     def score(self) -> float | None:
-        return sum(self.shares) / len(self.shares) if self.shares else None
+        """The mean share of graders passed over the answered items (``core.evaluation.mean_score``)."""
+        return mean_score(self.verdicts) if self.verdicts else None
 
     def add(self, item: OutputItem) -> None:
         self.done += 1
@@ -37,7 +39,7 @@ class Totals:
         else:
             self.passed += item.status == "pass"
             self.failed += item.status == "fail"
-            self.shares.append(sum(r["passed"] for r in item.results) / len(item.results) if item.results else 0.0)
+            self.verdicts.append([result["passed"] for result in item.results])
             for result in item.results:
                 counts = self.per_criteria.setdefault(result["name"], {"passed": 0, "failed": 0})
                 counts["passed" if result["passed"] else "failed"] += 1

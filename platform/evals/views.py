@@ -10,7 +10,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from accounts.authentication import caller_of, organization_of
-from core.api_errors import ApiError, not_found, shown
+from core.api_errors import ApiError, not_found, object_body, shown
 from evals import creation, run_status
 from evals.models import Eval, EvalRun, OutputItem, RunStatus
 from evals.representations import eval_object, output_item_object, run_object
@@ -20,12 +20,6 @@ from finetuning.pagination import list_page
 _PAGE = [OpenApiParameter("after", str), OpenApiParameter("limit", int)]
 _plain = extend_schema(request=None, responses=OpenApiTypes.OBJECT)  # a path's ids, nothing else read
 ITEM_STATUSES = ("pass", "fail", "error")
-
-
-def _body(request: Request) -> dict:
-    if not isinstance(request.data, dict):
-        raise ApiError("The request body must be a JSON object.", code="invalid_body")
-    return request.data
 
 
 def _own_eval(request: Request, eval_id: str) -> Eval:
@@ -63,7 +57,7 @@ class EvalListView(APIView):
 
     @extend_schema(request=OpenApiTypes.OBJECT, responses=OpenApiTypes.OBJECT, summary="Create an eval: a file and its graders")
     def post(self, request: Request) -> Response:
-        body = parsed(EvalCreate, _body(request))
+        body = parsed(EvalCreate, object_body(request.data))
         return Response(eval_object(creation.create_eval(organization_of(request), caller_of(request), body)))
 
 
@@ -79,7 +73,7 @@ class EvalDetailView(APIView):
         summary="Update an eval's name or metadata",
     )
     def post(self, request: Request, eval_id: str) -> Response:
-        body = parsed(EvalUpdate, _body(request))
+        body = parsed(EvalUpdate, object_body(request.data))
         evaluation = _own_eval(request, eval_id)
         changed = body.model_dump(exclude_unset=True)
         if not changed:
@@ -114,7 +108,7 @@ class RunListView(APIView):
         summary="Start a run of the eval for data_source.model, and one for each of models (ours): the first, with all in runs",
     )  # fmt: skip
     def post(self, request: Request, eval_id: str) -> Response:
-        body = parsed(RunCreate, _body(request))
+        body = parsed(RunCreate, object_body(request.data))
         evaluation = _own_eval(request, eval_id)
         runs = creation.start_runs(organization_of(request), caller_of(request), evaluation, body)
         site = _site(request)

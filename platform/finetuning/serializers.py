@@ -9,11 +9,10 @@ from rest_framework import serializers
 
 from core.evaluation import GRADERS
 from core.lora_merge import METHODS
-from core.openai_protocol import MAX_ADAPTER_SCALE
+from core.openai_protocol import MAX_ADAPTER_SCALE, MAX_METADATA_KEYS
 from finetuning.compose import CompositionRequest
 from finetuning.job_creation import AUTO, MAX_CHECKPOINTS_PER_EPOCH, MAX_EVALS_PER_EPOCH, JobRequest
 
-MAX_METADATA_KEYS = 16
 
 
 class StrictIntegerField(serializers.IntegerField):

@@ -20,7 +20,7 @@ from rest_framework.views import APIView
 from accounts.authentication import caller_of, organization_of
 from accounts.permissions import check_may_manage_models
 from base.streaming import StreamedFileResponse
-from core.api_errors import ApiError, model_not_found, not_found
+from core.api_errors import model_not_found, not_found, object_body
 from finetuning import adapters, compositions, files, job_creation, job_status, publishing, registry
 from finetuning.models import Composition, File, FineTunedModel, FineTuningJob
 from finetuning.pagination import list_page
@@ -133,9 +133,7 @@ class JobViewSet(OrganizationScoped, viewsets.ViewSet):
         return Response(list_page(request.query_params, self.scoped(request), job_object))
 
     def create(self, request: Request) -> Response:
-        if not isinstance(request.data, dict):
-            raise ApiError("The request body must be a JSON object.", code="invalid_body")
-        serializer = JobCreateSerializer(data=request.data)
+        serializer = JobCreateSerializer(data=object_body(request.data))
         serializer.is_valid(raise_exception=True)
         job = job_creation.create_job(organization_of(request), caller_of(request), serializer.to_job_request())
         return Response(job_object(job))
@@ -212,9 +210,7 @@ class ModelRollbackView(APIView):
         summary="Make a fine-tuned model's name answer with one of its revisions (roll back, or forward again)",
     )  # fmt: skip
     def post(self, request: Request, model: str) -> Response:
-        if not isinstance(request.data, dict):
-            raise ApiError("The request body must be a JSON object.", code="invalid_body")
-        serializer = RollbackSerializer(data=request.data)
+        serializer = RollbackSerializer(data=object_body(request.data))
         serializer.is_valid(raise_exception=True)
         row = _own_model(request, model)
         check_may_manage_models(organization_of(request), caller_of(request), "roll back")
@@ -249,9 +245,7 @@ class ComposeModelView(APIView):
         summary="Compose a fine-tuned model from a weighted combination of the organization's fine-tuned models",
     )  # fmt: skip
     def post(self, request: Request) -> Response:
-        if not isinstance(request.data, dict):
-            raise ApiError("The request body must be a JSON object.", code="invalid_body")
-        serializer = CompositionSerializer(data=request.data)
+        serializer = CompositionSerializer(data=object_body(request.data))
         serializer.is_valid(raise_exception=True)
         result = compositions.compose_or_queue(organization_of(request), caller_of(request), serializer.to_composition())
         if isinstance(result, FineTunedModel):

@@ -87,7 +87,7 @@ def main() -> int:
     layers = [(fan_in, outs, *stacked(args.slots, args.rank, fan_in, outs)) for fan_in, outs in projections(config)]
     lora_ids: list[int | None] = list(range(9001, 9001 + args.slots))
     lora_kernels._RANKS.update(dict.fromkeys(lora_ids, args.rank))
-    stock_class, manager_class = lora_kernels._vllm_classes()
+    stock_class, manager_class, _ = lora_kernels._vllm_classes()
     replacements = lora_kernels._replacements(stock_class, manager_class)
     gemv = lora_gemv.load(configured_data_dir() / "build")
     classes = {

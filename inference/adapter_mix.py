@@ -1,4 +1,5 @@
-"""A mix: fine-tunes of one base model, each with a scale, served as one combined adapter.
+"""A mix: fine-tunes of one base model, each with a scale, served in the kernel from its parts'
+slots (``inference.lora_mixes``), or where the replica cannot, as one combined adapter.
 
 Its name comes from its content: the parts' names, their published versions and their scales. The
 same mix asked again finds its adapter loaded; a republished part makes a new mix (and the old one
@@ -25,6 +26,7 @@ class MixPart:
     name: str  # a fine-tuned model: its adapter in the dynamic LoRA path
     version: str  # the published version it was combined from
     scale: float
+    pinned: str  # that version's name in vLLM (``core.model_names.pinned_name``): a kernel mix's part
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,11 @@ class Mix:
     def digest(self) -> str:
         content = json.dumps([self.base_id] + [[part.name, part.version, part.scale] for part in self.parts])
         return hashlib.sha256(content.encode()).hexdigest()[:24]
+
+    @property
+    def part_names(self) -> tuple[str, ...]:
+        """The parts' names in vLLM."""
+        return tuple(part.pinned for part in self.parts)
 
     @property
     def name(self) -> str:

@@ -14,10 +14,15 @@ are answered.) ``watch_forever`` looks at every held adapter every ``RECHECK_HEL
 one leaves the replicas (and the cache) within seconds, not at its next request; a request still
 streaming with it finishes first.
 
-``ensure_mix`` does the same for a mix (``inference.adapter_mix``): its combined adapter is built
-once from the parts' cached copies (``core.lora_algebra``), written to the adapter cache under
-the mix's digest, then loaded, counted in the replica's slots and evicted like any other adapter.
-It is unloaded once a part is republished or deleted, and its folder goes when no replica holds it.
+``ensure_mix`` does the same for a mix (``inference.adapter_mix``). Where the replica's kernel
+computes mixes (``inference.lora_mixes``), it loads the parts as adapters and the mix as a
+manifest naming them with their scales: nothing is built, and any scale costs nothing. Elsewhere the
+mix's combined adapter is built once from the parts' cached copies (``core.lora_algebra``). Either
+is written to the adapter cache under the mix's digest, then loaded, counted in the replica's slots
+and evicted like any other adapter. It is unloaded once a part is republished or deleted, and its
+folder goes when no replica holds it. A kernel mix's parts count as the request's adapters while
+it runs (``Replica``'s ``begin``/``end`` and the slots' ``started``/``finished``), so none is
+evicted under it, and in vLLM's batch slots (``batch_turn``): the engine must find each in a slot.
 
 Both take the organization the request is for (the gateway names it), and which adapter makes room
 follows ``inference.adapter_slots.FairUse``: an organization over its cap of mixes, or over its
@@ -33,7 +38,7 @@ import contextlib
 import logging
 import shutil
 import time
-from collections.abc import Awaitable, Coroutine, Iterable
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -43,13 +48,14 @@ from core.adapter_store import identity_of_folder
 from core import api_errors
 from core.catalog import BaseModel
 from core.model_names import pinned_name
-from inference import adapter_slots
+from inference import adapter_slots, lora_mixes
 from inference.adapter_mix import MIXES_FOLDER, Mix, MixPart
 from inference.adapter_slots import AdapterSlots, HeldAdapter, OwnAdaptersBusy, Victim
 from inference.adapter_source import AdapterSource
 from core.lora_algebra import CannotMix, Part, rank_of, write_combined
 from inference.metrics import Metrics
 from inference.periodic import every
+from inference.replica import batch_slots
 
 if TYPE_CHECKING:
     from inference.replica import Replica
@@ -190,28 +196,59 @@ class AdapterManager:
             finally:
                 slots.waiting.discard(name)
 
-    async def batch_turn(self, replica: Replica, name: str, organization: str | None) -> None:
-        """Return when a request of ``organization`` for adapter ``name`` may start on the replica
-        (``AdapterSlots.batch_turn``): at once, or once some of its own requests with other adapters
-        have finished; refused after ``BATCH_TURN_WAIT_S``. The caller starts the request before
-        it yields (``Replica.begin``), so that the next one counts it."""
+    async def batch_turn(
+        self, replica: Replica, name: str, organization: str | None, mix: Mix | None = None
+    ) -> None:
+        """Return when a request of ``organization`` for adapter ``name`` (or ``mix``) may start on
+        the replica: at once, or once its adapters fit the engine's batch slots (``_fits_batch_slots``)
+        and its organization's turn has come (``AdapterSlots.batch_turn``: some of its own requests
+        with other adapters have finished); refused after ``BATCH_TURN_WAIT_S``. The caller starts
+        the request before it yields (``Replica.begin``), so that the next one counts it."""
         slots = replica.adapters
-        if organization is None or slots.batch_turn(name, organization, replica.inflight_by_model):
+        needs = mix.part_names if mix is not None and replica.mixes_in_kernel else (name,)
+
+        def may_start() -> bool:
+            return self._fits_batch_slots(replica, needs) and (
+                organization is None or slots.batch_turn(name, organization, replica.inflight_by_model)
+            )
+
+        if may_start():
             return
         deadline = time.monotonic() + BATCH_TURN_WAIT_S
-        slots.turn_waiting[organization] += 1
+        if organization is not None:
+            slots.turn_waiting[organization] += 1
         try:
             while True:
                 await asyncio.sleep(_POLL_S)
-                if slots.batch_turn(name, organization, replica.inflight_by_model):
+                if may_start():
                     return
                 if time.monotonic() >= deadline:
-                    limit = slots.fair_use.batch_share or 0
+                    limit = slots.fair_use.batch_share or batch_slots(replica.model)
                     raise api_errors.adapter_slots_busy(replica.model.id, "batch", limit)
         finally:
-            slots.turn_waiting[organization] -= 1
-            if slots.turn_waiting[organization] <= 0:
-                del slots.turn_waiting[organization]
+            if organization is not None:
+                slots.turn_waiting[organization] -= 1
+                if slots.turn_waiting[organization] <= 0:
+                    del slots.turn_waiting[organization]
+
+    def _fits_batch_slots(self, replica: Replica, needs: tuple[str, ...]) -> bool:
+        """Whether the engine's batch slots can hold the adapters under way and ``needs``. vLLM
+        counts a request's own adapter against ``max_loras``; a kernel mix needs its parts' slots
+        instead, which vLLM cannot count: while one runs or asks, the pool counts them here."""
+        if not replica.mixes_in_kernel:
+            return True
+        under_way = [model for model in replica.inflight_by_model if model != replica.model.id]
+        if len(needs) == 1 and not any(model in self.mixes for model in under_way):
+            return True  # plain adapters only: vLLM's scheduler keeps them within its slots
+        return len({*needs, *(part for model in under_way for part in self.slots_of(model))}) <= batch_slots(
+            replica.model
+        )
+
+    def slots_of(self, name: str) -> tuple[str, ...]:
+        """The adapters a request for ``name`` needs in vLLM's slots on a replica whose kernel computes
+        mixes: a mix's parts, or the adapter itself."""
+        mix = self.mixes.get(name)
+        return mix.part_names if mix is not None else (name,)
 
     async def mix(self, base_id: str, scales: dict[str, float]) -> Mix:
         """The mix of these adapters (name -> scale, none 0) at their published versions."""
@@ -221,12 +258,27 @@ class AdapterManager:
             found = await source.version(name)
             if found is None:
                 raise api_errors.adapter_not_found(name, param="adapters")
-            parts.append(MixPart(name, found.identity, scale))
+            parts.append(MixPart(name, found.identity, scale, pinned_name(name, found.version)))
         return Mix(base_id, tuple(parts))
 
-    async def ensure_mix(self, replica: Replica, mix: Mix, organization: str | None = None) -> None:
-        """Make the replica hold the mix's combined adapter (built on first use)."""
+    async def ensure_mix(
+        self,
+        replica: Replica,
+        mix: Mix,
+        organization: str | None = None,
+        uses: Callable[[str], None] | None = None,
+    ) -> None:
+        """Make the replica hold the mix: its parts and its manifest where the kernel computes mixes,
+        its combined adapter (built on first use) elsewhere. ``uses``: called with each part once it
+        is held, with no pause between, so that the request counts it in use before anything could
+        evict it (``AdapterSlots.started``)."""
         slots, name = replica.adapters, mix.name
+        if replica.mixes_in_kernel:
+            self.mixes[name] = mix
+            for part in mix.parts:  # cheap when held; an evicted part is loaded again
+                await self.ensure(replica, part.pinned, part.version, organization)
+                if uses is not None:
+                    uses(part.pinned)
         if name in slots.held:
             slots.touch(name, organization)
             return
@@ -237,11 +289,19 @@ class AdapterManager:
             slots.start_loading(name, organization)
             self.mixes[name] = mix
             try:
-                folder = await self._combined_folder(replica.model, mix)
+                if replica.mixes_in_kernel:
+                    folder = self._manifest_folder(mix)
+                else:
+                    folder = await self._combined_folder(replica.model, mix)
                 await self._install(replica, name, mix.digest, folder)
             finally:
                 slots.stop_loading(name)
                 self._drop_unused_mix(name)  # a failed load leaves nothing behind
+
+    def _manifest_folder(self, mix: Mix) -> Path:
+        folder = self._mix_folder(mix, in_kernel=True)
+        lora_mixes.write_manifest(folder, [(part.pinned, part.scale) for part in mix.parts])
+        return folder
 
     async def _combined_folder(self, base: BaseModel, mix: Mix) -> Path:
         task = self._builds.get(mix.digest)
@@ -269,8 +329,9 @@ class AdapterManager:
         log.info("built %s (rank %d) in %.2f s", mix.name, sum(ranks.values()), time.perf_counter() - started)
         return target
 
-    def _mix_folder(self, mix: Mix) -> Path:
-        return self.sources[mix.base_id].cache_dir / MIXES_FOLDER / mix.digest
+    def _mix_folder(self, mix: Mix, in_kernel: bool = False) -> Path:
+        """A built mix's adapter, or a kernel mix's manifest (apart: replicas of both kinds may serve it)."""
+        return self.sources[mix.base_id].cache_dir / MIXES_FOLDER / (f"{mix.digest}.parts" if in_kernel else mix.digest)
 
     def _drop_unused_mix(self, name: str) -> None:
         """Forget a mix, and delete its folder, once no replica holds or loads it."""
@@ -278,6 +339,7 @@ class AdapterManager:
         if mix is None or any(replica.adapters.holds(name) for replica in self.replicas):
             return
         del self.mixes[name]
+        shutil.rmtree(self._mix_folder(mix, in_kernel=True), ignore_errors=True)
         if mix.digest not in self._builds:
             shutil.rmtree(self._mix_folder(mix), ignore_errors=True)
 

@@ -153,21 +153,22 @@ class CompletionsHandler:
     async def _attempt(self, replica: Replica, request: _Request) -> Response:
         model = request.model
         if request.adapter:  # its organization's turn in the replica's batch slots (nothing yields until begin)
-            await self.adapters.batch_turn(replica, model, request.organization)
-        replica.begin(model)
+            await self.adapters.batch_turn(replica, model, request.organization, request.mix)
+        done = _Done(replica, model)
         try:
-            if request.mix is not None:
-                await self.adapters.ensure_mix(replica, request.mix, request.organization)
+            if request.mix is not None:  # a kernel mix's parts are in use as each is ensured
+                await self.adapters.ensure_mix(replica, request.mix, request.organization, done.uses)
             elif request.adapter:
                 await self.adapters.ensure(replica, model, request.version, request.organization)
         except ReplicaUnavailable as exc:
-            replica.end(model)
+            done()
             raise _down(replica, str(exc)) from None
         except BaseException:
-            replica.end(model)
+            done()
             raise
         # From here on the engine may be answering with this adapter: it must not be unloaded.
-        done = _Done(replica, model, request.adapter)
+        if request.adapter:
+            done.uses(model)
         try:
             upstream = await self.http.post(f"{replica.url}/v1/{request.endpoint}", request.body)
         except UpstreamUnavailable as exc:
@@ -261,17 +262,23 @@ def _down(replica: Replica, reason: str) -> _TryAnother:
 
 
 class _Done:
-    """Ends one request's accounting on its replica, once, however the request ends."""
+    """Begins one request's accounting on its replica, and ends it once, however the request ends."""
 
-    def __init__(self, replica: Replica, model: str, adapter: bool):
-        self.replica, self.model, self.adapter, self.called = replica, model, adapter, False
-        if adapter:
-            replica.adapters.started(model)
+    def __init__(self, replica: Replica, model: str):
+        self.replica, self.model, self.called = replica, model, False
+        self.adapters: list[str] = []
+        replica.begin(model)
+
+    def uses(self, adapter: str) -> None:
+        """The engine answers this request with ``adapter`` (its own, or a kernel mix's part): it
+        is not unloaded until the request ends."""
+        self.adapters.append(adapter)
+        self.replica.adapters.started(adapter)
 
     def __call__(self) -> None:
         if self.called:
             return
         self.called = True
         self.replica.end(self.model)
-        if self.adapter:
-            self.replica.adapters.finished(self.model)
+        for adapter in self.adapters:
+            self.replica.adapters.finished(adapter)

@@ -1,14 +1,19 @@
-/* Multi-LoRA for one projection, token by token: y[t] += scale * (x[t] @ A[s]) @ B[s], s = slot[t].
+/* Multi-LoRA for one projection, token by token: y[t] += sum_k w[t][k] * (x[t] @ A[s]) @ B[s], s = slot[t][k].
+ *
+ * Each token carries `parts` (slot, weight) pairs: one for a plain adapter (its weight the scale
+ * vLLM passes), several for a mix of adapters each at its own scale (``inference.lora_mixes``), so a
+ * batch can hold plain, scaled and mixed requests side by side and each gets its own delta.
  *
  * The adapter weights are held in half precision (IEEE fp16, converted with F16C) and the arithmetic
  * is float32. A decode batch of many adapters is bound by the bytes of adapter weights read, one
- * slot's per token (inference/lora_kernels.py says why); half precision halves them.
+ * slot's per token and part (inference/lora_kernels.py says why); half precision halves them.
  *
  * Layouts (row-major, contiguous):
  *   a: slots x K x in       K = slices * rank: row k of a slot is rank component k % rank of slice k / rank
  *   b: slots x rank x out   out = offsets[slices]: slice i's columns are offsets[i] .. offsets[i + 1]
+ *   slot, weight: tokens x parts (int64, float32); weight NULL: every pair weighs `scale`
  * y and x: one row per token, float32, rows `y_stride` / `x_stride` floats apart.
- * A token whose slot is negative gets nothing.
+ * A pair whose slot is negative adds nothing.
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -57,15 +62,19 @@ static void one_token(float *y, const float *x, const uint16_t *a, const uint16_
     for (int64_t i = 0; i < slices; i++) add_combination(y, h + i * rank, b, rank, out, offsets[i], offsets[i + 1]);
 }
 
-void lora_gemv(float *y, int64_t y_stride, const float *x, int64_t x_stride, const int64_t *slot, int64_t tokens,
-               const uint16_t *a, const uint16_t *b, int64_t in, int64_t rank, int64_t slices, const int64_t *offsets,
-               float scale) {
+void lora_gemv(float *y, int64_t y_stride, const float *x, int64_t x_stride, const int64_t *slot,
+               const float *weight, int64_t parts, int64_t tokens, const uint16_t *a, const uint16_t *b, int64_t in,
+               int64_t rank, int64_t slices, const int64_t *offsets, float scale) {
     int64_t a_slot = slices * rank * in, b_slot = rank * offsets[slices];
 #pragma omp parallel for schedule(static) if (tokens >= 4)
     for (int64_t t = 0; t < tokens; t++) {
-        if (slot[t] < 0) continue;
-        one_token(y + t * y_stride, x + t * x_stride, a + slot[t] * a_slot, b + slot[t] * b_slot, in, rank, slices,
-                  offsets, scale);
+        for (int64_t k = 0; k < parts; k++) {
+            int64_t s = slot[t * parts + k];
+            if (s < 0) continue;
+            float w = weight ? scale * weight[t * parts + k] : scale;
+            one_token(y + t * y_stride, x + t * x_stride, a + s * a_slot, b + s * b_slot, in, rank, slices, offsets,
+                      w);
+        }
     }
 }
 

@@ -90,12 +90,13 @@ def _build(target: Path) -> None:
 
 
 class LoraGemv:
-    """``y[t] += scale * x[t] @ A[s_t] @ B[s_t]`` for each token t whose slot s_t is not negative."""
+    """``y[t] += sum_k scale * w[t,k] * x[t] @ A[s[t,k]] @ B[s[t,k]]`` over each token's parts whose
+    slot is not negative (one part of weight 1 for a plain adapter)."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
         pointer, size = ctypes.c_void_p, ctypes.c_int64
         self._function = library.lora_gemv
-        self._function.argtypes = [pointer, size, pointer, size, pointer, size,
+        self._function.argtypes = [pointer, size, pointer, size, pointer, pointer, size, size,
                                    pointer, pointer, size, size, size, pointer, ctypes.c_float]  # fmt: skip
         self._function.restype = None
         self._to_half = library.to_half
@@ -116,14 +117,23 @@ class LoraGemv:
         )
 
     def add(
-        self, y: torch.Tensor, x: torch.Tensor, token_slots: torch.Tensor, weights: HalfWeights, scale: float
+        self,
+        y: torch.Tensor,
+        x: torch.Tensor,
+        token_slots: torch.Tensor,
+        weights: HalfWeights,
+        scale: float,
+        token_weights: torch.Tensor | None = None,
     ) -> None:
-        """``token_slots``: int64, contiguous, one per token from the first row of ``x`` and ``y``."""
-        slices = weights.offsets.numel() - 1
+        """``token_slots``: int64, contiguous, from the first row of ``x`` and ``y``: one slot per
+        token, or tokens x parts slots (a mix's parts; -1: none). ``token_weights``: float32,
+        contiguous, the same shape: each part's weight (times ``scale``); None: ``scale`` alone."""
+        parts = token_slots.size(1) if token_slots.dim() == 2 else 1
         self._function(
-            y.data_ptr(), y.stride(0), x.data_ptr(), x.stride(0), token_slots.data_ptr(), token_slots.numel(),
-            weights.a.data_ptr(), weights.b.data_ptr(), weights.a.size(2), weights.rank, slices,
-            weights.offsets.data_ptr(), scale,
+            y.data_ptr(), y.stride(0), x.data_ptr(), x.stride(0), token_slots.data_ptr(),
+            None if token_weights is None else token_weights.data_ptr(), parts, token_slots.size(0),
+            weights.a.data_ptr(), weights.b.data_ptr(), weights.a.size(2), weights.rank,
+            weights.offsets.numel() - 1, weights.offsets.data_ptr(), scale,
         )  # fmt: skip
 
     def prepare(

@@ -45,9 +45,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from core.config import FINESERVE_KERNELS, LORA_KERNELS_SETTING, STOCK_KERNELS, configured_data_dir
-from inference import lora_gemv
+from inference import lora_gemv, lora_mixes
 from inference.lora_gemv import Stacked
-from inference.lora_kernels_check import Replacement, refusal
+from inference.lora_kernels_check import Replacement, mix_refusal, refusal, signature_refusal
 
 if TYPE_CHECKING:
     import torch
@@ -68,6 +68,9 @@ class KernelsState:
     active: str  # FINESERVE_KERNELS or STOCK_KERNELS: what computes the LoRA linear layers here
     requested: str  # the LORA_KERNELS setting
     reason: str  # why these are active; after a fall-back, what the check found
+    # Whether mixes and scales are computed in the kernel (``inference.lora_mixes``): the C kernel,
+    # checked with a mixed step too; otherwise the pool builds each mix as an adapter.
+    mixes_in_kernel: bool = False
 
     @property
     def fell_back(self) -> bool:
@@ -102,7 +105,7 @@ def _decide(requested: str) -> KernelsState:
         )
     gemv, arithmetic = _gemv()
     try:
-        wrapper, manager = _vllm_classes()
+        wrapper, manager, worker_manager = _vllm_classes()
         replacements = _replacements(wrapper, manager)
         checked = _checked_copy(wrapper, replacements, gemv)
     except (ImportError, AttributeError) as exc:  # renamed or moved: say so, never skip in silence
@@ -114,10 +117,33 @@ def _decide(requested: str) -> KernelsState:
             "LoRA kernels: vLLM's own stay (%s=%s asked for ours): %s", LORA_KERNELS_SETTING, requested, problem
         )
         return KernelsState(STOCK_KERNELS, requested, problem)
+    mixes_in_kernel = gemv is not None and _mixes_in_kernel(checked, wrapper, worker_manager)
     _patch(wrapper, replacements, gemv)
+    lora_mixes.accept(mixes_in_kernel)
     return KernelsState(
-        FINESERVE_KERNELS, requested, f"{arithmetic}; checked against vLLM {_vllm_version()}'s own kernel at start-up"
+        FINESERVE_KERNELS,
+        requested,
+        f"{arithmetic}; checked against vLLM {_vllm_version()}'s own kernel at start-up; "
+        + ("mixes and scales in the kernel" if mixes_in_kernel else "mixes built as adapters"),
+        mixes_in_kernel,
     )
+
+
+def _mixes_in_kernel(checked: type, wrapper: type, worker_manager: type) -> bool:
+    """Whether mixes can be computed in our kernel: the worker manager's methods that put a mix's
+    parts in slots are where they were, and the mixed known-answer step passes; then they are patched."""
+    try:
+        worker_replacements = _worker_replacements(worker_manager)
+    except AttributeError as exc:
+        log.warning("LoRA kernels: mixes built as adapters: vLLM's worker LoRA manager changed (%s)", exc)
+        return False
+    problem = signature_refusal(worker_replacements) or mix_refusal(wrapper, checked, _RANKS, lora_mixes.stepping)
+    if problem is not None:
+        log.warning("LoRA kernels: mixes built as adapters: %s", problem)
+        return False
+    for replacement in worker_replacements:
+        setattr(replacement.owner, replacement.name, replacement.new)
+    return True
 
 
 def _gemv() -> tuple[lora_gemv.LoraGemv | None, str]:
@@ -139,11 +165,25 @@ def _vllm_platform() -> str:
     return "cpu" if current_platform.is_cpu() else str(current_platform.device_type or type(current_platform).__name__)
 
 
-def _vllm_classes() -> tuple[type, type]:
-    from vllm.lora import model_manager
+def _vllm_classes() -> tuple[type, type, type]:
+    """vLLM's CPU punica wrapper, its model manager, and the worker's manager (mixes' parts in slots)."""
+    from vllm.lora import model_manager, worker_manager
     from vllm.lora.punica_wrapper import punica_cpu
 
-    return punica_cpu.PunicaWrapperCPU, model_manager.LoRAModelManager
+    return punica_cpu.PunicaWrapperCPU, model_manager.LoRAModelManager, worker_manager.LRUCacheWorkerLoRAManager
+
+
+def _worker_replacements(manager: type) -> list[Replacement]:
+    """What puts a mix's parts in slots in its stead (``inference.lora_mixes``)."""
+    return [
+        Replacement(manager, name, wrap(getattr(manager, name)))
+        for name, wrap in (
+            ("add_adapter", lora_mixes.wrap_add_adapter),
+            ("remove_adapter", lora_mixes.wrap_remove_adapter),
+            ("list_adapters", lora_mixes.wrap_list_adapters),
+            ("set_active_adapters", lora_mixes.wrap_set_active_adapters),
+        )
+    ]
 
 
 def _vllm_version() -> str:
@@ -215,7 +255,10 @@ class _Step:
     slots: torch.Tensor  # LongTensor: the slots that get a group (those the batch uses, or all of them)
     all_slots: bool  # every slot gets a group: the prepared weights need no selection
     tokens: int  # the tokens vLLM scheduled (the layer's input may have padding rows past them)
-    token_slots: torch.Tensor  # int64, contiguous: each scheduled token's slot, -1: none (the C kernel's input)
+    # int64, contiguous, the C kernel's input: each scheduled token's slot (-1: none); in a step with
+    # mixes, tokens x parts: a mix's token has its parts' slots, weighed by ``token_weights``
+    token_slots: torch.Tensor
+    token_weights: torch.Tensor | None  # float32, tokens x parts: each part's scale; None: no mix
     tiers: list[_Tier]  # for torch's batched products; empty when the C kernel computes
 
 
@@ -252,7 +295,7 @@ def _add_lora_linear(
     if not isinstance(weights, lora_gemv.HalfWeights):  # not float32 matrices: vLLM's own code
         self._fineserve_stock_add_lora_linear(y, x, lora_a_stacked, lora_b_stacked, scale, output_slices, buffer=buffer)
     elif weights.fits:
-        gemv.add(y, x, step.token_slots, weights, scale)
+        gemv.add(y, x, step.token_slots, weights, scale, step.token_weights)
     else:
         _add_unfit_apart(gemv, y, x, lora_a_stacked, lora_b_stacked, scale, output_slices, step, weights)
 
@@ -277,18 +320,21 @@ def _add_unfit_apart(
     import torch
 
     unfit = torch.tensor(sorted(weights.unfit_slots), dtype=torch.int64)
-    apart = torch.isin(step.token_slots, unfit)
-    gemv.add(y, x, torch.where(apart, -1, step.token_slots).contiguous(), weights, scale)
+    pairs = step.token_slots.view(step.token_slots.size(0), -1)  # tokens x parts
+    pair_weights = torch.ones(pairs.shape) if step.token_weights is None else step.token_weights
+    apart = torch.isin(pairs, unfit)
+    kept = torch.where(apart, -1, pairs).contiguous()
+    gemv.add(y, x, kept, weights, scale, pair_weights.contiguous())
     rank = weights.rank
     for slot in weights.unfit_slots:
-        tokens = (step.token_slots == slot).nonzero().squeeze(1)
+        tokens, parts = (pairs == slot).nonzero(as_tuple=True)
         if tokens.numel() == 0:
             continue
-        rows = x.index_select(0, tokens)
+        rows = x.index_select(0, tokens) * (scale * pair_weights[tokens, parts]).unsqueeze(1)
         offset = 0
         for lora_a, lora_b, size in zip(lora_a_stacked, lora_b_stacked, output_slices):
             delta = (rows @ lora_a[slot, 0, :rank].t()) @ lora_b[slot, 0, :, :rank].t()
-            y[:, offset : offset + size].index_add_(0, tokens, delta, alpha=scale)
+            y[:, offset : offset + size].index_add_(0, tokens, delta)
             offset += size
 
 
@@ -450,8 +496,14 @@ def _grouped_weights(
     return weights.subset[1], weights.subset[2], weights.rank
 
 
-def _plan(indices: torch.Tensor, lora_index_to_id: list[int | None], grouped: bool) -> _Step | None:
-    """What the step's layers need: ``grouped``, for torch's batched products too."""
+def _plan(
+    indices: torch.Tensor,
+    lora_index_to_id: list[int | None],
+    grouped: bool,
+    mixes: lora_mixes.StepMixes | None = None,
+) -> _Step | None:
+    """What the step's layers need: ``grouped``, for torch's batched products too (never with
+    ``mixes``: those replicas build mixes as adapters)."""
     import torch
 
     used = indices >= 0
@@ -468,15 +520,41 @@ def _plan(indices: torch.Tensor, lora_index_to_id: list[int | None], grouped: bo
     lookup = torch.full((len(lora_index_to_id),), -1, dtype=torch.long)  # slot -> its index among `slots`
     lookup[slots] = torch.arange(len(slots))
     tokens = used.nonzero().squeeze(1)
-    return _Step(
+    step = _Step(
         slot_state=tuple((lora_id, _WRITES.get(lora_id, 0)) for lora_id in lora_index_to_id),  # type: ignore[arg-type]
         rank=rank,
         slots=torch.tensor(slots, dtype=torch.long),
         all_slots=slots == list(range(len(lora_index_to_id))),
         tokens=indices.numel(),
         token_slots=indices.to(torch.int64).contiguous(),
+        token_weights=None,
         tiers=_tiers(tokens, lookup[indices[tokens]], len(slots), every_token=bool(used.all())) if grouped else [],
     )
+    if mixes is not None:
+        assert not grouped, "mixes are computed by the C kernel only"
+        step.token_slots, step.token_weights = _mixed_pairs(step.token_slots, lora_index_to_id, mixes)
+    return step
+
+
+def _mixed_pairs(
+    token_slots: torch.Tensor, lora_index_to_id: list[int | None], mixes: lora_mixes.StepMixes
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's (slot, scale) pairs: its own slot at scale 1, or its mix's parts' at theirs
+    (vLLM's mapping pointed a mix's token at its first part's slot; ``mixes`` says which mix it was)."""
+    import torch
+
+    slot_of = {lora_id: slot for slot, lora_id in enumerate(lora_index_to_id) if lora_id is not None}
+    width = max(len(parts) for parts in mixes.parts.values())
+    pairs = torch.full((token_slots.numel(), width), -1, dtype=torch.int64)
+    weights = torch.zeros(token_slots.numel(), width, dtype=torch.float32)
+    pairs[:, 0], weights[:, 0] = token_slots, 1.0
+    asked = torch.tensor(mixes.index_mapping, dtype=torch.int64)
+    for mix_id, parts in mixes.parts.items():
+        tokens = (asked == mix_id).nonzero().squeeze(1)
+        for number, (part_id, scale) in enumerate(parts):
+            pairs[tokens, number] = slot_of[part_id]
+            weights[tokens, number] = scale
+    return pairs, weights
 
 
 def _tiers(tokens: torch.Tensor, token_slots: torch.Tensor, slots: int, every_token: bool) -> list[_Tier]:
@@ -536,7 +614,9 @@ def _wrap_update_metadata(original: Callable[..., None]) -> Callable[..., None]:
         self: Any, mapping: Any, lora_index_to_id: list[int | None], max_loras: int, vocab_size: int, **kwargs: Any
     ) -> None:
         original(self, mapping, lora_index_to_id, max_loras, vocab_size, **kwargs)
-        self._fineserve_step = _plan(self.token_lora_indices, lora_index_to_id, grouped=self._fineserve_gemv is None)
+        mixes = lora_mixes.step_mixes(mapping.index_mapping)
+        grouped = self._fineserve_gemv is None
+        self._fineserve_step = _plan(self.token_lora_indices, lora_index_to_id, grouped, mixes)
 
     return update_metadata
 

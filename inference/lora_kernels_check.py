@@ -190,3 +190,70 @@ def known_answer_refusal(stock_wrapper: type, patched_wrapper: type, ranks: Muta
         for lora_id in seeded:
             ranks.pop(lora_id, None)
     return None
+
+
+# --- a mixed step ----------------------------------------------------------------------------------
+
+# Mixes (``inference.lora_mixes``): vLLM adapter id -> its parts' ids and scales. Ids as vLLM's
+# mapping carries them, 0: no adapter. One mix of two parts at scales other than 1 (one negative),
+# one adapter alone at a scale: what a request's ``adapters`` asks for.
+_MIXES = {9100: ((9001, 0.75), (9003, -1.25)), 9101: ((9002, 2.5),)}
+_MIXED_TOKENS = (9100, 9001, 0, 9101, 9100, 9002, 9101, 0, 9003, 9100, 9100, 9100)
+
+
+def mix_refusal(
+    stock_wrapper: type, patched_wrapper: type, ranks: MutableMapping[int, int], stepping: Callable[[Any], Any]
+) -> str | None:
+    """Why mixes cannot be computed in our kernel here, or None: a batch of plain, mixed and scaled
+    tokens and tokens without an adapter, through ours (as ``inference.lora_mixes`` sets the step up,
+    ``stepping`` its context), against the sum of vLLM's own kernel's deltas, one per (slot, scale)."""
+    seeded = [lora_id for lora_id in _ADAPTERS if lora_id not in ranks]
+    ranks.update({lora_id: _ADAPTERS[lora_id] for lora_id in seeded})
+    slot_ids: list[int | None] = [*_ADAPTERS, None]
+    slot_of = {lora_id: slot for slot, lora_id in enumerate(slot_ids) if lora_id is not None}
+    first = {mix_id: parts[0][0] for mix_id, parts in _MIXES.items()}
+    pointed = [slot_of[first.get(lora_id, lora_id)] if lora_id else -1 for lora_id in _MIXED_TOKENS]
+    try:
+        batch = _batch()
+        for is_prefill in (True, False):
+            phase = "prefill" if is_prefill else "decode"
+            try:
+                expected = _mixed_expected(stock_wrapper, batch, slot_of, is_prefill)
+            except Exception as exc:
+                return f"vLLM's own kernel failed the mixed known-answer step ({phase}): {exc!r}"
+            try:
+                with stepping(_MIXED_TOKENS, dict(_MIXES)):
+                    wrapper = updated_wrapper(patched_wrapper, pointed, slot_ids, is_prefill)
+                got = batch.y.clone()
+                wrapper.add_lora_linear(got, batch.x, batch.lora_a, batch.lora_b, _SCALE, _SLICES)
+            except Exception as exc:
+                return f"our kernel failed the mixed known-answer step ({phase}): {exc!r}"
+            if not _agree(got, expected):
+                worst = (got - expected).abs().max().item() if got.shape == expected.shape else float("nan")
+                return f"our kernel's mixed known-answer step ({phase}) differs from vLLM's own by up to {worst:.3g}"
+    finally:
+        for lora_id in seeded:
+            ranks.pop(lora_id, None)
+    return None
+
+
+def _mixed_expected(stock_wrapper: type, batch: _Batch, slot_of: dict[int, int], is_prefill: bool) -> torch.Tensor:
+    """The batch's output from vLLM's own kernel: one pass per distinct scale, each token's part of
+    that scale (if any) in its slot and the others none, the passes' deltas summed."""
+    pairs = [
+        _MIXES.get(lora_id, ((lora_id, 1.0),)) if lora_id else () for lora_id in _MIXED_TOKENS
+    ]  # each token's (adapter id, scale)
+    expected = batch.y.clone()
+    for scale in sorted({scale for token in pairs for _, scale in token}):
+        for position in range(max(len(token) for token in pairs)):
+            slots = [
+                slot_of[token[position][0]] if position < len(token) and token[position][1] == scale else -1
+                for token in pairs
+            ]
+            if all(slot < 0 for slot in slots):
+                continue
+            wrapper = updated_wrapper(stock_wrapper, slots, [*_ADAPTERS, None], is_prefill)
+            y = batch.y.clone()
+            wrapper.add_lora_linear(y, batch.x, batch.lora_a, batch.lora_b, _SCALE * scale, _SLICES)
+            expected += y - batch.y
+    return expected

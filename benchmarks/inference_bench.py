@@ -18,14 +18,15 @@ prints one table whose ratios are against baselines measured in the same run:
    copies);
 3. gateway overhead: sequential one-token completions straight to the vLLM replica, to the pool,
    and through the gateway, interleaved; medians of the per-request differences;
-4. mixes (docs/api.md: Mixing adapters): CONCURRENCY chat requests x TOKENS tokens spread over
-   MIX_WIDTH plain adapters, then over MIX_WIDTH mixes (each two of those adapters at scale 0.5,
-   served as one combined adapter of twice the rank), through the gateway; tokens per second and
-   the median over rounds of each round's mixes / plain ratio, with the adapter loads and
-   evictions the section caused (more than one load per adapter or mix per round is slot thrash).
-   Then the first request's cost: time to the first token of a request for a fresh adapter nobody
-   asked for yet, against one for a new mix of two fresh adapters (built, then loaded), interleaved.
-   It adds a minute or two to a run; --mix-only runs only this section (no 1-3).
+4. mixes and scales (docs/api.md: Mixing adapters), computed in the kernel from their parts' slots
+   (inference/lora_mixes.py): CONCURRENCY chat requests x TOKENS tokens through the gateway over
+   the base model (the baseline), CONCURRENCY plain adapters, CONCURRENCY distinct mixes (two of
+   MIX_WIDTH adapters each, at scales of their own), one adapter, and that adapter at CONCURRENCY
+   scales (the scale sweep); tokens per second as a ratio to the base model's, each round's listed,
+   and the two comparisons the kernel is for (mixes / plain adapters, sweep / one adapter), with
+   the adapter loads and evictions the section caused. Then the first request's cost: time to the
+   first token of a warm adapter asked again, against a new mix of warm adapters, interleaved.
+   It adds a few minutes to a run; --mix-only runs only this section (no 1-3).
 With --compare-stock it then restarts the replica with vLLM's own LoRA kernels (no
 inference.lora_kernels; the same process layout) and measures throughput (2) directly against it.
 """
@@ -83,9 +84,9 @@ CONCURRENCY = 32
 TIMED_REQUESTS = 2 * CONCURRENCY
 TOKENS = 64
 MANY_ADAPTERS = 64  # (2)'s widest load: far more adapters than a replica's batch slots (max_loras)
-MIX_WIDTH = 8  # plain adapters, and mixes, in flight at once: the catalog's slots (max_loras) hold them all
-MIX_SCALE = 0.5  # each of a mix's two parts, as in docs/api.md's example
-FIRST_REQUEST_SAMPLES = 3  # (4)'s first-request pairs: each makes three fresh adapters
+MIX_WIDTH = 8  # (4)'s mixes are pairs of these many adapters: their parts share slots
+SWEEP = [round(0.25 + 1.5 * i / CONCURRENCY, 4) for i in range(CONCURRENCY)]  # (4)'s distinct scales, 0.25 to 1.7
+FIRST_REQUEST_SAMPLES = 3  # (4)'s first-request pairs
 INTERNAL = {"Authorization": f"Bearer {settings.INTERNAL_TOKEN}"}  # what the pool and replicas require
 PROMPT = "Write a short story about a lighthouse keeper and a storm."
 
@@ -148,21 +149,20 @@ def mix_target(parts: list[tuple[str, float]]) -> dict:
     return {"model": BASE, "adapters": [{"model": name, "scale": scale} for name, scale in parts]}
 
 
-def first_request_cost(persona: Persona, folders: list[Path], gateway: str) -> dict[str, list[float]]:
-    """Time to the first token of the first request for a fresh adapter, and for a new mix of two.
-
-    Every adapter is published (untimed) and never asked for before, so both pay for reading it
-    from the store and loading it; the mix also pays for building its combined adapter. The two
-    kinds alternate which goes first, so neither always meets the other's eviction or load.
-    """
-    times: dict[str, list[float]] = {"plain adapter": [], "new mix": []}
+def first_request_cost(persona: Persona, adapters: list[str], gateway: str) -> dict[str, list[float]]:
+    """Time to the first token of a warm adapter asked again, and of a new mix of two warm adapters
+    (a scale nobody asked for before): in the kernel, a mix costs no build and no load of its own.
+    The two kinds alternate which goes first."""
+    times: dict[str, list[float]] = {"warm adapter": [], "new mix": []}
     with httpx.Client(timeout=120) as client:
-        for index in range(len(folders) // 3):
-            plain, *parts = (
-                publish_fine_tuned_model(persona, _fresh_suffix("first", 3 * index + k), folder)
-                for k, folder in enumerate(folders[3 * index : 3 * index + 3])
-            )
-            targets = {"plain adapter": {"model": plain}, "new mix": mix_target([(n, MIX_SCALE) for n in parts])}
+        for index in range(FIRST_REQUEST_SAMPLES):
+            first, second = adapters[2 * index], adapters[2 * index + 1]
+            for name in (first, second):
+                _until_first_token(client, gateway, persona.api_key, {"model": name})
+            targets = {
+                "warm adapter": {"model": first},
+                "new mix": mix_target([(first, 0.35 + index / 10), (second, 0.6)]),
+            }
             for kind in sorted(targets, reverse=index % 2 == 1):
                 started = time.perf_counter()
                 _until_first_token(client, gateway, persona.api_key, targets[kind])
@@ -183,14 +183,23 @@ def adapter_loads(adapters: list[str]) -> Loads:
     return {load: [{"model": model} for model in models] for load, models in spreads.items()}
 
 
+MIXES, PLAIN, ONE, SWEPT = f"{CONCURRENCY} mixes", f"{CONCURRENCY} adapters", "1 adapter", f"1 x {CONCURRENCY} scales"
+
+
 def mix_loads(adapters: list[str]) -> Loads:
-    """(4)'s loads: MIX_WIDTH plain adapters first (the baseline), then MIX_WIDTH mixes of the same
-    adapters, each with its neighbour: distinct pairs, so distinct combined adapters."""
-    plain = adapters[:MIX_WIDTH]
-    pairs = [(plain[i], plain[(i + 1) % MIX_WIDTH]) for i in range(MIX_WIDTH)]
+    """(4)'s loads: the base model first (the ratios' baseline); CONCURRENCY plain adapters;
+    CONCURRENCY distinct mixes, each two of the first MIX_WIDTH adapters (a neighbour and the
+    next), the first at a scale of its own; one adapter; and that adapter at every scale of SWEEP."""
+    parts = adapters[:MIX_WIDTH]
     return {
-        f"{MIX_WIDTH} adapters": [{"model": name} for name in plain],
-        f"{MIX_WIDTH} mixes": [mix_target([(a, MIX_SCALE), (b, MIX_SCALE)]) for a, b in pairs],
+        "base model": [{"model": BASE}],
+        PLAIN: [{"model": name} for name in adapters[:CONCURRENCY]],
+        MIXES: [
+            mix_target([(parts[i % MIX_WIDTH], scale), (parts[(i + 1) % MIX_WIDTH], 0.5)])
+            for i, scale in enumerate(SWEEP)
+        ],
+        ONE: [{"model": adapters[0]}],
+        SWEPT: [mix_target([(adapters[0], scale)]) for scale in SWEEP],
     }
 
 
@@ -263,18 +272,18 @@ def adapter_churn(pool: str) -> dict[str, float]:
     text = httpx.get(f"{pool}/metrics", headers=INTERNAL, timeout=30).text
     churn = {"loads": 0.0, "evictions": 0.0}
     for line in text.splitlines():
-        if line.startswith('fineserve_adapter_loads_total{') and 'outcome="loaded"' in line:
+        if line.startswith("fineserve_adapter_loads_total{") and 'outcome="loaded"' in line:
             churn["loads"] += float(line.rsplit(" ", 1)[1])
         elif line.startswith("fineserve_adapter_evictions_total{"):
             churn["evictions"] += float(line.rsplit(" ", 1)[1])
     return churn
 
 
-def mix_section(persona: Persona, gateway: str, pool: str, adapters: list[str], first: list[Path], rounds: int) -> dict:
-    """(4): plain adapters vs mixes, the slots' churn meanwhile, and the first request's cost."""
+def mix_section(persona: Persona, gateway: str, pool: str, adapters: list[str], rounds: int) -> dict:
+    """(4): plain adapters, mixes and scales, the slots' churn meanwhile, and the first request's cost."""
     before = adapter_churn(pool)
     loads = mix_loads(adapters)
-    throughput = throughput_rounds(gateway, loads, persona.api_key, rounds, endpoint="chat/completions")
+    throughput = throughput_rounds(gateway, loads, persona.api_key, rounds, endpoint="chat/completions", pool=pool)
     after = adapter_churn(pool)
     held = httpx.get(f"{pool}/health", headers=INTERNAL, timeout=30).json()["replicas"][0]["adapters"]
     print("  first requests ...", flush=True)
@@ -282,7 +291,7 @@ def mix_section(persona: Persona, gateway: str, pool: str, adapters: list[str], 
         "throughput": throughput,
         "churn": {key: after[key] - before[key] for key in before},
         "held": held,
-        "first": first_request_cost(persona, first, gateway),
+        "first": first_request_cost(persona, adapters[-2 * FIRST_REQUEST_SAMPLES :], gateway),
         "rounds": rounds,
     }
 
@@ -392,23 +401,27 @@ def _report_overhead(latencies: dict) -> None:
 
 def _report_mixes(mixes: dict) -> None:
     throughput, rounds = mixes["throughput"], mixes["rounds"]
-    print(f"(4) mixes, {CONCURRENCY} concurrent chat x {TOKENS} tokens, {MIX_WIDTH} in flight, through the gateway "
+    print(f"(4) mixes and scales in the kernel, {CONCURRENCY} concurrent chat x {TOKENS} tokens, through the gateway "
           f"(median of {rounds} rounds)")  # fmt: skip
-    print(f"    {'load':<14}{'tok/s':>9}{'ratio to plain':>16}   per round")
+    print(f"    {'load':<16}{'tok/s':>9}{'ratio to base':>15}{'loads timed':>13}   ratio per round")
     for load, values in throughput.items():
-        per_round = " ".join(f"{tok_s:.1f}" for tok_s in values["tok_s"])
-        print(f"    {load:<14}{statistics.median(values['tok_s']):9.1f}{statistics.median(values['ratio']):16.2f}"
-              f"   {per_round}")  # fmt: skip
-    print(f"    each mix: two rank-8 adapters at scale {MIX_SCALE}, one combined adapter of rank 16")
+        per_round = " ".join(f"{ratio:.2f}" for ratio in values["ratio"])
+        print(f"    {load:<16}{statistics.median(values['tok_s']):9.1f}{statistics.median(values['ratio']):15.2f}"
+              f"{max(values['loads'], default=0):13.0f}   {per_round}")  # fmt: skip
+    for label, load, against in ((f"{MIXES} / {PLAIN}", MIXES, PLAIN), (f"{SWEPT} / {ONE}", SWEPT, ONE)):
+        per_round = [a / b for a, b in zip(throughput[load]["ratio"], throughput[against]["ratio"])]
+        ratio = statistics.median(per_round)
+        print(f"    {label:<30}{ratio:6.2f}   rounds {' '.join(f'{r:.2f}' for r in per_round)}"
+              f"   target >= 0.95: {'PASS' if ratio >= 0.95 else 'MISS'}")  # fmt: skip
+    print(f"    each mix: two of {MIX_WIDTH} rank-8 adapters, the first at its own scale ({SWEEP[0]} to {SWEEP[-1]})")
     churn, held = mixes["churn"], mixes["held"]
-    floor = 2 * MIX_WIDTH * rounds  # every load evicts the other's adapters: each is loaded once a round
-    print(f"    slots meanwhile: {churn['loads']:.0f} adapter loads (at most {floor} without thrash), "
-          f"{churn['evictions']:.0f} evictions; held after: {len(held)} "
-          f"({sum(':mix.' in name for name in held)} mixes)")  # fmt: skip
+    print(f"    slots meanwhile: {churn['loads']:.0f} adapter loads, {churn['evictions']:.0f} evictions; held after: "
+          f"{len(held)} ({sum(':mix.' in name for name in held)} mixes)")  # fmt: skip
     first = mixes["first"]
-    plain, mixed = statistics.median(first["plain adapter"]), statistics.median(first["new mix"])
-    print(f"    first request, time to first token, n={len(first['new mix'])} each (median): fresh adapter "
-          f"{plain:.2f} s, new mix of two fresh adapters {mixed:.2f} s ({mixed / plain:.2f}x)")  # fmt: skip
+    plain, mixed = statistics.median(first["warm adapter"]), statistics.median(first["new mix"])
+    print(f"    first request, time to first token, n={len(first['new mix'])} each (median): warm adapter "
+          f"{plain:.3f} s, new mix of two warm adapters {mixed:.3f} s ({mixed / plain:.2f}x)"
+          f"   target <= 1x: {'PASS' if mixed <= plain else 'MISS'}")  # fmt: skip
     print("-" * 78)
 
 
@@ -439,13 +452,19 @@ SECTIONS = ("publish", "throughput", "overhead", "mix")  # each has its --<secti
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=2, help="throughput rounds (each has its own baseline run)")
-    parser.add_argument("--publishes", type=int, default=10, help="fresh adapters for publish-to-first-token (half preloaded)")
+    parser.add_argument(
+        "--publishes", type=int, default=10, help="fresh adapters for publish-to-first-token (half preloaded)"
+    )
     parser.add_argument("--overhead-samples", type=int, default=100)
     parser.add_argument("--compare-stock", action="store_true", help="also measure throughput on stock vLLM")
-    parser.add_argument("--mix-only", action="store_true", help="only (4): plain adapters vs mixes, first requests")
-    parser.add_argument("--publish-only", action="store_true", help="only (1): publish -> first token, with and without preload")
+    parser.add_argument("--mix-only", action="store_true", help="only (4): mixes and scales, first requests")
+    parser.add_argument(
+        "--publish-only", action="store_true", help="only (1): publish -> first token, with and without preload"
+    )
     parser.add_argument("--throughput-only", action="store_true", help="only (2): throughput over 1 to 64 adapters")
-    parser.add_argument("--overhead-only", action="store_true", help="only (3): the pool's and the gateway's cost a request")
+    parser.add_argument(
+        "--overhead-only", action="store_true", help="only (3): the pool's and the gateway's cost a request"
+    )
     args = parser.parse_args()
     chosen = [section for section in SECTIONS if getattr(args, f"{section}_only")]
     if len(chosen) > 1:
@@ -462,9 +481,7 @@ def main() -> int:
     print("making adapters ...", flush=True)  # all before the engine starts, which wants both cores
     folders = {f"{BASE}:bench{i}": maker(seed=100 + i) for i in range(MANY_ADAPTERS)}
     publishes = args.publishes if "publish" in sections else 0
-    first_requests = 3 * FIRST_REQUEST_SAMPLES if "mix" in sections else 0
     fresh = [maker(seed=200 + i) for i in range(publishes)]
-    first = [maker(seed=300 + i) for i in range(first_requests)]
     for name, folder in folders.items():
         publish_fine_tuned_model(persona, name.rpartition(":")[2], folder)
 
@@ -509,7 +526,7 @@ def main() -> int:
             )
         if "mix" in sections:
             print("(4) mixes ...", flush=True)
-            mixes = mix_section(persona, gateway, pool_url, list(folders), first, args.rounds)
+            mixes = mix_section(persona, gateway, pool_url, list(folders), args.rounds)
     stock = None
     if args.compare_stock:
         print("(2) throughput on stock vLLM ...", flush=True)

@@ -81,7 +81,9 @@ def unpack(archive: Path, into: Path, max_bytes: int) -> None:
                 target.write(block)
     missing = [name for name in ADAPTER_FILES if name not in names]
     if missing:
-        raise invalid_adapter(f"the archive has no {' and no '.join(missing)} at its root (a PEFT LoRA folder has both)")
+        raise invalid_adapter(
+            f"the archive has no {' and no '.join(missing)} at its root (a PEFT LoRA folder has both)"
+        )
 
 
 def _members(archive: Path, max_bytes: int) -> Iterator[tuple[str | None, int, _Opener]]:
@@ -148,7 +150,9 @@ def _zip_members(archive: Path) -> Iterator[tuple[str | None, int, _Opener]]:
                 _check_count(count)
                 name = _checked_name(info.filename, is_dir=info.is_dir())
                 if (info.external_attr >> 16) & 0o170000 == 0o120000:  # the Unix mode says "symlink"
-                    raise invalid_adapter(f"{_member(info.filename)} is a symbolic link; only regular files are accepted")
+                    raise invalid_adapter(
+                        f"{_member(info.filename)} is a symbolic link; only regular files are accepted"
+                    )
                 if info.is_dir() and name is not None:
                     raise invalid_adapter(f"{_member(info.filename)} is a folder; the files must be at the root")
                 if info.flag_bits & 0x1:

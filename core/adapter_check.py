@@ -181,7 +181,9 @@ def _config(path: Path) -> dict[str, Any]:
         raise invalid_adapter(f"{CONFIG_FILE} must hold a JSON object")
     _check_values(config)
     if config.get("peft_type") != "LORA":
-        raise invalid_adapter(f"peft_type is {_shown(config.get('peft_type'))}; only LoRA adapters (\"LORA\") are accepted")
+        raise invalid_adapter(
+            f'peft_type is {_shown(config.get("peft_type"))}; only LoRA adapters ("LORA") are accepted'
+        )
     for key in _BOOLEANS:
         if config.get(key) is not None and not isinstance(config[key], bool):
             raise invalid_adapter(f"{key} must be true or false, not {_shown(config[key])}")
@@ -198,7 +200,9 @@ def _check_values(config: dict[str, Any]) -> None:
     while stack:
         where, value, depth = stack.pop()
         if depth > MAX_CONFIG_DEPTH:
-            raise invalid_adapter(f"{CONFIG_FILE} is nested too deeply (at {_cut(where)}); a LoRA config is a flat object")
+            raise invalid_adapter(
+                f"{CONFIG_FILE} is nested too deeply (at {_cut(where)}); a LoRA config is a flat object"
+            )
         if isinstance(value, _Constant) or (isinstance(value, float) and not math.isfinite(value)):
             raise invalid_adapter(f"{_cut(where)} is {value}; the numbers in {CONFIG_FILE} must be finite")
         if isinstance(value, dict):
@@ -221,7 +225,9 @@ def _rank(config: dict[str, Any], base: BaseModel) -> int:
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
         raise invalid_adapter(f"r (the LoRA rank) must be a positive whole number, not {_shown(rank)}")
     if rank > base.lora.max_lora_rank:
-        raise invalid_adapter(f"its rank r={rank} is larger than {base.id}'s max_lora_rank of {base.lora.max_lora_rank}")
+        raise invalid_adapter(
+            f"its rank r={rank} is larger than {base.id}'s max_lora_rank of {base.lora.max_lora_rank}"
+        )
     return rank
 
 
@@ -268,7 +274,9 @@ def _target_modules(config: dict[str, Any]) -> tuple[str, ...]:
         raise invalid_adapter(f"target_modules must be a list of module names, not {targets!r}")
     unknown = sorted(set(targets) - set(ATTENTION + MLP))
     if unknown:
-        raise invalid_adapter(f"target_modules {unknown} are not linear layers of the base model; choose from {list(ATTENTION + MLP)}")
+        raise invalid_adapter(
+            f"target_modules {unknown} are not linear layers of the base model; choose from {list(ATTENTION + MLP)}"
+        )
     return tuple(targets)
 
 
@@ -276,9 +284,14 @@ def _check_tensors(path: Path, arch: Architecture, base_id: str, rank: int, targ
     _header(path)  # bounded before safe_open reads it
     try:
         with safe_open(str(path), framework="numpy") as weights:
-            shapes = {name: (weights.get_slice(name).get_shape(), weights.get_slice(name).get_dtype()) for name in weights.keys()}
+            shapes = {
+                name: (weights.get_slice(name).get_shape(), weights.get_slice(name).get_dtype())
+                for name in weights.keys()
+            }
     except Exception:  # safetensors raises its own error types for a bad header; their words name internals
-        raise invalid_adapter(f"{WEIGHTS_FILE} is not a readable safetensors file (its header does not fit its data)") from None
+        raise invalid_adapter(
+            f"{WEIGHTS_FILE} is not a readable safetensors file (its header does not fit its data)"
+        ) from None
     if not shapes:
         raise invalid_adapter(f"{WEIGHTS_FILE} holds no tensors")
     pairs: dict[tuple[int, str], set[str]] = {}
@@ -288,9 +301,13 @@ def _check_tensors(path: Path, arch: Architecture, base_id: str, rank: int, targ
             raise invalid_adapter(f"the tensor {name} is not a LoRA weight of a decoder layer's linear module")
         layer, block, module, half = int(match[1]), match[2], match[3], match[4]
         if module not in (ATTENTION if block == "self_attn" else MLP) or module not in targets:
-            raise invalid_adapter(f"the tensor {name} is for {block}.{module}, not one of target_modules {list(targets)}")
+            raise invalid_adapter(
+                f"the tensor {name} is for {block}.{module}, not one of target_modules {list(targets)}"
+            )
         if layer >= arch.layers:
-            raise invalid_adapter(f"the tensor {name} is for layer {layer}; {base_id} has {arch.layers} layers (0 to {arch.layers - 1})")
+            raise invalid_adapter(
+                f"the tensor {name} is for layer {layer}; {base_id} has {arch.layers} layers (0 to {arch.layers - 1})"
+            )
         if dtype not in DTYPES:
             raise invalid_adapter(f"the tensor {name} is {dtype}; only float16, bfloat16 and float32 are accepted")
         in_features, out_features = arch.linear(module)

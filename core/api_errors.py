@@ -51,7 +51,14 @@ class ApiError(Exception):
         **extra: object,
     ):
         super().__init__(message)
-        self.message, self.status, self.type, self.param, self.code, self.extra = message, status, type, param, code, extra
+        self.message, self.status, self.type, self.param, self.code, self.extra = (
+            message,
+            status,
+            type,
+            param,
+            code,
+            extra,
+        )
         self.retry_after_s = retry_after_s
 
     def body(self) -> dict:
@@ -121,9 +128,7 @@ def human_size(n: int) -> str:
     return f"{n / 1024 / 1024:.1f} MB" if n >= 1024 * 1024 else f"{n} bytes"
 
 
-def error_body(
-    message: str, *, type: str, param: str | None = None, code: str | None = None, **extra: object
-) -> dict:
+def error_body(message: str, *, type: str, param: str | None = None, code: str | None = None, **extra: object) -> dict:
     return {"error": {"message": message, "type": type, "param": param, "code": code, **extra}}
 
 
@@ -181,7 +186,9 @@ def invalid_body(detail: str) -> ApiError:
 
 def unparsable_body(detail: str, param: str | None = None) -> ApiError:
     """A body that is not plain JSON (``core.strict_json``); ``param`` names the value at fault."""
-    return ApiError(f"We could not parse the body of your request (JSON parse error): {detail}.", param=param, code="invalid_body")
+    return ApiError(
+        f"We could not parse the body of your request (JSON parse error): {detail}.", param=param, code="invalid_body"
+    )
 
 
 def invalid_fields(exc: ValidationError, hint: str = "") -> ApiError:
@@ -255,6 +262,14 @@ def mix_rank_too_large(ranks: dict[str, int], max_rank: int) -> ApiError:
         f"These adapters mixed make one LoRA of rank {sum(ranks.values())} (the sum of their ranks: {parts}), "
         f"more than this deployment serves (max_lora_rank {max_rank}). Mix fewer adapters or ones of lower rank.",
         param="adapters", code="mix_rank_too_large",
+    )  # fmt: skip
+
+
+def mix_too_many_parts(parts: int, slots: int) -> ApiError:
+    return ApiError(
+        f"This mix names {parts} adapters, and each takes one of the {slots} adapter slots a batch has "
+        f"on this deployment (max_loras). Mix at most {slots}.",
+        param="adapters", code="mix_too_many_parts",
     )  # fmt: skip
 
 
@@ -426,13 +441,18 @@ def adapter_store_unavailable(name: str, detail: str) -> ApiError:
 
 def pool_timeout(detail: str) -> ApiError:
     request_id = _logged("the inference pool did not answer in time", detail)
-    return ApiError(f"The inference pool did not answer in time {_see_log(request_id)}.", status=504, type=SERVER, code="timeout")
+    return ApiError(
+        f"The inference pool did not answer in time {_see_log(request_id)}.", status=504, type=SERVER, code="timeout"
+    )
 
 
 def replica_failed(detail: str) -> ApiError:
     request_id = _logged("a model replica failed while answering", detail)
     return ApiError(
-        f"The model replica failed while answering {_see_log(request_id)}.", status=502, type=SERVER, code="replica_error"
+        f"The model replica failed while answering {_see_log(request_id)}.",
+        status=502,
+        type=SERVER,
+        code="replica_error",
     )
 
 

@@ -210,7 +210,7 @@ def _storage_location(name: str, default: Path) -> str:
     """A local folder (made absolute) or ``s3://bucket/prefix``."""
     raw = env_str(name, str(default))
     if raw.startswith("s3://"):
-        if not raw[len("s3://"):].split("/", 1)[0]:
+        if not raw[len("s3://") :].split("/", 1)[0]:
             raise ConfigError(f"{name}={raw!r} names no bucket: use s3://bucket/prefix")
         return raw.rstrip("/")
     if "://" in raw:
@@ -222,7 +222,9 @@ def _job_liveness() -> tuple[int, int]:
     heartbeat = env_int("JOB_HEARTBEAT_SECONDS", 10, minimum=1)
     stale_after = env_int("JOB_STALE_AFTER_SECONDS", 180, minimum=1)
     if stale_after < 3 * heartbeat:  # a late heartbeat or two must not cost a live job its worker
-        raise ConfigError(f"JOB_STALE_AFTER_SECONDS={stale_after} must be at least 3 x JOB_HEARTBEAT_SECONDS ({3 * heartbeat})")
+        raise ConfigError(
+            f"JOB_STALE_AFTER_SECONDS={stale_after} must be at least 3 x JOB_HEARTBEAT_SECONDS ({3 * heartbeat})"
+        )
     return heartbeat, stale_after
 
 

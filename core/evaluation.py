@@ -188,7 +188,7 @@ def _schema_problem(schema: dict) -> tuple[str, str] | None:
         if not reference.startswith("#"):
             return path, (
                 f"{reference[:100]!r} points outside the schema; graders fetch nothing, so only references "
-                "within it (\"#/$defs/...\") are allowed: copy what it points at into the schema's $defs"
+                'within it ("#/$defs/...") are allowed: copy what it points at into the schema\'s $defs'
             )
     try:
         jsonschema.Draft202012Validator.check_schema(schema)

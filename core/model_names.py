@@ -13,7 +13,9 @@ import re
 from dataclasses import dataclass
 
 SUFFIX_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,64}")
-_FINE_TUNED = re.compile(r"(?P<suffix>[A-Za-z0-9_-]{1,64})(?:@r(?P<revision>[1-9]\d{0,8}))?(?::ckpt-step-(?P<step>\d{1,9}))?")
+_FINE_TUNED = re.compile(
+    r"(?P<suffix>[A-Za-z0-9_-]{1,64})(?:@r(?P<revision>[1-9]\d{0,8}))?(?::ckpt-step-(?P<step>\d{1,9}))?"
+)
 
 
 @dataclass(frozen=True)

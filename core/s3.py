@@ -28,5 +28,5 @@ def s3_client(s3: S3Settings) -> BaseClient:
 
 def split_s3_url(url: str) -> tuple[str, str]:
     """``s3://bucket/some/prefix`` -> ``("bucket", "some/prefix")``."""
-    bucket, _, prefix = url[len("s3://"):].partition("/")
+    bucket, _, prefix = url[len("s3://") :].partition("/")
     return bucket, prefix.strip("/")

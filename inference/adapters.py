@@ -196,9 +196,7 @@ class AdapterManager:
             finally:
                 slots.waiting.discard(name)
 
-    async def batch_turn(
-        self, replica: Replica, name: str, organization: str | None, mix: Mix | None = None
-    ) -> None:
+    async def batch_turn(self, replica: Replica, name: str, organization: str | None, mix: Mix | None = None) -> None:
         """Return when a request of ``organization`` for adapter ``name`` (or ``mix``) may start on
         the replica: at once, or once its adapters fit the engine's batch slots (``_fits_batch_slots``)
         and its organization's turn has come (``AdapterSlots.batch_turn``: some of its own requests
@@ -206,6 +204,8 @@ class AdapterManager:
         the request before it yields (``Replica.begin``), so that the next one counts it."""
         slots = replica.adapters
         needs = mix.part_names if mix is not None and replica.mixes_in_kernel else (name,)
+        if len(needs) > batch_slots(replica.model):  # it would never fit: say so now
+            raise api_errors.mix_too_many_parts(len(needs), batch_slots(replica.model))
 
         def may_start() -> bool:
             return self._fits_batch_slots(replica, needs) and (

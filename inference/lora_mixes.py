@@ -36,7 +36,9 @@ from typing import Any
 log = logging.getLogger("inference.lora_mixes")
 
 MANIFEST = "fineserve_mix.json"  # in a kernel mix's folder: its parts, by their names in vLLM, and scales
-MAX_PARTS = 8  # parts of one mix (the gateway allows fewer); bounds a token's pairs in the kernel
+# A manifest is the pool's, never a tenant's (the gateway's MAX_MIX_ADAPTERS and the batch slots
+# bound a mix's parts); this only keeps a broken file from becoming a huge per-token table.
+_MOST_PARTS = 64
 
 
 @dataclass(frozen=True)
@@ -64,8 +66,8 @@ def read_manifest(folder: Path) -> MixManifest | None:
         manifest = MixManifest(tuple((str(part["adapter"]), float(part["scale"])) for part in parts))
     except (ValueError, KeyError, TypeError) as exc:
         raise ValueError(f"{MANIFEST} is not a mix's manifest ({exc!r})") from None
-    if not 0 < len(manifest.parts) <= MAX_PARTS or not all(math.isfinite(scale) for _, scale in manifest.parts):
-        raise ValueError(f"{MANIFEST} must name 1 to {MAX_PARTS} parts with finite scales")
+    if not 0 < len(manifest.parts) <= _MOST_PARTS or not all(math.isfinite(scale) for _, scale in manifest.parts):
+        raise ValueError(f"{MANIFEST} must name 1 to {_MOST_PARTS} parts with finite scales")
     return manifest
 
 

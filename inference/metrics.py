@@ -52,9 +52,7 @@ def replica_families(replicas: Iterable[ReplicaGauges]) -> list[Metric]:
     )
     inflight = GaugeMetricFamily("fineserve_replica_inflight_requests", "Requests in flight", labels=labels)
     adapters = GaugeMetricFamily("fineserve_replica_adapters_loaded", "Adapters the replica holds", labels=labels)
-    restarts = CounterMetricFamily(
-        "fineserve_replica_restarts", "Times the pool restarted the replica", labels=labels
-    )
+    restarts = CounterMetricFamily("fineserve_replica_restarts", "Times the pool restarted the replica", labels=labels)
     kernels = GaugeMetricFamily(
         "fineserve_replica_lora_kernels",
         "1 for the LoRA kernels the replica runs (fineserve or stock), what LORA_KERNELS asked for, and why",

@@ -92,7 +92,11 @@ REPLICA_INHERITS_PREFIXES = (
 
 
 def _inherited() -> dict[str, str]:
-    return {name: value for name, value in os.environ.items() if name in REPLICA_INHERITS or name.startswith(REPLICA_INHERITS_PREFIXES)}
+    return {
+        name: value
+        for name, value in os.environ.items()
+        if name in REPLICA_INHERITS or name.startswith(REPLICA_INHERITS_PREFIXES)
+    }
 
 
 def vllm_environment(model: BaseModel, api_key: str, one_process_engine: bool = CPU_BUILD) -> dict[str, str]:
@@ -219,7 +223,7 @@ class Replica:
 
     @property
     def state(self) -> str:
-        """"ready", "starting" (wanted, not ready yet), "stopping", or "cold" (stopped: not wanted)."""
+        """ "ready", "starting" (wanted, not ready yet), "stopping", or "cold" (stopped: not wanted)."""
         if self.healthy:
             return "ready"
         if self.stopping_since is not None:
@@ -348,4 +352,7 @@ class Replica:
 def replicas_for(model: BaseModel, first_port: int, api_key: str) -> list[Replica]:
     """A model's replicas on this host, on consecutive ports. (Replicas on other hosts are Ray
     Serve's: ``backend = "ray"``, ``inference.ray_serve``.)"""
-    return [Replica(model, f"http://127.0.0.1:{port}", port, api_key) for port in range(first_port, first_port + model.replicas)]
+    return [
+        Replica(model, f"http://127.0.0.1:{port}", port, api_key)
+        for port in range(first_port, first_port + model.replicas)
+    ]

@@ -80,7 +80,9 @@ def create_app(pool: Pool, adapters: AdapterManager, http: Poster, metrics: Metr
         try:
             model = strict_json.loads(await request.body())["model"]
         except (ValueError, KeyError, TypeError):
-            raise api_errors.ApiError('The body must be {"model": "<base_model_id>:<suffix>"}.', param="model") from None
+            raise api_errors.ApiError(
+                'The body must be {"model": "<base_model_id>:<suffix>"}.', param="model"
+            ) from None
         pinned, replicas = await handler.preload(str(model))
         return JSONResponse({"model": pinned, "replicas": replicas})
 

@@ -3,7 +3,7 @@
 0 is the base model; mixed, scaled and plain requests share batches, each with its own answer.
 
 The session's one engine (conftest's ``inference_pool``; test catalog: 3 adapters per replica,
-max_lora_rank 16, so two rank-8 adapters mix).
+max_lora_rank 16), whose kernel computes mixes from their parts' slots (``inference.lora_mixes``).
 """
 
 # ruff: noqa: F811 (pytest fixtures are imported from tests.inference_fixtures, then named as arguments)
@@ -86,6 +86,25 @@ def test_a_half_and_half_mix_answers_token_for_token_as_peft_with_the_two_adapte
     assert answer.model.startswith(f"{BASE}:mix.")
     assert served == _peft_mix_answer(folders, [0.5, 0.5])
     assert served not in (_ask(alice.client), _ask(alice.client, first), _ask(alice.client, second))
+
+
+def test_a_mix_past_max_lora_rank_and_a_scale_alone_answer_as_peft_merges_them_computed_in_the_kernel(
+    alice, make_adapter
+):
+    """The kernel adds each part at its scale: nothing is built, so the parts' ranks (8 + 16) may sum
+    past max_lora_rank (16), where a built adapter was refused; a negative scale and one adapter at a
+    scale of its own are as exact."""
+    from django.conf import settings
+
+    pool = httpx.get(f"{settings.INFERENCE_POOL_URL}/health", headers=internal_headers(), timeout=10).json()
+    assert pool["replicas"][0]["lora_kernels"]["mixes_in_kernel"], pool["replicas"][0]["lora_kernels"]
+    folders = [make_adapter(seed=2), make_adapter(seed=42, rank=16)]
+    first, second = (publish_fine_tuned_model(alice, _suffix(f"wide{i}"), folder) for i, folder in enumerate(folders))
+    mixed = _ask(alice.client, adapters=[{"model": first, "scale": 1.5}, {"model": second, "scale": -0.5}])
+    assert mixed == _peft_mix_answer(folders, [1.5, -0.5])
+    scaled = _ask(alice.client, adapters=[{"model": second, "scale": 1.75}])
+    assert scaled == _peft_mix_answer(folders[1:], [1.75])
+    assert len({mixed, scaled, _ask(alice.client, second), _ask(alice.client)}) == 4
 
 
 def test_a_mix_at_scale_0_answers_as_the_base_model_and_loads_no_adapter(alice, make_adapter):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 import types
 import uuid
+from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -211,7 +212,9 @@ def test_without_the_c_kernel_a_replica_computes_with_torch_and_says_why(vllm_cl
 
 def test_the_logits_skip_vllms_lm_head_lora_until_a_slot_holds_a_non_zero_one():
     ids, indices, calls = [401, 402], torch.tensor([0, 1, 1]), []
-    wrapper = _wrapper(ids, indices, [8, 8], _fineserve_stock_add_lora_logits=lambda *args, **kwargs: calls.append(args))
+    wrapper = _wrapper(
+        ids, indices, [8, 8], _fineserve_stock_add_lora_logits=lambda *args, **kwargs: calls.append(args)
+    )
     vocab = 40
     lora_a, lora_b = torch.randn(2, 1, 8, FAN_IN), torch.zeros(2, 1, vocab, 8)  # adapters without lm_head
     y = torch.ones(3, vocab)
@@ -391,24 +394,32 @@ def test_the_server_stops_with_one_line_when_vllms_entry_point_moved(monkeypatch
 _PROMPTS = ("The capital of France is", "Once upon a time, in a small village,")
 
 
-def _greedy_answers(url: str, headers: dict[str, str], models: list[str]) -> dict[tuple[str, str], str]:
+def _greedy_answers(
+    url: str, headers: dict[str, str], models: list[str], adapters: list | None = None, label: str | None = None
+) -> dict[tuple[str, str], str]:
     """Every model's greedy answer to every prompt, all sent at once: one batch mixes the adapters
-    with requests for the base model (tokens without an adapter)."""
+    with requests for the base model (tokens without an adapter). ``adapters``: a mix, asked of the
+    pool with the base model, its answers under ``label``."""
     import httpx
 
     def answer(model: str, prompt: str) -> str:
         body = {"model": model, "prompt": prompt, "max_tokens": 16, "temperature": 0}
+        if adapters is not None:
+            body["adapters"] = adapters
         response = httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=300)
         response.raise_for_status()
         return response.json()["choices"][0]["text"]
 
     asked = [(model, prompt) for prompt in _PROMPTS for model in models]
     with ThreadPoolExecutor(len(asked)) as pool:
-        return dict(zip(asked, pool.map(lambda pair: answer(*pair), asked)))
+        return {
+            (label or model, prompt): text
+            for (model, prompt), text in zip(asked, pool.map(lambda pair: answer(*pair), asked))
+        }
 
 
 @pytest.mark.engine
-def test_the_replica_runs_our_kernels_and_answers_token_for_token_as_stock_vllm(inference_pool, make_adapter):  # noqa: F811
+def test_the_replica_runs_our_kernels_and_answers_token_for_token_as_stock_vllm(inference_pool, make_adapter, tmp_path):  # noqa: F811
     """Against a second engine, vLLM as shipped (the same server with LORA_KERNELS=stock), holding two
     adapters of different ranks in three slots: stock vLLM 0.32.0 gives a token without an adapter
     the last slot's, so it must stay empty for the two to agree (ours never does)."""
@@ -416,6 +427,7 @@ def test_the_replica_runs_our_kernels_and_answers_token_for_token_as_stock_vllm(
     from django.conf import settings
 
     from core.catalog import load_catalog
+    from core.lora_algebra import Part, write_combined
     from inference.lora_kernels_report import REPORT_PATH
     from inference.replica import vllm_command, vllm_environment
     from tests.inference_fixtures import BASE, TEST_CATALOG, adapter_store, internal_headers
@@ -438,6 +450,14 @@ def test_the_replica_runs_our_kernels_and_answers_token_for_token_as_stock_vllm(
         adapter_store().publish(name, folder)
     models = [BASE, *adapters]
     ours = _greedy_answers(inference_pool, headers, models)
+    # A mix at scales of its own (the rank-4 adapter and one of rank 8), computed from the parts'
+    # slots by our kernel; stock vLLM gets the combined adapter the pool builds where it cannot.
+    parts = {next(iter(adapters)): 0.5, f"{BASE}:kernels-r8-{suffix}": -1.25}
+    part_folders = [adapters[next(iter(adapters))], make_adapter(seed=43, rank=8)]
+    adapter_store().publish(f"{BASE}:kernels-r8-{suffix}", part_folders[1])
+    mixed = f"{BASE}:mixed-{suffix}"
+    mix = [{"model": name, "scale": scale} for name, scale in parts.items()]
+    ours.update(_greedy_answers(inference_pool, headers, [BASE], adapters=mix, label=mixed))
 
     model = load_catalog(TEST_CATALOG, settings.CONFIG.data_dir, settings.CONFIG.dynamic_lora_path).get(BASE)
     port = free_port()
@@ -446,13 +466,28 @@ def test_the_replica_runs_our_kernels_and_answers_token_for_token_as_stock_vllm(
         stock = f"http://127.0.0.1:{port}"
         wait_until(lambda: answers(f"{stock}/health", headers=headers), 300, "stock vLLM replica", process)
         said = httpx.get(f"{stock}{REPORT_PATH}", headers=headers).json()
-        assert said == {"active": "stock", "requested": "stock", "reason": "LORA_KERNELS=stock"}
-        for name, folder in adapters.items():
+        assert said == {
+            "active": "stock",
+            "requested": "stock",
+            "reason": "LORA_KERNELS=stock",
+            "mixes_in_kernel": False,
+        }
+
+        def load(name: str, folder: Path) -> None:
             loaded = httpx.post(
                 f"{stock}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(folder)}, headers=headers
             )
             assert loaded.status_code == 200, loaded.text
+
+        for name, folder in adapters.items():
+            load(name, folder)
         theirs = _greedy_answers(stock, headers, models)
+        # Where the kernel is refused, a mix is its combined adapter, built (the pool's fall-back);
+        # asked alone, so that no token without an adapter meets it in the last slot.
+        load(
+            mixed, write_combined([Part(f, scale) for f, scale in zip(part_folders, parts.values())], tmp_path / "mix")
+        )
+        theirs.update(_greedy_answers(stock, headers, [mixed]))
 
     assert ours == theirs
     assert len({ours[(name, _PROMPTS[0])] for name in models}) == len(models)  # the adapters do change the answer
@@ -535,3 +570,24 @@ def test_a_replica_that_builds_mixes_refuses_a_mixs_manifest(tmp_path, monkeypat
     monkeypatch.setattr(lora_mixes, "_mixes", {})
     monkeypatch.setattr(lora_mixes, "_accepting", True)
     assert add(manager, request) and lora_mixes._mixes[77].parts == (("m:a@r1", 0.5),)
+
+
+def test_registered_adapters_are_held_in_half_precision_unless_a_weight_is_past_its_range():
+    def adapter(peak: float) -> types.SimpleNamespace:
+        packed = types.SimpleNamespace(
+            lora_a=[torch.randn(8, 4), None, torch.randn(8, 4)], lora_b=[torch.randn(4, 8), None, torch.randn(4, 8)]
+        )
+        plain = types.SimpleNamespace(lora_a=torch.randn(8, 4), lora_b=torch.full((4, 8), peak))
+        return types.SimpleNamespace(loras={"qkv_proj": packed, "o_proj": plain})
+
+    held = adapter(peak=3.0)
+    before = held.loras["qkv_proj"].lora_a[0].clone()
+    lora_kernels._hold_in_half(held)
+    assert [tensor.dtype for tensor in lora_kernels._weights_of(held.loras["qkv_proj"])] == [torch.float16] * 4
+    assert held.loras["qkv_proj"].lora_a[1] is None and held.loras["o_proj"].lora_b.dtype == torch.float16
+    assert torch.equal(held.loras["qkv_proj"].lora_a[0], before.half())
+    unfit = adapter(peak=1e5)  # vLLM folded a large scaling into B: half precision cannot hold it
+    lora_kernels._hold_in_half(unfit)
+    assert {tensor.dtype for layer in unfit.loras.values() for tensor in lora_kernels._weights_of(layer)} == {
+        torch.float32
+    }

@@ -65,8 +65,7 @@ class Ingress:
         self.replicas, self.app_name = replicas, app_name
         self.catalog = Catalog(models)
         self.sources = {  # for "which revision is published now?" only: nothing is downloaded here
-            model.id: AdapterSource(store_of(model, config.s3), Path("."), Metrics(), model.id)
-            for model in models
+            model.id: AdapterSource(store_of(model, config.s3), Path("."), Metrics(), model.id) for model in models
         }
         self.metrics = AppMetrics()
 
@@ -207,8 +206,10 @@ class Ingress:
         if not running:
             return []  # nobody to ask: a broadcast would wait for a replica
         try:
-            answers = await self.replicas[model_id].broadcast("metrics_report").results_async(
-                timeout_s=_REPORT_TIMEOUT_S, return_exceptions=True
+            answers = (
+                await self.replicas[model_id]
+                .broadcast("metrics_report")
+                .results_async(timeout_s=_REPORT_TIMEOUT_S, return_exceptions=True)
             )
         except (RayError, RayServeException, TimeoutError):
             return []

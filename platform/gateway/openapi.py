@@ -40,7 +40,7 @@ _TYPED_FIELDS: dict[str, dict] = {
         "description": (
             "A mix: fine-tunes of the base model 'model' names (then 'model' must be that base model), each "
             "with a scale; served as the sum of their scaled LoRA deltas. All scales 0 is the base model. "
-            "At most MAX_MIX_ADAPTERS entries, and the sum of their ranks at most the model's max_lora_rank."
+            "At most MAX_MIX_ADAPTERS entries, and at most the replica's batch slots (max_loras)."
         ),
     },
 }  # fmt: skip

@@ -53,7 +53,10 @@ def workers() -> CheckResult:
     unread = _unread(consumers)
     if unread:
         listed = ", ".join(map(repr, unread))
-        return CheckResult(False, f"no worker consumes the queue(s) {listed} (start one: celery -A workers worker --queues {','.join(unread)})")
+        return CheckResult(
+            False,
+            f"no worker consumes the queue(s) {listed} (start one: celery -A workers worker --queues {','.join(unread)})",
+        )
     return CheckResult(True, "; ".join(f"{queue}: {', '.join(consumers[queue])}" for queue in REQUIRED_QUEUES))
 
 
@@ -73,7 +76,9 @@ def _ray_serve() -> CheckResult:
         _, body = ray_health()
     except PoolUnavailable as exc:
         return CheckResult(False, f"Ray Serve: {exc}")
-    states = ", ".join(f"{model} {state['state']}, {state['ready_replicas']} ready" for model, state in body["models"].items())
+    states = ", ".join(
+        f"{model} {state['state']}, {state['ready_replicas']} ready" for model, state in body["models"].items()
+    )
     return CheckResult(True, f"Ray Serve: {states}")
 
 
@@ -98,7 +103,11 @@ def _lora_kernels(body: dict) -> str:
         if kernels:
             fell_back = kernels.get("active") != kernels.get("requested")
             mixes = "mixes in the kernel" if kernels.get("mixes_in_kernel") else "mixes built as adapters"
-            shown.add(f"{kernels.get('active')} ({kernels.get('reason')})" if fell_back else f"{kernels.get('active')}, {mixes}")
+            shown.add(
+                f"{kernels.get('active')} ({kernels.get('reason')})"
+                if fell_back
+                else f"{kernels.get('active')}, {mixes}"
+            )
     return f"; LoRA kernels: {', '.join(sorted(shown))}" if shown else ""
 
 

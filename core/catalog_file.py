@@ -14,8 +14,11 @@ import tomlkit
 
 def with_model_appended(text: str, entry: dict[str, Any]) -> str:
     """``text`` with one more ``[[models]]`` entry at its end; everything before it unchanged."""
-    document = tomlkit.parse(text)
-    document["models"].append(entry)  # type: ignore[union-attr]  # load_catalog has checked it is a list
+    # A blank line between the last entry and the new one, as between hand-written entries.
+    document = tomlkit.parse(text if text.endswith("\n\n") or not text else text.rstrip("\n") + "\n\n")
+    if "models" not in document:
+        document["models"] = tomlkit.aot()
+    document["models"].append(entry)  # load_catalog has checked it is a list of tables
     return tomlkit.dumps(document)
 
 

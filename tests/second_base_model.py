@@ -27,7 +27,9 @@ def build_tiny_qwen2(folder: Path) -> Path:
         vocab_size=len(tokenizer),
         hidden_size=64,
         intermediate_size=128,
-        num_hidden_layers=2,
+        # Four: with fewer than 20 adapted modules (2 layers x 7) PEFT records all-linear's targets as full paths
+        # ("model.layers.0.mlp.up_proj"), not the short names a real model's adapter (and core.adapter_check) has.
+        num_hidden_layers=4,
         num_attention_heads=4,
         num_key_value_heads=2,  # grouped-query attention, as the real Qwen2 models have
         max_position_embeddings=2048,

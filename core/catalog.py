@@ -189,6 +189,44 @@ def _parse_model(table: _Table, data_dir: Path, default_lora_path: str) -> BaseM
     )
 
 
+def catalog_entry(model: BaseModel, data_dir: Path, default_lora_path: str) -> dict[str, Any]:
+    """``model`` as ``_parse_model`` reads it (the same keys), for writing into the catalog file: weights
+    under ``data_dir`` relative to it, and the default adapters path as "" (it follows DYNAMIC_LORA_PATH)."""
+    weights = model.weights.relative_to(data_dir) if model.weights.is_relative_to(data_dir) else model.weights
+    lora, engine, scaling = model.lora, model.engine, model.autoscaling
+    lora_path = lora.dynamic_lora_loading_path
+    entry: dict[str, Any] = {"id": model.id, "weights": str(weights), "backend": model.backend}
+    entry["replicas"] = model.replicas
+    if model.prepare_from is not None:
+        entry["prepare_from"] = {"package": model.prepare_from.package, "file": model.prepare_from.file}
+    entry["lora_config"] = {
+        "dynamic_lora_loading_path": "" if lora_path == default_lora_path else lora_path,
+        "max_num_adapters_per_replica": lora.max_num_adapters_per_replica,
+        "max_lora_rank": lora.max_lora_rank,
+        "max_mixes_per_organization": lora.max_mixes_per_organization,
+        "organization_share": lora.organization_share,
+    }
+    entry["engine"] = {
+        "max_model_len": engine.max_model_len,
+        "dtype": engine.dtype,
+        "max_loras": engine.max_loras,
+        "kv_cache_space_gib": _whole_if_whole(engine.kv_cache_space_gib),
+        "extra_args": list(engine.extra_args),
+    }
+    entry["autoscaling"] = {
+        "min_replicas": scaling.min_replicas,
+        "target_ongoing_requests": scaling.target_ongoing_requests,
+        "downscale_delay_s": _whole_if_whole(scaling.downscale_delay_s),
+        "cold_start_wait_s": _whole_if_whole(scaling.cold_start_wait_s),
+    }
+    return entry
+
+
+def _whole_if_whole(value: float) -> int | float:
+    # Some keys are read as integers (downscale_delay_s, cold_start_wait_s) though kept as floats.
+    return int(value) if float(value).is_integer() else value
+
+
 def load_catalog(path: Path, data_dir: Path, default_lora_path: str) -> Catalog:
     try:
         document = tomllib.loads(path.read_text())

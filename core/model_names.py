@@ -58,6 +58,17 @@ def is_valid_suffix(suffix: str) -> bool:
     return SUFFIX_PATTERN.fullmatch(suffix) is not None
 
 
+# A base model id an operator adds (``manage.py add_base_model``): Hugging Face's shape, ``name`` or
+# ``owner/name``, each part starting with a letter or digit. It names the weights folder
+# (DATA_DIR/models/<id>) and the adapters' (<path>/<id>:<suffix>/), so no part may be "." or "..", absolute,
+# or hold a ':' (the fine-tune separator) or a backslash.
+BASE_MODEL_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}(?:/[A-Za-z0-9][A-Za-z0-9._-]{0,95})?")
+
+
+def is_valid_base_model_id(model_id: str) -> bool:
+    return BASE_MODEL_ID_PATTERN.fullmatch(model_id) is not None
+
+
 def revision_tag(revision: int) -> str:
     """How a revision is written after the ``@`` of a name, and as the dynamic LoRA path's version."""
     return f"r{revision}"

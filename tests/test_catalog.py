@@ -2,7 +2,8 @@ from pathlib import Path
 
 import pytest
 
-from core.catalog import load_catalog
+from core.catalog import catalog_entry, load_catalog
+from core.catalog_file import with_model_appended
 from core.env import ConfigError
 from core.model_names import ModelName, is_valid_suffix, parse_model_name
 from tests.processes import ROOT
@@ -71,3 +72,12 @@ def test_it_accepts_plain_suffixes(suffix):
 @pytest.mark.parametrize("suffix", ["", "x" * 65, "../etc", "a b", "a:b", "a/b", "é", "ok\n"])
 def test_it_refuses_suffixes_that_could_escape_a_path_or_a_name(suffix):
     assert not is_valid_suffix(suffix)
+
+
+def test_an_entry_written_from_a_model_reads_back_as_the_same_model(tmp_path):
+    data_dir = ROOT / "data"
+    shipped = load_catalog(ROOT / "models.toml", data_dir=data_dir, default_lora_path="/srv/adapters").require(SMOL)
+    text = with_model_appended("", catalog_entry(shipped, data_dir, "/srv/adapters"))
+    (tmp_path / "models.toml").write_text(text)
+    assert load_catalog(tmp_path / "models.toml", data_dir, "/srv/adapters").models == (shipped,)
+    assert 'dynamic_lora_loading_path = ""' in text  # the default path stays a default, not a copy of today's value

@@ -387,6 +387,13 @@ def no_replica(model_id: str) -> ApiError:
     )  # fmt: skip
 
 
+def model_does_not_fit(model_id: str, why: str) -> ApiError:
+    return ApiError(
+        f"`{model_id}` cannot start here: {why}.", status=503, type=UNAVAILABLE, code="model_does_not_fit",
+        retry_after_s=60,
+    )  # fmt: skip
+
+
 def model_starting(model_id: str, retry_after_s: int) -> ApiError:
     return ApiError(
         f"`{model_id}` was scaled to zero and is starting for this request (a CPU engine needs about a minute). "

@@ -79,3 +79,27 @@ def count_parameters(weights: Path) -> int:
 
 def _gib(n: int) -> str:
     return f"{n / GIB:.2f}"
+
+
+def available_bytes() -> int | None:
+    """The memory this machine can give a new process now (Linux's MemAvailable); None: unknown."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def fit_refusal(model: BaseModel) -> str | None:
+    """Why a replica of ``model`` must not start now (it would not fit the machine's free memory,
+    and fail halfway through loading instead), or None."""
+    needed, free = replica_memory(model), available_bytes()
+    if free is None or needed.total_bytes <= free:
+        return None
+    return (
+        f"a replica of the catalog entry `{model.id}` needs {_gib(needed.total_bytes)} GiB "
+        f"({needed.describe()}), and this machine has {_gib(free)} GiB available: lower its kv_cache_space_gib, "
+        "stop other work, or serve it on a larger machine"
+    )

@@ -53,10 +53,18 @@ class Pool:
             return ready
         deadline = time.monotonic() + model.autoscaling.cold_start_wait_s
         while time.monotonic() < deadline:
+            if refused := self._start_refused(model.id):
+                raise api_errors.model_does_not_fit(model.id, refused)
             await asyncio.sleep(_WAIT_POLL_S)
             if ready := self.ready(model.id):
                 return ready
         raise api_errors.model_starting(model.id, COLD_START_RETRY_AFTER_S)
+
+    def _start_refused(self, model_id: str) -> str | None:
+        """Why the replica a request woke was not started (the memory plan), if it was not."""
+        return next(
+            (r.start_refused for r in self._managed(model_id) if r.woken_at is not None and r.start_refused), None
+        )
 
     def _wake(self, model_id: str, now: float) -> bool:
         """Start a stopped replica of a model none of whose replicas runs; whether one is starting

@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 
 from core.catalog import BaseModel
+from core.memory_plan import fit_refusal
 from core.config import LORA_KERNELS_SETTING, REPO_ROOT
 from inference.adapter_slots import AdapterSlots, FairUse
 from inference.internal_auth import REPLICA_TOKEN_VARIABLE
@@ -29,6 +30,7 @@ _RESTART_BACKOFF_S = (2.0, 60.0)
 _PROBE_TIMEOUT_S = 3.0
 _PROBE_FAILURES_TO_DOWN = 2
 _STOP_GRACE_S = 10.0
+_REFUSED_START_RETRY_S = 10.0  # a start refused for want of memory: memory may have been freed since
 
 
 def batch_slots(model: BaseModel) -> int:
@@ -161,6 +163,9 @@ class Replica:
     stopping_since: float | None = None
     last_active_at: float = 0.0
     woken_at: float | None = None  # started by a request that found its model cold; None once ready
+    # Why the last start was refused (``core.memory_plan.fit_refusal``: it would not fit the memory
+    # the machine had free); None: it was not. Looked at again every _REFUSED_START_RETRY_S.
+    start_refused: str | None = None
 
     def __post_init__(self) -> None:
         lora = self.model.lora
@@ -218,6 +223,13 @@ class Replica:
 
     def start(self) -> None:
         assert self.port is not None, "only a managed replica has a process to start"
+        refusal = fit_refusal(self.model)
+        if refusal is not None:
+            if refusal != self.start_refused:
+                log.error("replica %s not started: %s", self.url, refusal)
+            self.start_refused, self.next_start_at = refusal, time.monotonic() + _REFUSED_START_RETRY_S
+            return
+        self.start_refused = None
         log.info("starting replica %s for %s", self.url, self.model.id)
         self.process = start_vllm_server(self.model, self.port, vllm_environment(self.model, self.api_key))
 
@@ -346,6 +358,7 @@ class Replica:
             "inflight": self.inflight,
             "adapters": list(self.adapters.held),
             "lora_kernels": self.lora_kernels,
+            "start_refused": self.start_refused,
         }
 
 

@@ -102,6 +102,27 @@ def test_a_cold_start_longer_than_the_wait_is_a_503_with_retry_after_and_the_rep
     assert pool.replicas[0].process.poll() is None and _state(pool) == "starting"
 
 
+def test_a_replica_that_would_not_fit_the_free_memory_is_not_started_and_its_request_is_told_why(
+    stand_in_engine, monkeypatch
+):
+    monkeypatch.setattr("core.memory_plan.available_bytes", lambda: 2**30)  # 1 GiB free
+    pool = stand_in_engine(_model(wait_s=5))
+    started = time.monotonic()
+    with pytest.raises(api_errors.ApiError) as refused:
+        asyncio.run(pool.ready_or_start(BASE))
+    assert time.monotonic() - started < 1  # told at once, not after the cold-start wait
+    assert (refused.value.status, refused.value.code) == (503, "model_does_not_fit")
+    message = refused.value.message
+    assert f"a replica of the catalog entry `{BASE}` needs 4.00 GiB" in message  # 1 GiB of KV cache + 3 of overhead
+    assert "this machine has 1.00 GiB available" in message and "kv_cache_space_gib" in message
+    replica = pool.replicas[0]
+    assert replica.process is None and replica.status()["start_refused"] in message
+    monkeypatch.setattr("core.memory_plan.available_bytes", lambda: 64 * 2**30)  # memory freed
+    replica.next_start_at = 0
+    _tick(pool)
+    assert replica.process is not None and replica.start_refused is None
+
+
 def test_a_model_restarting_after_a_crash_is_not_waited_for(stand_in_engine):
     pool = stand_in_engine(_model(min_replicas=1, wait_s=30))
     _tick(pool)  # started, not ready: as after a crash

@@ -86,6 +86,10 @@ class AdapterSlots:
         # The organization whose requests use each adapter held or loading (None: not named, the
         # pool's own preloads and internal callers, never held back).
         self.owner: dict[str, str] = {}
+        # Mixes whose replica computes them in its kernel (``inference.lora_mixes``): a manifest of
+        # their parts, no weights of their own. They count in the capacity and the shares, but not
+        # in an organization's mixes (``FairUse.mixes`` caps the combined adapters built for mixes).
+        self.weightless: set[str] = set()
         self.turn_waiting: Counter[str] = Counter()  # organizations' requests waiting for a batch slot (``batch_turn``)
         self.running: Counter[str] = Counter()  # requests the engine is answering, per adapter
         self.last_finished: dict[str, float] = {}
@@ -113,6 +117,7 @@ class AdapterSlots:
         self.loading.discard(name)
         if name not in self.held:
             self.owner.pop(name, None)
+            self.weightless.discard(name)
 
     def lock(self, name: str) -> asyncio.Lock:
         return self._locks.setdefault(name, asyncio.Lock())
@@ -122,8 +127,9 @@ class AdapterSlots:
         self.held.move_to_end(name)
 
     def forget(self, name: str) -> HeldAdapter | None:
-        if name not in self.loading:  # a load replacing it keeps its organization
+        if name not in self.loading:  # a load replacing it keeps its organization (and its kind)
             self.owner.pop(name, None)
+            self.weightless.discard(name)
         return self.held.pop(name, None)
 
     def read_back(self, loaded: dict[str, Path]) -> None:
@@ -138,6 +144,7 @@ class AdapterSlots:
         """The replica's engine exited: whatever it held is gone."""
         self.held.clear()
         self.owner = {name: owner for name, owner in self.owner.items() if name in self.loading}
+        self.weightless &= self.loading
         self.running.clear()
         self.last_finished.clear()
 
@@ -177,10 +184,10 @@ class AdapterSlots:
         room for it is idle."""
         organization, now = self.owner.get(name), time.monotonic()
         chosen: list[Victim] = []
-        if organization is not None and is_mix_name(name):
-            mixes = [live for live in self._live() if self.owner.get(live) == organization and is_mix_name(live)]
+        if organization is not None and self._built_mix(name):
+            mixes = [live for live in self._live() if self.owner.get(live) == organization and self._built_mix(live)]
             excess = len(mixes) - self.fair_use.mixes
-            idle = [held for held in self._idle(now) if self.owner.get(held) == organization and is_mix_name(held)]
+            idle = [held for held in self._idle(now) if self.owner.get(held) == organization and self._built_mix(held)]
             if excess > 0 and len(idle) < excess:
                 raise OwnAdaptersBusy(True, self.fair_use.mixes)
             chosen += [(held, "organization_mixes") for held in idle[: max(excess, 0)]]
@@ -213,6 +220,9 @@ class AdapterSlots:
                 return False
         self.owner.setdefault(name, organization)
         return True
+
+    def _built_mix(self, name: str) -> bool:
+        return is_mix_name(name) and name not in self.weightless
 
     def _loads_counted(self) -> set[str]:
         """Loads that room is made for: not those waiting for their organization's own room."""

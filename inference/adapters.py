@@ -290,6 +290,7 @@ class AdapterManager:
             self.mixes[name] = mix
             try:
                 if replica.mixes_in_kernel:
+                    slots.weightless.add(name)
                     folder = self._manifest_folder(mix)
                 else:
                     folder = await self._combined_folder(replica.model, mix)

@@ -3,11 +3,13 @@ tests/test_inference_routing.py: what is built, loaded, evicted and refused."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+from pathlib import Path
 
 import pytest
 
-from inference import adapter_slots
+from inference import adapter_slots, lora_mixes
 from tests.test_inference_routing import BASE, PoolUnderTest, _settle, anyio_backend  # noqa: F401 (a fixture)
 from tests.test_lora_algebra import _adapter
 
@@ -20,7 +22,9 @@ def no_unload_grace(monkeypatch):
 class MixPool(PoolUnderTest):
     def publish_real(self, suffix: str, rank: int = 8, seed: int = 1) -> str:
         name = f"{BASE}:{suffix}"
-        folder = _adapter(self.tmp / "out" / f"{suffix}-{seed}", seed=seed, rank=rank, alpha=2 * rank, modules=["q_proj"])
+        folder = _adapter(
+            self.tmp / "out" / f"{suffix}-{seed}", seed=seed, rank=rank, alpha=2 * rank, modules=["q_proj"]
+        )
         self.store.publish(name, folder)
         return name
 
@@ -115,3 +119,74 @@ async def test_it_refuses_a_mix_on_a_fine_tuned_model_or_of_another_base(tmp_pat
     assert elsewhere.status_code == 404 and elsewhere.json()["error"]["param"] == "adapters"
     bad_scale = await pool.mix([{"model": a, "scale": "0.5"}])
     assert bad_scale.status_code == 400 and "adapters.0.scale" in bad_scale.json()["error"]["message"]
+
+
+# --- where the replica's kernel computes mixes (inference.lora_mixes) ------------------------------
+
+
+def _kernel_mixing(pool: MixPool) -> MixPool:
+    for replica in pool.pool.replicas:  # as the replicas report it when they become ready
+        replica.lora_kernels = {"active": "fineserve", "requested": "fineserve", "mixes_in_kernel": True}
+    return pool
+
+
+@pytest.mark.anyio
+async def test_where_the_kernel_mixes_it_loads_the_parts_and_a_manifest_of_them_and_builds_nothing(tmp_path):
+    pool = _kernel_mixing(MixPool(tmp_path, replicas=1, max_adapters=8))
+    a, b = pool.publish_real("a", seed=1), pool.publish_real("b", seed=2)
+    first = await pool.mix([{"model": a, "scale": 0.5}, {"model": b, "scale": -1.0}])
+    assert first.status_code == 200, first.text
+    mix_name = first.json()["model"]
+    assert [call[2] for call in pool.vllm.loads()] == [pool.served(a), pool.served(b), mix_name]
+    folder = Path(pool.vllm.loaded["http://replica-0"][mix_name])
+    manifest = json.loads((folder / lora_mixes.MANIFEST).read_text())
+    assert manifest == {
+        "parts": [{"adapter": pool.served(a), "scale": 0.5}, {"adapter": pool.served(b), "scale": -1.0}]
+    }
+    assert [path.name for path in (tmp_path / "cache" / ".mixes").iterdir()] == [folder.name]  # no adapter built
+    other = await pool.mix([{"model": a, "scale": 0.25}])  # another scale: its manifest only
+    assert other.status_code == 200 and [call[2] for call in pool.vllm.loads()][3:] == [other.json()["model"]]
+
+
+@pytest.mark.anyio
+async def test_a_kernel_mix_may_sum_past_max_lora_rank_but_not_take_more_parts_than_the_batch_slots(tmp_path):
+    pool = _kernel_mixing(MixPool(tmp_path, replicas=1, max_adapters=8))
+    a, b, c = (pool.publish_real(suffix, seed=seed, rank=16) for seed, suffix in enumerate("abc"))
+    wide = await pool.mix([{"model": a}, {"model": b}])  # rank 32 > 16: each part fits, no sum is built
+    assert wide.status_code == 200, wide.text
+    loads = len(pool.vllm.loads())
+    response = await pool.mix([{"model": a}, {"model": b}, {"model": c}])  # three parts, two batch slots
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["code"] == "mix_too_many_parts" and error["param"] == "adapters"
+    assert "names 3 adapters" in error["message"] and "Mix at most 2" in error["message"]
+    assert len(pool.vllm.loads()) == loads  # nothing loaded for it
+
+
+@pytest.mark.anyio
+async def test_an_organization_alone_holds_more_kernel_mixes_than_its_cap_of_built_ones(tmp_path):
+    from tests.test_adapter_fair_use import TenantPool
+
+    pool = _kernel_mixing(TenantPool(tmp_path, replicas=1, max_adapters=16))
+    part = pool.publish_real("a", seed=1)
+    for step in range(10):  # ten distinct scales: ten mixes, past the cap of 8 built ones
+        assert (await pool.mix_as("a", part, 0.1 * (step + 1))).status_code == 200
+        await _settle()
+    assert len(pool.mixes_held()) == 10 and pool.vllm.unloads() == []
+
+
+@pytest.mark.anyio
+async def test_a_kernel_mixs_parts_are_not_evicted_while_it_answers(tmp_path):
+    from tests.test_adapter_fair_use import MixesAnswering, TenantPool
+
+    pool = _kernel_mixing(TenantPool(tmp_path, replicas=1, max_adapters=2))
+    a = pool.publish_real("a", seed=1)
+    others = [pool.publish(f"other{i}") for i in range(3)]
+    async with MixesAnswering(pool) as answering:
+        mixing = asyncio.create_task(pool.mix_as("x", a, 0.5))
+        await _settle()
+        for name in others:  # the replica is full: each wants room while the mix's part answers
+            assert (await pool.chat_as("y", name)).status_code == 200
+            await _settle()
+        assert pool.served(a) not in [call[2] for call in pool.vllm.unloads()]
+        answering.released.set()
+        assert (await mixing).status_code == 200

@@ -89,6 +89,8 @@ def post(url: str, body: bytes, headers: dict[str, str], allow_private: bool) ->
 
     parts = urlsplit(url)
     host, port = parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80)
+    if parts.scheme != "https" and not (allow_private and parts.scheme == "http"):
+        return outcome(None, "Not sent: only https:// URLs may receive webhooks.")  # the operator's setting changed
     try:
         sock = _connected(checked_addresses(host, port, allow_private), port)
     except Refused as exc:

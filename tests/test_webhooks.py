@@ -36,7 +36,6 @@ from finetuning.models import File, FineTuningJob, JobStatus
 from tests.inference_fixtures import BASE, adapter_store
 from tests.personas import Persona
 from tests.processes import wait_until
-from webhooks import delivery as delivery_module
 from webhooks.delivery import MAX_ATTEMPTS, RETRY_DELAYS_S, deliver
 from webhooks.event_types import EventType
 from webhooks.models import DeliveryStatus, WebhookDelivery, WebhookEndpoint, WebhookEvent
@@ -127,7 +126,9 @@ def verified(secret: str, received: Received, tolerance_s: int = 300) -> dict:
 def queued(monkeypatch) -> list[tuple[str, float | None]]:
     """The messages the worker would get: (delivery id, countdown), collected instead of sent."""
     sent: list[tuple[str, float | None]] = []
-    monkeypatch.setattr("webhooks.emitting.send", lambda task, delivery_id, countdown_s=None: sent.append((delivery_id, countdown_s)))
+    monkeypatch.setattr(
+        "webhooks.emitting.send", lambda task, delivery_id, countdown_s=None: sent.append((delivery_id, countdown_s))
+    )
     return sent
 
 
@@ -234,22 +235,40 @@ def test_it_delivers_every_event_type_once_signed_and_retries_a_500_with_the_sam
 
     bodies = [verified(endpoint["secret"], received) for received in receiver.received]
     assert len(receiver.received) == len(expected) + 1  # one retry
-    first, retry = receiver.received[0], [r for r in receiver.received[1:] if r.headers["webhook-id"] == receiver.received[0].headers["webhook-id"]]
+    first, retry = (
+        receiver.received[0],
+        [r for r in receiver.received[1:] if r.headers["webhook-id"] == receiver.received[0].headers["webhook-id"]],
+    )
     assert len(retry) == 1 and retry[0].body == first.body  # the same message, the same id, sent again
     delivered = {body["id"]: body for body in bodies}
     assert len(delivered) == len(expected)  # each event once (the 500'd attempt aside)
     assert {body["type"]: body["data"]["id"] for body in delivered.values()} == expected
     for body in delivered.values():
         assert body["object"] == "event" and body["id"].startswith("evt_") and isinstance(body["created_at"], int)
-    assert delivered[next(i for i, b in delivered.items() if b["type"] == "model.ready")]["data"]["revision"] == f"{expected['model.ready']}@r1"
+    assert (
+        delivered[next(i for i, b in delivered.items() if b["type"] == "model.ready")]["data"]["revision"]
+        == f"{expected['model.ready']}@r1"
+    )
     assert WebhookDelivery.objects.filter(status=DeliveryStatus.SUCCEEDED).count() == len(expected)
+
+
+def test_the_official_openai_client_verifies_and_unwraps_a_delivery(alice, receiver, queued):
+    from openai import OpenAI
+
+    endpoint = register(alice, receiver.url)
+    job = _job(alice, "official")
+    job_status.cancel_job(job)
+    work_off(queued)
+    (received,) = receiver.received
+    event = OpenAI(api_key="unused").webhooks.unwrap(received.body, received.headers, secret=endpoint["secret"])
+    assert (event.type, event.data.id) == ("fine_tuning.job.cancelled", job.id)
 
 
 def test_a_delivered_event_is_never_sent_again_whatever_message_comes(alice, receiver, queued):
     register(alice, receiver.url)
     job = _job(alice, "again")
     job_status.cancel_job(job)
-    (delivery_id, _), = queued
+    ((delivery_id, _),) = queued
     assert deliver(delivery_id).startswith("attempt 1")
     assert deliver(delivery_id) == "nothing to send"  # a redelivered message
     WebhookDelivery.objects.filter(pk=delivery_id).update(sending_since=None)  # even past any stuck bound
@@ -263,7 +282,7 @@ def test_it_gives_up_after_the_schedule_and_logs_every_attempt(alice, receiver, 
     job_status.cancel_job(_job(alice, "down"))
     countdowns = []
     for _ in range(MAX_ATTEMPTS):
-        (delivery_id, countdown), = queued
+        ((delivery_id, countdown),) = queued
         countdowns.append(countdown)
         queued.clear()
         WebhookDelivery.objects.filter(pk=delivery_id).update(next_attempt_at=LONG_AGO)
@@ -273,7 +292,9 @@ def test_it_gives_up_after_the_schedule_and_logs_every_attempt(alice, receiver, 
     assert len({r.headers["webhook-id"] for r in receiver.received}) == 1 and len(receiver.received) == MAX_ATTEMPTS
     log = alice.api.get(f"/v1/webhooks/{endpoint['id']}/deliveries").json()["data"]
     assert log[0]["status"] == "failed"
-    assert [(a["attempt"], a["status_code"]) for a in log[0]["attempts"]] == [(n, 503) for n in range(1, MAX_ATTEMPTS + 1)]
+    assert [(a["attempt"], a["status_code"]) for a in log[0]["attempts"]] == [
+        (n, 503) for n in range(1, MAX_ATTEMPTS + 1)
+    ]
     assert all(a["duration_ms"] >= 0 for a in log[0]["attempts"])
 
 
@@ -301,7 +322,9 @@ def test_an_endpoint_gets_only_the_types_it_asked_for_and_a_disabled_one_nothing
     assert [json.loads(r.body)["type"] for r in receiver.received] == ["eval.run.succeeded"]
 
 
-def test_the_celery_worker_delivers_each_event_once_after_a_500(alice, receiver, celery_worker, tmp_path, published_names):
+def test_the_celery_worker_delivers_each_event_once_after_a_500(
+    alice, receiver, celery_worker, tmp_path, published_names
+):
     """The whole path: emitted on commit, sent by the session's worker, retried after RETRY_DELAYS_S[0]."""
     endpoint = register(alice, receiver.url)
     receiver.answers.append((500, {}))
@@ -360,7 +383,9 @@ def test_registration_refuses_a_url_webhooks_must_not_reach_with_a_400(alice, se
 def test_the_sender_resolves_and_refuses_a_name_of_a_loopback_address(alice, receiver, queued, settings):
     register(alice, receiver.url.replace("127.0.0.1", "localhost"))
     settings.WEBHOOKS_ALLOW_PRIVATE_ADDRESSES = False  # the operator turned it off since
-    outcome = webhook_http.post(receiver.url.replace("127.0.0.1", "localhost").replace("http:", "https:"), b"{}", {}, False)
+    outcome = webhook_http.post(
+        receiver.url.replace("127.0.0.1", "localhost").replace("http:", "https:"), b"{}", {}, False
+    )
     assert outcome.status_code is None and "loopback" in outcome.error
     job_status.cancel_job(_job(alice, "refused"))
     work_off(queued)
@@ -374,7 +399,7 @@ def test_a_redirect_is_not_followed(alice, receiver, elsewhere, queued):
     receiver.answers.extend([(302, {"Location": elsewhere.url}), (307, {"Location": metadata})])
     register(alice, receiver.url)
     job_status.cancel_job(_job(alice, "redirected"))
-    (delivery_id, _), = queued
+    ((delivery_id, _),) = queued
     queued.clear()
     deliver(delivery_id)
     WebhookDelivery.objects.filter(pk=delivery_id).update(next_attempt_at=LONG_AGO)
@@ -423,10 +448,14 @@ def test_the_api_shows_the_secret_once_and_keeps_other_organizations_out(alice, 
     assert "secret" not in fetched and fetched["event_types"] == ["fine_tuning.job.succeeded", "model.ready"]
     assert [e["id"] for e in alice.api.get("/v1/webhooks").json()["data"]] == [created["id"]]
     for method, path in (("get", ""), ("post", ""), ("delete", ""), ("get", "/deliveries")):
-        response = getattr(charlie.api, method)(f"/v1/webhooks/{created['id']}{path}", {"enabled": False}, format="json")
+        response = getattr(charlie.api, method)(
+            f"/v1/webhooks/{created['id']}{path}", {"enabled": False}, format="json"
+        )
         assert response.status_code == 404, (method, path)
     assert charlie.api.get("/v1/webhooks").json()["data"] == []
-    updated = alice.api.post(f"/v1/webhooks/{created['id']}", {"event_types": [], "enabled": False}, format="json").json()
+    updated = alice.api.post(
+        f"/v1/webhooks/{created['id']}", {"event_types": [], "enabled": False}, format="json"
+    ).json()
     assert (updated["event_types"], updated["enabled"]) == ([], False)
     assert alice.api.delete(f"/v1/webhooks/{created['id']}").json()["deleted"] is True
     assert not WebhookEndpoint.objects.exists()

@@ -81,6 +81,8 @@ def _request_limits() -> RequestLimits:
 UPLOAD_LIMIT_SETTING = "MAX_UPLOAD_MB"
 ADAPTER_UPLOAD_LIMIT_SETTING = "MAX_ADAPTER_UPLOAD_MB"
 
+WEBHOOKS_PRIVATE_SETTING = "WEBHOOKS_ALLOW_PRIVATE_ADDRESSES"
+
 LORA_KERNELS_SETTING = "LORA_KERNELS"
 FINESERVE_KERNELS, STOCK_KERNELS = "fineserve", "stock"
 
@@ -191,6 +193,9 @@ class Config:
     unpublished_checkpoints_days: int
     limits: TenantLimits  # what one organization may use
     lora_kernels: str  # FINESERVE_KERNELS or STOCK_KERNELS, for the CPU replicas
+    # Webhooks may target private and loopback addresses and plain http:// (on-premises receivers);
+    # otherwise only https:// at public addresses (core.public_addresses).
+    webhooks_allow_private_addresses: bool
 
     def catalog(self) -> Catalog:
         """The model catalog MODEL_CATALOG names, read now."""
@@ -317,6 +322,7 @@ def load_config() -> Config:
         unpublished_checkpoints_days=env_int("UNPUBLISHED_CHECKPOINTS_DAYS", 7, minimum=0),
         limits=_limits(),
         lora_kernels=lora_kernels(),
+        webhooks_allow_private_addresses=env_bool(WEBHOOKS_PRIVATE_SETTING, False),
     )
 
 

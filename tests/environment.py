@@ -62,5 +62,8 @@ for _limit in (
     os.environ.setdefault(_limit, "1000000")
 for _limit in ("TOKENS_PER_MINUTE_PER_KEY", "TOKENS_PER_MINUTE_PER_ORGANIZATION"):
     os.environ.setdefault(_limit, "1000000000")  # a request without max_tokens costs a whole context
+# The tests' webhook receivers listen on 127.0.0.1 (plain http), for the worker processes too; the
+# SSRF tests turn this off themselves.
+os.environ.setdefault("WEBHOOKS_ALLOW_PRIVATE_ADDRESSES", "true")
 # Hypothesis keeps its example database and caches here rather than in .hypothesis/ of the checkout.
 os.environ.setdefault("HYPOTHESIS_STORAGE_DIRECTORY", str(TEST_DATA / "hypothesis"))

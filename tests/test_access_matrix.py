@@ -32,6 +32,7 @@ from tests.inference_fixtures import register_fine_tuned_model
 from tests.personas import Persona, good_dataset
 from tests.test_adapter_io import adapter_files, tar_gz
 from tests.test_inference_routing import TOKEN, PoolUnderTest
+from webhooks.models import WebhookEndpoint
 
 pytestmark = pytest.mark.django_db(transaction=True)  # the gateway reads the database in other threads
 
@@ -62,7 +63,7 @@ SLASHED = (301,) * 7  # to the address without the slash, for anyone: it tells n
 # name a fresh object of Acme's, made for the one cell (so a delete does not spoil the next cell);
 # {published} is a model whose adapter is stored, {checkpoint} is "<job>/checkpoints/<checkpoint>",
 # {composition} a composition queued for a worker; {eval} an eval, {evalrun} "<eval>/runs/<run>" (a
-# queued run of it), {evalitem} "<eval>/runs/<run>/output_items/<item>".
+# queued run of it), {evalitem} "<eval>/runs/<run>/output_items/<item>", {webhook} a webhook endpoint.
 # The body "adapter" is an adapter archive uploaded under a suffix of its own; a composition (API or
 # form) is given a suffix of its own too. An outsider composing names Acme's models: 404; comparing
 # an Acme model (on an Acme eval, through the models page's form) too.
@@ -99,6 +100,12 @@ ROWS = [
     ("api", "POST", "/v1/evals/{evalrun}/cancel", None, API),
     ("api", "GET", "/v1/evals/{evalrun}/output_items", None, API),
     ("api", "GET", "/v1/evals/{evalitem}", None, API),
+    ("api", "GET", "/v1/webhooks", None, API_OWN_LIST),
+    ("api", "POST", "/v1/webhooks", {"url": "https://example.com/hook"}, API_OWN_LIST),
+    ("api", "GET", "/v1/webhooks/{webhook}", None, API),
+    ("api", "POST", "/v1/webhooks/{webhook}", {"enabled": False}, API),
+    ("api", "DELETE", "/v1/webhooks/{webhook}", None, API),
+    ("api", "GET", "/v1/webhooks/{webhook}/deliveries", None, API),
     ("api", "GET", "/v1/models", None, API_OWN_LIST),
     ("api", "GET", "/v1/models/{model}", None, API),
     ("api", "DELETE", "/v1/models/{model}", None, API_OWNER_ONLY),
@@ -133,6 +140,11 @@ ROWS = [
     ("page", "GET", "/keys", None, PAGE_OWN_LIST),
     ("page", "POST", "/keys/{key}/revoke", None, PAGE_OWNER_ONLY),
     ("page", "POST", "/organization", {"organization": "{org_id}"}, SWITCH),
+    ("page", "GET", "/webhooks", None, PAGE_OWN_LIST),
+    ("page", "POST", "/webhooks", {"url": "https://example.com/hook"}, PAGE_OWN_LIST),  # the page again, with the secret
+    ("page", "GET", "/webhooks/{webhook}", None, PAGE),
+    ("page", "POST", "/webhooks/{webhook}/enabled", None, PAGE_ACTION),
+    ("page", "POST", "/webhooks/{webhook}/delete", None, PAGE_ACTION),
     ("pool", "GET", "/health", None, OPERATOR_ONLY),
     ("pool", "GET", "/metrics", None, OPERATOR_ONLY),
     ("pool", "POST", "/v1/chat/completions", {"model": "{model}", "messages": []}, OPERATOR_ONLY),
@@ -186,6 +198,8 @@ class AcmeObjects(dict):
             item = OutputItem.objects.create(run=run, index=0, prompt=[], expected="x", answer="x", results=[], status="pass")
             self.secrets.add(item.id)
             return f"{run.eval_id}/runs/{run.id}/output_items/{item.id}"
+        elif name == "webhook":  # not through register: a cell each, past an organization's cap of endpoints
+            value = WebhookEndpoint.objects.create(organization=alice.organization, url="https://example.com/hook", secret="whsec_").id
         elif name == "key":
             value = create_api_key(alice.organization, alice.user, f"spare {n}")[0].prefix
         elif name == "org_id":
@@ -274,7 +288,7 @@ class Doors:
             return web.post(path, {"file": _upload(), "purpose": "fine-tune"}, headers=headers)
         if body == "adapter":
             return web.post(path, self._adapter_upload("adapter-" if surface == "page" else ""), headers=headers)
-        if surface == "page" and (path == "/organization" or path.endswith(("/compare/base", "/compare/revisions"))):
+        if surface == "page" and (path in ("/organization", "/webhooks") or path.endswith(("/compare/base", "/compare/revisions"))):
             return web.post(path, body, headers=headers)  # forms, as a browser sends them
         if path in ("/v1/fine_tuning/models", "/models/compose") and method == "POST":
             suffix = self._composed_suffix()

@@ -40,6 +40,7 @@ from finetuning.models import FineTuningJob, JobStatus
 from tests.inference_fixtures import BASE, register_fine_tuned_model
 from tests.personas import Persona, good_dataset
 from tests.test_api_fuzz import tenant_rows
+from webhooks import endpoints
 
 # Committed rows: the gateway looks keys up on threads of its own, with connections of their own.
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -92,6 +93,7 @@ COMPOSE_FORM = {
 }
 PAGE = {"page": "1"}
 EVAL = {"testing_criteria": [{"type": "contains"}], "file": "{file}", "name": "hostile eval"}
+WEBHOOK = {"url": "https://example.com/hook", "description": "hostile"}
 RUN = {"data_source": {"type": "completions", "model": BASE, "sampling_params": {"max_completion_tokens": 8, "temperature": 0}}}
 
 # The one table of doors. GET routes read a query string at most; those that read none are in EXCLUDED.
@@ -123,6 +125,13 @@ DOORS = [
     Door("GET", "/v1/evals/{eval}/runs", "eval-run-list", QUERY, {"limit": "2", "status": "completed"}, "limit", "status"),
     Door("GET", "/v1/evals/{eval}/runs", "eval-run-list", QUERY, {"limit": "2"}, text="after"),
     Door("GET", "/v1/evals/{eval}/runs/{run}/output_items", "eval-run-output-items", QUERY, {"limit": "2"}, "limit", "status"),
+    Door("POST", "/v1/webhooks", "webhook-list", JSON, WEBHOOK, text="url"),
+    Door("POST", "/v1/webhooks", "webhook-list", JSON, WEBHOOK, text="description"),
+    Door("POST", "/v1/webhooks", "webhook-list", JSON, WEBHOOK | {"event_types": ["model.ready"]}, text="event_types"),
+    Door("POST", "/v1/webhooks/{webhook}", "webhook-detail", JSON, {"enabled": True, "url": "https://example.com/x"}, "enabled", "url"),
+    Door("DELETE", "/v1/webhooks/{webhook}", "webhook-detail", NOTHING),
+    Door("GET", "/v1/webhooks", "webhook-list", QUERY, {"limit": "2"}, "limit", "after"),
+    Door("GET", "/v1/webhooks/{webhook}/deliveries", "webhook-deliveries", QUERY, {"limit": "2"}, "limit", "after"),
     Door("POST", "/v1/files", "file-list", MULTIPART, {"purpose": "fine-tune"}, text="purpose"),
     Door("POST", "/v1/fine_tuning/adapters", "fine-tuning-adapter-upload", MULTIPART, {"model": BASE, "suffix": "up"}, text="model"),
     Door("POST", "/v1/fine_tuning/jobs/{job}/cancel", "fine-tuning-job-cancel", NOTHING),
@@ -163,6 +172,13 @@ DOORS = [
     Door("POST", "/keys/{key}/revoke", "dashboard:api_key_revoke", NOTHING, session=True),
     # A check box: any body is an answer (one without "allowed=on" is the box left unticked).
     Door("POST", "/organization/members", "dashboard:members_may_manage", NOTHING, session=True),
+    Door("POST", "/webhooks", "dashboard:webhooks", FORM, {"url": "https://example.com/hook"}, text="url", session=True),
+    Door("POST", "/webhooks", "dashboard:webhooks", FORM, {"url": "https://example.com/hook", "description": "d"}, text="description", session=True),
+    Door("POST", "/webhooks/{webhook}/delete", "dashboard:webhook_delete", NOTHING, session=True),
+    # A check box: any body is an answer (one without "enabled=on" is the box left unticked).
+    Door("POST", "/webhooks/{webhook}/enabled", "dashboard:webhook_enabled", NOTHING, session=True),
+    Door("GET", "/webhooks", "dashboard:webhooks", QUERY, PAGE, "page", session=True, lenient_query=True),
+    Door("GET", "/webhooks/{webhook}", "dashboard:webhook", QUERY, PAGE, "page", session=True, lenient_query=True),
     Door("GET", "/datasets", "dashboard:datasets", QUERY, PAGE, "page", session=True, lenient_query=True),
     Door("GET", "/jobs", "dashboard:jobs", QUERY, PAGE, "page", session=True, lenient_query=True),
     Door("GET", "/evals", "dashboard:evals", QUERY, PAGE, "page", session=True, lenient_query=True),
@@ -187,6 +203,7 @@ EXCLUDED = {
     ("eval-detail", "GET"): "an eval by its id",
     ("eval-run-detail", "GET"): "an eval run by its ids",
     ("eval-run-output-item", "GET"): "an output item by its ids",
+    ("webhook-detail", "GET"): "a webhook endpoint by its id",
     ("model", "GET"): "a model by its name",
     ("dashboard:home", "GET"): "a redirect",
     ("dashboard:login", "GET"): "the sign-in page",
@@ -291,8 +308,9 @@ class Objects(dict):
             eval=evaluation, organization=alice.organization, name="hostile", model=BASE, file_id=training.id,
             sampling={"max_completion_tokens": 8, "temperature": 0.0, "top_p": 1.0, "seed": None}, total_items=12,
         )  # fmt: skip
+        webhook, _secret = endpoints.register(alice.organization, alice.user, "https://example.com/hook")
         super().__init__(
-            eval=evaluation.id, run=run.id,
+            eval=evaluation.id, run=run.id, webhook=webhook.id,
             file=training.id, job=job.id, model=register_fine_tuned_model(alice, "hostile-model"),
             key=create_api_key(alice.organization, alice.user, "spare")[0].prefix, org=str(alice.organization.pk),
         )  # fmt: skip

@@ -10,7 +10,9 @@ The database says which jobs wait; a broker message only wakes a trainer for one
 - the checkpoints of jobs that ended without publishing go once their retention is over
   (``finetuning.registry.expire_unpublished_checkpoints``);
 - compositions (``finetuning.compositions``) running for longer than any worker may are failed
-  (their worker died), and queued ones whose message the broker no longer holds are sent again.
+  (their worker died), and queued ones whose message the broker no longer holds are sent again;
+- webhook deliveries overdue (their message lost) or stuck in an attempt whose worker died are sent
+  again (``webhooks.delivery.resend_lost``).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from kombu.exceptions import OperationalError
 from finetuning import compositions, job_status, registry, training_turns
 from finetuning.models import Composition, CompositionStatus, FineTuningJob, JobStatus, record_event
 from base.celery import COMPOSE_MODEL, TAKE_TRAINING_TURN, TRAINING_QUEUE, queue_consumers, waiting_task_args
+from webhooks import delivery
 from workers.run_job import drop_training_states
 
 log = logging.getLogger(__name__)
@@ -50,6 +53,7 @@ def sweep(stale_after: timedelta | None = None, lost_after: timedelta | None = N
     expired = registry.expire_unpublished_checkpoints(timezone.now())
     lost_compositions = compositions.fail_lost()
     resent_compositions = _resend_lost_compositions(lost_after)
+    resent_deliveries = delivery.resend_lost(lost_after)
     return {
         "requeued": recovered.requeued,
         "failed": recovered.failed,
@@ -58,6 +62,7 @@ def sweep(stale_after: timedelta | None = None, lost_after: timedelta | None = N
         "checkpoints_expired": expired,
         "compositions_failed": lost_compositions,
         "compositions_resent": resent_compositions,
+        "webhook_deliveries_resent": resent_deliveries,
     }
 
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from django.conf import settings
 
-from base.celery import COMPOSE_MODEL, RUN_EVAL, SWEEP_JOBS, TAKE_TRAINING_TURN, WORKER_REPORT, app
+from base.celery import COMPOSE_MODEL, DELIVER_WEBHOOK, RUN_EVAL, SWEEP_JOBS, TAKE_TRAINING_TURN, WORKER_REPORT, app
 
 if TYPE_CHECKING:
     from celery import Task
@@ -70,6 +70,22 @@ def run_eval(self: Task, run_id: str) -> str:
     from workers.run_eval import run_eval
 
     return run_eval(run_id, worker=self.request.hostname or "unknown")
+
+
+# An attempt ends within ``core.webhook_http.DEADLINE_S``; this only frees a worker stuck past it.
+WEBHOOK_SOFT_LIMIT_S = 60
+WEBHOOK_HARD_LIMIT_S = WEBHOOK_SOFT_LIMIT_S + 10
+
+
+@app.task(
+    name=DELIVER_WEBHOOK.name, queue=DELIVER_WEBHOOK.queue, soft_time_limit=WEBHOOK_SOFT_LIMIT_S,
+    time_limit=WEBHOOK_HARD_LIMIT_S,
+)  # fmt: skip
+def deliver_webhook(delivery_id: str) -> str:
+    """One attempt of a webhook delivery, if it is due; its retries are messages of their own."""
+    from webhooks.delivery import deliver
+
+    return deliver(delivery_id)
 
 
 @app.task(name=SWEEP_JOBS.name, queue=SWEEP_JOBS.queue)

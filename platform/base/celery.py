@@ -42,6 +42,7 @@ TAKE_TRAINING_TURN = TaskName("workers.tasks.take_training_turn", TRAINING_QUEUE
 COMPOSE_MODEL = TaskName("workers.tasks.compose_model", DEFAULT_QUEUE)
 RUN_EVAL = TaskName("workers.tasks.run_eval", DEFAULT_QUEUE)
 SWEEP_JOBS = TaskName("workers.tasks.sweep_jobs", DEFAULT_QUEUE)
+DELIVER_WEBHOOK = TaskName("workers.tasks.deliver_webhook", DEFAULT_QUEUE)
 WORKER_REPORT = TaskName("workers.tasks.worker_report", DEFAULT_QUEUE)
 
 
@@ -56,11 +57,12 @@ def _schedule_sweeps(sender: Celery, **_: object) -> None:
     sender.add_periodic_task(float(settings.CONFIG.sweep_s), sweep, name="sweep-jobs")
 
 
-def send(task: TaskName, *args: str) -> None:
-    """Publish a task by name to its queue; raises ``kombu.exceptions.OperationalError`` when the
-    broker cannot take it (after the app's short publish retry policy). Nobody waits for the result,
-    so the sender does not subscribe to it (which would need the result store up as well)."""
-    app.send_task(task.name, args=args, queue=task.queue, ignore_result=True)
+def send(task: TaskName, *args: str, countdown_s: float | None = None) -> None:
+    """Publish a task by name to its queue (to run ``countdown_s`` from now, if given); raises
+    ``kombu.exceptions.OperationalError`` when the broker cannot take it (after the app's short
+    publish retry policy). Nobody waits for the result, so the sender does not subscribe to it
+    (which would need the result store up as well)."""
+    app.send_task(task.name, args=args, queue=task.queue, ignore_result=True, countdown=countdown_s)
 
 
 def queue_consumers(broker_url: str, timeout_s: float, expect_workers: int | None = None) -> dict[str, list[str]]:

@@ -15,6 +15,7 @@ from core.openai_protocol import MAX_ADAPTER_SCALE
 from finetuning.compose import CompositionRequest
 from finetuning.job_creation import MAX_CHECKPOINTS_PER_EPOCH, MAX_EVALS_PER_EPOCH, TARGET_MODULES, JobRequest
 from finetuning.models import File
+from webhooks.event_types import EventType
 
 
 SUFFIX_HELP = "Letters, digits, - and _. Empty: one is made up."
@@ -198,3 +199,14 @@ class CompareForm(forms.Form):
 
 class ApiKeyForm(forms.Form):
     name = forms.CharField(max_length=100, initial="dashboard")
+
+
+class WebhookForm(forms.Form):
+    """A new webhook endpoint; ``webhooks.targets`` decides which URLs are allowed, and says why not."""
+
+    url = forms.CharField(label="URL", max_length=2048, help_text="Where each event is POSTed, signed (https://).")
+    description = forms.CharField(max_length=256, required=False)
+    event_types = forms.MultipleChoiceField(
+        label="Events", choices=EventType.choices, required=False, widget=forms.CheckboxSelectMultiple,
+        help_text="None ticked: every event, those added later too.",
+    )  # fmt: skip

@@ -2,7 +2,7 @@ from django.contrib.auth import views as auth_views
 from django.urls import path
 from django.views.generic import RedirectView
 
-from dashboard import eval_pages, views
+from dashboard import eval_pages, views, webhook_pages
 from dashboard.sign_in import SignInView
 
 app_name = "dashboard"
@@ -42,4 +42,8 @@ urlpatterns = [
     # A key by the prefix the page shows (``accounts.services.create_api_key`` keeps it unique in its organization).
     path("keys/<str:key_prefix>/revoke", views.api_key_revoke, name="api_key_revoke"),
     path("organization/members", views.members_may_manage, name="members_may_manage"),
+    path("webhooks", webhook_pages.webhook_list, name="webhooks"),
+    path("webhooks/<str:webhook_id>", webhook_pages.webhook_detail, name="webhook"),
+    path("webhooks/<str:webhook_id>/enabled", webhook_pages.webhook_enabled, name="webhook_enabled"),
+    path("webhooks/<str:webhook_id>/delete", webhook_pages.webhook_delete, name="webhook_delete"),
 ]

@@ -2,7 +2,8 @@
 task cannot both score it and a cancel is seen by the worker at its next batch:
 queued -> in_progress (``claim``) -> completed (``complete``), failed (``fail``) or canceled (``cancel``,
 also from queued). Between, ``record`` adds a batch's scored items and the running totals, only
-while the run is still in progress."""
+while the run is still in progress. Each move to a finished status emits its webhook event in the
+same transaction (``webhooks.emitting``)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from django.utils import timezone
 
 from core.evaluation import mean_score
 from evals.models import UNFINISHED_RUN_STATUSES, EvalRun, OutputItem, RunStatus
+from webhooks.emitting import emit
+from webhooks.event_types import EventType
 
 
 @dataclass
@@ -73,7 +76,17 @@ def record(run_id: str, items: list[OutputItem], totals: Totals) -> bool:
 
 def complete(run_id: str, total_items: int) -> bool:
     running = EvalRun.objects.filter(pk=run_id, status=RunStatus.IN_PROGRESS)
-    return bool(running.update(status=RunStatus.COMPLETED, total_items=total_items, finished_at=timezone.now()))
+    with transaction.atomic():
+        completed = running.update(status=RunStatus.COMPLETED, total_items=total_items, finished_at=timezone.now())
+        if completed:
+            _emit(run_id, EventType.EVAL_RUN_SUCCEEDED)
+    return bool(completed)
+
+
+def _emit(run_id: str, event_type: EventType) -> None:
+    """The webhook event of a run that has just finished, in the transaction that finished it."""
+    organization_id = EvalRun.objects.filter(pk=run_id).values_list("organization_id", flat=True).get()
+    emit(organization_id, event_type, {"id": run_id})
 
 
 def set_total(run_id: str, total_items: int) -> None:
@@ -84,16 +97,21 @@ def set_total(run_id: str, total_items: int) -> None:
 def fail(run_id: str, code: str, message: str) -> bool:
     """queued or in progress -> failed, with the reason the user reads."""
     unfinished = EvalRun.objects.filter(pk=run_id, status__in=UNFINISHED_RUN_STATUSES)
-    return bool(
-        unfinished.update(status=RunStatus.FAILED, error_code=code, error_message=message, finished_at=timezone.now())
-    )
+    with transaction.atomic():
+        failed = unfinished.update(status=RunStatus.FAILED, error_code=code, error_message=message, finished_at=timezone.now())
+        if failed:
+            _emit(run_id, EventType.EVAL_RUN_FAILED)
+    return bool(failed)
 
 
 def cancel(run: EvalRun) -> EvalRun:
     """queued or in progress -> canceled (a finished run stays as it is); the worker stops at its
     next batch, and the items it scored so far stay."""
-    EvalRun.objects.filter(pk=run.pk, status__in=UNFINISHED_RUN_STATUSES).update(
-        status=RunStatus.CANCELED, finished_at=timezone.now()
-    )
+    with transaction.atomic():
+        canceled = EvalRun.objects.filter(pk=run.pk, status__in=UNFINISHED_RUN_STATUSES).update(
+            status=RunStatus.CANCELED, finished_at=timezone.now()
+        )
+        if canceled:
+            _emit(run.pk, EventType.EVAL_RUN_CANCELED)
     run.refresh_from_db()
     return run

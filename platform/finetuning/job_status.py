@@ -5,7 +5,8 @@ Each move is a conditional update, so two processes that race (a worker and a ca
 deliveries of one task, a sweeper and a late heartbeat) cannot both win: running -> succeeded
 (``succeed``) or failed (``fail``); unfinished -> cancelled (``cancel_job``); running with a stale
 heartbeat -> queued again, or failed after MAX_ATTEMPTS (``recover_stale_jobs``). The move from
-queued to running is a trainer's turn (``finetuning.training_turns.claim``).
+queued to running is a trainer's turn (``finetuning.training_turns.claim``). Each move to succeeded,
+failed or cancelled emits its webhook event in the same transaction (``webhooks.emitting``).
 
 ``claim`` returns the attempt number, a fencing token: every later write of that run (heartbeat,
 events, checkpoints, success, failure) is conditional on the job still running *that* attempt, so a
@@ -25,20 +26,25 @@ from django.utils import timezone
 from core.api_errors import ApiError
 from finetuning import publishing
 from finetuning.models import File, FineTuningJob, JobStatus, record_event
+from webhooks.emitting import emit
+from webhooks.event_types import EventType
 
 MAX_ATTEMPTS = 3
 
 
 def cancel_job(job: FineTuningJob) -> FineTuningJob:
     # Conditional, so a job that finished a moment ago is not turned into "cancelled".
-    updated = (
-        FineTuningJob.objects.filter(pk=job.pk, status__in=(JobStatus.QUEUED, JobStatus.RUNNING))
-        .update(status=JobStatus.CANCELLED, finished_at=timezone.now())
-    )  # fmt: skip
-    job.refresh_from_db()
+    with transaction.atomic():
+        updated = (
+            FineTuningJob.objects.filter(pk=job.pk, status__in=(JobStatus.QUEUED, JobStatus.RUNNING))
+            .update(status=JobStatus.CANCELLED, finished_at=timezone.now())
+        )  # fmt: skip
+        job.refresh_from_db()
+        if updated:
+            record_event(job, "Job cancelled by request")
+            emit(job.organization_id, EventType.FINE_TUNING_JOB_CANCELLED, {"id": job.pk})
     if not updated:
         raise ApiError(f"Job {job.id} has already {job.status}; only unfinished jobs can be cancelled.", status=409, code="job_finished")
-    record_event(job, "Job cancelled by request")
     return job
 
 
@@ -75,6 +81,7 @@ def succeed(
                 results.save()
             publishing.publish_trained_revision(job, name, final_loss)
             record_event(job, "The job has successfully completed")
+            emit(job.organization_id, EventType.FINE_TUNING_JOB_SUCCEEDED, {"id": job.pk})
     return bool(succeeded)
 
 
@@ -87,11 +94,14 @@ def record_evaluation(job_id: str, attempt: int, scores: dict) -> None:
 
 def fail(job_id: str, attempt: int, code: str, message: str) -> None:
     """running -> failed, with the reason the user reads (only while this attempt runs the job)."""
-    failed = _this_attempt(job_id, attempt).update(
-        status=JobStatus.FAILED, error_code=code, error_message=message, finished_at=timezone.now(), estimated_finish=None
-    )
-    if failed:
-        record_event(FineTuningJob.objects.get(pk=job_id), f"Job failed: {message}", level="error")
+    with transaction.atomic():
+        failed = _this_attempt(job_id, attempt).update(
+            status=JobStatus.FAILED, error_code=code, error_message=message, finished_at=timezone.now(), estimated_finish=None
+        )
+        if failed:
+            job = FineTuningJob.objects.get(pk=job_id)
+            record_event(job, f"Job failed: {message}", level="error")
+            emit(job.organization_id, EventType.FINE_TUNING_JOB_FAILED, {"id": job_id})
 
 
 def status_of(job_id: str) -> str:
@@ -118,9 +128,11 @@ def recover_stale_jobs(stale_after: timedelta) -> Recovered:
         still_stale = FineTuningJob.objects.filter(pk=job.pk, status=JobStatus.RUNNING, heartbeat_at=job.heartbeat_at)
         if job.attempts >= MAX_ATTEMPTS:
             message = f"The worker running this job stopped responding {job.attempts} times; giving up."
-            if still_stale.update(status=JobStatus.FAILED, error_code="worker_lost", error_message=message, finished_at=now):
-                record_event(job, f"Job failed: {message}", level="error")
-                recovered.failed.append(job.pk)
+            with transaction.atomic():
+                if still_stale.update(status=JobStatus.FAILED, error_code="worker_lost", error_message=message, finished_at=now):
+                    record_event(job, f"Job failed: {message}", level="error")
+                    emit(job.organization_id, EventType.FINE_TUNING_JOB_FAILED, {"id": job.pk})
+                    recovered.failed.append(job.pk)
         elif still_stale.update(status=JobStatus.QUEUED, worker="", heartbeat_at=None, queued_at=now):
             record_event(job, f"Worker {job.worker} stopped responding; the job is queued again", level="warn")
             recovered.requeued.append(job.pk)

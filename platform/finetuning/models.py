@@ -20,9 +20,10 @@ from core.model_names import ModelName, parse_model_name, with_revision
 _ID_ALPHABET = string.ascii_letters + string.digits
 
 
-def new_id(prefix: str) -> str:
-    """OpenAI-shaped object ids: a type prefix and 24 random characters (``ftjob-abc...``)."""
-    return prefix + "-" + "".join(secrets.choice(_ID_ALPHABET) for _ in range(24))
+def new_id(prefix: str, separator: str = "-") -> str:
+    """OpenAI-shaped object ids: a type prefix and 24 random characters (``ftjob-abc...``; with
+    ``separator`` "_" as OpenAI's newer objects have them, ``evt_abc...``)."""
+    return prefix + separator + "".join(secrets.choice(_ID_ALPHABET) for _ in range(24))
 
 
 class OrgQuerySet(models.QuerySet):

@@ -39,6 +39,8 @@ from core.model_names import ModelName
 from finetuning import quotas, storage
 from finetuning.models import Checkpoint, Composition, FineTunedModel, FineTuningJob, ModelRevision, record_event
 from base.serving_client import PoolUnavailable, preload
+from webhooks.emitting import emit
+from webhooks.event_types import EventType
 
 
 def store_for(base_model_id: str) -> AdapterStore:
@@ -98,7 +100,13 @@ def publish_trained_revision(job: FineTuningJob, name: str, final_loss: float | 
         record_event(job, f"New revision published: {name}@r{job.revision}; {name} answers with it now")
     ModelRevision.objects.create(model=model, number=job.revision, job=job, final_loss=final_loss)
     _answer_with(model, job.revision)
+    _emit_ready(model, job.revision)
     return model
+
+
+def _emit_ready(model: FineTunedModel, number: int) -> None:
+    """The webhook event of a name that answers with a new revision (sent once the publish commits)."""
+    emit(model.organization_id, EventType.MODEL_READY, {"id": model.name, "revision": f"{model.name}@r{number}"})
 
 
 def announce_ready(job: FineTuningJob, name: str) -> None:
@@ -153,6 +161,7 @@ def _publish_new_model(organization: Organization, name: ModelName, folder: Path
         if isinstance(exc, StoreUnavailable):
             raise adapter_store_unreachable(model.name, str(exc)) from None
         raise
+    _emit_ready(model, model.revision)
     return model
 
 

@@ -43,6 +43,7 @@ INSTALLED_APPS = [
     "health",
     "gateway",
     "usage",
+    "webhooks",
     "dashboard",
 ]
 
@@ -140,6 +141,9 @@ INFERENCE_POOL_URL = CONFIG.inference_pool_url
 RAY_SERVE_URL = CONFIG.ray_serve_url  # for the catalog's models with backend = "ray" (base.serving_client)
 INTERNAL_TOKEN = CONFIG.internal_token  # sent to the pool with every call (base.serving_client)
 MONITORING_TOKEN = CONFIG.monitoring_token  # opens /metrics and the detail of /healthz
+# Webhooks may reach private and loopback addresses over http:// too (webhooks.targets); a setting of
+# its own so a test can turn it off and on.
+WEBHOOKS_ALLOW_PRIVATE_ADDRESSES = CONFIG.webhooks_allow_private_addresses
 
 # Bodies are capped by server.body_limits before Django reads them. Django's own caps must not
 # refuse what those allow (it would answer a bare 400), and under WSGI or the test client they are

@@ -11,6 +11,7 @@ urlpatterns = [
     path("v1/", include("finetuning.urls")),
     path("v1/", include("evals.urls")),
     path("v1/", include("usage.urls")),
+    path("v1/", include("webhooks.urls")),
     # Any other /v1/ path is a JSON 404 in every mode (with DEBUG=true Django would not use handler404).
     re_path(r"^v1/", unknown_api_path),
     path("api/schema", SpectacularAPIView.as_view(), name="openapi-schema"),

@@ -78,12 +78,36 @@ void lora_gemv(float *y, int64_t y_stride, const float *x, int64_t x_stride, con
     }
 }
 
+static inline int64_t count_infinite(__m128i h) {
+    __m128i magnitude = _mm_and_si128(h, _mm_set1_epi16(0x7fff));
+    return __builtin_popcount(_mm_movemask_epi8(_mm_cmpeq_epi16(magnitude, _mm_set1_epi16(0x7c00)))) / 2;
+}
+
 /* dst[r][c] = src[r][c] rounded to half precision (to nearest, ties to even, as torch's .half()), for
  * r < rows and c < cols, strides in elements: a slot's weights copied from vLLM's float32 layout.
- * Returns how many became infinite (past half precision's range). */
+ * Eight at a time where the target's rows or columns are contiguous (the second: vLLM's B, out x
+ * rank, into ours, rank x out). Returns how many became infinite (past half precision's range). */
 int64_t to_half(uint16_t *dst, int64_t dst_row, int64_t dst_col, const float *src, int64_t src_row, int64_t src_col,
                 int64_t rows, int64_t cols) {
     int64_t infinite = 0;
+    if (dst_row == 1 && src_col == 1 && src_row > 0 && src_row < (1 << 27)) { /* transposed: gather 8 rows */
+        __m256i rows8 = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32((int)src_row));
+        for (int64_t c = 0; c < cols; c++) {
+            uint16_t *out = dst + c * dst_col;
+            int64_t r = 0;
+            for (; r + 8 <= rows; r += 8) {
+                __m128i h = _mm256_cvtps_ph(_mm256_i32gather_ps(src + r * src_row + c, rows8, 4), _MM_FROUND_TO_NEAREST_INT);
+                _mm_storeu_si128((__m128i *)(out + r), h);
+                infinite += count_infinite(h);
+            }
+            for (; r < rows; r++) {
+                uint16_t h = _cvtss_sh(src[r * src_row + c], _MM_FROUND_TO_NEAREST_INT);
+                out[r] = h;
+                infinite += (h & 0x7fff) == 0x7c00;
+            }
+        }
+        return infinite;
+    }
     for (int64_t r = 0; r < rows; r++) {
         uint16_t *out = dst + r * dst_row;
         const float *in = src + r * src_row;
@@ -92,8 +116,7 @@ int64_t to_half(uint16_t *dst, int64_t dst_row, int64_t dst_col, const float *sr
             for (; c + 8 <= cols; c += 8) {
                 __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(in + c), _MM_FROUND_TO_NEAREST_INT);
                 _mm_storeu_si128((__m128i *)(out + c), h);
-                __m128i magnitude = _mm_and_si128(h, _mm_set1_epi16(0x7fff));
-                infinite += __builtin_popcount(_mm_movemask_epi8(_mm_cmpeq_epi16(magnitude, _mm_set1_epi16(0x7c00)))) / 2;
+                infinite += count_infinite(h);
             }
         }
         for (; c < cols; c++) {
@@ -103,4 +126,21 @@ int64_t to_half(uint16_t *dst, int64_t dst_row, int64_t dst_col, const float *sr
         }
     }
     return infinite;
+}
+
+/* A slot swap in one call: for each slot of `slots` and each of the `entries` rows of `table`
+ * (dst, dst_slot, dst_row, dst_col, src, src_slot, src_row, src_col, rows, cols: pointers as
+ * integers, strides in elements), to_half of that slot's matrix. infinite[k]: how many values of
+ * slots[k] became infinite. */
+void to_half_slots(const int64_t *table, int64_t entries, const int64_t *slots, int64_t count, int64_t *infinite) {
+    for (int64_t k = 0; k < count; k++) {
+        int64_t slot = slots[k], total = 0;
+        for (int64_t e = 0; e < entries; e++) {
+            const int64_t *row = table + e * 10;
+            uint16_t *dst = (uint16_t *)(intptr_t)row[0] + slot * row[1];
+            const float *src = (const float *)(intptr_t)row[4] + slot * row[5];
+            total += to_half(dst, row[2], row[3], src, row[6], row[7], row[8], row[9]);
+        }
+        infinite[k] = total;
+    }
 }

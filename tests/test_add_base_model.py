@@ -132,6 +132,11 @@ REFUSALS = {
         "lacks LoRA target modules .*no linear layer model.layers.0.mlp.gate_proj",
     ),
     ".bin only": (_pickled_only, [], r"pytorch_model.bin.*convert them to safetensors"),
+    "attention heads the engine cannot compute": (
+        lambda f: _edit_config(f, num_attention_heads=8, num_key_value_heads=2),  # 128 / 8: heads of 16
+        [],
+        "attention heads of 16 dimensions .*computes heads of 32, 64",
+    ),
     "no config.json": (lambda f: (f / "config.json").unlink(), [], "no config.json"),
     "path trick in the id": (lambda f: None, ["--id", "../../etc"], "model id '../../etc' is not allowed"),
     "absolute id": (lambda f: None, ["--id", "/tmp/x"], "model id '/tmp/x' is not allowed"),

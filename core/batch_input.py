@@ -106,7 +106,8 @@ def _lines(source: BinaryIO) -> Iterator[tuple[int, BatchRequest | None, str | N
         if request is not None:
             first = seen.setdefault(_digest(request.custom_id), number)
             if first != number:
-                request, error = None, f"custom_id '{request.custom_id[:64]}' is also on line {first}: each must be unique"
+                error = f"custom_id '{request.custom_id[:64]}' is also on line {first}: each must be unique"
+                request = None
         yield number, request, error
 
 

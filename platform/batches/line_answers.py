@@ -146,7 +146,7 @@ def _replied(batch_id: str, request: BatchRequest, reply: Reply) -> BatchResult:
     if reply.status == 200 and isinstance(body, dict):
         record = {"id": result_id, "custom_id": request.custom_id, "response": response, "error": None}
         return _row(batch_id, request, True, record, reply.tokens)
-    error = body.get("error") if isinstance(body, dict) and isinstance(body.get("error"), dict) else {}
+    error: dict = body["error"] if isinstance(body, dict) and isinstance(body.get("error"), dict) else {}
     reason = {
         "code": str(error.get("code") or error.get("type") or reply.status),
         "message": api_errors.scrubbed(str(error.get("message") or f"the model's backend answered {reply.status}")),

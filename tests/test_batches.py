@@ -87,7 +87,9 @@ def test_it_refuses_a_bad_batch_file_naming_each_line(alice):
         line("a"),  # a duplicate custom_id
         {**line("c"), "url": "/v1/embeddings"},
         {**line("d"), "extra": 1},
-        b'{"custom_id": "e", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "m", "seed": 1' + b"9" * 5000 + b"}}",
+        b'{"custom_id": "e", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "m", "seed": 1'
+        + b"9" * 5000
+        + b"}}",
         {**line("f"), "method": "GET"},
         line("g", stream=True),
         b'{"custom_id": "h", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "m", "top_p": Infinity}}',
@@ -121,7 +123,9 @@ def test_it_checks_a_file_with_bounded_memory_and_counts_its_requests():
 def test_it_refuses_a_fine_tune_file_and_another_organizations_file(alice, charlie, queued):
     from tests.personas import good_dataset
 
-    training = files.upload_file(alice.organization, alice.user, SimpleUploadedFile("t.jsonl", good_dataset(12)), files.PURPOSE)
+    training = files.upload_file(
+        alice.organization, alice.user, SimpleUploadedFile("t.jsonl", good_dataset(12)), files.PURPOSE
+    )
     response = create(alice, training.id)
     assert response.status_code == 400 and response.json()["error"]["param"] == "input_file_id"
     theirs = upload(alice, [line("a")])
@@ -189,7 +193,9 @@ def test_the_openai_client_runs_a_batch_and_downloads_its_files(alice, live_serv
 # -- the worker ----------------------------------------------------------------------------------
 
 
-def test_bad_lines_go_to_the_error_file_with_their_custom_id_and_the_batch_goes_on(alice, charlie, engine, queued, no_waits):
+def test_bad_lines_go_to_the_error_file_with_their_custom_id_and_the_batch_goes_on(
+    alice, charlie, engine, queued, no_waits
+):
     theirs = register_fine_tuned_model(charlie, "globex-secret")
     mine = register_fine_tuned_model(alice, "acme-capitals")
     WebhookEndpoint.objects.create(organization=alice.organization, url="https://example.com/hook", secret="whsec_")
@@ -212,7 +218,9 @@ def test_bad_lines_go_to_the_error_file_with_their_custom_id_and_the_batch_goes_
     errors = {row.custom_id: json.loads(row.record) for row in BatchResult.objects.filter(batch=batch, ok=False)}
     assert set(errors) == {"theirs", "unknown-field", "too-many-tokens", "mix-of-theirs", "no-such-revision"}
     assert all(error["response"] is None and error["error"]["code"] for error in errors.values())
-    assert errors["theirs"]["error"]["code"] == "model_not_found" and "globex" not in json.dumps(errors["theirs"]).replace(theirs, "")
+    assert errors["theirs"]["error"]["code"] == "model_not_found" and "globex" not in json.dumps(
+        errors["theirs"]
+    ).replace(theirs, "")
     assert "bogus" in errors["unknown-field"]["error"]["message"]
     assert "max_tokens" in errors["too-many-tokens"]["error"]["message"]
     sent = {body["model"] for body in engine.bodies}
@@ -222,16 +230,25 @@ def test_bad_lines_go_to_the_error_file_with_their_custom_id_and_the_batch_goes_
     assert {(row.model, row.batch) for row in usage} >= {(BASE, True), (mine, True)}
     assert sum(row.requests for row in usage) == 4 and all(row.batch for row in usage)
     assert list(WebhookEvent.objects.values_list("type", "data")) == [("batch.completed", {"id": batch_id})]
-    report = alice.api.get("/v1/organization/usage/completions", {"start_time": int(timezone.now().timestamp()) - 3600, "group_by": "batch"}).json()
+    report = alice.api.get(
+        "/v1/organization/usage/completions",
+        {"start_time": int(timezone.now().timestamp()) - 3600, "group_by": "batch"},
+    ).json()
     assert {result["batch"] for bucket in report["data"] for result in bucket["results"]} == {True}
 
 
 def test_it_answers_lines_grouped_by_model_each_group_in_line_order(alice, engine, queued, no_waits):
     adapter = register_fine_tuned_model(alice, "grouped")
-    lines = [line(f"l{n}", model=adapter if n % 2 else BASE, question=f"What is the capital of {COUNTRIES[n % 5]}?") for n in range(10)]
+    lines = [
+        line(f"l{n}", model=adapter if n % 2 else BASE, question=f"What is the capital of {COUNTRIES[n % 5]}?")
+        for n in range(10)
+    ]
     requests = [BatchRequest(n + 1, item["custom_id"], CHAT_URL, item["body"]) for n, item in enumerate(lines)]
     groups = line_answers.in_groups(requests)
-    assert [[r.custom_id for r in group] for group in groups] == [["l0", "l2", "l4", "l6", "l8"], ["l1", "l3", "l5", "l7", "l9"]]
+    assert [[r.custom_id for r in group] for group in groups] == [
+        ["l0", "l2", "l4", "l6", "l8"],
+        ["l1", "l3", "l5", "l7", "l9"],
+    ]
 
     batch_id = create(alice, upload(alice, lines)).json()["id"]
     assert worker.run_batch(batch_id, "test-worker") == "completed"
@@ -244,7 +261,9 @@ class Killed(BaseException):
     """The worker process dying: nothing of the task's code runs after it (no ``except Exception``)."""
 
 
-def test_a_worker_killed_mid_batch_is_delivered_again_and_answers_every_line_exactly_once(alice, engine, queued, monkeypatch, no_waits):
+def test_a_worker_killed_mid_batch_is_delivered_again_and_answers_every_line_exactly_once(
+    alice, engine, queued, monkeypatch, no_waits
+):
     lines = [line(f"r{n}", question=f"What is the capital of {COUNTRIES[n % 5]}?") for n in range(20)]
     batch_id = create(alice, upload(alice, lines)).json()["id"]
     original, calls = line_answers.answered, []
@@ -260,7 +279,9 @@ def test_a_worker_killed_mid_batch_is_delivered_again_and_answers_every_line_exa
         worker.run_batch(batch_id, "worker-1")
     batch = Batch.objects.get(pk=batch_id)
     assert batch.status == "in_progress" and batch.completed == 2 * worker.LINES_AT_ONCE
-    assert worker.run_batch(batch_id, "worker-2") == f"nothing claimed for {batch_id} (it runs elsewhere or has finished)"
+    assert (
+        worker.run_batch(batch_id, "worker-2") == f"nothing claimed for {batch_id} (it runs elsewhere or has finished)"
+    )
 
     # The sweeper finds its heartbeat stale and sends it again; another worker goes on from there.
     Batch.objects.filter(pk=batch_id).update(heartbeat_at=timezone.now() - 2 * batch_status.STALE_AFTER)
@@ -271,12 +292,17 @@ def test_a_worker_killed_mid_batch_is_delivered_again_and_answers_every_line_exa
     batch = Batch.objects.get(pk=batch_id)
     assert (batch.completed, batch.failed, batch.attempt) == (20, 0, 2)
     assert len(engine.bodies) == 20  # no line asked twice: the killed group had not been sent
-    output = [json.loads(text) for text in files.open_content(files.File.objects.get(pk=batch.output_file_id)).read().splitlines()]
+    output = [
+        json.loads(text)
+        for text in files.open_content(files.File.objects.get(pk=batch.output_file_id)).read().splitlines()
+    ]
     assert sorted(item["custom_id"] for item in output) == sorted(f"r{n}" for n in range(20))
     assert len({item["id"] for item in output}) == 20
 
 
-def test_a_fenced_off_worker_writes_nothing_and_a_cancel_stops_at_the_next_line_boundary(alice, engine, queued, no_waits):
+def test_a_fenced_off_worker_writes_nothing_and_a_cancel_stops_at_the_next_line_boundary(
+    alice, engine, queued, no_waits
+):
     lines = [line(f"c{n}") for n in range(20)]
     batch_id = create(alice, upload(alice, lines)).json()["id"]
     first = batch_status.claim(batch_id, "worker-1")

@@ -57,7 +57,11 @@ def claim(batch_id: str, worker: str, stale_after: timedelta = STALE_AFTER) -> C
     mine = Batch.objects.filter(pk=batch_id, attempt=batch.attempt)
     if batch.status == BatchStatus.VALIDATING:
         taken = mine.filter(status=BatchStatus.VALIDATING).update(
-            status=BatchStatus.IN_PROGRESS, in_progress_at=now, attempt=batch.attempt + 1, worker=worker, heartbeat_at=now
+            status=BatchStatus.IN_PROGRESS,
+            in_progress_at=now,
+            attempt=batch.attempt + 1,
+            worker=worker,
+            heartbeat_at=now,
         )
     else:  # under way: only once its worker is silent (a heartbeat missing, or never sent)
         silent = Q(heartbeat_at__isnull=True) | Q(heartbeat_at__lt=now - stale_after)
@@ -87,9 +91,15 @@ def record(claimed: Claim, results: list[BatchResult]) -> str | None:
     batch's status afterwards (in_progress, or cancelling: the worker stops), None when this worker
     no longer holds it (fenced off, deleted)."""
     with transaction.atomic():
-        held = Batch.objects.select_for_update().filter(
-            pk=claimed.batch.pk, attempt=claimed.attempt, status__in=(BatchStatus.IN_PROGRESS, BatchStatus.CANCELLING)
-        ).first()
+        held = (
+            Batch.objects.select_for_update()
+            .filter(
+                pk=claimed.batch.pk,
+                attempt=claimed.attempt,
+                status__in=(BatchStatus.IN_PROGRESS, BatchStatus.CANCELLING),
+            )
+            .first()
+        )
         if held is None:
             return None
         BatchResult.objects.bulk_create(results)
@@ -180,7 +190,9 @@ def stale(stale_after: timedelta = STALE_AFTER) -> list[str]:
 
 def waiting(created_before: datetime) -> list[str]:
     """Batches waiting for a worker since before ``created_before``: their message may be lost."""
-    return list(Batch.objects.filter(status=BatchStatus.VALIDATING, created_at__lt=created_before).values_list("pk", flat=True))
+    return list(
+        Batch.objects.filter(status=BatchStatus.VALIDATING, created_at__lt=created_before).values_list("pk", flat=True)
+    )
 
 
 def expire_waiting(now: datetime) -> list[str]:

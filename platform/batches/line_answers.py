@@ -100,7 +100,9 @@ def answered(answerer: Answerer, access: Access, requests: list[BatchRequest], b
     sendable = [line for line in outcomes if isinstance(line, Checked)]
     replies = iter(_sent(answerer, [line.body for line in sendable]))
     return [
-        _replied(batch_id, request, next(replies)) if isinstance(outcome, Checked) else _refused(batch_id, request, outcome)
+        _replied(batch_id, request, next(replies))
+        if isinstance(outcome, Checked)
+        else _refused(batch_id, request, outcome)
         for request, outcome in zip(requests, outcomes)
     ]
 

@@ -30,8 +30,10 @@ def batch_object(batch: Batch) -> dict:
         "cancelled_at": unix(batch.cancelled_at),
         "request_counts": {"total": batch.total, "completed": batch.completed, "failed": batch.failed},
         "usage": {
-            "input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": usage.get("cached_tokens", 0)},
-            "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "input_tokens": input_tokens,
+            "input_tokens_details": {"cached_tokens": usage.get("cached_tokens", 0)},
+            "output_tokens": output_tokens,
+            "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": input_tokens + output_tokens,
         },  # fmt: skip
         "metadata": batch.metadata,

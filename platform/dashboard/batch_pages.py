@@ -22,7 +22,11 @@ FILE_KINDS = ("input", "output", "error")
 def batch_list(request: OrganizationRequest) -> HttpResponse:
     page = Paginator(Batch.objects.for_org(request.organization), BATCHES_PER_PAGE).get_page(request.GET.get("page"))
     live = any(not batch.is_finished for batch in page)
-    return render(request, "dashboard/batches.html", {"page": page, "live_refresh_seconds": LIVE_REFRESH_SECONDS if live else None})
+    return render(
+        request,
+        "dashboard/batches.html",
+        {"page": page, "live_refresh_seconds": LIVE_REFRESH_SECONDS if live else None},
+    )
 
 
 @with_organization
@@ -34,4 +38,6 @@ def batch_file(request: OrganizationRequest, batch_id: str, kind: str) -> Stream
         raise Http404(f"This batch has no {kind} file.")
     file = get_object_or_404(File.objects.for_org(request.organization), pk=file_id)
     content = files.open_content(file)
-    return StreamedFileResponse(content, as_attachment=True, filename=file.filename, content_type=files.content_type(file))
+    return StreamedFileResponse(
+        content, as_attachment=True, filename=file.filename, content_type=files.content_type(file)
+    )

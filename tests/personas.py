@@ -58,3 +58,9 @@ def jsonl(records: list) -> bytes:
 
 def good_dataset(n: int = 12) -> bytes:
     return jsonl([chat_example(f"What is {i} plus {i}?", f"ARR! {2 * i}, matey.") for i in range(n)])
+
+
+def batch_lines(n: int = 2) -> bytes:
+    """A Batch API input file of ``n`` chat requests of the test catalog's base model."""
+    body = {"model": "HuggingFaceTB/SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+    return jsonl([{"custom_id": f"line-{i}", "method": "POST", "url": "/v1/chat/completions", "body": body} for i in range(n)])

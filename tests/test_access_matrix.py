@@ -14,22 +14,25 @@ import itertools
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import httpx
 import pytest
 from django.contrib.auth.models import User
 from django.test import Client
+from django.utils import timezone
 
 from accounts.models import ApiKey, Membership
 from accounts.services import create_api_key, revoke_api_key
+from batches.models import Batch
 from evals.models import Eval, EvalRun, OutputItem
 from finetuning import files, job_creation, storage
-from finetuning.models import Checkpoint, Composition, FineTuningJob, JobStatus
+from finetuning.models import Checkpoint, Composition, File, FineTuningJob, JobStatus
 from inference.internal_auth import ReplicaGuard
 from tests.inference_fixtures import BASE, adapter_store, make_adapter, publish_fine_tuned_model  # noqa: F401
 from tests.inference_fixtures import register_fine_tuned_model
-from tests.personas import Persona, good_dataset
+from tests.personas import Persona, batch_lines, good_dataset
 from tests.test_adapter_io import adapter_files, tar_gz
 from tests.test_inference_routing import TOKEN, PoolUnderTest
 from webhooks.models import WebhookEndpoint
@@ -63,7 +66,8 @@ SLASHED = (301,) * 7  # to the address without the slash, for anyone: it tells n
 # name a fresh object of Acme's, made for the one cell (so a delete does not spoil the next cell);
 # {published} is a model whose adapter is stored, {checkpoint} is "<job>/checkpoints/<checkpoint>",
 # {composition} a composition queued for a worker; {eval} an eval, {evalrun} "<eval>/runs/<run>" (a
-# queued run of it), {evalitem} "<eval>/runs/<run>/output_items/<item>", {webhook} a webhook endpoint.
+# queued run of it), {evalitem} "<eval>/runs/<run>/output_items/<item>", {webhook} a webhook endpoint,
+# {batchfile} a file of batch requests, {batch} a batch of one waiting for a worker.
 # The body "adapter" is an adapter archive uploaded under a suffix of its own; a composition (API or
 # form) is given a suffix of its own too. An outsider composing names Acme's models: 404; comparing
 # an Acme model (on an Acme eval, through the models page's form) too.
@@ -100,6 +104,10 @@ ROWS = [
     ("api", "POST", "/v1/evals/{evalrun}/cancel", None, API),
     ("api", "GET", "/v1/evals/{evalrun}/output_items", None, API),
     ("api", "GET", "/v1/evals/{evalitem}", None, API),
+    ("api", "GET", "/v1/batches", None, API_OWN_LIST),
+    ("api", "POST", "/v1/batches", {"input_file_id": "{batchfile}", "endpoint": "/v1/chat/completions", "completion_window": "24h"}, API),
+    ("api", "GET", "/v1/batches/{batch}", None, API),
+    ("api", "POST", "/v1/batches/{batch}/cancel", None, API),
     ("api", "GET", "/v1/webhooks", None, API_OWN_LIST),
     ("api", "POST", "/v1/webhooks", {"url": "https://example.com/hook"}, API_OWN_LIST),
     ("api", "GET", "/v1/webhooks/{webhook}", None, API),
@@ -135,6 +143,8 @@ ROWS = [
     ("page", "GET", "/evals", None, PAGE_OWN_LIST),
     ("page", "GET", "/evals/{eval}", None, PAGE),
     ("page", "POST", "/evals/{evalrun}/cancel", None, PAGE_ACTION),
+    ("page", "GET", "/batches", None, PAGE_OWN_LIST),
+    ("page", "GET", "/batches/{batch}/files/input", None, PAGE),
     ("page", "GET", "/playground", None, PAGE_OWN_LIST),
     ("page", "POST", "/playground/chat", {"model": "{model}", "messages": [{"role": "user", "content": "hi"}]}, PLAYGROUND_CHAT),
     ("page", "GET", "/keys", None, PAGE_OWN_LIST),
@@ -200,6 +210,10 @@ class AcmeObjects(dict):
             return f"{run.eval_id}/runs/{run.id}/output_items/{item.id}"
         elif name == "webhook":  # not through register: a cell each, past an organization's cap of endpoints
             value = WebhookEndpoint.objects.create(organization=alice.organization, url="https://example.com/hook", secret="whsec_").id
+        elif name == "batchfile":
+            value = _batch_file(alice).id
+        elif name == "batch":
+            value = _batch(alice).id
         elif name == "key":
             value = create_api_key(alice.organization, alice.user, f"spare {n}")[0].prefix
         elif name == "org_id":
@@ -245,6 +259,20 @@ def _eval_run(evaluation: Eval) -> EvalRun:
     return EvalRun.objects.create(
         eval=evaluation, organization=evaluation.organization, name="acme-run", model=BASE, file_id=evaluation.file_id,
         sampling={"max_completion_tokens": 8, "temperature": 0.0, "top_p": 1.0, "seed": None}, total_items=12,
+    )  # fmt: skip
+
+
+def _batch_file(alice: Persona) -> File:
+    from django.core.files.uploadedfile import SimpleUploadedFile
+
+    upload = SimpleUploadedFile("batch.jsonl", batch_lines(2), content_type="application/jsonl")
+    return files.upload_file(alice.organization, alice.user, upload, files.BATCH_PURPOSE)
+
+
+def _batch(alice: Persona) -> Batch:
+    return Batch.objects.create(
+        organization=alice.organization, input_file_id=_batch_file(alice).id, endpoint="/v1/chat/completions",
+        completion_window="24h", total=2, expires_at=timezone.now() + timedelta(hours=24),
     )  # fmt: skip
 
 
@@ -342,6 +370,7 @@ def doors(tmp_path, settings, monkeypatch, adapter):
     monkeypatch.setattr("health.views.ALL_CHECKS", {})  # /healthz's checks are test_healthz's subject
     monkeypatch.setattr(job_creation, "_send_or_503", lambda job: None)  # no broker: the job stays queued
     monkeypatch.setattr("evals.creation.send_to_worker", lambda run_id: None)  # an eval run too
+    monkeypatch.setattr("batches.creation.send_to_worker", lambda batch_id: None)  # a batch too
     monkeypatch.setenv("VLLM_API_KEY", TOKEN)
     doors = Doors(tmp_path, adapter)
     yield doors

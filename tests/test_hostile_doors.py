@@ -26,6 +26,7 @@ import dataclasses
 import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from datetime import timedelta
 from urllib.parse import quote, unquote_to_bytes
 
 import httpx
@@ -33,12 +34,14 @@ import pytest
 from django.contrib.messages import get_messages
 from django.test import Client
 from django.urls import URLPattern, URLResolver, get_resolver
+from django.utils import timezone
 
+from batches.models import Batch
 from evals.models import Eval, EvalRun
 from finetuning import files, job_creation
 from finetuning.models import FineTuningJob, JobStatus
 from tests.inference_fixtures import BASE, register_fine_tuned_model
-from tests.personas import Persona, good_dataset
+from tests.personas import Persona, batch_lines, good_dataset
 from tests.test_api_fuzz import tenant_rows
 from webhooks import endpoints
 
@@ -94,6 +97,7 @@ COMPOSE_FORM = {
 PAGE = {"page": "1"}
 EVAL = {"testing_criteria": [{"type": "contains"}], "file": "{file}", "name": "hostile eval"}
 WEBHOOK = {"url": "https://example.com/hook", "description": "hostile"}
+BATCH = {"input_file_id": "{batchfile}", "endpoint": "/v1/chat/completions", "completion_window": "24h"}
 RUN = {"data_source": {"type": "completions", "model": BASE, "sampling_params": {"max_completion_tokens": 8, "temperature": 0}}}
 
 # The one table of doors. GET routes read a query string at most; those that read none are in EXCLUDED.
@@ -125,6 +129,11 @@ DOORS = [
     Door("GET", "/v1/evals/{eval}/runs", "eval-run-list", QUERY, {"limit": "2", "status": "completed"}, "limit", "status"),
     Door("GET", "/v1/evals/{eval}/runs", "eval-run-list", QUERY, {"limit": "2"}, text="after"),
     Door("GET", "/v1/evals/{eval}/runs/{run}/output_items", "eval-run-output-items", QUERY, {"limit": "2"}, "limit", "status"),
+    Door("POST", "/v1/batches", "batch-list", JSON, BATCH, text="input_file_id"),
+    Door("POST", "/v1/batches", "batch-list", JSON, BATCH, text="completion_window"),
+    Door("POST", "/v1/batches", "batch-list", JSON, BATCH | {"metadata": {"k": "v"}}, text="metadata.k"),
+    Door("POST", "/v1/batches/{batch}/cancel", "batch-cancel", NOTHING),
+    Door("GET", "/v1/batches", "batch-list", QUERY, {"limit": "2"}, "limit", "after"),
     Door("POST", "/v1/webhooks", "webhook-list", JSON, WEBHOOK, text="url"),
     Door("POST", "/v1/webhooks", "webhook-list", JSON, WEBHOOK, text="description"),
     Door("POST", "/v1/webhooks", "webhook-list", JSON, WEBHOOK | {"event_types": ["model.ready"]}, text="event_types"),
@@ -182,6 +191,7 @@ DOORS = [
     Door("GET", "/datasets", "dashboard:datasets", QUERY, PAGE, "page", session=True, lenient_query=True),
     Door("GET", "/jobs", "dashboard:jobs", QUERY, PAGE, "page", session=True, lenient_query=True),
     Door("GET", "/evals", "dashboard:evals", QUERY, PAGE, "page", session=True, lenient_query=True),
+    Door("GET", "/batches", "dashboard:batches", QUERY, PAGE, "page", session=True, lenient_query=True),
     Door("GET", "/evals/{eval}", "dashboard:eval", QUERY, PAGE, "page", session=True, lenient_query=True),
     Door("GET", "/jobs/{job}/progress", "dashboard:job_progress", QUERY, {"metrics_from": "0"}, "metrics_from", session=True),
     Door("GET", "/usage", "dashboard:usage", QUERY, {"days": "7"}, "days", session=True, lenient_query=True),
@@ -204,6 +214,8 @@ EXCLUDED = {
     ("eval-run-detail", "GET"): "an eval run by its ids",
     ("eval-run-output-item", "GET"): "an output item by its ids",
     ("webhook-detail", "GET"): "a webhook endpoint by its id",
+    ("batch-detail", "GET"): "a batch by its id",
+    ("dashboard:batch_file", "GET"): "a batch's input, output or error file by its ids",
     ("model", "GET"): "a model by its name",
     ("dashboard:home", "GET"): "a redirect",
     ("dashboard:login", "GET"): "the sign-in page",
@@ -309,8 +321,14 @@ class Objects(dict):
             sampling={"max_completion_tokens": 8, "temperature": 0.0, "top_p": 1.0, "seed": None}, total_items=12,
         )  # fmt: skip
         webhook, _secret = endpoints.register(alice.organization, alice.user, "https://example.com/hook")
+        batch_upload = SimpleUploadedFile("batch.jsonl", batch_lines(2), content_type="application/jsonl")
+        batch_file = files.upload_file(alice.organization, alice.user, batch_upload, files.BATCH_PURPOSE)
+        batch = Batch.objects.create(
+            organization=alice.organization, input_file_id=batch_file.id, endpoint="/v1/chat/completions",
+            completion_window="24h", total=2, expires_at=timezone.now() + timedelta(hours=24),
+        )  # fmt: skip
         super().__init__(
-            eval=evaluation.id, run=run.id, webhook=webhook.id,
+            eval=evaluation.id, run=run.id, webhook=webhook.id, batch=batch.id, batchfile=batch_file.id,
             file=training.id, job=job.id, model=register_fine_tuned_model(alice, "hostile-model"),
             key=create_api_key(alice.organization, alice.user, "spare")[0].prefix, org=str(alice.organization.pk),
         )  # fmt: skip
@@ -492,6 +510,7 @@ def test_every_hostile_cell_is_refused_with_a_4xx_naming_the_problem_and_writes_
     settings.INFERENCE_POOL_URL = "http://127.0.0.1:9"  # nothing listens: a completion let through is a 503
     monkeypatch.setattr(job_creation, "_send_or_503", lambda job: None)  # a job let through stays queued
     monkeypatch.setattr("evals.creation.send_to_worker", lambda run_id: None)  # an eval run let through too
+    monkeypatch.setattr("batches.creation.send_to_worker", lambda batch_id: None)  # a batch too
     objects = Objects(alice)
     problems, statuses, count = [], {}, 0
     for door, hostile in cells():

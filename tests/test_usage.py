@@ -234,7 +234,7 @@ def test_usage_comes_in_daily_buckets_summed_over_models(alice, charlie):
     first, second, third = (bucket["results"] for bucket in page["data"])
     assert first == [{
         "object": "organization.usage.completions.result", "input_tokens": 30, "output_tokens": 13,
-        "input_cached_tokens": 0, "num_model_requests": 3, "model": None, "api_key_id": None,
+        "input_cached_tokens": 0, "num_model_requests": 3, "model": None, "api_key_id": None, "batch": None,
     }]  # fmt: skip
     assert second[0]["num_model_requests"] == 1 and third == []
 

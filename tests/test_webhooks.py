@@ -206,9 +206,35 @@ def every_event(persona: Persona, tmp_path: Path, suffix: str) -> dict[str, str]
         else:
             run_status.cancel(run)
         runs[f"eval.run.{outcome}"] = run.id
-    return {
+    return runs | _batch_events(persona) | {
         "fine_tuning.job.cancelled": cancelled.id, "fine_tuning.job.failed": failed.id,
         "fine_tuning.job.succeeded": succeeded.id, "model.ready": name, **runs,
+    }  # fmt: skip
+
+
+def _batch_events(persona: Persona) -> dict[str, str]:
+    """Each batch.* event, from ``batches.batch_status`` (where a batch's status moves)."""
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from batches import batch_status
+    from batches.models import Batch, BatchStatus
+
+    def batch(expires_in: timedelta = timedelta(hours=24)) -> Batch:
+        return Batch.objects.create(
+            organization=persona.organization, input_file_id="file-x", endpoint="/v1/chat/completions",
+            completion_window="24h", expires_at=timezone.now() + expires_in,
+        )  # fmt: skip
+
+    done, failed, expired, cancelled = batch(), batch(), batch(-timedelta(seconds=1)), batch()
+    claimed = batch_status.claim(done.pk, "test-worker")
+    assert claimed and batch_status.finalize(claimed) and batch_status.finish(claimed, BatchStatus.COMPLETED, None, None)
+    assert batch_status.fail(failed.pk, "test", "failed on purpose")
+    assert batch_status.expire_waiting(timezone.now()) == [expired.pk]
+    batch_status.cancel(cancelled)
+    return {
+        "batch.completed": done.pk, "batch.failed": failed.pk, "batch.expired": expired.pk, "batch.cancelled": cancelled.pk,
     }  # fmt: skip
 
 

@@ -11,6 +11,9 @@ The database says which jobs wait; a broker message only wakes a trainer for one
   (``finetuning.registry.expire_unpublished_checkpoints``);
 - compositions (``finetuning.compositions``) running for longer than any worker may are failed
   (their worker died), and queued ones whose message the broker no longer holds are sent again;
+- batches waiting for a worker whose message the broker no longer holds, and batches under way whose
+  worker stopped sending heartbeats, are sent again (a claim goes on from the lines answered:
+  ``workers.run_batch``); batches no worker took within their window expire;
 - webhook deliveries overdue (their message lost) or stuck in an attempt whose worker died are sent
   again (``webhooks.delivery.resend_lost``).
 """
@@ -24,9 +27,11 @@ from django.conf import settings
 from django.utils import timezone
 from kombu.exceptions import OperationalError
 
+from batches import batch_status
+from batches.creation import send_to_worker as send_batch
 from finetuning import compositions, job_status, registry, training_turns
 from finetuning.models import Composition, CompositionStatus, FineTuningJob, JobStatus, record_event
-from base.celery import COMPOSE_MODEL, TAKE_TRAINING_TURN, TRAINING_QUEUE, queue_consumers, waiting_task_args
+from base.celery import COMPOSE_MODEL, RUN_BATCH, TAKE_TRAINING_TURN, TRAINING_QUEUE, queue_consumers, waiting_task_args
 from webhooks import delivery
 from workers.run_job import drop_training_states
 
@@ -54,6 +59,8 @@ def sweep(stale_after: timedelta | None = None, lost_after: timedelta | None = N
     lost_compositions = compositions.fail_lost()
     resent_compositions = _resend_lost_compositions(lost_after)
     resent_deliveries = delivery.resend_lost(lost_after)
+    expired_batches = batch_status.expire_waiting(timezone.now())
+    resent_batches = _resend_batches(lost_after)
     return {
         "requeued": recovered.requeued,
         "failed": recovered.failed,
@@ -63,6 +70,8 @@ def sweep(stale_after: timedelta | None = None, lost_after: timedelta | None = N
         "compositions_failed": lost_compositions,
         "compositions_resent": resent_compositions,
         "webhook_deliveries_resent": resent_deliveries,
+        "batches_expired": expired_batches,
+        "batches_resent": resent_batches,
     }
 
 
@@ -99,6 +108,20 @@ def _resend_lost_compositions(lost_after: timedelta) -> list[str]:
             log.warning("could not send composition %s to a worker: %s", composition_id, exc)
             break
         resent.append(composition_id)
+    return resent
+
+
+def _resend_batches(lost_after: timedelta) -> list[str]:
+    """Waiting batches whose message is lost, and batches whose worker went silent (their message,
+    if the broker still holds it, is a dead worker's: a second one is harmless, one claim wins)."""
+    lost = batch_status.waiting(timezone.now() - lost_after)
+    silent = batch_status.stale()
+    if not lost and not silent:
+        return []  # the common case: no need to read the broker's queue
+    held = waiting_task_args(settings.CELERY_BROKER_URL, RUN_BATCH) if lost else set()
+    resent = [batch_id for batch_id in lost if batch_id not in held] + silent
+    for batch_id in resent:
+        send_batch(batch_id)  # a broker that is down: logged, and the next pass tries again
     return resent
 
 

@@ -10,7 +10,9 @@ from typing import TYPE_CHECKING
 
 from django.conf import settings
 
-from base.celery import COMPOSE_MODEL, DELIVER_WEBHOOK, RUN_EVAL, SWEEP_JOBS, TAKE_TRAINING_TURN, WORKER_REPORT, app
+from base.celery import (
+    COMPOSE_MODEL, DELIVER_WEBHOOK, RUN_BATCH, RUN_EVAL, SWEEP_JOBS, TAKE_TRAINING_TURN, WORKER_REPORT, app,
+)  # fmt: skip
 
 if TYPE_CHECKING:
     from celery import Task
@@ -70,6 +72,22 @@ def run_eval(self: Task, run_id: str) -> str:
     from workers.run_eval import run_eval
 
     return run_eval(run_id, worker=self.request.hostname or "unknown")
+
+
+# A batch has 24 hours (its completion window) and stops itself at its end, at a line boundary;
+# this only frees a worker stuck past it (the batch then fails, keeping its lines' results).
+BATCH_SOFT_LIMIT_S = 25 * 3600
+BATCH_HARD_LIMIT_S = BATCH_SOFT_LIMIT_S + 60
+
+
+@app.task(
+    name=RUN_BATCH.name, queue=RUN_BATCH.queue, bind=True, soft_time_limit=BATCH_SOFT_LIMIT_S,
+    time_limit=BATCH_HARD_LIMIT_S,
+)  # fmt: skip
+def run_batch(self: Task, batch_id: str) -> str:
+    from workers.run_batch import run_batch
+
+    return run_batch(batch_id, worker=self.request.hostname or "unknown")
 
 
 # An attempt ends within ``core.webhook_http.DEADLINE_S``; this only frees a worker stuck past it.

@@ -1,6 +1,6 @@
-"""Answers a worker asks for (an evaluation run, the publish gate): chat completions sent through
-``answering.forward``, so they reach the model's own backend and count in the organization's usage
-as any completion does.
+"""Answers a worker asks for (an evaluation run, the publish gate, a Batch API line): chat completions
+sent through ``answering.forward``, so they reach the model's own backend and count in the
+organization's usage as any completion does.
 
 An ``Answerer`` holds an event loop for its lifetime, so the backends' connections are kept from one
 batch to the next; a batch's answers run at once (the engine batches them), and each comes back
@@ -59,6 +59,17 @@ class Answer:
     error_message: str = ""
 
 
+@dataclass(frozen=True)
+class Reply:
+    """A whole request's answer as its backend gave it (``Answerer.send``): its status and body, which
+    is OpenAI-shaped JSON either way; a refusal before it reached the backend (the pool unreachable,
+    say) in the same shape."""
+
+    status: int
+    body: bytes
+    tokens: Tokens = Tokens()
+
+
 class Answerer:
     """Chat answers for one organization, a batch at a time (use it in a ``with`` block)."""
 
@@ -89,6 +100,27 @@ class Answerer:
             return self._runner.run(batch())
         finally:
             METER.flush()
+
+    def send(self, bodies: list[bytes], batch: bool = False) -> list[Reply]:
+        """Each chat request body's answer, in order, sent at once (the engine batches them); the
+        bodies have passed the gateway's checks. ``batch``: counted as Batch API usage."""
+
+        async def sent() -> list[Reply]:
+            return list(await asyncio.gather(*(self._reply(body, batch) for body in bodies)))
+
+        try:
+            return self._runner.run(sent())
+        finally:
+            METER.flush()
+
+    async def _reply(self, body: bytes, batch: bool) -> Reply:
+        try:
+            request = parse_request(body)
+            caller = Caller(self.organization_id, None, request.routed.model, batch)
+            answered = await forward(body, request, CHAT, caller)
+        except api_errors.ApiError as exc:
+            return Reply(exc.status, exc.json_bytes())
+        return Reply(answered.status, answered.body, answered.tokens or Tokens())
 
     async def _one(self, target: Target, prompt: list[dict], sampling: Sampling) -> Answer:
         body = json.dumps({**target.fields(), "messages": prompt, **sampling.fields()}).encode()

@@ -23,6 +23,9 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "server.settings")
 
 DEFAULT_QUEUE = "default"
 TRAINING_QUEUE = "training"
+# Batch API work (``workers.run_batch``): a process of its own (``batcher``), so hours of batch lines
+# never hold the default queue's slots (eval runs, webhooks, the sweeper).
+BATCH_QUEUE = "batch"
 REQUIRED_QUEUES = (DEFAULT_QUEUE, TRAINING_QUEUE)  # each needs a consumer for the platform to work
 
 app = Celery("fineserve")
@@ -41,6 +44,7 @@ class TaskName:
 TAKE_TRAINING_TURN = TaskName("workers.tasks.take_training_turn", TRAINING_QUEUE)
 COMPOSE_MODEL = TaskName("workers.tasks.compose_model", DEFAULT_QUEUE)
 RUN_EVAL = TaskName("workers.tasks.run_eval", DEFAULT_QUEUE)
+RUN_BATCH = TaskName("workers.tasks.run_batch", BATCH_QUEUE)
 SWEEP_JOBS = TaskName("workers.tasks.sweep_jobs", DEFAULT_QUEUE)
 DELIVER_WEBHOOK = TaskName("workers.tasks.deliver_webhook", DEFAULT_QUEUE)
 WORKER_REPORT = TaskName("workers.tasks.worker_report", DEFAULT_QUEUE)

@@ -2,7 +2,7 @@ from django.contrib.auth import views as auth_views
 from django.urls import path
 from django.views.generic import RedirectView
 
-from dashboard import eval_pages, views, webhook_pages
+from dashboard import batch_pages, eval_pages, views, webhook_pages
 from dashboard.sign_in import SignInView
 
 app_name = "dashboard"
@@ -35,6 +35,8 @@ urlpatterns = [
     path("evals", eval_pages.eval_list, name="evals"),
     path("evals/<str:eval_id>", eval_pages.eval_detail, name="eval"),
     path("evals/<str:eval_id>/runs/<str:run_id>/cancel", eval_pages.eval_run_cancel, name="eval_run_cancel"),
+    path("batches", batch_pages.batch_list, name="batches"),
+    path("batches/<str:batch_id>/files/<str:kind>", batch_pages.batch_file, name="batch_file"),
     path("playground", views.playground, name="playground"),
     path("playground/chat", views.playground_chat, name="playground_chat"),
     path("usage", views.usage, name="usage"),

@@ -17,6 +17,7 @@ from django.db.models import Q
 
 from accounts.models import Organization
 from core.api_errors import ApiError, human_size
+from core.batch_input import BatchFile, check_batch_file
 from core.config import UPLOAD_LIMIT_SETTING
 from core.datasets import Dataset, Example, parse_dataset
 from finetuning import quotas, results, storage
@@ -24,6 +25,8 @@ from finetuning.models import FINISHED_STATUSES, File, FineTuningJob
 from finetuning.tokens import default_model, token_counter
 
 PURPOSE = "fine-tune"
+BATCH_PURPOSE = "batch"  # request lines for the Batch API (``core.batch_input``)
+UPLOAD_PURPOSES = (PURPOSE, BATCH_PURPOSE)
 
 
 def check_dataset(source: bytes | BinaryIO, keep_examples: bool = True) -> tuple[Dataset, list[int]]:
@@ -49,22 +52,42 @@ def dataset_error(dataset: Dataset) -> ApiError:
     return ApiError(message, param="file", code="invalid_file", errors=[vars(e) for e in dataset.errors])
 
 
+def batch_file_error(checked: BatchFile) -> ApiError:
+    problems = [str(error) for error in checked.errors]
+    summary = checked.problem or f"{len(problems)} line(s) have problems"
+    message = "Invalid batch file: " + "; ".join([summary, *problems] if problems else [summary])
+    return ApiError(message, param="file", code="invalid_file", errors=[vars(e) for e in checked.errors])
+
+
+def _counts(source: BinaryIO, purpose: str) -> tuple[int, int, int]:
+    """(examples or requests, tokens, the longest example's tokens) of an upload that passes its
+    purpose's check; the check's 400 otherwise. A batch's lines are not tokenized: its requests are."""
+    if purpose == BATCH_PURPOSE:
+        checked = check_batch_file(source)
+        if not checked.ok:
+            raise batch_file_error(checked)
+        return checked.request_count, 0, 0
+    dataset, counts = check_dataset(source, keep_examples=False)
+    if not dataset.ok:
+        raise dataset_error(dataset)
+    return dataset.example_count, sum(counts), max(counts)
+
+
 def upload_file(organization: Organization, user: User | None, upload: UploadedFile, purpose: str) -> File:
-    if purpose != PURPOSE:
-        raise ApiError(f"purpose must be '{PURPOSE}', not '{purpose}'", param="purpose", code="invalid_purpose")
+    if purpose not in UPLOAD_PURPOSES:
+        known = "' or '".join(UPLOAD_PURPOSES)
+        raise ApiError(f"purpose must be '{known}', not '{purpose}'", param="purpose", code="invalid_purpose")
     assert upload.size is not None  # Django sizes every file it receives (None only for a File made by hand)
     if upload.size > settings.CONFIG.max_upload_bytes:
         raise upload_too_large(upload.size)  # before reading it into memory
     quotas.charge_upload(organization)
     upload.seek(0)
-    dataset, counts = check_dataset(cast(BinaryIO, upload.file), keep_examples=False)
-    if not dataset.ok:
-        raise dataset_error(dataset)
+    example_count, token_count, max_example_tokens = _counts(cast(BinaryIO, upload.file), purpose)
     size = upload.size
     quotas.check_storage(organization, size)  # before anything is stored
     file = File(
         organization=organization, created_by=user, filename=(upload.name or "upload.jsonl")[:255], purpose=purpose, bytes=size,
-        example_count=dataset.example_count, token_count=sum(counts), max_example_tokens=max(counts),
+        example_count=example_count, token_count=token_count, max_example_tokens=max_example_tokens,
     )  # fmt: skip
     file.storage_key = f"files/{organization.pk}/{file.id}.jsonl"
     # Bytes first, row second: a crash between leaves an orphan object, never a row without data.

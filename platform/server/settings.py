@@ -40,6 +40,7 @@ INSTALLED_APPS = [
     "accounts",
     "finetuning",
     "evals",
+    "batches",
     "health",
     "gateway",
     "usage",

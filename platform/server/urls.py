@@ -10,6 +10,7 @@ urlpatterns = [
     path("", include("gateway.urls")),
     path("v1/", include("finetuning.urls")),
     path("v1/", include("evals.urls")),
+    path("v1/", include("batches.urls")),
     path("v1/", include("usage.urls")),
     path("v1/", include("webhooks.urls")),
     # Any other /v1/ path is a JSON 404 in every mode (with DEBUG=true Django would not use handler404).

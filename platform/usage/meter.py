@@ -30,11 +30,12 @@ FLUSH_EVERY_S = 5.0
 
 @dataclass(frozen=True)
 class Caller:
-    """Whose completion it is, and of which model (the name asked for)."""
+    """Whose completion it is, and of which model (the name asked for); ``batch``: a Batch API line's."""
 
     organization_id: int
     api_key_id: int | None
     model: str
+    batch: bool = False
 
 
 @dataclass
@@ -103,7 +104,8 @@ class UsageMeter:
 
 def _add(caller: Caller, minute: datetime, counts: _Counts) -> None:
     row = CompletionUsage.objects.filter(
-        organization_id=caller.organization_id, api_key_id=caller.api_key_id, model=caller.model, minute=minute
+        organization_id=caller.organization_id, api_key_id=caller.api_key_id, model=caller.model, batch=caller.batch,
+        minute=minute,
     )
     added = row.update(
         requests=F("requests") + counts.requests,
@@ -113,8 +115,8 @@ def _add(caller: Caller, minute: datetime, counts: _Counts) -> None:
     )
     if not added:
         CompletionUsage.objects.create(
-            organization_id=caller.organization_id, api_key_id=caller.api_key_id, model=caller.model, minute=minute,
-            requests=counts.requests, prompt_tokens=counts.prompt, completion_tokens=counts.completion,
+            organization_id=caller.organization_id, api_key_id=caller.api_key_id, model=caller.model, batch=caller.batch,
+            minute=minute, requests=counts.requests, prompt_tokens=counts.prompt, completion_tokens=counts.completion,
             cached_tokens=counts.cached,
         )  # fmt: skip
 

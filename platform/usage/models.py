@@ -20,6 +20,7 @@ class CompletionUsage(models.Model):
     model = models.CharField(max_length=300)  # the name the request asked for (a mix: its base model)
     # The key that asked; None for the dashboard's playground. A revoked key keeps its usage.
     api_key = models.ForeignKey(ApiKey, null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
+    batch = models.BooleanField(default=False)  # a Batch API line's answers (OpenAI's ``batch`` group)
     requests = models.BigIntegerField(default=0)
     prompt_tokens = models.BigIntegerField(default=0)
     completion_tokens = models.BigIntegerField(default=0)

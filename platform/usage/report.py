@@ -50,13 +50,15 @@ class Source:
     time_field: str
     groups: dict[str, str]  # a ``group_by`` value -> the row field it groups by; the filter is its plural
     sums: dict[str, Aggregate]  # a result field -> how a bucket's rows add up to it
+    unfiltered: frozenset[str] = frozenset()  # groups with no plural filter (a yes/no: group by it instead)
 
 
 COMPLETIONS = Source(
     result_object="organization.usage.completions.result",
     rows=lambda organization: CompletionUsage.objects.filter(organization=organization),
     time_field="minute",
-    groups={"model": "model", "api_key_id": "api_key__prefix"},  # a key as its dashboard shows it
+    groups={"model": "model", "api_key_id": "api_key__prefix", "batch": "batch"},  # a key as its dashboard shows it
+    unfiltered=frozenset({"batch"}),
     sums={
         "input_tokens": Sum("prompt_tokens"),
         "output_tokens": Sum("completion_tokens"),
@@ -130,7 +132,11 @@ def parse_query(params: QueryDict, source: Source, now: float | None = None) -> 
         if group not in source.groups:
             known = " or ".join(source.groups)
             raise ApiError(f"group_by: this usage groups by {known}, not '{shown(group)}'.", param="group_by")
-    filters = {group: tuple(_list(params, f"{group}s")) for group in source.groups if _list(params, f"{group}s")}
+    filters = {
+        group: tuple(_list(params, f"{group}s"))
+        for group in source.groups
+        if group not in source.unfiltered and _list(params, f"{group}s")
+    }
     first = start - start % limits.seconds
     page = _whole_number(params, "page")
     if page is not None and (page < first or page >= end or (page - first) % limits.seconds):

@@ -18,7 +18,7 @@ _PARAMETERS = [
     OpenApiParameter("start_time", int, required=True, description="Start of the first bucket, Unix seconds"),
     OpenApiParameter("end_time", int, description="End of the range (exclusive), Unix seconds; default now"),
     OpenApiParameter("bucket_width", str, enum=list(report.WIDTHS), description="Default 1d"),
-    OpenApiParameter("group_by", str, many=True, description="model (and, for completions, api_key_id)"),
+    OpenApiParameter("group_by", str, many=True, description="model (and, for completions, api_key_id and batch)"),
     OpenApiParameter("models", str, many=True, description="Only these models"),
     OpenApiParameter("limit", int, description="Buckets a page holds (1d: 7, at most 31; 1h: 24, 168; 1m: 60, 1440)"),
     OpenApiParameter("page", str, description="A response's next_page"),

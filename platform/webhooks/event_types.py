@@ -15,3 +15,7 @@ class EventType(models.TextChoices):
     EVAL_RUN_SUCCEEDED = "eval.run.succeeded", "An eval run completed"
     EVAL_RUN_FAILED = "eval.run.failed", "An eval run failed"
     EVAL_RUN_CANCELED = "eval.run.canceled", "An eval run was canceled"
+    BATCH_COMPLETED = "batch.completed", "A batch completed"
+    BATCH_FAILED = "batch.failed", "A batch failed"
+    BATCH_EXPIRED = "batch.expired", "A batch expired before it finished"
+    BATCH_CANCELLED = "batch.cancelled", "A batch was cancelled"

@@ -202,7 +202,7 @@ _MIXED_TOKENS = (9100, 9001, 0, 9101, 9100, 9002, 9101, 0, 9003, 9100, 9100, 910
 
 
 def mix_refusal(
-    stock_wrapper: type, patched_wrapper: type, ranks: MutableMapping[int, int], stepping: Callable[[Any], Any]
+    stock_wrapper: type, patched_wrapper: type, ranks: MutableMapping[int, int], stepping: Callable[..., Any]
 ) -> str | None:
     """Why mixes cannot be computed in our kernel here, or None: a batch of plain, mixed and scaled
     tokens and tokens without an adapter, through ours (as ``inference.lora_mixes`` sets the step up,

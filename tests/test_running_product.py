@@ -46,7 +46,10 @@ FINISHED = ("succeeded", "failed", "cancelled")
 def platform(tmp_path_factory):
     redis.Redis.from_url(REDIS_URL).flushdb()  # no message from an earlier run
     # No retention for a job that publishes nothing: its checkpoints go at the sweeper's next pass.
-    settings = {"TOKENS_PER_MINUTE_PER_KEY": str(TOKENS_PER_MINUTE_PER_KEY), "UNPUBLISHED_CHECKPOINTS_DAYS": "0", **SWEEPS_OFTEN}
+    settings = {
+        "TOKENS_PER_MINUTE_PER_KEY": str(TOKENS_PER_MINUTE_PER_KEY), "UNPUBLISHED_CHECKPOINTS_DAYS": "0", **SWEEPS_OFTEN,
+        "WEBHOOKS_ALLOW_PRIVATE_ADDRESSES": "true",  # an on-premises operator's: the test's receiver is on loopback
+    }  # fmt: skip
     with bin_run(tmp_path_factory.mktemp("platform"), REDIS_URL, settings=settings) as running:
         yield running
 
@@ -98,7 +101,9 @@ def test_a_job_created_with_the_openai_client_trains_and_its_model_streams_then_
     served = f"{job.fine_tuned_model}@r1"  # the replicas hold each revision under its own name
     assert any(served in replica["adapters"] for replica in pool_replicas(platform))
     kernels = [replica["lora_kernels"] for replica in pool_replicas(platform) if replica["healthy"]]
-    assert kernels and all(k["reason"].startswith("the C kernel") for k in kernels), kernels  # built by bin/run's replica
+    assert kernels and all(k["reason"].startswith("the C kernel") for k in kernels), (
+        kernels
+    )  # built by bin/run's replica
     assert client.models.delete(job.fine_tuned_model).deleted
     wait_until(
         lambda: not any(served in replica["adapters"] for replica in pool_replicas(platform)),
@@ -169,7 +174,9 @@ def _archive(folder) -> bytes:
 
 def test_uploaded_adapters_mix_per_request_and_compose_into_a_model_served_on_its_first_request(platform, tmp_path):
     client = openai.OpenAI(base_url=f"{platform.url}/v1", api_key=platform.api_key, max_retries=0)
-    api = httpx.Client(base_url=f"{platform.url}/v1", headers={"Authorization": f"Bearer {platform.api_key}"}, timeout=120)
+    api = httpx.Client(
+        base_url=f"{platform.url}/v1", headers={"Authorization": f"Bearer {platform.api_key}"}, timeout=120
+    )
     make_adapter = AdapterMaker(tmp_path)  # adapters "trained elsewhere": random LoRA weights, PEFT's format
     names = []
     for seed, suffix in ((2, "elsewhere-a"), (9, "elsewhere-b")):
@@ -218,9 +225,73 @@ def test_uploaded_adapters_mix_per_request_and_compose_into_a_model_served_on_it
     assert ask(done["fine_tuned_model"])  # served on its first request
 
 
+def test_a_batch_over_the_base_model_two_fine_tunes_and_a_mix_answers_as_live_requests_and_a_webhook_says_so(
+    platform, tmp_path
+):
+    from tests.test_webhooks import Receiver, _serve
+
+    client = openai.OpenAI(base_url=f"{platform.url}/v1", api_key=platform.api_key, max_retries=0)
+    api = httpx.Client(
+        base_url=f"{platform.url}/v1", headers={"Authorization": f"Bearer {platform.api_key}"}, timeout=120
+    )
+    make_adapter = AdapterMaker(tmp_path)
+    names = []
+    for seed, suffix in ((2, "batched-a"), (9, "batched-b")):
+        uploaded = api.post(
+            "/fine_tuning/adapters", files={"file": ("adapter.tar.gz", _archive(make_adapter(seed)))},
+            data={"model": BASE, "suffix": suffix},
+        )  # fmt: skip
+        assert uploaded.status_code == 200, uploaded.text
+        names.append(uploaded.json()["id"])
+    targets = {
+        "base": {"model": BASE}, "a": {"model": names[0]}, "b": {"model": names[1]},
+        "mix": {"model": BASE, "adapters": [{"model": names[0], "scale": 0.5}, {"model": names[1], "scale": -0.5}]},
+    }  # fmt: skip
+    questions = ["What is the capital of France?", "Name a colour."]
+    lines = [
+        {"custom_id": f"{label}-{number}", "method": "POST", "url": "/v1/chat/completions",
+         "body": {**target, "messages": [{"role": "user", "content": question}], "max_tokens": 12, "temperature": 0}}
+        for label, target in targets.items() for number, question in enumerate(questions)
+    ]  # fmt: skip
+    lines.append({**lines[0], "custom_id": "not-ours", "body": {**lines[0]["body"], "model": f"{BASE}:nobodys"}})
+
+    receiver_context = _serve(Receiver())
+    receiver = next(receiver_context)
+    try:
+        hook = api.post("/webhooks", json={"url": receiver.url, "event_types": ["batch.completed"]})
+        assert hook.status_code in (200, 201), hook.text
+        batch_input = client.files.create(file=("batch.jsonl", jsonl(lines)), purpose="batch")
+        batch = client.batches.create(
+            input_file_id=batch_input.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        wait_until(lambda: client.batches.retrieve(batch.id).status in ("completed", "failed"), 300, "the batch")
+        batch = client.batches.retrieve(batch.id)
+        assert batch.status == "completed", batch
+        assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (9, 8, 1)
+        output = [json.loads(line) for line in client.files.content(batch.output_file_id).text.splitlines()]
+        answered = {line["custom_id"]: line["response"]["body"]["choices"][0]["message"]["content"] for line in output}
+        for line in lines[:-1]:  # each as a live request answers it (greedy)
+            body = dict(line["body"])
+            extra = {"extra_body": {"adapters": body.pop("adapters")}} if "adapters" in body else {}
+            live = client.chat.completions.create(**body, **extra)
+            assert answered[line["custom_id"]] == live.choices[0].message.content, line["custom_id"]
+        assert len(set(answered.values())) > 2  # the models do answer differently
+        errors = [json.loads(line) for line in client.files.content(batch.error_file_id).text.splitlines()]
+        assert [error["custom_id"] for error in errors] == ["not-ours"]
+        wait_until(lambda: receiver.received, 60, "the batch.completed webhook")
+        event = client.webhooks.unwrap(
+            receiver.received[0].body, receiver.received[0].headers, secret=hook.json()["secret"]
+        )
+        assert event.type == "batch.completed" and event.data.id == batch.id
+    finally:
+        next(receiver_context, None)
+
+
 def test_a_model_fine_tuned_again_answers_as_r2_rolls_back_to_r1_and_its_checkpoints_answer(platform):
     client = openai.OpenAI(base_url=f"{platform.url}/v1", api_key=platform.api_key, max_retries=0)
-    api = httpx.Client(base_url=f"{platform.url}/v1", headers={"Authorization": f"Bearer {platform.api_key}"}, timeout=60)
+    api = httpx.Client(
+        base_url=f"{platform.url}/v1", headers={"Authorization": f"Bearer {platform.api_key}"}, timeout=60
+    )
     training = client.files.create(file=("train.jsonl", good_dataset(12)), purpose="fine-tune")
     question = [{"role": "user", "content": "What is 2 plus 2?"}]
 
@@ -245,7 +316,10 @@ def test_a_model_fine_tuned_again_answers_as_r2_rolls_back_to_r1_and_its_checkpo
     assert wait_for_status(client, second.id, FINISHED, timeout_s=420).status == "succeeded"
     assert answered_by(name) == f"{name}@r2" and answered_by(f"{name}@r1") == f"{name}@r1"
     listed = api.get(f"/fine_tuning/models/{name}/revisions").json()["data"]
-    assert [(r["revision"], r["current"], r["fine_tuning_job_id"]) for r in listed] == [(2, True, second.id), (1, False, first.id)]
+    assert [(r["revision"], r["current"], r["fine_tuning_job_id"]) for r in listed] == [
+        (2, True, second.id),
+        (1, False, first.id),
+    ]
 
     assert api.post(f"/fine_tuning/models/{name}/rollback", json={"revision": 1}).json()["revision"] == 1
     assert answered_by(name) == f"{name}@r1"  # the next request
@@ -298,12 +372,16 @@ def test_one_eval_call_compares_the_base_model_a_fine_tune_its_r1_and_a_checkpoi
 
 def test_usage_reports_the_completions_served_and_the_tokens_trained_in_the_api_and_the_dashboard(platform, page):
     client = openai.OpenAI(base_url=f"{platform.url}/v1", api_key=platform.api_key, max_retries=0)
-    api = httpx.Client(base_url=f"{platform.url}/v1", headers={"Authorization": f"Bearer {platform.api_key}"}, timeout=60)
+    api = httpx.Client(
+        base_url=f"{platform.url}/v1", headers={"Authorization": f"Bearer {platform.api_key}"}, timeout=60
+    )
     today = int(time.time()) // 86400 * 86400
 
     def base_model_usage() -> tuple[int, int, int]:
         params = {"start_time": today, "group_by": "model", "models": BASE}
-        results = [r for b in api.get("/organization/usage/completions", params=params).json()["data"] for r in b["results"]]
+        results = [
+            r for b in api.get("/organization/usage/completions", params=params).json()["data"] for r in b["results"]
+        ]
         return tuple(sum(r[name] for r in results) for name in ("num_model_requests", "input_tokens", "output_tokens"))
 
     time.sleep(6)  # the web process writes what it counted every 5 s: the earlier tests' usage is in by now
@@ -359,7 +437,9 @@ def test_a_cancelled_jobs_checkpoints_answer_until_the_sweeper_deletes_them_afte
 def test_requests_that_once_broke_the_platform_are_refused_with_a_400_that_names_what_is_wrong(platform, tmp_path):
     """The hostile requests that answered 500 (or were stored) on a fresh bin/run, sent to it as a
     stranger would: each is now a 400 in OpenAI's error shape whose message names the problem."""
-    api = httpx.Client(base_url=f"{platform.url}/v1", headers={"Authorization": f"Bearer {platform.api_key}"}, timeout=60)
+    api = httpx.Client(
+        base_url=f"{platform.url}/v1", headers={"Authorization": f"Bearer {platform.api_key}"}, timeout=60
+    )
     chat = '{"model": "%s", "messages": [{"role": "user", "content": "Hi"}], %s}'
     adapter = AdapterMaker(tmp_path)(seed=2)
     config = json.loads((adapter / "adapter_config.json").read_text())
@@ -372,7 +452,9 @@ def test_requests_that_once_broke_the_platform_are_refused_with_a_400_that_names
     def with_config(**changes) -> bytes:
         (tmp_path / "bad").mkdir(exist_ok=True)
         (tmp_path / "bad" / "adapter_config.json").write_text(json.dumps(config | changes))
-        (tmp_path / "bad" / "adapter_model.safetensors").write_bytes((adapter / "adapter_model.safetensors").read_bytes())
+        (tmp_path / "bad" / "adapter_model.safetensors").write_bytes(
+            (adapter / "adapter_model.safetensors").read_bytes()
+        )
         return _archive(tmp_path / "bad")
 
     with_config()  # then its config replaced by JSON nested 100,000 levels deep

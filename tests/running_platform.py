@@ -71,6 +71,15 @@ def _pump(process: subprocess.Popen, log_path: Path, key_found: threading.Event,
                 key_found.set()
 
 
+def shipped_models(data_dir: Path) -> Path:
+    """``data_dir/models`` holding links to the checkout's prepared models, and room for more."""
+    models = data_dir / "models"
+    models.mkdir(parents=True)
+    for entry in (ROOT / "data" / "models").iterdir():
+        (models / entry.name).symlink_to(entry.resolve(), target_is_directory=entry.is_dir())
+    return models
+
+
 @contextmanager
 def bin_run(
     data_dir: Path, redis_url: str, ready_timeout_s: float = 420, settings: dict[str, str] | None = None
@@ -79,9 +88,11 @@ def bin_run(
     ``settings``: variables of ``.env.example`` to set, as a user's ``.env`` would.
 
     The base model is prepared once per checkout (``data/models``): the new data folder links to it,
-    as a user's second start would find it.
+    as a user's second start would find it (``shipped_models``; a caller that added models of its own
+    has called it already).
     """
-    (data_dir / "models").symlink_to(ROOT / "data" / "models", target_is_directory=True)
+    if not (data_dir / "models").exists():
+        shipped_models(data_dir)
     env = _environment(data_dir, redis_url, settings or {})
     LOGS.mkdir(parents=True, exist_ok=True)
     process = subprocess.Popen(

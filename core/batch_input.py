@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
 from core import strict_json
-from core.datasets import MAX_REPORTED_ERRORS, LineError, _decoded, _numbered_lines  # the one JSONL line reader
+from core.datasets import MAX_REPORTED_ERRORS, LineError, decoded_line, numbered_lines  # the one JSONL line reader
 
 ENDPOINTS = ("/v1/chat/completions",)  # what a line's "url" (and a batch's "endpoint") may be
 ENVELOPE = ("custom_id", "method", "url", "body")
@@ -88,11 +88,11 @@ def _lines(source: BinaryIO) -> Iterator[tuple[int, BatchRequest | None, str | N
     """Each non-blank line's request or problem; (0, None, problem) ends it for a whole-file problem."""
     seen: dict[bytes, int] = {}  # a custom_id's digest -> the line that has it
     count = 0
-    for number, raw in _numbered_lines(source, MAX_LINE_BYTES):
+    for number, raw in numbered_lines(source, MAX_LINE_BYTES):
         if raw is None:
             yield number, None, f"the line is over {MAX_LINE_BYTES:,} bytes"
             continue
-        text, problem = _decoded(raw, number)
+        text, problem = decoded_line(raw, number)
         if text is None:
             yield 0, None, problem
             return

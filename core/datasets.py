@@ -212,7 +212,7 @@ def parse_example(line: str, max_tokens: int | None = None) -> tuple[Example | N
     return None, 'must have "messages", or "prompt" and "completion"'
 
 
-def _numbered_lines(source: BinaryIO, max_bytes: int | None) -> Iterator[tuple[int, bytes | None]]:
+def numbered_lines(source: BinaryIO, max_bytes: int | None) -> Iterator[tuple[int, bytes | None]]:
     r"""JSONL lines end with "\n", optionally "\r\n". Not str.splitlines(): it also splits at U+2028, U+0085
     and other characters a JSON string may hold as they are, cutting a valid line in two. A line over
     ``max_bytes`` comes as None, its bytes skipped, not read into memory."""
@@ -227,7 +227,7 @@ def _numbered_lines(source: BinaryIO, max_bytes: int | None) -> Iterator[tuple[i
         yield number, line.removesuffix(b"\n").removesuffix(b"\r")
 
 
-def _decoded(line: bytes, number: int) -> tuple[str | None, str | None]:
+def decoded_line(line: bytes, number: int) -> tuple[str | None, str | None]:
     try:
         text = line.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -259,12 +259,12 @@ def parse_dataset(
     stream = io.BytesIO(source) if isinstance(source, bytes) else source
     max_bytes = None if max_tokens is None else max_line_chars(max_tokens) * MAX_UTF8_BYTES_PER_CHAR
     dataset, bad_lines, blank = Dataset(), 0, True
-    for number, raw in _numbered_lines(stream, max_bytes):
+    for number, raw in numbered_lines(stream, max_bytes):
         if raw is None:
             assert max_tokens is not None and max_bytes is not None  # lines are cut only for a known context
             error: str | None = _too_long(f"over {max_bytes:,} bytes", max_tokens)
         else:
-            line, problem = _decoded(raw, number)
+            line, problem = decoded_line(raw, number)
             if line is None:
                 return Dataset(problem=problem)
             if not line.strip():

@@ -31,6 +31,18 @@ MAX_ADAPTER_SCALE = 2.0
 MAX_METADATA_KEYS = 16  # OpenAI's limit on an object's metadata (a job's, an eval's, a run's)
 
 
+def checked_metadata(value: dict[str, str] | None) -> dict[str, str] | None:
+    """OpenAI's rule: at most 16 keys of at most 64 characters, values of at most 512."""
+    if value is not None:
+        if len(value) > MAX_METADATA_KEYS:
+            raise ValueError(f"at most {MAX_METADATA_KEYS} keys")
+        if any(len(key) > 64 for key in value):
+            raise ValueError("keys of at most 64 characters")
+        if any(len(item) > 512 for item in value.values()):
+            raise ValueError("values of at most 512 characters")
+    return value
+
+
 class AdapterShare(BaseModel):
     """One entry of ``adapters``: a fine-tuned model, by name, and how much of its LoRA delta to add."""
 

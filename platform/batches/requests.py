@@ -8,7 +8,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from core.batch_input import ENDPOINTS
-from evals.requests import _checked_metadata
+from core.openai_protocol import checked_metadata
 
 COMPLETION_WINDOWS = ("24h",)  # OpenAI's only window
 
@@ -21,4 +21,4 @@ class BatchCreate(BaseModel):
     completion_window: Literal[COMPLETION_WINDOWS]  # type: ignore[valid-type]
     metadata: dict[str, str] | None = None
 
-    _metadata = field_validator("metadata")(_checked_metadata)
+    _metadata = field_validator("metadata")(checked_metadata)

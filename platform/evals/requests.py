@@ -11,25 +11,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from answering.batch import Sampling, Target
 from core import api_errors
-from core.openai_protocol import MAX_METADATA_KEYS, AdapterShare
+from core.openai_protocol import AdapterShare, checked_metadata
 
 MAX_MODELS_PER_CALL = 8  # runs one call may start, to compare models
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
-
-
-def _checked_metadata(value: dict[str, str] | None) -> dict[str, str] | None:
-    """OpenAI's rule: at most 16 keys of at most 64 characters, values of at most 512."""
-    if value is not None:
-        if len(value) > MAX_METADATA_KEYS:
-            raise ValueError(f"at most {MAX_METADATA_KEYS} keys")
-        if any(len(key) > 64 for key in value):
-            raise ValueError("keys of at most 64 characters")
-        if any(len(item) > 512 for item in value.values()):
-            raise ValueError("values of at most 512 characters")
-    return value
 
 
 class DataSourceConfig(_Strict):
@@ -47,7 +35,7 @@ class EvalCreate(_Strict):
     file: str = Field(min_length=1, max_length=64)  # ours: the examples, an uploaded file's id
     metadata: dict[str, str] | None = None
 
-    _metadata = field_validator("metadata")(_checked_metadata)
+    _metadata = field_validator("metadata")(checked_metadata)
 
 
 class FileSource(_Strict):
@@ -98,7 +86,7 @@ class RunCreate(_Strict):
     models: list[str | ModelChoice] | None = Field(None, min_length=1, max_length=MAX_MODELS_PER_CALL)
     metadata: dict[str, str] | None = None
 
-    _metadata = field_validator("metadata")(_checked_metadata)
+    _metadata = field_validator("metadata")(checked_metadata)
 
     def targets(self) -> list[tuple[str, Target]]:
         """Each model to run, with where the request names it (for a refusal's ``param``)."""
@@ -136,4 +124,4 @@ class EvalUpdate(_Strict):
     name: str | None = Field(None, min_length=1, max_length=256)
     metadata: dict[str, str] | None = None
 
-    _metadata = field_validator("metadata")(_checked_metadata)
+    _metadata = field_validator("metadata")(checked_metadata)

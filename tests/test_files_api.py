@@ -107,7 +107,7 @@ def test_it_names_the_line_and_the_problem_of_a_bad_example(alice, lines, expect
     ("number", "line", "expected"),
     [
         (5, '{"messages": ' + "[" * 5000 + "]" * 5000 + "}",
-         "line 5: the JSON is nested 5,001 levels deep, more than 32: a training line needs 3"),
+         "line 5: the JSON is nested 5,001 levels deep, more than 32: a chat line needs 3, a preference line 4"),
         (3, json.dumps({"messages": [{"role": "assistant", "content": "Hi!"}, *turns(1)]}),
          "line 3: messages[0] is from the assistant: start with the user (or system) message it answers"),
         (4, json.dumps(chat_example("half a smiley \ud83d here", "a")),

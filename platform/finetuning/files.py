@@ -18,7 +18,7 @@ from django.db.models import Q
 from accounts.models import Organization
 from core.api_errors import ApiError, human_size
 from core.config import UPLOAD_LIMIT_SETTING
-from core.datasets import Dataset, Example, parse_dataset
+from core.datasets import Dataset, Example, Record, as_chat, parse_dataset
 from finetuning import quotas, results, storage
 from finetuning.models import FINISHED_STATUSES, File, FineTuningJob
 from finetuning.tokens import default_model, token_counter
@@ -27,7 +27,8 @@ PURPOSE = "fine-tune"
 
 
 def check_dataset(source: bytes | BinaryIO, keep_examples: bool = True) -> tuple[Dataset, list[int]]:
-    """Parse and check every line; return the dataset and each example's token count."""
+    """Parse and check every line; return the dataset and each conversation's token count (a
+    preference pair's two, input with each answer, one after the other)."""
     model = default_model()
     count = token_counter(model)
     counts: list[int] = []
@@ -65,6 +66,7 @@ def upload_file(organization: Organization, user: User | None, upload: UploadedF
     file = File(
         organization=organization, created_by=user, filename=(upload.name or "upload.jsonl")[:255], purpose=purpose, bytes=size,
         example_count=dataset.example_count, token_count=sum(counts), max_example_tokens=max(counts),
+        format=dataset.format,
     )  # fmt: skip
     file.storage_key = f"files/{organization.pk}/{file.id}.jsonl"
     # Bytes first, row second: a crash between leaves an orphan object, never a row without data.
@@ -99,17 +101,20 @@ def open_content(file: File) -> BinaryIO:
     return storage.files().open(file.storage_key)
 
 
-def load_examples(file: File) -> list[Example]:
+def load_examples(file: File) -> list[Record]:
+    """Every example, as the trainer takes them: chat examples, or a preference file's pairs."""
     with open_content(file) as stream:
         return parse_dataset(stream, min_examples=1).examples
 
 
 def first_examples(file: File, count: int) -> list[Example]:
-    """The file's first ``count`` examples, read from its start and no further (the dataset page's
-    preview: the totals are the ones counted at upload, on the row)."""
+    """The file's first ``count`` examples as chat examples (a preference pair's preferred conversation),
+    read from its start and no further (the dataset page's preview and an eval's examples: the totals
+    are the ones counted at upload, on the row)."""
     with open_content(file) as stream:
         max_tokens = default_model().engine.max_model_len  # a line longer than any example is skipped unread
-        return parse_dataset(stream, min_examples=1, max_tokens=max_tokens, stop_after=count).examples
+        records = parse_dataset(stream, min_examples=1, max_tokens=max_tokens, stop_after=count).examples
+    return [as_chat(record) for record in records]
 
 
 def delete_file(file: File) -> None:

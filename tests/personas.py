@@ -58,3 +58,16 @@ def jsonl(records: list) -> bytes:
 
 def good_dataset(n: int = 12) -> bytes:
     return jsonl([chat_example(f"What is {i} plus {i}?", f"ARR! {2 * i}, matey.") for i in range(n)])
+
+
+def preference_example(question: str, preferred: str, non_preferred: str) -> dict:
+    return {
+        "input": {"messages": [{"role": "user", "content": question}]},
+        "preferred_output": [{"role": "assistant", "content": preferred}],
+        "non_preferred_output": [{"role": "assistant", "content": non_preferred}],
+    }
+
+
+def preference_dataset(n: int = 12) -> bytes:
+    """Pairs whose preferred answer talks like a pirate, for DPO jobs."""
+    return jsonl([preference_example(f"What is {i} plus {i}?", f"ARR! {2 * i}, matey.", f"{2 * i}.") for i in range(n)])

@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from core.datasets import PREFERENCE, LineError, PreferencePair, parse_dataset
 from finetuning import results
 from finetuning.files import check_dataset
-from finetuning.models import FineTuningJob, JobStatus, record_event
+from finetuning.models import FineTuningJob, record_event
 from tests.environment import ROOT
 from tests.personas import jsonl, preference_dataset, preference_example
 from tests.test_files_api import error_of, upload

@@ -6,8 +6,8 @@ noisy machine affects them alike. Both use the model with the adapter switched o
 computed afresh every step (TRL: ``ref_model=None`` with a ``peft_config``, ``precompute_ref_log_probs``
 off), and score each answer by the summed log-probabilities of its tokens.
 
-- TRL's DPOTrainer + PEFT, padding-free (its fastest layout without packing across steps): each step's
-  prompts and answers are flattened into one row; its loss is ``sigmoid`` DPO, as ours.
+- TRL's DPOTrainer + PEFT, padded: its only layout in TRL 1.16 (``padding_free=True`` is "temporarily
+  unavailable after a refactor" there and falls back to padding); its loss is ``sigmoid`` DPO, as ours.
 - Ours: both answers of each pair packed in one row (``workers/training/preference.py``), per-example
   attention, lm_head only where an answer's token is predicted.
 
@@ -99,7 +99,7 @@ def run_trl(model_path: Path, pairs: list[PreferencePair], args: argparse.Namesp
             args=DPOConfig(
                 **hf_training_arguments(config, output_dir),
                 beta=BETA,
-                padding_free=True,
+                padding_free=False,  # TRL 1.16 turns padding_free off for DPO (see the docstring)
                 max_length=None,  # no pair is near the context
                 bf16=False,  # float32 like ours (bf16 is emulated, and slow, on these CPUs)
                 gradient_checkpointing=False,
@@ -134,7 +134,7 @@ def main() -> None:
         f"{args.steps} steps of {args.batch_size}, beta {BETA}, {torch.get_num_threads()} thread(s)",
         flush=True,
     )
-    trainers = (("TRL DPOTrainer + PEFT (padding-free)", run_trl), ("ours (pairs packed, answer-only logits)", run_ours))
+    trainers = (("TRL DPOTrainer + PEFT (padded)", run_trl), ("ours (pairs packed, answer-only logits)", run_ours))
     rows = []
     for name, run in trainers:
         seconds = run(args.model, pairs, args)

@@ -89,7 +89,7 @@ def test_the_content_comes_back_byte_for_byte(alice):
         ({6: '{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "weight": 2}]}'},
          "line 6: messages[1].weight must be 0 or 1"),
         ({8: '{"prompt": "only a prompt"}'}, "line 8: prompt and completion must both be strings"),
-        ({9: '{"text": "hello"}'}, 'line 9: must have "messages", or "prompt" and "completion"'),
+        ({9: '{"text": "hello"}'}, 'line 9: must have "messages", "prompt" and "completion", or "input", "preferred_output" and "non_preferred_output"'),
     ],
 )
 def test_it_names_the_line_and_the_problem_of_a_bad_example(alice, lines, expected):

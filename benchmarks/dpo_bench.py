@@ -15,8 +15,11 @@ The pairs are built from the synthetic chats of ``train_throughput.py``: the pro
 last reply; the preferred answer is that reply, the other another chat's reply. Time is the time spent in
 optimizer steps (loading, tokenizing and saving excluded for both).
 
-    python benchmarks/dpo_bench.py              # 3 steps of 8 pairs each
+    python benchmarks/dpo_bench.py              # 3 steps of 2 pairs each
     python benchmarks/dpo_bench.py --steps 10
+
+Mind TRL's memory: at 2 pairs a step this process peaked at 3.3 GB; at 8 pairs a step (about 270
+tokens a pair) TRL's DPOTrainer alone went past 16 GB and was killed for lack of memory.
 
 TRL is an optional extra: .venv/bin/python -m pip install -c constraints.txt ".[bench]"
 """
@@ -116,7 +119,7 @@ def run_trl(model_path: Path, pairs: list[PreferencePair], args: argparse.Namesp
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps for each trainer (default 3)")
-    parser.add_argument("--batch-size", type=int, default=8, help="pairs per step (default 8)")
+    parser.add_argument("--batch-size", type=int, default=2, help="pairs per step (default 2: TRL's memory, see above)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1; 0 keeps torch's default)")
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--model", type=Path, default=ROOT / "data" / "models" / BASE_MODEL_ID)

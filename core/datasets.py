@@ -1,9 +1,12 @@
 """Training data: parse and check a JSONL upload line by line, before anything is stored or queued.
 
-Two line shapes are accepted, as in OpenAI's fine-tuning API:
+Three line shapes are accepted, as in OpenAI's fine-tuning API:
 - chat: ``{"messages": [{"role": "system"|"user"|"assistant", "content": "...", "weight": 0|1}, ...]}``
 - prompt/completion: ``{"prompt": "...", "completion": "..."}``, trained as one user turn and one
   assistant turn.
+- preference (for DPO): ``{"input": {"messages": [...], "tools": [...]?}, "preferred_output": [{"role":
+  "assistant", "content": "..."}], "non_preferred_output": [{"role": "assistant", "content": "..."}]}``.
+A file holds chat (and prompt/completion) lines or preference lines, not both: its ``format``.
 Every problem names its line, so a person can fix the file in one pass. Whatever the bytes, a line
 gets an example or an error, never an exception: the upload answers 400 with the line, not 500.
 The file is read a line at a time, and a line longer than the model's context could hold is skipped
@@ -23,8 +26,8 @@ from typing import BinaryIO
 ROLES = ("system", "user", "assistant")
 MAX_REPORTED_ERRORS = 20
 
-# JSON nested deeper than this is refused before it is parsed: a training line needs 3 levels
-# ({"messages": [{...}]}), and Python's parser raises RecursionError at about 1,000.
+# JSON nested deeper than this is refused before it is parsed: a chat line needs 3 levels ({"messages":
+# [{...}]}), a preference line 4, and Python's parser raises RecursionError at about 1,000.
 MAX_NESTING_DEPTH = 32
 # With the model's context known, a line that could not fit it is refused before it is parsed or
 # tokenized (tokenizing is the slow step: 0.13 s for 140 KB). The caps scale with the context, so a
@@ -36,6 +39,50 @@ _SKIP_CHUNK_BYTES = 1024 * 1024  # the rest of a line too long to read is skippe
 
 Message = dict  # {"role": str, "content": str, "weight": int}
 Example = list[Message]
+
+# A file's format: what its lines hold, and so which fine-tuning method can train on it.
+CHAT = "chat"  # {"messages"} or {"prompt", "completion"} lines: supervised fine-tuning
+PREFERENCE = "preference"  # {"input", "preferred_output", "non_preferred_output"} lines: DPO
+FORMAT_SHAPES = {
+    CHAT: '{"messages"} or {"prompt", "completion"}',
+    PREFERENCE: '{"input", "preferred_output", "non_preferred_output"}',
+}
+PREFERENCE_KEYS = ("input", "preferred_output", "non_preferred_output")
+
+
+@dataclass(frozen=True)
+class PreferencePair:
+    """One preference line: a prompt and two answers to it, the preferred one and the other.
+
+    The prompt's assistant messages (earlier turns) have weight 0: they are context, and only the two
+    answers are scored. ``chosen`` and ``rejected`` are the two conversations as chat examples, so they
+    are rendered, tokenized and masked exactly as a chat line is (``core.chat_tokens``).
+    """
+
+    prompt: Example
+    preferred: Message  # an assistant message, weight 1
+    non_preferred: Message
+
+    @property
+    def chosen(self) -> Example:
+        return [*self.prompt, self.preferred]
+
+    @property
+    def rejected(self) -> Example:
+        return [*self.prompt, self.non_preferred]
+
+
+Record = Example | PreferencePair  # what one line of a file holds
+
+
+def format_of(record: Record) -> str:
+    return PREFERENCE if isinstance(record, PreferencePair) else CHAT
+
+
+def as_chat(record: Record) -> Example:
+    """A chat example for readers of held-out examples (evaluations, previews): a pair's preferred
+    conversation, whose answer is the one to expect."""
+    return record.chosen if isinstance(record, PreferencePair) else record
 
 
 class ExampleError(ValueError):
@@ -62,11 +109,12 @@ class LineError:
 
 @dataclass
 class Dataset:
-    examples: list[Example] = field(default_factory=list)  # empty when parsed with keep_examples=False
+    examples: list[Record] = field(default_factory=list)  # empty when parsed with keep_examples=False
     lines: list[int] = field(default_factory=list)  # the file line of each example kept
     errors: list[LineError] = field(default_factory=list)
     problem: str | None = None  # a whole-file problem (empty, not UTF-8, too few examples)
     example_count: int = 0
+    format: str = CHAT  # its first example's: every other must have the same (CHAT for a file with none)
 
     @property
     def ok(self) -> bool:
@@ -104,7 +152,7 @@ def _line_problem(line: str, max_tokens: int | None) -> str | None:
         return "contains NUL bytes (0x00), so the file looks binary or UTF-16: save it as UTF-8 text"
     depth = _nesting_depth(line)
     if depth > MAX_NESTING_DEPTH:
-        return f"the JSON is nested {depth:,} levels deep, more than {MAX_NESTING_DEPTH}: a training line needs 3"
+        return f"the JSON is nested {depth:,} levels deep, more than {MAX_NESTING_DEPTH}: a chat line needs 3, a preference line 4"
     return None
 
 
@@ -142,8 +190,8 @@ def _message(raw: object, index: int) -> tuple[Message | None, str | None]:
     return {"role": role, "content": content, "weight": weight}, None
 
 
-def _chat_example(record: dict, max_tokens: int | None) -> tuple[Example | None, str | None]:
-    raw_messages = record["messages"]
+def _chat_messages(raw_messages: object, max_tokens: int | None) -> tuple[Example | None, str | None]:
+    """A conversation's messages, each checked, opening with a user or system message."""
     if not isinstance(raw_messages, list) or not raw_messages:
         return None, "messages must be a non-empty list"
     if max_tokens is not None and len(raw_messages) > max_messages(max_tokens):
@@ -162,6 +210,13 @@ def _chat_example(record: dict, max_tokens: int | None) -> tuple[Example | None,
     # message alone is a prompt, so a greeting after it stays a valid example.
     if messages[0]["role"] == "assistant":
         return None, "messages[0] is from the assistant: start with the user (or system) message it answers"
+    return messages, None
+
+
+def _chat_example(record: dict, max_tokens: int | None) -> tuple[Example | None, str | None]:
+    messages, error = _chat_messages(record["messages"], max_tokens)
+    if messages is None:
+        return None, error
     assistant = [m for m in messages if m["role"] == "assistant"]
     if not assistant:
         return None, "needs at least one assistant message to learn from"
@@ -183,6 +238,46 @@ def _completion_example(record: dict) -> tuple[Example | None, str | None]:
     ], None
 
 
+def _answer(raw: object, where: str) -> tuple[Message | None, str | None]:
+    """A preference answer: a list of one assistant message, as OpenAI's preference lines hold it."""
+    if not isinstance(raw, list) or len(raw) != 1:
+        return None, f'{where} must be a list of one message, [{{"role": "assistant", "content": "..."}}]'
+    message, error = _message(raw[0], 0)
+    if message is None:
+        return None, (error or "").replace("messages[0]", f"{where}[0]", 1)
+    if message["role"] != "assistant":
+        return None, f"{where}[0].role must be assistant: it is the answer to the input's messages"
+    if "weight" in raw[0]:
+        return None, f"{where}[0].weight is not allowed: both answers of a pair are always scored"
+    return message, None
+
+
+def _preference_example(record: dict, max_tokens: int | None) -> tuple[PreferencePair | None, str | None]:
+    missing = [key for key in PREFERENCE_KEYS if key not in record]
+    if missing:
+        return None, f"a preference line needs {', '.join(PREFERENCE_KEYS)}; {', '.join(missing)} missing"
+    raw_input = record["input"]
+    if not isinstance(raw_input, dict) or "messages" not in raw_input:
+        return None, 'input must be an object with "messages" (and optionally "tools")'
+    tools = raw_input.get("tools", [])
+    if not isinstance(tools, list) or not all(isinstance(tool, dict) for tool in tools):
+        return None, "input.tools must be a list of objects"
+    prompt, error = _chat_messages(raw_input["messages"], max_tokens)
+    if prompt is None:
+        return None, f"input.{error}" if (error or "").startswith("messages") else error
+    if prompt[-1]["role"] == "assistant":
+        return None, "input.messages ends with an assistant message: the input is the prompt the two answers answer"
+    # Earlier replies in the prompt are context: only the two answers are compared.
+    prompt = [{**message, "weight": 0} if message["role"] == "assistant" else message for message in prompt]
+    preferred, error = _answer(record["preferred_output"], "preferred_output")
+    if preferred is None:
+        return None, error
+    non_preferred, error = _answer(record["non_preferred_output"], "non_preferred_output")
+    if non_preferred is None:
+        return None, error
+    return PreferencePair(prompt, preferred, non_preferred), None
+
+
 def _json_record(line: str) -> tuple[object, str | None]:
     try:
         return json.loads(line), None
@@ -192,9 +287,16 @@ def _json_record(line: str) -> tuple[object, str | None]:
         return None, "has a number with more than 4,300 digits, too long to read"
 
 
-def parse_example(line: str, max_tokens: int | None = None) -> tuple[Example | None, str | None]:
-    """One line's example, or what is wrong with it. With ``max_tokens``, the model's context, a line
-    too long to fit is refused before it is parsed."""
+_SHAPE_KEYS = {
+    '"messages"': ("messages",),
+    '"prompt"/"completion"': ("prompt", "completion"),
+    "input/preferred_output/non_preferred_output": PREFERENCE_KEYS,
+}
+
+
+def parse_example(line: str, max_tokens: int | None = None) -> tuple[Record | None, str | None]:
+    """One line's example (a chat example or a preference pair), or what is wrong with it. With
+    ``max_tokens``, the model's context, a line too long to fit is refused before it is parsed."""
     error = _line_problem(line, max_tokens)
     if error:
         return None, error
@@ -203,13 +305,16 @@ def parse_example(line: str, max_tokens: int | None = None) -> tuple[Example | N
         return None, error
     if not isinstance(record, dict):
         return None, 'must be a JSON object with "messages", or "prompt" and "completion"'
-    if "messages" in record and ("prompt" in record or "completion" in record):
-        return None, 'use either "messages" or "prompt"/"completion", not both'
+    shapes = [shape for shape, keys in _SHAPE_KEYS.items() if any(key in record for key in keys)]
+    if len(shapes) > 1:
+        return None, f"use one of {', '.join(shapes)}, not several"
+    if shapes == ["input/preferred_output/non_preferred_output"]:
+        return _preference_example(record, max_tokens)
     if "messages" in record:
         return _chat_example(record, max_tokens)
     if "prompt" in record or "completion" in record:
         return _completion_example(record)
-    return None, 'must have "messages", or "prompt" and "completion"'
+    return None, 'must have "messages", "prompt" and "completion", or "input", "preferred_output" and "non_preferred_output"'
 
 
 def numbered_lines(source: BinaryIO, max_bytes: int | None) -> Iterator[tuple[int, bytes | None]]:
@@ -235,14 +340,34 @@ def decoded_line(line: bytes, number: int) -> tuple[str | None, str | None]:
     return (text.removeprefix("\ufeff") if number == 1 else text), None
 
 
-def _token_problem(example: Example, count_tokens: Callable[[Example], int], max_tokens: int) -> str | None:
-    try:
-        tokens = count_tokens(example)
-    except ExampleError as exc:
-        return str(exc)
-    if tokens > max_tokens:
-        return f"{tokens} tokens, longer than the model's context of {max_tokens} tokens"
+def _token_problem(record: Record, count_tokens: Callable[[Example], int], max_tokens: int) -> str | None:
+    """Each conversation of the line must fit the context: a pair's two (prompt and answer) are counted
+    one after the other."""
+    conversations = [("preferred_output", record.chosen), ("non_preferred_output", record.rejected)] if (
+        isinstance(record, PreferencePair)
+    ) else [("", record)]
+    for which, conversation in conversations:
+        try:
+            tokens = count_tokens(conversation)
+        except ExampleError as exc:
+            return str(exc)
+        if tokens > max_tokens:
+            with_answer = f" (the input with {which})" if which else ""
+            return f"{tokens} tokens{with_answer}, longer than the model's context of {max_tokens} tokens"
     return None
+
+
+def _format_problem(record: Record, dataset: Dataset) -> str | None:
+    """A file holds one format, the one of its first example: a line of the other is refused."""
+    if not dataset.example_count:
+        dataset.format = format_of(record)
+        return None
+    if format_of(record) == dataset.format:
+        return None
+    return (
+        f"a {format_of(record)} line ({FORMAT_SHAPES[format_of(record)]}) in a file of {dataset.format} lines "
+        f"(its first example is one): a file holds one format"
+    )
 
 
 def parse_dataset(
@@ -272,6 +397,8 @@ def parse_dataset(
             example, error = parse_example(line, max_tokens)
             if example is not None and count_tokens is not None and max_tokens is not None:
                 error = _token_problem(example, count_tokens, max_tokens)
+            if example is not None and not error:
+                error = _format_problem(example, dataset)
         blank = False
         if error:
             bad_lines += 1

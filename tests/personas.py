@@ -64,3 +64,16 @@ def batch_lines(n: int = 2) -> bytes:
     """A Batch API input file of ``n`` chat requests of the test catalog's base model."""
     body = {"model": "HuggingFaceTB/SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
     return jsonl([{"custom_id": f"line-{i}", "method": "POST", "url": "/v1/chat/completions", "body": body} for i in range(n)])
+
+
+def preference_example(question: str, preferred: str, non_preferred: str) -> dict:
+    return {
+        "input": {"messages": [{"role": "user", "content": question}]},
+        "preferred_output": [{"role": "assistant", "content": preferred}],
+        "non_preferred_output": [{"role": "assistant", "content": non_preferred}],
+    }
+
+
+def preference_dataset(n: int = 12) -> bytes:
+    """Pairs whose preferred answer talks like a pirate, for DPO jobs."""
+    return jsonl([preference_example(f"What is {i} plus {i}?", f"ARR! {2 * i}, matey.", f"{2 * i}.") for i in range(n)])

@@ -154,7 +154,9 @@ def expected_example(record: dict) -> list[dict]:
 # Any text, with lone surrogates (which JSON escapes can write) and NULs made likely.
 HAZARDS = st.sampled_from(["\ud800", "\udbff", "\udc00", "\udfff", "\x00"])
 ANY_TEXT = st.lists(st.characters() | HAZARDS, max_size=12).map("".join)
-KEYS = st.sampled_from(["messages", "role", "content", "weight", "prompt", "completion"]) | ANY_TEXT
+KEYS = st.sampled_from(
+    ["messages", "role", "content", "weight", "prompt", "completion", "input", "preferred_output", "non_preferred_output"]
+) | ANY_TEXT
 ANY_JSON = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | ANY_TEXT | st.sampled_from(ROLES),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(KEYS, inner, max_size=4),

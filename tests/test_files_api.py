@@ -89,7 +89,7 @@ def test_the_content_comes_back_byte_for_byte(alice):
         ({6: '{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "weight": 2}]}'},
          "line 6: messages[1].weight must be 0 or 1"),
         ({8: '{"prompt": "only a prompt"}'}, "line 8: prompt and completion must both be strings"),
-        ({9: '{"text": "hello"}'}, 'line 9: must have "messages", or "prompt" and "completion"'),
+        ({9: '{"text": "hello"}'}, 'line 9: must have "messages", "prompt" and "completion", or "input", "preferred_output" and "non_preferred_output"'),
     ],
 )
 def test_it_names_the_line_and_the_problem_of_a_bad_example(alice, lines, expected):
@@ -107,7 +107,7 @@ def test_it_names_the_line_and_the_problem_of_a_bad_example(alice, lines, expect
     ("number", "line", "expected"),
     [
         (5, '{"messages": ' + "[" * 5000 + "]" * 5000 + "}",
-         "line 5: the JSON is nested 5,001 levels deep, more than 32: a training line needs 3"),
+         "line 5: the JSON is nested 5,001 levels deep, more than 32: a chat line needs 3, a preference line 4"),
         (3, json.dumps({"messages": [{"role": "assistant", "content": "Hi!"}, *turns(1)]}),
          "line 3: messages[0] is from the assistant: start with the user (or system) message it answers"),
         (4, json.dumps(chat_example("half a smiley \ud83d here", "a")),

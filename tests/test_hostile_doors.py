@@ -41,7 +41,7 @@ from evals.models import Eval, EvalRun
 from finetuning import files, job_creation
 from finetuning.models import FineTuningJob, JobStatus
 from tests.inference_fixtures import BASE, register_fine_tuned_model
-from tests.personas import Persona, batch_lines, good_dataset
+from tests.personas import Persona, batch_lines, good_dataset, preference_dataset
 from tests.test_api_fuzz import tenant_rows
 from webhooks import endpoints
 
@@ -83,6 +83,7 @@ JOB = {"model": BASE, "training_file": "{file}", "seed": 1, "suffix": "hostile"}
 # Early stopping watches a validation file's loss: a request without one is refused for that.
 EARLY_STOPPING = JOB | {"validation_file": "{file}", "hyperparameters": {"early_stopping": {"patience": 2}}}
 METHOD = JOB | {"method": {"type": "supervised", "supervised": {"hyperparameters": {}}}}
+DPO = JOB | {"training_file": "{pairs}", "method": {"type": "dpo", "dpo": {"hyperparameters": {"beta": 0.1, "n_epochs": 1}}}}
 COMPOSE = {"parents": [{"model": "{model}", "scale": 0.5}], "suffix": "hostile-mix", "method": "svd", "rank": 4}
 JOB_FORM = {
     "model": BASE, "training_file": "{file}", "suffix": "hostile", "n_epochs": "1", "lora_r": "8", "lora_alpha": "16",
@@ -115,6 +116,8 @@ DOORS = [
     Door("POST", "/v1/fine_tuning/jobs", "fine-tuning-job-list", JSON, EARLY_STOPPING, "hyperparameters.early_stopping.patience"),
     Door("POST", "/v1/fine_tuning/jobs", "fine-tuning-job-list", JSON, EARLY_STOPPING, "hyperparameters.early_stopping.min_delta"),
     Door("POST", "/v1/fine_tuning/jobs", "fine-tuning-job-list", JSON, METHOD, "method.supervised.hyperparameters.n_evals"),
+    Door("POST", "/v1/fine_tuning/jobs", "fine-tuning-job-list", JSON, DPO, "method.dpo.hyperparameters.beta", "method.type"),
+    Door("POST", "/v1/fine_tuning/jobs", "fine-tuning-job-list", JSON, DPO, "method.dpo.hyperparameters.n_epochs"),
     Door("POST", "/v1/fine_tuning/models", "fine-tuning-model-compose", JSON, COMPOSE, number="rank", text="suffix"),
     Door("POST", "/v1/fine_tuning/models/{model}/rollback", "fine-tuning-model-rollback", JSON, {"revision": 1}, "revision"),
     Door("POST", "/v1/evals", "eval-list", JSON, EVAL, text="name"),
@@ -308,6 +311,8 @@ class Objects(dict):
 
         upload = SimpleUploadedFile("train.jsonl", good_dataset(12), content_type="application/jsonl")
         training = files.upload_file(alice.organization, alice.user, upload, files.PURPOSE)
+        pairs_upload = SimpleUploadedFile("pairs.jsonl", preference_dataset(12), content_type="application/jsonl")
+        pairs = files.upload_file(alice.organization, alice.user, pairs_upload, files.PURPOSE)
         job = FineTuningJob.objects.create(
             organization=alice.organization, model=BASE, training_file=training.id, suffix="hostile-job", seed=0,
             hyperparameters={"n_epochs": 1, "batch_size": 1, "learning_rate_multiplier": 1.0}, status=JobStatus.QUEUED,
@@ -329,7 +334,7 @@ class Objects(dict):
         )  # fmt: skip
         super().__init__(
             eval=evaluation.id, run=run.id, webhook=webhook.id, batch=batch.id, batchfile=batch_file.id,
-            file=training.id, job=job.id, model=register_fine_tuned_model(alice, "hostile-model"),
+            file=training.id, pairs=pairs.id, job=job.id, model=register_fine_tuned_model(alice, "hostile-model"),
             key=create_api_key(alice.organization, alice.user, "spare")[0].prefix, org=str(alice.organization.pk),
         )  # fmt: skip
 

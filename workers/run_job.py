@@ -29,12 +29,13 @@ from core import grading
 from core.adapter_store import AdapterNotFound, StoreUnavailable
 from core.api_errors import logged_instead, scrubbed
 from core.catalog import BaseModel
-from core.datasets import Example
+from core.datasets import Record, as_chat
 from core.model_names import ModelName, pinned_name
 from core.object_store import ObjectNotFound
 from finetuning import job_creation, job_status, publishing, registry, results, storage, training_turns
 from finetuning.files import load_examples
 from finetuning.models import (
+    DPO,
     FINISHED_STATUSES,
     Checkpoint,
     File,
@@ -77,6 +78,8 @@ class JobCallbacks:
         message = f"Step {metrics.step}/{metrics.total_steps}: training loss={metrics.train_loss:.4f}"
         if metrics.valid_loss is not None:
             message += f", validation loss={metrics.valid_loss:.4f}"
+        if metrics.reward_margin is not None and metrics.preference_accuracy is not None:
+            message += f", reward margin={metrics.reward_margin:.4f}, preference accuracy={metrics.preference_accuracy:.2f}"
         if self.heartbeat.beat(estimated_finish=timezone.now() + timedelta(seconds=remaining_s)):
             retrying(record_event, self.job, message, data=_metrics_data(metrics))
 
@@ -111,7 +114,14 @@ def _metrics_data(metrics: StepMetrics) -> dict:
         "valid_loss": metrics.valid_loss,
         "tokens_per_second": metrics.tokens_per_second,
         "trained_tokens": metrics.trained_tokens,
-    }
+    } | _preference_data(metrics)
+
+
+def _preference_data(metrics: StepMetrics) -> dict:
+    """A DPO step's metrics beside the loss (none for a supervised job's, whose events stay as they were)."""
+    if metrics.reward_margin is None:
+        return {}
+    return {"reward_margin": metrics.reward_margin, "preference_accuracy": metrics.preference_accuracy}
 
 
 def _catalog_model(job: FineTuningJob) -> BaseModel:
@@ -121,7 +131,7 @@ def _catalog_model(job: FineTuningJob) -> BaseModel:
     return model
 
 
-def _examples(job: FineTuningJob, file_id: str, what: str) -> list[Example]:
+def _examples(job: FineTuningJob, file_id: str, what: str) -> list[Record]:
     file = retrying(File.objects.filter(pk=file_id).first)
     if file is None:
         raise JobFailed("invalid_file", f"The {what} file {file_id} was deleted before the job started.")
@@ -140,15 +150,18 @@ def _train(job: FineTuningJob, workdir: Path, callbacks: JobCallbacks) -> Traini
         seed=job.seed, max_seq_len=model.engine.max_model_len,
         # A job created before these hyperparameters existed evaluates and checkpoints once an epoch, to the end.
         evals_per_epoch=hp.get("n_evals", 1), checkpoints_per_epoch=hp.get("n_checkpoints", 1),
-        **_early_stopping(hp.get("early_stopping")),
+        **_early_stopping(hp.get("early_stopping")), **_preference(job),
     )  # fmt: skip
     training = _examples(job, job.training_file, "training")
     validation = None if job.validation_file is None else _examples(job, job.validation_file, "validation")
     resume_from = _resume_point(job, workdir / "resume")
     # A continued fine-tune starts from its parent's adapter; a resume's checkpoint already holds
-    # the adapter (of the parent's shape), so it needs no parent.
-    if job.parent_model and resume_from is None:
-        config.init_adapter = _parent_adapter(job, workdir / "parent")
+    # the adapter (of the parent's shape), so it needs no parent. But DPO's reference is the parent,
+    # resumed or not: the policy is measured against where the job started.
+    if job.parent_model and (resume_from is None or job.method == DPO):
+        parent = _parent_adapter(job, workdir / "parent")
+        config.init_adapter = parent if resume_from is None else None
+        config.reference_adapter = parent if job.method == DPO else None
     retrying(record_event, job, f"Training started on {len(training)} examples")
     try:
         return train(config, training, validation, workdir, callbacks, resume_from=resume_from)
@@ -158,6 +171,13 @@ def _train(job: FineTuningJob, workdir: Path, callbacks: JobCallbacks) -> Traini
             f"Training diverged: {exc}. Lower learning_rate_multiplier (it is {hp['learning_rate_multiplier']:g}), "
             "or look for examples unlike the rest.",
         ) from None
+
+
+def _preference(job: FineTuningJob) -> dict:
+    """A DPO job's TrainingConfig fields (its beta is resolved at creation, ``finetuning.job_creation``)."""
+    if job.method != DPO:
+        return {}
+    return {"method": DPO, "beta": job.hyperparameters["beta"]}
 
 
 def _early_stopping(requested: dict | None) -> dict:
@@ -262,7 +282,8 @@ def _gate(job: FineTuningJob, heartbeat: Heartbeat, revision: str) -> None:
     fails with the scores, and the revision written for the evaluation is withdrawn."""
     assert job.evaluation is not None
     reference = _reference(job)
-    examples = _examples(job, job.evaluation["file"], "evaluation")
+    # A preference file's examples are scored by their preferred answers.
+    examples = [as_chat(record) for record in _examples(job, job.evaluation["file"], "evaluation")]
     retrying(record_event, job, f"Evaluating {revision} against {reference} on up to {evaluation.MAX_CASES} held-out examples")
     try:
         scores = evaluation.evaluate(job.organization_id, job.evaluation, examples, reference, revision)

@@ -7,7 +7,7 @@ to check it, then to store it. The web process never holds a whole file in memor
 
 from __future__ import annotations
 
-from typing import BinaryIO, cast
+from typing import BinaryIO, NamedTuple, cast
 
 from django.conf import settings
 from django.contrib.auth.models import User
@@ -19,7 +19,7 @@ from accounts.models import Organization
 from core.api_errors import ApiError, human_size
 from core.batch_input import BatchFile, check_batch_file
 from core.config import UPLOAD_LIMIT_SETTING
-from core.datasets import Dataset, Example, parse_dataset
+from core.datasets import CHAT, Dataset, Example, Record, as_chat, parse_dataset
 from finetuning import quotas, results, storage
 from finetuning.models import FINISHED_STATUSES, File, FineTuningJob
 from finetuning.tokens import default_model, token_counter
@@ -30,7 +30,8 @@ UPLOAD_PURPOSES = (PURPOSE, BATCH_PURPOSE)
 
 
 def check_dataset(source: bytes | BinaryIO, keep_examples: bool = True) -> tuple[Dataset, list[int]]:
-    """Parse and check every line; return the dataset and each example's token count."""
+    """Parse and check every line; return the dataset and each conversation's token count (a
+    preference pair's two, input with each answer, one after the other)."""
     model = default_model()
     count = token_counter(model)
     counts: list[int] = []
@@ -59,18 +60,25 @@ def batch_file_error(checked: BatchFile) -> ApiError:
     return ApiError(message, param="file", code="invalid_file", errors=[vars(e) for e in checked.errors])
 
 
-def _counts(source: BinaryIO, purpose: str) -> tuple[int, int, int]:
-    """(examples or requests, tokens, the longest example's tokens) of an upload that passes its
-    purpose's check; the check's 400 otherwise. A batch's lines are not tokenized: its requests are."""
+class _Counted(NamedTuple):
+    examples: int  # or a batch's requests
+    tokens: int
+    longest: int  # the longest example's tokens
+    format: str  # a dataset's (core.datasets: chat or preference lines)
+
+
+def _counts(source: BinaryIO, purpose: str) -> _Counted:
+    """What an upload that passes its purpose's check holds; the check's 400 otherwise. A batch's
+    lines are not tokenized: its requests are, when they run."""
     if purpose == BATCH_PURPOSE:
         checked = check_batch_file(source)
         if not checked.ok:
             raise batch_file_error(checked)
-        return checked.request_count, 0, 0
+        return _Counted(checked.request_count, 0, 0, CHAT)
     dataset, counts = check_dataset(source, keep_examples=False)
     if not dataset.ok:
         raise dataset_error(dataset)
-    return dataset.example_count, sum(counts), max(counts)
+    return _Counted(dataset.example_count, sum(counts), max(counts), dataset.format)
 
 
 def upload_file(organization: Organization, user: User | None, upload: UploadedFile, purpose: str) -> File:
@@ -82,12 +90,13 @@ def upload_file(organization: Organization, user: User | None, upload: UploadedF
         raise upload_too_large(upload.size)  # before reading it into memory
     quotas.charge_upload(organization)
     upload.seek(0)
-    example_count, token_count, max_example_tokens = _counts(cast(BinaryIO, upload.file), purpose)
+    counted = _counts(cast(BinaryIO, upload.file), purpose)
     size = upload.size
     quotas.check_storage(organization, size)  # before anything is stored
     file = File(
         organization=organization, created_by=user, filename=(upload.name or "upload.jsonl")[:255], purpose=purpose, bytes=size,
-        example_count=example_count, token_count=token_count, max_example_tokens=max_example_tokens,
+        example_count=counted.examples, token_count=counted.tokens, max_example_tokens=counted.longest,
+        format=counted.format,
     )  # fmt: skip
     file.storage_key = f"files/{organization.pk}/{file.id}.jsonl"
     # Bytes first, row second: a crash between leaves an orphan object, never a row without data.
@@ -122,17 +131,20 @@ def open_content(file: File) -> BinaryIO:
     return storage.files().open(file.storage_key)
 
 
-def load_examples(file: File) -> list[Example]:
+def load_examples(file: File) -> list[Record]:
+    """Every example, as the trainer takes them: chat examples, or a preference file's pairs."""
     with open_content(file) as stream:
         return parse_dataset(stream, min_examples=1).examples
 
 
 def first_examples(file: File, count: int) -> list[Example]:
-    """The file's first ``count`` examples, read from its start and no further (the dataset page's
-    preview: the totals are the ones counted at upload, on the row)."""
+    """The file's first ``count`` examples as chat examples (a preference pair's preferred conversation),
+    read from its start and no further (the dataset page's preview and an eval's examples: the totals
+    are the ones counted at upload, on the row)."""
     with open_content(file) as stream:
         max_tokens = default_model().engine.max_model_len  # a line longer than any example is skipped unread
-        return parse_dataset(stream, min_examples=1, max_tokens=max_tokens, stop_after=count).examples
+        records = parse_dataset(stream, min_examples=1, max_tokens=max_tokens, stop_after=count).examples
+    return [as_chat(record) for record in records]
 
 
 def delete_file(file: File) -> None:

@@ -36,12 +36,23 @@ from core.api_errors import (
 )
 from core.catalog import BaseModel
 from core.config import LIMIT_SETTINGS
+from core.datasets import CHAT, FORMAT_SHAPES, PREFERENCE
 from core.evaluation import Grader
 from core.grading import first_problem
 from core.rate_limits import RATE_LIMIT_TYPE
 from core.model_names import ModelName, is_valid_suffix, parse_model_name, with_revision
 from finetuning import publishing, registry, training_turns
-from finetuning.models import Composition, File, FineTunedModel, FineTuningJob, JobStatus, record_event
+from finetuning.models import (
+    DPO,
+    METHODS,
+    SUPERVISED,
+    Composition,
+    File,
+    FineTunedModel,
+    FineTuningJob,
+    JobStatus,
+    record_event,
+)
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +63,13 @@ BASE_LEARNING_RATE = 2e-4  # learning_rate_multiplier scales this (OpenAI's cont
 # checkpoint is an adapter published to the dynamic LoRA path: both are bounded per epoch.
 MAX_EVALS_PER_EPOCH = 20
 MAX_CHECKPOINTS_PER_EPOCH = 10
+
+# The file format each method trains on.
+METHOD_FORMAT = {SUPERVISED: CHAT, DPO: PREFERENCE}
+# DPO's beta: "auto" is 0.1 (OpenAI's and the DPO paper's usual value). Past the bounds the loss is flat
+# (a tiny beta: every margin near 0) or saturated at once (a large one), so they catch typos.
+DPO_BETA_AUTO = 0.1
+MIN_BETA, MAX_BETA = 0.001, 10.0
 
 
 @dataclass
@@ -66,6 +84,7 @@ class JobRequest:
     hyperparameters: dict = field(default_factory=dict)
     metadata: dict | None = None
     evaluation: dict | None = None  # {"file", "graders", "threshold"}, checked for types already
+    method: str = SUPERVISED  # one of METHODS
 
 
 def catalog_model(model_id: str) -> BaseModel:
@@ -171,10 +190,19 @@ def _keep_parent_lora(requested: dict, parent: Parent) -> dict:
     return requested | parent.lora
 
 
-def _file(organization: Organization, file_id: str, param: str, model: BaseModel) -> File:
+def _file(organization: Organization, file_id: str, param: str, model: BaseModel, method: str | None = None) -> File:
+    """The organization's file, within the model's context, and (given ``method``) in the format it trains on."""
     file = File.objects.for_org(organization).filter(pk=file_id).first()
     if file is None:
         raise not_found("file", file_id, param=param)
+    if method is not None and file.format != METHOD_FORMAT[method]:
+        needed = METHOD_FORMAT[method]
+        other = next(m for m in METHODS if METHOD_FORMAT[m] == file.format)
+        raise ApiError(
+            f"File {file_id} holds {file.format} lines ({FORMAT_SHAPES[file.format]}); the {method} method trains on "
+            f"{needed} lines ({FORMAT_SHAPES[needed]}). Give a {needed} file, or method {{\"type\": \"{other}\"}}.",
+            param=param, code="invalid_file_format",
+        )  # fmt: skip
     if file.max_example_tokens > model.engine.max_model_len:
         raise ApiError(
             f"File {file_id} has an example of {file.max_example_tokens} tokens; {model.id} takes at most "
@@ -193,8 +221,9 @@ def chosen_suffix(requested: str | None) -> str:
     return requested
 
 
-def resolve_hyperparameters(requested: dict, examples: int, model: BaseModel) -> dict:
-    """Turn every "auto" into a number, so the job records exactly what it will train with."""
+def resolve_hyperparameters(requested: dict, examples: int, model: BaseModel, method: str = SUPERVISED) -> dict:
+    """Turn every "auto" into a number, so the job records exactly what it will train with. ``examples``
+    counts a DPO job's pairs, which its batches and epochs are made of."""
     batch_size = requested.get("batch_size", AUTO)
     batch_size = min(8, max(1, examples // 16)) if batch_size == AUTO else batch_size
     n_epochs = requested.get("n_epochs", AUTO)
@@ -217,7 +246,7 @@ def resolve_hyperparameters(requested: dict, examples: int, model: BaseModel) ->
             f"target_modules has unknown modules {unknown}; choose from {list(TARGET_MODULES)}",
             param="hyperparameters.target_modules", code="invalid_hyperparameter",
         )  # fmt: skip
-    return {
+    resolved = {
         "n_epochs": n_epochs,
         "batch_size": batch_size,
         "learning_rate_multiplier": multiplier,
@@ -230,6 +259,10 @@ def resolve_hyperparameters(requested: dict, examples: int, model: BaseModel) ->
         "n_checkpoints": 1 if requested.get("n_checkpoints", AUTO) == AUTO else requested["n_checkpoints"],
         "early_stopping": requested.get("early_stopping"),  # {"patience", "min_delta"}, or None: off
     }
+    if method == DPO:
+        beta = requested.get("beta", AUTO)
+        resolved["beta"] = DPO_BETA_AUTO if beta == AUTO else float(beta)
+    return resolved
 
 
 def _check_early_stopping(hyperparameters: dict, validation: File | None) -> None:
@@ -255,14 +288,16 @@ def create_job(organization: Organization, user: User | None, request: JobReques
     _check_queued_cap(organization)  # a soft cap: two requests at once may both pass it
     start = starting_point(organization, request.model)
     model = start.base
-    training = _file(organization, request.training_file, "training_file", model)
-    validation = _file(organization, request.validation_file, "validation_file", model) if request.validation_file else None
+    training = _file(organization, request.training_file, "training_file", model, request.method)
+    validation = (
+        _file(organization, request.validation_file, "validation_file", model, request.method) if request.validation_file else None
+    )
     suffix = chosen_suffix(request.suffix)
     requested = request.hyperparameters
     parent = start.parent
     if parent is not None:
         requested = _keep_parent_lora(requested, parent)
-    hyperparameters = resolve_hyperparameters(requested, training.example_count, model)
+    hyperparameters = resolve_hyperparameters(requested, training.example_count, model, request.method)
     _check_early_stopping(hyperparameters, validation)
     evaluation = _evaluation(organization, request.evaluation, validation, model)
     revision = _revision_to_publish(parent.model if parent else None, ModelName(model.id, suffix))
@@ -271,13 +306,14 @@ def create_job(organization: Organization, user: User | None, request: JobReques
             job = FineTuningJob.objects.create(
                 organization=organization, created_by=user, model=model.id,
                 parent_model=parent.name if parent else None, parent_revision=parent.revision if parent else None,
-                training_file=training.id,
+                training_file=training.id, method=request.method,
                 validation_file=validation.id if validation else None, suffix=suffix, revision=revision,
                 seed=request.seed if request.seed is not None else secrets.randbelow(2**31),
                 hyperparameters=hyperparameters, metadata=request.metadata, evaluation=evaluation, status=JobStatus.QUEUED,
                 queued_at=timezone.now(),
             )  # fmt: skip
-            record_event(job, f"Validated training file: {training.example_count} examples, {training.token_count} tokens")
+            what = "preference pairs" if request.method == DPO else "examples"
+            record_event(job, f"Validated training file: {training.example_count} {what}, {training.token_count} tokens")
             record_event(job, f"Job queued; {training_turns.jobs_ahead_phrase(job)}")
             # Only after the commit can a worker see the job; a rolled-back job is never sent.
             transaction.on_commit(lambda: _send_or_503(job))

@@ -42,6 +42,9 @@ class File(models.Model):
     example_count = models.IntegerField()
     token_count = models.BigIntegerField()  # with the default base model's tokenizer and chat template
     max_example_tokens = models.IntegerField()  # checked against a job's model context at launch
+    # What its lines hold (``core.datasets``): "chat" (chat or prompt/completion lines) or "preference"
+    # (DPO pairs); a job's method needs one of them.
+    format = models.CharField(max_length=16, default="chat")
     created_at = models.DateTimeField(auto_now_add=True)
 
     objects = OrgQuerySet.as_manager()
@@ -60,6 +63,10 @@ class JobStatus(models.TextChoices):
 
 
 FINISHED_STATUSES = (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED)
+
+# OpenAI's fine-tuning method types offered here (``FineTuningJob.method``).
+SUPERVISED, DPO = "supervised", "dpo"
+METHODS = (SUPERVISED, DPO)
 
 
 class FineTuningJob(models.Model):
@@ -82,6 +89,8 @@ class FineTuningJob(models.Model):
     validation_file = models.CharField(max_length=40, null=True, blank=True)
     suffix = models.CharField(max_length=64)
     seed = models.IntegerField()
+    # OpenAI's method type: "supervised" (chat files) or "dpo" (preference files; beta in hyperparameters).
+    method = models.CharField(max_length=16, default=SUPERVISED)
     hyperparameters = models.JSONField()  # resolved values: no "auto" left once the job is created
     metadata = models.JSONField(null=True, blank=True)
     # A gate on publishing: {"file", "graders", "threshold"}, and once scored {"scores": ...}

@@ -7,10 +7,16 @@ import csv
 import io
 
 from finetuning import storage
-from finetuning.models import File, FineTuningJob
+from finetuning.models import DPO, File, FineTuningJob
 
 PURPOSE = "fine-tune-results"
 COLUMNS = ("step", "epoch", "train_loss", "valid_loss", "trained_tokens", "tokens_per_second")
+# A DPO job's steps also say how far apart its pairs' answers are scored (``workers.training.preference_loss``).
+PREFERENCE_COLUMNS = (*COLUMNS, "reward_margin", "preference_accuracy")
+
+
+def columns_of(job: FineTuningJob) -> tuple[str, ...]:
+    return PREFERENCE_COLUMNS if job.method == DPO else COLUMNS
 
 
 def metrics_csv(job: FineTuningJob) -> bytes:
@@ -22,9 +28,10 @@ def metrics_csv(job: FineTuningJob) -> bytes:
             rows[data["step"]] = data
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
-    writer.writerow(COLUMNS)
+    columns = columns_of(job)
+    writer.writerow(columns)
     for step in sorted(rows):
-        writer.writerow(["" if rows[step].get(column) is None else rows[step][column] for column in COLUMNS])
+        writer.writerow(["" if rows[step].get(column) is None else rows[step][column] for column in columns])
     return out.getvalue().encode()
 
 

@@ -8,10 +8,19 @@ from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from core.evaluation import GRADERS
-from core.lora_merge import METHODS
+from core.lora_merge import METHODS as COMPOSITION_METHODS
 from core.openai_protocol import MAX_ADAPTER_SCALE, MAX_METADATA_KEYS
 from finetuning.compose import CompositionRequest
-from finetuning.job_creation import AUTO, MAX_CHECKPOINTS_PER_EPOCH, MAX_EVALS_PER_EPOCH, JobRequest
+from finetuning.job_creation import (
+    AUTO,
+    MAX_BETA,
+    MAX_CHECKPOINTS_PER_EPOCH,
+    MAX_EVALS_PER_EPOCH,
+    METHODS,
+    MIN_BETA,
+    SUPERVISED,
+    JobRequest,
+)
 
 
 
@@ -97,6 +106,42 @@ class HyperparametersSerializer(RejectUnknownKeys, serializers.Serializer):
     early_stopping = EarlyStoppingSerializer(required=False, allow_null=True)
 
 
+class DpoHyperparametersSerializer(HyperparametersSerializer):
+    """DPO's: the supervised ones (OpenAI's and the platform's), and beta."""
+
+    beta = AutoOr(
+        StrictFloatField(min_value=MIN_BETA, max_value=MAX_BETA), required=False,
+        help_text="How far the policy may move from the reference: higher keeps it closer (auto: 0.1)",
+    )  # fmt: skip
+
+
+class SupervisedMethodSerializer(RejectUnknownKeys, serializers.Serializer):
+    hyperparameters = HyperparametersSerializer(required=False)
+
+
+class DpoMethodSerializer(RejectUnknownKeys, serializers.Serializer):
+    hyperparameters = DpoHyperparametersSerializer(required=False)
+
+
+class MethodSerializer(RejectUnknownKeys, serializers.Serializer):
+    """OpenAI's ``method``: {"type": "supervised"|"dpo", "<type>": {"hyperparameters": {...}}}."""
+
+    type = serializers.ChoiceField(
+        METHODS, default=SUPERVISED,
+        error_messages={"invalid_choice": f"must be one of {', '.join(METHODS)} (reinforcement is not offered here)"},
+    )  # fmt: skip
+    supervised = SupervisedMethodSerializer(required=False)
+    dpo = DpoMethodSerializer(required=False)
+
+    def validate(self, data: dict[str, Any]) -> dict[str, Any]:
+        for other in set(METHODS) - {data["type"]}:
+            if other in data:
+                raise serializers.ValidationError(
+                    {other: f"holds the {other} method's settings, but type is '{data['type']}': put them in '{data['type']}'"}
+                )
+        return data
+
+
 class GraderSerializer(RejectUnknownKeys, serializers.Serializer):
     type = serializers.ChoiceField(GRADERS)
     pattern = serializers.CharField(required=False, max_length=1000, help_text="regex: what the answer must match")
@@ -127,8 +172,9 @@ class JobCreateSerializer(RejectUnknownKeys, serializers.Serializer):
     seed = StrictIntegerField(required=False, allow_null=True, min_value=0, max_value=2**31 - 1)
     hyperparameters = HyperparametersSerializer(required=False)
     metadata = serializers.DictField(child=serializers.CharField(max_length=512), required=False, allow_null=True)
-    # Newer OpenAI clients send hyperparameters inside "method": {"type": "supervised", "supervised": {...}}.
-    method = serializers.DictField(required=False)
+    # Newer OpenAI clients send hyperparameters inside "method": {"type": "supervised", "supervised": {...}};
+    # {"type": "dpo", "dpo": {...}} trains on preference pairs.
+    method = MethodSerializer(required=False)
     # A gate on publishing (``workers.evaluation``): scored against the base model or the parent.
     evaluation = EvaluationSerializer(required=False, allow_null=True)
 
@@ -137,19 +183,12 @@ class JobCreateSerializer(RejectUnknownKeys, serializers.Serializer):
             raise serializers.ValidationError(f"at most {MAX_METADATA_KEYS} keys")
         return value
 
-    def validate_method(self, value: dict[str, Any]) -> dict[str, Any]:
-        if value.get("type", "supervised") != "supervised":
-            raise serializers.ValidationError("only the 'supervised' method is supported")
-        hyperparameters = (value.get("supervised") or {}).get("hyperparameters") or {}
-        nested = HyperparametersSerializer(data=hyperparameters)
-        if not nested.is_valid():  # named by its whole path: method.supervised.hyperparameters.<field>
-            raise serializers.ValidationError({"supervised": {"hyperparameters": nested.errors}})
-        return nested.validated_data
-
     def to_job_request(self) -> JobRequest:
         data = dict(self.validated_data)
-        hyperparameters = {**data.pop("method", {}), **data.pop("hyperparameters", {})}
-        return JobRequest(**data, hyperparameters=hyperparameters)
+        method = data.pop("method", {"type": SUPERVISED})
+        inside = method.get(method["type"], {}).get("hyperparameters", {})
+        hyperparameters = {**inside, **data.pop("hyperparameters", {})}
+        return JobRequest(**data, method=method["type"], hyperparameters=hyperparameters)
 
 
 class AdapterUploadSerializer(serializers.Serializer):
@@ -167,7 +206,7 @@ class CompositionSerializer(RejectUnknownKeys, serializers.Serializer):
     parents = ParentSerializer(many=True, allow_empty=False)
     suffix = serializers.CharField(required=False, allow_null=True, trim_whitespace=False, help_text="Served as <base model>:<suffix>")
     method = serializers.ChoiceField(
-        METHODS, default="linear",
+        COMPOSITION_METHODS, default="linear",
         help_text="linear: exact (rank = the sum of the parents' ranks); svd, ties, dare_linear: approximated at 'rank'",
     )  # fmt: skip
     rank = StrictIntegerField(required=False, allow_null=True, min_value=1, help_text="The approximation's rank (default: as much as is served)")

@@ -28,6 +28,15 @@ class TrainingConfig:
     # (its rank, alpha and target modules win over the fields above; lora_dropout is this run's).
     init_adapter: Path | None = None
 
+    # What is learned: "supervised" (chat examples: the replies' cross-entropy) or "dpo" (preference pairs:
+    # the DPO loss, preference_loss.py, against a reference that is the model the run starts from).
+    method: str = "supervised"
+    beta: float = 0.1  # DPO: how far the policy may move from the reference (higher: closer)
+    # DPO's reference when it is not the base model: a continued fine-tune's parent adapter, loaded beside
+    # the trained one (a resumed run needs it although it does not start from it). None: the base model,
+    # the trained adapter switched off.
+    reference_adapter: Path | None = None
+
     seed: int = 42  # the LoRA initialisation, dropout and the shuffling all follow from it
     max_seq_len: int = 2048  # a longer example is cut to this (uploads are checked against the context first)
     log_every_steps: int = 1  # on_step cadence; epoch ends and the last step are always reported

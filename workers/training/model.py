@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -14,6 +16,8 @@ from workers.training.attention import PACKED_SDPA
 from workers.training.config import TrainingConfig
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+TRAINED = "default"  # PEFT's name for the adapter being trained
+REFERENCE = "reference"  # DPO's frozen reference adapter, when there is one (TrainingConfig.reference_adapter)
 
 
 def load_model_with_lora(config: TrainingConfig) -> PeftModel:
@@ -35,9 +39,29 @@ def load_model_with_lora(config: TrainingConfig) -> PeftModel:
         adapter = LoraConfig.from_pretrained(config.init_adapter)
         adapter.lora_dropout = config.lora_dropout  # a training choice of this run, not part of the weights
         model = PeftModel.from_pretrained(base, config.init_adapter, is_trainable=True, config=adapter)
+    if config.reference_adapter is not None:
+        # A few MB of LoRA matrices beside the trained ones, frozen: the base model is held once.
+        model.load_adapter(config.reference_adapter, adapter_name=REFERENCE, is_trainable=False)
+        model.set_adapter(TRAINED)
     # PEFT would record the local folder; readers of the adapter (vLLM's resolver) match the public id.
-    model.peft_config["default"].base_model_name_or_path = config.base_model_id
+    model.peft_config[TRAINED].base_model_name_or_path = config.base_model_id
     return model
+
+
+@contextmanager
+def reference_model(model: PeftModel) -> Iterator[None]:
+    """Within it, ``model`` computes as DPO's reference: the loaded reference adapter in place of the
+    trained one, or without it the base model alone (PEFT's ``disable_adapter``). No second copy of the
+    model is made. Use it under ``torch.no_grad()``: the reference is never trained."""
+    if REFERENCE not in model.peft_config:
+        with model.disable_adapter():
+            yield
+        return
+    model.set_adapter(REFERENCE, inference_mode=True)
+    try:
+        yield
+    finally:
+        model.set_adapter(TRAINED)  # trainable again (PEFT's set_adapter sets requires_grad)
 
 
 def save_adapter(model: PeftModel, adapter_dir: Path) -> Path:
@@ -49,7 +73,7 @@ def save_adapter(model: PeftModel, adapter_dir: Path) -> Path:
     adapter_dir = Path(adapter_dir)
     staging = adapter_dir.with_name(f".{adapter_dir.name}.partial-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
-    model.save_pretrained(staging, safe_serialization=True, save_embedding_layers=False)
+    model.save_pretrained(staging, safe_serialization=True, save_embedding_layers=False, selected_adapters=[TRAINED])
     # PEFT also writes a model card naming the local base-model folder: not ours to publish.
     (staging / "README.md").unlink(missing_ok=True)
     missing = [name for name in ADAPTER_FILES if not (staging / name).is_file()]

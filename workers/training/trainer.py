@@ -3,6 +3,11 @@
 ``train()`` is all the job runner calls. It reports through ``TrainingCallbacks`` (progress,
 checkpoints, cancellation) and knows nothing about jobs, databases or queues. ``train()`` is the
 loop; each of its steps is a small function below it, in the order the loop calls them.
+
+One loop for both methods: a supervised run's items are chat examples and its loss the replies'
+cross-entropy; a DPO run's (``config.method == "dpo"``) are preference pairs and its loss DPO's
+(``preference.py``). Only what an item is and how a step's loss is computed differ; checkpoints,
+resuming, evaluations, early stopping and reports are the same code.
 """
 
 from __future__ import annotations
@@ -10,22 +15,27 @@ from __future__ import annotations
 import math
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
-import torch.nn.functional as F
 from peft import PeftModel
 from transformers import PreTrainedTokenizerBase
 
 from core.chat_tokens import load_tokenizer
+from core.datasets import PreferencePair, Record
 from workers.training.config import TrainingConfig
-from workers.training.data import Example, PackedRow, TokenizedExample, pack, tokenize_example, truncate
+from workers.training.data import Example, PackedRow, TokenizedExample, pack, target_log_probs, tokenize_example, truncate
 from workers.training.early_stopping import BestValidation, put_back, trainable_weights
 from workers.training.model import load_model_with_lora, save_adapter
+from workers.training.preference import TokenizedPair, preference_backward, preference_validation, tokenize_pair
+from workers.training.preference_loss import PreferenceTally
 from workers.training.state import Progress, restore_training_state, save_training_state
+
+DPO = "dpo"  # TrainingConfig.method of a preference run
+Item = TokenizedExample | TokenizedPair  # what a run trains on: all one or all the other (``_tokenized``)
 
 
 @dataclass(frozen=True)
@@ -40,6 +50,10 @@ class StepMetrics:
     trained_tokens: int  # cumulative: every token of every example seen, epochs counted
     elapsed_s: float  # since train() started, loading included
     resumed_at_step: int = 0  # the step a resumed run started after: elapsed_s covers the steps since
+    # DPO only (None otherwise): the step's pairs' mean reward margin, beta * ((pi_c - ref_c) - (pi_r - ref_r)),
+    # and the share of them whose margin is positive (preference_loss.py).
+    reward_margin: float | None = None
+    preference_accuracy: float | None = None
 
 
 @dataclass(frozen=True)
@@ -73,6 +87,12 @@ class TrainingCallbacks(Protocol):
 
 
 @dataclass(frozen=True)
+class StepLoss:
+    loss: float  # the step's mean loss (supervised: over its examples; DPO: over its pairs)
+    preference: PreferenceTally | None = None  # DPO: the step's pairs, for their margin and accuracy
+
+
+@dataclass(frozen=True)
 class _Optimization:
     """What a run carries from step to step besides the adapter's weights: a checkpoint keeps all three."""
 
@@ -94,13 +114,14 @@ class _ThroughputWindow:
 
 def train(
     config: TrainingConfig,
-    train_examples: list[Example],
-    validation_examples: list[Example] | None,
+    train_examples: Sequence[Record],
+    validation_examples: Sequence[Record] | None,
     output_dir: Path,
     callbacks: TrainingCallbacks,
     resume_from: Path | None = None,
 ) -> TrainingResult:
-    """Train a LoRA adapter on the chat examples; return where the final adapter is.
+    """Train a LoRA adapter on the chat examples (or, for DPO, the preference pairs); return where the
+    final adapter is.
 
     Writes ``output_dir/checkpoints/epoch-<n>/`` after each full epoch, ``checkpoints/step-<n>/``
     for those within an epoch (``checkpoints_per_epoch`` > 1; a run cut short by max_steps or early
@@ -151,11 +172,12 @@ def train(
                 return TrainingResult(None, trained_tokens, step, train_loss, valid_loss, cancelled=True)
 
             step_started = time.perf_counter()
-            train_loss = _optimization_step(model, optimization, batch, config)
+            step_loss = _optimization_step(model, optimization, batch, config)
+            train_loss = step_loss.loss
             step += 1
             if not math.isfinite(train_loss):
                 raise TrainingDiverged(step, train_loss)
-            batch_tokens = sum(len(e.input_ids) for e in batch)
+            batch_tokens = sum(_n_tokens(item) for item in batch)
             trained_tokens += batch_tokens
             window.tokens += batch_tokens
             window.seconds += time.perf_counter() - step_started
@@ -177,6 +199,8 @@ def train(
                 trained_tokens=trained_tokens,
                 elapsed_s=time.perf_counter() - started,
                 resumed_at_step=done.step,
+                reward_margin=step_loss.preference.reward_margin() if step_loss.preference else None,
+                preference_accuracy=step_loss.preference.accuracy() if step_loss.preference else None,
             )
             if _every(step, report_every) or step_valid_loss is not None or step == total_steps:
                 callbacks.on_step(metrics)
@@ -215,18 +239,29 @@ def _seed_and_threads(config: TrainingConfig) -> None:
 
 
 def _validation_sample(
-    tokenizer: PreTrainedTokenizerBase, examples: list[Example], config: TrainingConfig
-) -> list[TokenizedExample]:
+    tokenizer: PreTrainedTokenizerBase, examples: Sequence[Record], config: TrainingConfig
+) -> list[TokenizedExample] | list[TokenizedPair]:
     """At most ``max_valid_examples`` of them, always the same ones for a seed, each with a reply to score."""
     if len(examples) > config.max_valid_examples:
-        examples = random.Random(config.seed).sample(examples, config.max_valid_examples)
-    return [e for e in _tokenized(tokenizer, examples, config) if e.n_trained > 0]
+        examples = random.Random(config.seed).sample(list(examples), config.max_valid_examples)
+    tokenized = _tokenized(tokenizer, examples, config)
+    if config.method == DPO:
+        return [pair for pair in cast(list[TokenizedPair], tokenized) if pair.scored]
+    return [e for e in cast(list[TokenizedExample], tokenized) if e.n_trained > 0]
 
 
 def _tokenized(
-    tokenizer: PreTrainedTokenizerBase, examples: list[Example], config: TrainingConfig
-) -> list[TokenizedExample]:
-    return [truncate(tokenize_example(tokenizer, e), config.max_seq_len) for e in examples]
+    tokenizer: PreTrainedTokenizerBase, examples: Sequence[Record], config: TrainingConfig
+) -> list[TokenizedExample] | list[TokenizedPair]:
+    """Chat examples for a supervised run, pairs for DPO (the job runner checked the file's format)."""
+    if config.method == DPO:
+        return [tokenize_pair(tokenizer, cast(PreferencePair, e), config.max_seq_len) for e in examples]
+    return [truncate(tokenize_example(tokenizer, cast(Example, e)), config.max_seq_len) for e in examples]
+
+
+def _n_tokens(item: Item) -> int:
+    """Tokens fed for an item (a pair: both conversations): what ``trained_tokens`` counts."""
+    return item.n_tokens if isinstance(item, TokenizedPair) else len(item.input_ids)
 
 
 def _count_steps(n_examples: int, config: TrainingConfig) -> int:
@@ -268,8 +303,8 @@ def _resume(
 
 
 def _epoch_batches(
-    train_set: list[TokenizedExample], batch_size: int, shuffler: torch.Generator
-) -> Iterator[tuple[list[TokenizedExample], bool]]:
+    train_set: Sequence[Item], batch_size: int, shuffler: torch.Generator
+) -> Iterator[tuple[list[Item], bool]]:
     """One epoch's batches in a fresh shuffled order, each with whether it is the epoch's last."""
     order = torch.randperm(len(train_set), generator=shuffler).tolist()
     for first in range(0, len(order), batch_size):
@@ -277,11 +312,24 @@ def _epoch_batches(
 
 
 def _optimization_step(
-    model: PeftModel, optimization: _Optimization, batch: list[TokenizedExample], config: TrainingConfig
-) -> float:
+    model: PeftModel, optimization: _Optimization, batch: list[Item], config: TrainingConfig
+) -> StepLoss:
     """One optimizer step over one batch, row by row: the rows' gradients add up to the batch's. Returns its loss."""
     model.train()
     optimization.optimizer.zero_grad(set_to_none=True)
+    if config.method == DPO:
+        tally = preference_backward(model, cast(list[TokenizedPair], batch), config.beta, config.max_row_tokens)
+        step_loss = StepLoss(tally.mean_loss(), tally)
+    else:
+        step_loss = StepLoss(_supervised_backward(model, cast(list[TokenizedExample], batch), config))
+    torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], config.max_grad_norm)
+    optimization.optimizer.step()
+    optimization.schedule.step()
+    return step_loss
+
+
+def _supervised_backward(model: PeftModel, batch: list[TokenizedExample], config: TrainingConfig) -> float:
+    """Forward and backward over the batch's rows; returns its loss (the mean of its examples' mean token loss)."""
     total = 0.0
     for row in pack(batch, config.max_row_tokens):
         if len(row.targets) == 0:
@@ -289,31 +337,17 @@ def _optimization_step(
         loss = row_loss(model, row)
         loss.backward()
         total += loss.item()
-    torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], config.max_grad_norm)
-    optimization.optimizer.step()
-    optimization.schedule.step()
     return total
 
 
 def row_loss(model: torch.nn.Module, row: PackedRow) -> torch.Tensor:
-    """The row's share of its batch's loss: its targets' cross-entropies, weighted.
-
-    ``model`` is a causal LM loaded with the packed attention (model.py). ``logits_to_keep`` makes it
-    apply lm_head only at the positions that predict a trained token: the 49k-wide vocabulary projection
-    is the largest matmul in the model, and system, user and weight-0 tokens need none of it.
-    """
-    out = model(
-        input_ids=row.input_ids,
-        position_ids=row.position_ids,
-        cu_seq_lens_q=row.boundaries,  # per-example attention (attention.py)
-        logits_to_keep=row.loss_positions,
-        use_cache=False,
-    )
-    token_losses = F.cross_entropy(out.logits[0].float(), row.targets, reduction="none")
-    return (token_losses * row.weights).sum()
+    """The row's share of its batch's loss: its targets' cross-entropies, weighted."""
+    return (-target_log_probs(model, row) * row.weights).sum()
 
 
-def _evaluate(model: PeftModel, valid_set: list[TokenizedExample], config: TrainingConfig, step: int) -> float:
+def _evaluate(
+    model: PeftModel, valid_set: list[TokenizedExample] | list[TokenizedPair], config: TrainingConfig, step: int
+) -> float:
     """The validation loss after ``step``; one that stopped being a number ends the run."""
     loss = _validation_loss(model, valid_set, config)
     if not math.isfinite(loss):
@@ -322,8 +356,14 @@ def _evaluate(model: PeftModel, valid_set: list[TokenizedExample], config: Train
 
 
 @torch.no_grad()
-def _validation_loss(model: PeftModel, valid_set: list[TokenizedExample], config: TrainingConfig) -> float:
-    """Mean over the validation examples of each one's mean token loss (the train loss's definition)."""
+def _validation_loss(
+    model: PeftModel, valid_set: list[TokenizedExample] | list[TokenizedPair], config: TrainingConfig
+) -> float:
+    """Mean over the validation examples of each one's mean token loss (the train loss's definition);
+    for DPO, the mean DPO loss of the validation pairs."""
+    if config.method == DPO:
+        return preference_validation(model, cast(list[TokenizedPair], valid_set), config.beta, config.max_row_tokens).mean_loss()
+    valid_set = cast(list[TokenizedExample], valid_set)
     model.eval()  # no dropout
     total = sum(row_loss(model, row).item() for row in pack(valid_set, config.max_row_tokens) if len(row.targets))
     model.train()

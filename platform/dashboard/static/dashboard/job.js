@@ -26,7 +26,10 @@
     svg.replaceChildren();
     const train = metrics.filter((m) => m.train_loss != null).map((m) => [m.step, m.train_loss]);
     const valid = metrics.filter((m) => m.valid_loss != null).map((m) => [m.step, m.valid_loss]);
-    const points = train.concat(valid);
+    // A DPO job's steps also carry the reward margin and the preference accuracy (0 to 1), on the same axis.
+    const margin = metrics.filter((m) => m.reward_margin != null).map((m) => [m.step, m.reward_margin]);
+    const accuracy = metrics.filter((m) => m.preference_accuracy != null).map((m) => [m.step, m.preference_accuracy]);
+    const points = train.concat(valid, margin, accuracy);
     if (!points.length) {
       element("text", { x: W / 2, y: H / 2, "text-anchor": "middle", fill: "#5f6b7a" }, svg).textContent = "The loss curve appears with the first training step.";
       return;
@@ -41,12 +44,13 @@
       element("text", { x: pad.l - 6, y: y(v) + 4, "text-anchor": "end", "font-size": 11, fill: "#5f6b7a" }, svg).textContent = v.toFixed(2);
     });
     element("text", { x: W - pad.r, y: H - 8, "text-anchor": "end", "font-size": 11, fill: "#5f6b7a" }, svg).textContent = `step ${maxStep}`;
-    [[train, "train"], [valid, "valid"]].forEach(([series, name]) => {
+    [[train, "train"], [valid, "valid"], [margin, "margin"], [accuracy, "accuracy"]].forEach(([series, name]) => {
       if (!series.length) return;
       element("polyline", { class: name, fill: "none", "stroke-width": 2, points: series.map(([s, l]) => `${x(s)},${y(l)}`).join(" ") }, svg);
       series.forEach(([s, l]) => element("circle", { class: name, cx: x(s), cy: y(l), r: 2.5, fill: "currentColor", stroke: "none" }, svg));
     });
     svg.dataset.points = String(train.length);
+    document.querySelectorAll(".preference-key").forEach((key) => { key.hidden = !margin.length; });
     const best = valid.find(([s]) => s === bestStep);
     if (best) {
       element("line", { class: "best", x1: x(best[0]), y1: pad.t, x2: x(best[0]), y2: H - pad.b, "stroke-dasharray": "4 3" }, svg);

@@ -3,8 +3,9 @@
 A user's path, step by step: the load balancer's ``/healthz``, then the official ``openai`` client
 (upload, fine-tune, wait, stream a chat with the new model, list it, delete it), and a fine-tune
 started from the dashboard's form in a real browser on the same web process; then adapters
-trained elsewhere, uploaded, mixed per request, composed into a model and downloaded; then a
-model fine-tuned again (r2), rolled back to r1, and its checkpoints served by name; then one eval
+trained elsewhere, uploaded, mixed per request, composed into a model and downloaded; a batch over
+the base model, fine-tunes and a mix, whose completion a webhook announces; a preference (DPO) job;
+then a model fine-tuned again (r2), rolled back to r1, and its checkpoints served by name; then one eval
 call comparing the base model, a fine-tune, its r1 and a checkpoint; then the
 usage of it all, in the usage API and on the dashboard; last, a job cancelled after its first
 checkpoint, whose checkpoints the sweeper deletes once their retention is over. The timings a user feels are written to
@@ -27,7 +28,7 @@ import redis
 
 from tests.browser import screenshot
 from tests.inference_fixtures import AdapterMaker
-from tests.personas import chat_example, good_dataset, jsonl
+from tests.personas import chat_example, good_dataset, jsonl, preference_dataset
 from tests.processes import ROOT, SWEEPS_OFTEN, wait_until
 from tests.running_platform import bin_run
 
@@ -285,6 +286,24 @@ def test_a_batch_over_the_base_model_two_fine_tunes_and_a_mix_answers_as_live_re
         assert event.type == "batch.completed" and event.data.id == batch.id
     finally:
         next(receiver_context, None)
+
+
+def test_a_dpo_job_created_with_method_trains_on_preference_pairs_and_its_model_answers(platform):
+    client = openai.OpenAI(base_url=f"{platform.url}/v1", api_key=platform.api_key, max_retries=0)
+    pairs = client.files.create(file=("pairs.jsonl", preference_dataset(8)), purpose="fine-tune")
+    method = {"type": "dpo", "dpo": {"hyperparameters": {"beta": 0.1, "n_epochs": 1, "batch_size": 4}}}
+    job = client.fine_tuning.jobs.create(model=BASE, training_file=pairs.id, suffix="preferred", method=method)
+    job = wait_for_status(client, job.id, FINISHED, timeout_s=420)
+    assert job.status == "succeeded", job.error
+    assert job.method.type == "dpo" and job.method.dpo.hyperparameters.beta == 0.1
+    metrics = [event.message for event in client.fine_tuning.jobs.list_events(job.id, limit=50).data]
+    assert any("reward margin=" in message and "preference accuracy=" in message for message in metrics), metrics
+    header = client.files.content(job.result_files[0]).text.splitlines()[0]
+    assert header.endswith("reward_margin,preference_accuracy"), header
+    answer = client.chat.completions.create(
+        model=job.fine_tuned_model, messages=[{"role": "user", "content": "What is 3 plus 3?"}], max_tokens=8
+    )
+    assert answer.model == f"{job.fine_tuned_model}@r1" and answer.choices[0].message.content
 
 
 def test_a_model_fine_tuned_again_answers_as_r2_rolls_back_to_r1_and_its_checkpoints_answer(platform):

@@ -22,7 +22,7 @@ import redis
 
 from tests.inference_fixtures import catalog_text
 from tests.personas import good_dataset
-from tests.processes import ROOT
+from tests.processes import ROOT, wait_until
 from tests.running_platform import bin_run, shipped_models
 from tests.second_base_model import build_tiny_qwen2
 from tests.test_second_base_model_served import _qwen_adapter
@@ -44,7 +44,7 @@ def platform(tmp_path_factory):
     catalog.write_text(catalog_text(adapters=4))
     added = subprocess.run(  # as an operator adds a model: the management command
         [sys.executable, "manage.py", "add_base_model", str(build_tiny_qwen2(root / "tiny-qwen2")), "--id", QWEN],
-        cwd=ROOT, env={**_without_platform_settings(), "MODEL_CATALOG": str(catalog), "DATA_DIR": str(data)},
+        cwd=ROOT, env={**_without_platform_settings(), "MODEL_CATALOG": str(catalog), "DATA_DIR": str(data), "DEBUG": "true"},
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert added.returncode == 0, added.stderr
@@ -89,6 +89,8 @@ def test_both_base_models_are_listed_fine_tuned_and_served_side_by_side(platform
         base_url=f"{platform.url}/v1", headers={"Authorization": f"Bearer {platform.api_key}"}, timeout=120
     )
     assert {SMOL, QWEN} <= {model.id for model in client.models.list().data}
+    ready = lambda: all(replica["lora_kernels"] for replica in platform.pool_health()["replicas"])  # noqa: E731
+    wait_until(ready, 300, "both models' replicas")  # /healthz answers once the first is ready
     replicas = platform.pool_health()["replicas"]
     assert sorted(replica["model"] for replica in replicas) == sorted([SMOL, QWEN])
     assert all(replica["lora_kernels"]["mixes_in_kernel"] for replica in replicas), replicas

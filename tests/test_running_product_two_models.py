@@ -118,9 +118,9 @@ def test_both_base_models_are_listed_fine_tuned_and_served_side_by_side(platform
 
     mixed = ask(QWEN, [{"model": tuned[QWEN], "scale": 0.5}, {"model": elsewhere, "scale": 0.5}])
     assert mixed.model.startswith(f"{QWEN}:mix.") and mixed.choices[0].message.content
-    with pytest.raises(openai.NotFoundError) as refused:  # a part of the other base model
+    with pytest.raises(openai.BadRequestError) as refused:  # a part of the other base model
         ask(SMOL, [{"model": elsewhere, "scale": 0.5}])
-    assert refused.value.param == "adapters"
+    assert refused.value.code == "adapter_of_another_base_model" and refused.value.param == "adapters"
 
     time.sleep(6)  # the web process writes what it counted every 5 s
     today = int(time.time()) // 86400 * 86400

@@ -290,7 +290,7 @@ def test_a_batch_over_the_base_model_two_fine_tunes_and_a_mix_answers_as_live_re
 
 def test_a_dpo_job_created_with_method_trains_on_preference_pairs_and_its_model_answers(platform):
     client = openai.OpenAI(base_url=f"{platform.url}/v1", api_key=platform.api_key, max_retries=0)
-    pairs = client.files.create(file=("pairs.jsonl", preference_dataset(8)), purpose="fine-tune")
+    pairs = client.files.create(file=("pairs.jsonl", preference_dataset(12)), purpose="fine-tune")
     method = {"type": "dpo", "dpo": {"hyperparameters": {"beta": 0.1, "n_epochs": 1, "batch_size": 4}}}
     job = client.fine_tuning.jobs.create(model=BASE, training_file=pairs.id, suffix="preferred", method=method)
     job = wait_for_status(client, job.id, FINISHED, timeout_s=420)

@@ -4,35 +4,29 @@ Another organization's batch is "no such batch" (404), as everywhere."""
 from __future__ import annotations
 
 from drf_spectacular.types import OpenApiTypes
-from drf_spectacular.utils import OpenApiParameter, extend_schema
+from drf_spectacular.utils import extend_schema
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from accounts.authentication import caller_of, organization_of
+from base.api_views import PAGE_PARAMETERS, owned, parsed, path_only
 from batches import batch_status, creation
 from batches.models import Batch
 from batches.representations import batch_object
 from batches.requests import BatchCreate
-from core.api_errors import not_found, object_body
-from evals.requests import parsed
+from core.api_errors import object_body
 from finetuning.pagination import list_page
-
-_PAGE = [OpenApiParameter("after", str), OpenApiParameter("limit", int)]
-_plain = extend_schema(request=None, responses=OpenApiTypes.OBJECT)  # a path's id, nothing else read
 
 
 def _own_batch(request: Request, batch_id: str) -> Batch:
-    batch = Batch.objects.for_org(organization_of(request)).filter(pk=batch_id).first()
-    if batch is None:
-        raise not_found("batch", batch_id)
-    return batch
+    return owned(Batch, organization_of(request), "batch", batch_id)
 
 
 class BatchListView(APIView):
     """``/v1/batches``: create a batch from an uploaded file of requests; list the organization's, newest first."""
 
-    @extend_schema(operation_id="v1_batches_list", responses=OpenApiTypes.OBJECT, parameters=_PAGE)
+    @extend_schema(operation_id="v1_batches_list", responses=OpenApiTypes.OBJECT, parameters=PAGE_PARAMETERS)
     def get(self, request: Request) -> Response:
         return Response(list_page(request.query_params, Batch.objects.for_org(organization_of(request)), batch_object))
 
@@ -45,7 +39,7 @@ class BatchListView(APIView):
 class BatchDetailView(APIView):
     """``/v1/batches/{batch_id}``: its status, counts and files."""
 
-    @_plain
+    @path_only
     def get(self, request: Request, batch_id: str) -> Response:
         return Response(batch_object(_own_batch(request, batch_id)))
 
@@ -53,6 +47,6 @@ class BatchDetailView(APIView):
 class BatchCancelView(APIView):
     """``POST /v1/batches/{batch_id}/cancel``: its worker stops at its next line boundary."""
 
-    @_plain
+    @path_only
     def post(self, request: Request, batch_id: str) -> Response:
         return Response(batch_object(batch_status.cancel(_own_batch(request, batch_id))))

@@ -12,19 +12,24 @@ from core.api_errors import ApiError
 from core.model_names import with_revision
 from evals.creation import start_runs
 from evals.models import Eval, EvalRun
-from evals.requests import MAX_MODELS_PER_CALL, RunCreate, parsed
+from base.api_views import parsed
+from evals.requests import MAX_MODELS_PER_CALL, RunCreate
 from finetuning.models import FineTunedModel
 
 # One call starts a run for ``data_source.model`` and one for each of ``models``.
 MOST_REVISIONS_COMPARED = MAX_MODELS_PER_CALL + 1
 
 
-def compare_with_base(organization: Organization, user: User | None, evaluation: Eval, model: FineTunedModel) -> list[EvalRun]:
+def compare_with_base(
+    organization: Organization, user: User | None, evaluation: Eval, model: FineTunedModel
+) -> list[EvalRun]:
     """Two runs: the base model first (the page marks the fine-tune's answers against it), then the model."""
     return start_runs(organization, user, evaluation, _runs_of([model.base_model, model.name]))
 
 
-def compare_revisions(organization: Organization, user: User | None, evaluation: Eval, model: FineTunedModel) -> list[EvalRun]:
+def compare_revisions(
+    organization: Organization, user: User | None, evaluation: Eval, model: FineTunedModel
+) -> list[EvalRun]:
     """A run per revision, pinned (``@r<N>``), oldest first; the newest ``MOST_REVISIONS_COMPARED`` of a long history."""
     numbers = sorted(model.revisions.values_list("number", flat=True))[-MOST_REVISIONS_COMPARED:]
     if len(numbers) < 2:
@@ -33,7 +38,9 @@ def compare_revisions(organization: Organization, user: User | None, evaluation:
             "or fine-tune it again to publish a second revision.",
             param="model", code="nothing_to_compare",
         )  # fmt: skip
-    return start_runs(organization, user, evaluation, _runs_of([with_revision(model.name, number) for number in numbers]))
+    return start_runs(
+        organization, user, evaluation, _runs_of([with_revision(model.name, number) for number in numbers])
+    )
 
 
 def _runs_of(models: list[str]) -> RunCreate:

@@ -7,10 +7,9 @@ from __future__ import annotations
 from typing import Any, Literal, TypeVar
 
 from django.conf import settings
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from answering.batch import Sampling, Target
-from core import api_errors
 from core.openai_protocol import AdapterShare, checked_metadata
 
 MAX_MODELS_PER_CALL = 8  # runs one call may start, to compare models
@@ -110,14 +109,6 @@ def _target(model: str, adapters: list[AdapterShare] | None) -> Target:
 
 
 _Body = TypeVar("_Body", bound=BaseModel)
-
-
-def parsed(model: type[_Body], data: object) -> _Body:
-    """``data`` as ``model``, or the 400 naming its first problem."""
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        raise api_errors.invalid_fields(exc) from None
 
 
 class EvalUpdate(_Strict):

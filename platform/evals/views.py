@@ -14,26 +14,19 @@ from core.api_errors import ApiError, not_found, object_body, shown
 from evals import creation, run_status
 from evals.models import Eval, EvalRun, OutputItem, RunStatus
 from evals.representations import eval_object, output_item_object, run_object
-from evals.requests import EvalCreate, EvalUpdate, RunCreate, parsed
+from base.api_views import PAGE_PARAMETERS, owned, parsed, path_only
+from evals.requests import EvalCreate, EvalUpdate, RunCreate
 from finetuning.pagination import list_page
 
-_PAGE = [OpenApiParameter("after", str), OpenApiParameter("limit", int)]
-_plain = extend_schema(request=None, responses=OpenApiTypes.OBJECT)  # a path's ids, nothing else read
 ITEM_STATUSES = ("pass", "fail", "error")
 
 
 def _own_eval(request: Request, eval_id: str) -> Eval:
-    evaluation = Eval.objects.for_org(organization_of(request)).filter(pk=eval_id).first()
-    if evaluation is None:
-        raise not_found("eval", eval_id)
-    return evaluation
+    return owned(Eval, organization_of(request), "eval", eval_id)
 
 
 def _own_run(request: Request, eval_id: str, run_id: str) -> EvalRun:
-    run = EvalRun.objects.for_org(organization_of(request)).filter(pk=run_id, eval_id=eval_id).first()
-    if run is None:
-        raise not_found("eval run", run_id)
-    return run
+    return owned(EvalRun, organization_of(request), "eval run", run_id, eval_id=eval_id)
 
 
 def _site(request: Request) -> str:
@@ -51,11 +44,13 @@ def _status_filter(request: Request, allowed: tuple[str, ...]) -> str | None:
 class EvalListView(APIView):
     """``/v1/evals``: create an eval; list the organization's, newest first."""
 
-    @extend_schema(operation_id="v1_evals_list", responses=OpenApiTypes.OBJECT, parameters=_PAGE)
+    @extend_schema(operation_id="v1_evals_list", responses=OpenApiTypes.OBJECT, parameters=PAGE_PARAMETERS)
     def get(self, request: Request) -> Response:
         return Response(list_page(request.query_params, Eval.objects.for_org(organization_of(request)), eval_object))
 
-    @extend_schema(request=OpenApiTypes.OBJECT, responses=OpenApiTypes.OBJECT, summary="Create an eval: a file and its graders")
+    @extend_schema(
+        request=OpenApiTypes.OBJECT, responses=OpenApiTypes.OBJECT, summary="Create an eval: a file and its graders"
+    )
     def post(self, request: Request) -> Response:
         body = parsed(EvalCreate, object_body(request.data))
         return Response(eval_object(creation.create_eval(organization_of(request), caller_of(request), body)))
@@ -64,12 +59,14 @@ class EvalListView(APIView):
 class EvalDetailView(APIView):
     """``/v1/evals/{eval_id}``: retrieve, rename (name, metadata), delete (with its runs)."""
 
-    @_plain
+    @path_only
     def get(self, request: Request, eval_id: str) -> Response:
         return Response(eval_object(_own_eval(request, eval_id)))
 
     @extend_schema(
-        operation_id="v1_evals_update", request=OpenApiTypes.OBJECT, responses=OpenApiTypes.OBJECT,
+        operation_id="v1_evals_update",
+        request=OpenApiTypes.OBJECT,
+        responses=OpenApiTypes.OBJECT,
         summary="Update an eval's name or metadata",
     )
     def post(self, request: Request, eval_id: str) -> Response:
@@ -83,7 +80,7 @@ class EvalDetailView(APIView):
         evaluation.save(update_fields=[*changed, "updated_at"])
         return Response(eval_object(evaluation))
 
-    @_plain
+    @path_only
     def delete(self, request: Request, eval_id: str) -> Response:
         _own_eval(request, eval_id).delete()  # its runs too: a worker scoring one stops at its next batch
         return Response({"object": "eval.deleted", "deleted": True, "eval_id": eval_id})
@@ -94,7 +91,7 @@ class RunListView(APIView):
 
     @extend_schema(
         operation_id="v1_evals_runs_list", responses=OpenApiTypes.OBJECT,
-        parameters=[*_PAGE, OpenApiParameter("status", str, enum=list(RunStatus.values))],
+        parameters=[*PAGE_PARAMETERS, OpenApiParameter("status", str, enum=list(RunStatus.values))],
     )  # fmt: skip
     def get(self, request: Request, eval_id: str) -> Response:
         runs = _own_eval(request, eval_id).runs.all()
@@ -118,11 +115,11 @@ class RunListView(APIView):
 class RunDetailView(APIView):
     """``/v1/evals/{eval_id}/runs/{run_id}``: retrieve (with its progress), delete."""
 
-    @_plain
+    @path_only
     def get(self, request: Request, eval_id: str, run_id: str) -> Response:
         return Response(run_object(_own_run(request, eval_id, run_id), _site(request)))
 
-    @_plain
+    @path_only
     def delete(self, request: Request, eval_id: str, run_id: str) -> Response:
         _own_run(request, eval_id, run_id).delete()
         return Response({"object": "eval.run.deleted", "deleted": True, "run_id": run_id})
@@ -131,7 +128,7 @@ class RunDetailView(APIView):
 class RunCancelView(APIView):
     """``POST /v1/evals/{eval_id}/runs/{run_id}/cancel``: its worker stops at its next batch."""
 
-    @_plain
+    @path_only
     def post(self, request: Request, eval_id: str, run_id: str) -> Response:
         return Response(run_object(run_status.cancel(_own_run(request, eval_id, run_id)), _site(request)))
 
@@ -142,7 +139,7 @@ class OutputItemListView(APIView):
 
     @extend_schema(
         operation_id="v1_evals_runs_output_items_list", responses=OpenApiTypes.OBJECT,
-        parameters=[*_PAGE, OpenApiParameter("status", str, enum=list(ITEM_STATUSES))],
+        parameters=[*PAGE_PARAMETERS, OpenApiParameter("status", str, enum=list(ITEM_STATUSES))],
     )  # fmt: skip
     def get(self, request: Request, eval_id: str, run_id: str) -> Response:
         run = _own_run(request, eval_id, run_id)
@@ -153,7 +150,7 @@ class OutputItemListView(APIView):
 
 
 class OutputItemDetailView(APIView):
-    @_plain
+    @path_only
     def get(self, request: Request, eval_id: str, run_id: str, item_id: str) -> Response:
         run = _own_run(request, eval_id, run_id)
         item = OutputItem.objects.filter(run=run, pk=item_id).first()

@@ -19,6 +19,7 @@ from rest_framework.views import APIView
 
 from accounts.authentication import caller_of, organization_of
 from accounts.permissions import check_may_manage_models
+from base.api_views import PAGE_PARAMETERS
 from base.streaming import StreamedFileResponse
 from core.api_errors import model_not_found, not_found, object_body
 from finetuning import adapters, compositions, files, job_creation, job_status, publishing, registry
@@ -71,15 +72,16 @@ class OrganizationScoped:
 # a plain object does not look like a list to drf-spectacular, so the list views name their operation.
 _ID = OpenApiParameter("id", str, OpenApiParameter.PATH)
 _MODEL = [OpenApiParameter("model", str, OpenApiParameter.PATH, description="<base_model_id>:<suffix>")]
-_PAGE = [OpenApiParameter("after", str), OpenApiParameter("limit", int)]
 _documented = extend_schema(responses=OpenApiTypes.OBJECT, parameters=[_ID])
 _ARCHIVE = {(200, "application/gzip"): OpenApiTypes.BINARY}
 
 
 @extend_schema_view(
-    list=extend_schema(operation_id="v1_files_list", responses=OpenApiTypes.OBJECT, parameters=_PAGE),
+    list=extend_schema(operation_id="v1_files_list", responses=OpenApiTypes.OBJECT, parameters=PAGE_PARAMETERS),
     create=extend_schema(request={"multipart/form-data": FileUploadSerializer}, responses=OpenApiTypes.OBJECT),
-    retrieve=_documented, destroy=_documented, content=_documented,
+    retrieve=_documented,
+    destroy=_documented,
+    content=_documented,
 )
 class FileViewSet(OrganizationScoped, viewsets.ViewSet):
     model, noun = File, "file"
@@ -113,13 +115,17 @@ class FileViewSet(OrganizationScoped, viewsets.ViewSet):
 
 
 @extend_schema_view(
-    list=extend_schema(operation_id="v1_fine_tuning_jobs_list", responses=OpenApiTypes.OBJECT, parameters=_PAGE),
+    list=extend_schema(
+        operation_id="v1_fine_tuning_jobs_list", responses=OpenApiTypes.OBJECT, parameters=PAGE_PARAMETERS
+    ),
     create=extend_schema(request=JobCreateSerializer, responses=OpenApiTypes.OBJECT),
-    retrieve=_documented, cancel=extend_schema(request=None, responses=OpenApiTypes.OBJECT, parameters=[_ID]),
-    events=extend_schema(responses=OpenApiTypes.OBJECT, parameters=[_ID, *_PAGE]),
-    checkpoints=extend_schema(responses=OpenApiTypes.OBJECT, parameters=[_ID, *_PAGE]),
+    retrieve=_documented,
+    cancel=extend_schema(request=None, responses=OpenApiTypes.OBJECT, parameters=[_ID]),
+    events=extend_schema(responses=OpenApiTypes.OBJECT, parameters=[_ID, *PAGE_PARAMETERS]),
+    checkpoints=extend_schema(responses=OpenApiTypes.OBJECT, parameters=[_ID, *PAGE_PARAMETERS]),
     checkpoint_adapter=extend_schema(
-        summary="Download a checkpoint's adapter (a PEFT folder as .tar.gz)", responses=_ARCHIVE,
+        summary="Download a checkpoint's adapter (a PEFT folder as .tar.gz)",
+        responses=_ARCHIVE,
         parameters=[_ID, OpenApiParameter("checkpoint", str, OpenApiParameter.PATH)],
     ),
 )
@@ -231,7 +237,9 @@ class AdapterUploadView(APIView):
         serializer = AdapterUploadSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
         data = serializer.validated_data
-        model = adapters.upload_adapter(organization_of(request), caller_of(request), data["file"], data["model"], data.get("suffix"))
+        model = adapters.upload_adapter(
+            organization_of(request), caller_of(request), data["file"], data["model"], data.get("suffix")
+        )
         return Response(model_object(model))
 
 
@@ -247,7 +255,9 @@ class ComposeModelView(APIView):
     def post(self, request: Request) -> Response:
         serializer = CompositionSerializer(data=object_body(request.data))
         serializer.is_valid(raise_exception=True)
-        result = compositions.compose_or_queue(organization_of(request), caller_of(request), serializer.to_composition())
+        result = compositions.compose_or_queue(
+            organization_of(request), caller_of(request), serializer.to_composition()
+        )
         if isinstance(result, FineTunedModel):
             return Response(model_object(result))
         location = f"/v1/fine_tuning/compositions/{result.id}"
@@ -256,7 +266,7 @@ class ComposeModelView(APIView):
 
 @extend_schema_view(
     list=extend_schema(
-        operation_id="v1_fine_tuning_compositions_list", responses=OpenApiTypes.OBJECT, parameters=_PAGE
+        operation_id="v1_fine_tuning_compositions_list", responses=OpenApiTypes.OBJECT, parameters=PAGE_PARAMETERS
     ),
     retrieve=_documented,
 )

@@ -4,35 +4,29 @@ organization's endpoint is "no such webhook endpoint" (404), as everywhere."""
 from __future__ import annotations
 
 from drf_spectacular.types import OpenApiTypes
-from drf_spectacular.utils import OpenApiParameter, extend_schema
+from drf_spectacular.utils import extend_schema
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from accounts.authentication import caller_of, organization_of
-from core.api_errors import not_found, object_body
-from evals.requests import parsed
+from core.api_errors import object_body
+from base.api_views import PAGE_PARAMETERS, owned, parsed, path_only
 from finetuning.pagination import list_page
 from webhooks import endpoints
 from webhooks.models import WebhookEndpoint
 from webhooks.representations import delivery_object, endpoint_object
 from webhooks.requests import EndpointCreate, EndpointUpdate
 
-_PAGE = [OpenApiParameter("after", str), OpenApiParameter("limit", int)]
-_plain = extend_schema(request=None, responses=OpenApiTypes.OBJECT)  # a path's ids, nothing else read
-
 
 def _own_endpoint(request: Request, webhook_id: str) -> WebhookEndpoint:
-    endpoint = WebhookEndpoint.objects.for_org(organization_of(request)).filter(pk=webhook_id).first()
-    if endpoint is None:
-        raise not_found("webhook endpoint", webhook_id)
-    return endpoint
+    return owned(WebhookEndpoint, organization_of(request), "webhook endpoint", webhook_id)
 
 
 class EndpointListView(APIView):
     """``/v1/webhooks``: register an endpoint (its secret is in this answer only); list the organization's."""
 
-    @extend_schema(operation_id="v1_webhooks_list", responses=OpenApiTypes.OBJECT, parameters=_PAGE)
+    @extend_schema(operation_id="v1_webhooks_list", responses=OpenApiTypes.OBJECT, parameters=PAGE_PARAMETERS)
     def get(self, request: Request) -> Response:
         endpoints_ = WebhookEndpoint.objects.for_org(organization_of(request))
         return Response(list_page(request.query_params, endpoints_, endpoint_object))
@@ -47,7 +41,7 @@ class EndpointListView(APIView):
 class EndpointDetailView(APIView):
     """``/v1/webhooks/{webhook_id}``: retrieve, update (url, description, event_types, enabled), delete."""
 
-    @_plain
+    @path_only
     def get(self, request: Request, webhook_id: str) -> Response:
         return Response(endpoint_object(_own_endpoint(request, webhook_id)))
 
@@ -60,7 +54,7 @@ class EndpointDetailView(APIView):
         endpoint = _own_endpoint(request, webhook_id)
         return Response(endpoint_object(endpoints.update(endpoint, body.model_dump(exclude_unset=True))))
 
-    @_plain
+    @path_only
     def delete(self, request: Request, webhook_id: str) -> Response:
         endpoints.remove(_own_endpoint(request, webhook_id))
         return Response({"object": "webhook_endpoint.deleted", "deleted": True, "id": webhook_id})
@@ -70,7 +64,9 @@ class DeliveryListView(APIView):
     """``/v1/webhooks/{webhook_id}/deliveries``: each event sent to the endpoint, newest first, with
     every attempt (status code or error, duration)."""
 
-    @extend_schema(operation_id="v1_webhooks_deliveries_list", responses=OpenApiTypes.OBJECT, parameters=_PAGE)
+    @extend_schema(
+        operation_id="v1_webhooks_deliveries_list", responses=OpenApiTypes.OBJECT, parameters=PAGE_PARAMETERS
+    )
     def get(self, request: Request, webhook_id: str) -> Response:
         deliveries = (
             _own_endpoint(request, webhook_id).deliveries.select_related("event").prefetch_related("attempt_log")

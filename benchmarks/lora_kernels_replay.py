@@ -105,7 +105,21 @@ def main() -> int:
             for wrapper_class in classes.values()
         ]
         print(f"    {label:<50}" + "".join(f"{ms:10.1f}" for ms in times) + f"{times[0] / times[-1]:7.1f}x")
+    print(f"    a slot swap into the C kernel's layout, every projection: {slot_swap_ms(gemv, layers, args):.2f} ms")
     return 0
+
+
+def slot_swap_ms(gemv: lora_gemv.LoraGemv, layers: list, args: argparse.Namespace) -> float:
+    """What one adapter put into a slot costs the C kernel (``HalfWeights.copy_slots``), median of steps."""
+    state = tuple((lora_id, 0) for lora_id in range(args.slots))
+    prepared = [gemv.prepare(lora_a, lora_b, args.rank, state) for _, _, lora_a, lora_b in layers]
+    samples = []
+    for step in range(args.steps):
+        started = time.perf_counter()
+        for weights in prepared:
+            weights.copy_slots([step % args.slots])
+        samples.append((time.perf_counter() - started) * 1000)
+    return statistics.median(samples)
 
 
 if __name__ == "__main__":

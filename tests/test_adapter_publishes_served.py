@@ -136,7 +136,7 @@ def _deleted_and_published_again(url: str, data: Path, store: S3AdapterStore, ma
     wait_until(lambda: _copies_held_only(data, NAME), 15, "the deleted and evicted adapters' copies to go")
 
 
-def _answer_once_changed(url: str, model: str, before: str, within_s: float = 10.0) -> dict:
+def _answer_once_changed(url: str, model: str, before: str, within_s: float = 30.0) -> dict:
     """The first answer other than ``before``, asking until ``within_s`` has passed (then the last)."""
     deadline = time.monotonic() + within_s
     while True:

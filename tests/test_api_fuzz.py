@@ -33,7 +33,7 @@ from tests.personas import good_dataset
 # Committed rows: the inference endpoints look the key up on threads of their own, with connections of their own.
 pytestmark = pytest.mark.django_db(transaction=True)
 
-EXAMPLES_PER_MODE = 30  # per operation, once valid (positive) and once invalid (negative) by the schema
+EXAMPLES_PER_MODE = 20  # per operation, once valid (positive) and once invalid (negative) by the schema
 MARK = "\x1f"  # where a hostile number goes in a generated body, before its JSON is written
 # Raw JSON text, and whether any body holding it must be refused (the others are numbers a field may still take)
 HOSTILE_NUMBERS = {

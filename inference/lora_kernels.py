@@ -28,6 +28,12 @@ layer and a slot is copied again only when vLLM writes another adapter into it; 
 adapters skips LoRA. The arithmetic is vLLM's reference semantics, ``y[t] += scale * x[t] @
 A[i_t] @ B[i_t]``, nothing where ``i_t == -1``.
 
+With the C kernel, a token may carry several (slot, scale) pairs: a request's mix or scale is
+computed from its parts' slots (``inference.lora_mixes``, behind a mixed known-answer step of its
+own), the adapters vLLM keeps in host memory are held in half precision (``_hold_in_half``), a slot
+swap is one C call per projection, and vLLM's vocabulary-sized embedding and logits slots are zeroed
+once rather than at every swap (``_wrap_reset_lora``). docs/lora-kernels.md has the figures.
+
 Besides ``add_lora_linear`` (the projections adapters train), ``add_lora_logits`` is replaced only
 to skip vLLM's lm_head LoRA while no slot holds one (``_add_lora_logits``); embeddings keep vLLM's
 code. ``install`` decides once per process whether these kernels run, so that a vLLM

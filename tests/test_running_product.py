@@ -173,20 +173,26 @@ def _archive(folder) -> bytes:
     return out.getvalue()
 
 
-def test_uploaded_adapters_mix_per_request_and_compose_into_a_model_served_on_its_first_request(platform, tmp_path):
-    client = openai.OpenAI(base_url=f"{platform.url}/v1", api_key=platform.api_key, max_retries=0)
-    api = httpx.Client(
-        base_url=f"{platform.url}/v1", headers={"Authorization": f"Bearer {platform.api_key}"}, timeout=120
-    )
-    make_adapter = AdapterMaker(tmp_path)  # adapters "trained elsewhere": random LoRA weights, PEFT's format
-    names = []
-    for seed, suffix in ((2, "elsewhere-a"), (9, "elsewhere-b")):
+def _uploaded_adapters(api: httpx.Client, folder, suffixes: dict[int, str]) -> list[str]:
+    """Adapters "trained elsewhere" (random LoRA weights in PEFT's format, one per seed) uploaded
+    under these suffixes: their names."""
+    make_adapter, names = AdapterMaker(folder), []
+    for seed, suffix in suffixes.items():
         uploaded = api.post(
             "/fine_tuning/adapters", files={"file": ("adapter.tar.gz", _archive(make_adapter(seed)))},
             data={"model": BASE, "suffix": suffix},
         )  # fmt: skip
         assert uploaded.status_code == 200, uploaded.text
         names.append(uploaded.json()["id"])
+    return names
+
+
+def test_uploaded_adapters_mix_per_request_and_compose_into_a_model_served_on_its_first_request(platform, tmp_path):
+    client = openai.OpenAI(base_url=f"{platform.url}/v1", api_key=platform.api_key, max_retries=0)
+    api = httpx.Client(
+        base_url=f"{platform.url}/v1", headers={"Authorization": f"Bearer {platform.api_key}"}, timeout=120
+    )
+    names = _uploaded_adapters(api, tmp_path, {2: "elsewhere-a", 9: "elsewhere-b"})
 
     question = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -235,15 +241,7 @@ def test_a_batch_over_the_base_model_two_fine_tunes_and_a_mix_answers_as_live_re
     api = httpx.Client(
         base_url=f"{platform.url}/v1", headers={"Authorization": f"Bearer {platform.api_key}"}, timeout=120
     )
-    make_adapter = AdapterMaker(tmp_path)
-    names = []
-    for seed, suffix in ((2, "batched-a"), (9, "batched-b")):
-        uploaded = api.post(
-            "/fine_tuning/adapters", files={"file": ("adapter.tar.gz", _archive(make_adapter(seed)))},
-            data={"model": BASE, "suffix": suffix},
-        )  # fmt: skip
-        assert uploaded.status_code == 200, uploaded.text
-        names.append(uploaded.json()["id"])
+    names = _uploaded_adapters(api, tmp_path, {2: "batched-a", 9: "batched-b"})
     targets = {
         "base": {"model": BASE}, "a": {"model": names[0]}, "b": {"model": names[1]},
         "mix": {"model": BASE, "adapters": [{"model": names[0], "scale": 0.5}, {"model": names[1], "scale": -0.5}]},

@@ -7,13 +7,10 @@ answers, and two of the second model's adapters mix; a mix never takes the other
 
 from __future__ import annotations
 
-import io
 import json
 import subprocess
 import sys
-import tarfile
 import time
-from pathlib import Path
 
 import httpx
 import openai
@@ -25,6 +22,7 @@ from tests.personas import good_dataset
 from tests.processes import ROOT, wait_until
 from tests.running_platform import bin_run, shipped_models
 from tests.second_base_model import build_tiny_qwen2
+from tests.test_running_product import _archive
 from tests.test_second_base_model_served import _qwen_adapter
 
 pytestmark = [pytest.mark.product, pytest.mark.engine, pytest.mark.training]
@@ -73,14 +71,6 @@ def _fine_tune(client: openai.OpenAI, model: str, suffix: str) -> str:
         time.sleep(0.5)
     assert job.status == "succeeded", job.error
     return job.fine_tuned_model
-
-
-def _archive(folder: Path) -> bytes:
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
-        for path in sorted(folder.iterdir()):
-            tar.add(path, arcname=path.name)
-    return buffer.getvalue()
 
 
 def test_both_base_models_are_listed_fine_tuned_and_served_side_by_side(platform, tmp_path):

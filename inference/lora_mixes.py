@@ -117,7 +117,8 @@ def wrap_add_adapter(original: Callable[[Any, Any], bool]) -> Callable[[Any, Any
         lora_id = lora_request.lora_int_id
         if lora_id in _mixes:
             return True
-        if lora_id not in self.list_adapters():
+        # Not registered yet (a lookup, not ``list_adapters``: this runs for each of a step's adapters).
+        if self._adapter_manager.get_adapter(lora_id) is None:
             manifest = read_manifest(Path(lora_request.lora_path))
             if manifest is not None:
                 if not _accepting:

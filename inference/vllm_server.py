@@ -46,11 +46,22 @@ def install_kernels() -> None:
         requested = lora_kernels_setting()
     except ConfigError as exc:
         sys.exit(f"configuration error: {exc}")
-    state = lora_kernels.install(requested)
+    state = lora_kernels.install(requested, _argument("--dtype") or "auto")
     if not state.fell_back:  # a fall-back has said why in its warning already
         print(
             f"inference.vllm_server: {state.active} LoRA kernels ({state.reason}), pid {os.getpid()}", file=sys.stderr
         )
+
+
+def _argument(option: str) -> str | None:
+    """An option's value on this server's command line (``inference.replica.vllm_command``'s)."""
+    arguments = sys.argv[1:]
+    for index, argument in enumerate(arguments):
+        if argument == option and index + 1 < len(arguments):
+            return arguments[index + 1]
+        if argument.startswith(f"{option}="):
+            return argument.partition("=")[2]
+    return None
 
 
 def vllm_main() -> Callable[[], None]:

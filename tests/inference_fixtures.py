@@ -47,6 +47,17 @@ kv_cache_space_gib = 0.25
     return text + (f"\n[models.autoscaling]\n{autoscaling}\n" if autoscaling else "")
 
 
+def kernels_for(model: str, catalog: Path, data_dir: Path) -> tuple[str, bool]:
+    """The LoRA kernels a replica of ``model`` must say it runs, and whether it computes mixes: ours
+    for a model in float32, vLLM's own in another dtype (``add_base_model`` picks bfloat16 on a CPU
+    with native bf16), where the pool builds mixes as adapters."""
+    from core.catalog import load_catalog
+    from inference.lora_kernels import KERNEL_DTYPES
+
+    dtype = load_catalog(catalog, data_dir, "").require(model).engine.dtype
+    return ("fineserve", True) if dtype in KERNEL_DTYPES else ("stock", False)
+
+
 def pool_environment() -> dict[str, str]:
     """Environment for the test session's pool (and gateway): the test catalog."""
     TEST_CATALOG.parent.mkdir(parents=True, exist_ok=True)

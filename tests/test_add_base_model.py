@@ -92,6 +92,16 @@ def test_it_links_instead_of_copying_and_saves_a_supplied_chat_template(qwen2_fo
     assert not (folder / "chat_template.jinja").exists()  # the linked folder itself is left as it was
 
 
+def test_it_computes_in_the_dtype_asked_for_whatever_the_machine_would_pick(qwen2_folder, platform_files, tmp_path):
+    catalog_path, data_dir = platform_files
+    for dtype in ("float32", "bfloat16"):
+        out = add(str(_copy(qwen2_folder, tmp_path / dtype)), "--dtype", dtype)
+        assert load_catalog(catalog_path, data_dir, "").require(dtype).engine.dtype == dtype
+        assert f"dtype {dtype} (as asked)" in out
+    with pytest.raises(CommandError, match="invalid choice: 'float64'"):
+        add(str(qwen2_folder), "--dtype", "float64")
+
+
 def _copy(folder: Path, to: Path) -> Path:
     return Path(shutil.copytree(folder, to))
 

@@ -164,6 +164,28 @@ def test_the_c_kernel_leaves_other_dtypes_to_vllms_own_code(built_gemv):
     assert calls == [torch.bfloat16]
 
 
+def test_a_mix_in_a_projection_the_c_kernel_cannot_take_is_computed_pair_by_pair_not_by_vllms_code(built_gemv):
+    """vLLM's own code sees one adapter per token (a mix's token points at its first part): given a
+    mix, it would answer with that part alone at scale 1."""
+    lora_a, lora_b = _stacked(slots=3, max_rank=8, ranks=[8, 8, 8])
+    pairs, scales = torch.tensor([[0, 2], [1, -1], [-1, -1]]), torch.tensor([[0.5, -1.25], [1.0, 0.0], [0.0, 0.0]])
+    calls = []
+    stock = {"_fineserve_stock_add_lora_linear": lambda *args, **kwargs: calls.append(args)}
+    wrapper = _wrapper([801, 802, 803], pairs[:, 0], [8, 8, 8], built_gemv, **stock)
+    wrapper._fineserve_step.token_slots, wrapper._fineserve_step.token_weights = pairs, scales
+    x = torch.randn(3, FAN_IN, generator=torch.Generator().manual_seed(11))
+    halves = (tuple(a.bfloat16() for a in lora_a), tuple(b.bfloat16() for b in lora_b))  # not what the kernel takes
+    y = torch.zeros(3, sum(SLICES)).bfloat16()
+    lora_kernels._add_lora_linear(wrapper, y, x.bfloat16(), *halves, 1.0, SLICES)
+    assert not calls
+    expected = sum(
+        scales[:, k : k + 1] * _reference(x.bfloat16().float(), [a.float() for a in halves[0]],
+                                          [b.float() for b in halves[1]], torch.where(scales[:, k] != 0, pairs[:, k], -1))
+        for k in range(2)
+    )  # fmt: skip
+    torch.testing.assert_close(y.float(), expected, rtol=1e-2, atol=1e-2 * float(expected.abs().max()))
+
+
 def test_a_slot_past_half_precision_is_computed_apart_and_the_rest_of_the_batch_stays_on_the_c_kernel(built_gemv):
     """A weight past 65,504 cannot be held in half precision: that slot's tokens are computed in
     float32, every other token by the C kernel. Never the whole projection by vLLM's own code, which
@@ -203,7 +225,7 @@ def test_the_c_kernel_is_built_once_per_source_and_its_absence_says_why(tmp_path
 def test_without_the_c_kernel_a_replica_computes_with_torch_and_says_why(vllm_classes, monkeypatch, caplog):
     monkeypatch.setattr(lora_gemv, "_cpu_flags", lambda: set())
     with caplog.at_level("WARNING", logger="inference.lora_kernels"):
-        state = lora_kernels.install("fineserve")
+        state = lora_kernels.install("fineserve", "float32")
     assert state.active == "fineserve" and not state.fell_back
     assert state.reason.startswith("torch's batched products (not the C kernel: this CPU lacks avx2, fma, f16c)")
     assert vllm_classes.wrapper._fineserve_gemv is None
@@ -276,7 +298,7 @@ def test_it_installs_ours_after_the_check_passes_on_the_installed_vllm(vllm_clas
     from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU
 
     stock = PunicaWrapperCPU.add_lora_linear
-    state = lora_kernels.install("fineserve")
+    state = lora_kernels.install("fineserve", "float32")
     assert (state.active, state.requested, state.fell_back) == ("fineserve", "fineserve", False)
     assert state.reason.startswith("the C kernel, adapter weights in half precision; checked against vLLM")
     assert isinstance(vllm_classes.wrapper._fineserve_gemv, lora_gemv.LoraGemv)
@@ -289,7 +311,7 @@ def test_it_installs_ours_after_the_check_passes_on_the_installed_vllm(vllm_clas
 def _refused(vllm_classes, caplog, expected: str) -> lora_kernels.KernelsState:
     stock = vllm_classes.wrapper.add_lora_linear
     with caplog.at_level("WARNING", logger="inference.lora_kernels"):
-        state = lora_kernels.install("fineserve")
+        state = lora_kernels.install("fineserve", "float32")
     assert (state.active, state.requested, state.fell_back) == ("stock", "fineserve", True)
     assert expected in state.reason
     assert vllm_classes.wrapper.add_lora_linear is stock  # nothing patched
@@ -339,16 +361,26 @@ def test_it_keeps_vllms_kernels_when_they_are_not_where_they_were_and_says_so(vl
 
 def test_it_keeps_vllms_kernels_off_the_cpu_platform_and_when_asked_to(vllm_classes, monkeypatch):
     monkeypatch.setattr(lora_kernels, "_vllm_platform", lambda: "cuda")
-    state = lora_kernels.install("fineserve")
+    state = lora_kernels.install("fineserve", "float32")
     assert (state.active, state.reason) == ("stock", "vLLM runs on cuda here; these kernels are for its CPU platform")
     monkeypatch.setattr(lora_kernels, "_state", None)
-    state = lora_kernels.install("stock")
+    state = lora_kernels.install("stock", "float32")
     assert (state.active, state.requested, state.fell_back, state.reason) == (
         "stock",
         "stock",
         False,
         "LORA_KERNELS=stock",
     )
+
+
+def test_a_model_computed_in_bfloat16_keeps_vllms_kernels_and_gets_mixes_built_as_adapters(vllm_classes):
+    """The kernels read and write float32: in a bfloat16 model every projection would go to vLLM's
+    code, so the replica must not say it computes mixes (the pool would send it a mix's manifest)."""
+    stock = vllm_classes.wrapper.add_lora_linear
+    state = lora_kernels.install("fineserve", "bfloat16")
+    assert (state.active, state.mixes_in_kernel) == ("stock", False)
+    assert state.reason == "the model computes in bfloat16; these kernels take float32"
+    assert vllm_classes.wrapper.add_lora_linear is stock and not lora_mixes._accepting
 
 
 def test_the_replica_reports_what_was_decided_and_the_gateway_shows_why(vllm_classes, monkeypatch):
@@ -359,7 +391,7 @@ def test_the_replica_reports_what_was_decided_and_the_gateway_shows_why(vllm_cla
     from inference.lora_kernels_report import REPORT_PATH, LoraKernelsReport
 
     monkeypatch.setattr(lora_kernels, "_vllm_platform", lambda: "cuda")
-    lora_kernels.install("fineserve")
+    lora_kernels.install("fineserve", "float32")
     replica = TestClient(LoraKernelsReport(PlainTextResponse("vLLM")))
     said = replica.get(REPORT_PATH).json()
     assert said == {
@@ -546,7 +578,7 @@ def test_a_mix_of_an_unfit_slot_is_computed_apart_at_its_scale(built_gemv):
 
 
 def test_mixes_are_computed_in_the_kernel_after_the_mixed_known_answer_step_passes(vllm_classes):
-    state = lora_kernels.install("fineserve")
+    state = lora_kernels.install("fineserve", "float32")
     assert state.mixes_in_kernel and state.reason.endswith("; mixes and scales in the kernel")
     assert lora_mixes._accepting
     wrapped = vllm_classes.worker_manager.set_active_adapters
@@ -557,7 +589,7 @@ def test_a_wrong_mixed_step_keeps_our_kernels_and_builds_mixes_as_adapters(vllm_
     right = lora_kernels._mixed_pairs
     monkeypatch.setattr(lora_kernels, "_mixed_pairs", lambda *args: (right(*args)[0], right(*args)[1].abs()))
     with caplog.at_level("WARNING", logger="inference.lora_kernels"):
-        state = lora_kernels.install("fineserve")
+        state = lora_kernels.install("fineserve", "float32")
     assert state.active == "fineserve" and not state.mixes_in_kernel
     assert state.reason.endswith("; mixes built as adapters")
     assert "mixes built as adapters: our kernel's mixed known-answer step (prefill) differs" in caplog.text

@@ -17,7 +17,7 @@ import openai
 import pytest
 import redis
 
-from tests.inference_fixtures import catalog_text
+from tests.inference_fixtures import catalog_text, kernels_for
 from tests.personas import good_dataset
 from tests.processes import ROOT, wait_until
 from tests.running_platform import bin_run, shipped_models
@@ -83,7 +83,10 @@ def test_both_base_models_are_listed_fine_tuned_and_served_side_by_side(platform
     wait_until(ready, 300, "both models' replicas")  # /healthz answers once the first is ready
     replicas = platform.pool_health()["replicas"]
     assert sorted(replica["model"] for replica in replicas) == sorted([SMOL, QWEN])
-    assert all(replica["lora_kernels"]["mixes_in_kernel"] for replica in replicas), replicas
+    for replica in replicas:
+        kernels = replica["lora_kernels"]
+        expected = kernels_for(replica["model"], platform.data_dir.parent / "models.toml", platform.data_dir)
+        assert (kernels["active"], kernels["mixes_in_kernel"]) == expected, replica
 
     tuned = {model: _fine_tune(client, model, "side") for model in (SMOL, QWEN)}
     question = [{"role": "user", "content": "What is 2 plus 2?"}]

@@ -2,7 +2,9 @@
 
 The second is a tiny Qwen2 (biases on q/k/v, grouped-query attention, a hidden size of 64: other
 shapes than SmolLM2's Llama) built in the test (``tests.second_base_model``) and added with
-``add_base_model``, as an operator adds one. Its pool serves both: each has its own replica, whose
+``add_base_model``, as an operator adds one, in float32 (on a CPU with native bf16 it would pick
+bfloat16, where vLLM's own LoRA kernels serve and greedy tokens drift from PEFT's float32 ones:
+the product test with two models runs that). Its pool serves both: each has its own replica, whose
 LoRA kernel passed its start-up checks; an adapter of the second model passes the upload check and
 answers token for token as PEFT does on that model, alone and mixed (``inference.lora_mixes``); a
 mix never takes a part of the other base model.
@@ -92,7 +94,7 @@ def two_models(tmp_path_factory, machine_to_itself) -> tuple[str, Path, Path]:
     catalog = root / "models.toml"
     catalog.write_text(Path(pool_environment()["MODEL_CATALOG"]).read_text())
     place = CatalogPlace(catalog, data, settings.CONFIG.dynamic_lora_path)
-    added = add_base_model(NewBaseModel(build_tiny_qwen2(root / "tiny-qwen2"), QWEN), place)
+    added = add_base_model(NewBaseModel(build_tiny_qwen2(root / "tiny-qwen2"), QWEN, dtype="float32"), place)
     url = f"http://127.0.0.1:{free_port()}"
     environment = {
         "MODEL_CATALOG": str(catalog), "DATA_DIR": str(data), "INFERENCE_POOL_URL": url,

@@ -12,6 +12,7 @@ from pathlib import Path
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from core.base_model_intake import CatalogPlace, NewBaseModel, add_base_model
+from core.compute_dtype import DTYPES
 from core.config import load_config
 from core.env import ConfigError
 from core.model_folder_check import ModelFolderRefused
@@ -30,12 +31,17 @@ class Command(BaseCommand):
         )
         parser.add_argument("--chat-template", type=Path, help="a Jinja chat template file, for a model that has none")
         parser.add_argument("--link", action="store_true", help="link to the folder's files instead of copying them")
+        parser.add_argument(
+            "--dtype", choices=DTYPES,
+            help="what the model computes in (default: the one this machine computes well; on a CPU, the "
+            "platform's LoRA kernels and mixes computed in them take float32)",
+        )  # fmt: skip
 
     def handle(self, *args: object, folder: Path, model_id: str | None, chat_template: Path | None, link: bool,
-               **options: object) -> None:  # fmt: skip
+               dtype: str | None, **options: object) -> None:  # fmt: skip
         config = load_config()
         place = CatalogPlace(config.model_catalog, config.data_dir, config.dynamic_lora_path)
-        request = NewBaseModel(folder, model_id, chat_template, link)
+        request = NewBaseModel(folder, model_id, chat_template, link, dtype)
         try:
             added = add_base_model(request, place)
         except (ModelFolderRefused, ConfigError) as exc:

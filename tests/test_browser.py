@@ -12,10 +12,10 @@ import re
 import pytest
 
 from accounts.models import ApiKey
-from finetuning.models import File
+from finetuning.models import File, FineTuningJob
 from tests.browser import screenshot
 from tests.inference_fixtures import adapter_store, gateway, make_adapter  # noqa: F401 (fixtures)
-from tests.personas import good_dataset
+from tests.personas import good_dataset, preference_dataset
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -217,6 +217,28 @@ def test_a_model_composed_on_its_form_is_listed_with_its_parents(page, live_serv
     finally:
         for model in (left, right, name):
             adapter_store().delete(model)
+
+
+def test_a_dpo_fine_tune_is_started_on_the_form_from_uploaded_preference_pairs(page, live_server, alice, tmp_path):
+    sign_in(page, live_server.url, alice)
+    page.goto(f"{live_server.url}/datasets")
+    (tmp_path / "pairs.jsonl").write_bytes(preference_dataset(12))
+    page.set_input_files("#id_file", str(tmp_path / "pairs.jsonl"))
+    page.click("#upload-form button[type=submit]")
+    page.wait_for_selector(".conversation")
+
+    page.goto(f"{live_server.url}/jobs/new")
+    page.select_option("#id_method", "dpo")
+    pairs = File.objects.get()
+    page.select_option("#id_training_file", label=f"pairs.jsonl (12 preference pairs, {pairs.token_count} tokens)")
+    page.fill("#id_beta", "0.25")
+    page.fill("#id_suffix", "prefers")
+    screenshot(page, "15-dpo-form")
+    page.click("#job-form button[type=submit]")
+    page.wait_for_url(re.compile(r"/jobs/ftjob-"))
+    assert page.inner_text("#method") == "DPO, beta 0.25"
+    job = FineTuningJob.objects.get()
+    assert (job.method, job.suffix, job.hyperparameters["beta"]) == ("dpo", "prefers", 0.25)
 
 
 def test_the_job_page_marks_the_best_checkpoint_early_stopping_published_on_the_loss_chart(page, live_server, alice):

@@ -12,7 +12,7 @@ from accounts.services import create_api_key
 from finetuning.models import File, FineTunedModel, FineTuningJob
 from tests.inference_fixtures import register_fine_tuned_model
 from tests.limits import lower_limits, own_counters  # noqa: F401 (a fixture)
-from tests.personas import good_dataset
+from tests.personas import good_dataset, preference_dataset
 
 pytestmark = pytest.mark.django_db
 
@@ -67,6 +67,28 @@ def test_a_fine_tune_started_from_the_form_is_queued_with_its_settings(alice_web
     assert response["Location"] == reverse("dashboard:job", args=[job.id])
     assert job.suffix == "from-web" and job.hyperparameters["n_epochs"] == 2 and job.hyperparameters["lora_r"] == 4
     assert job.hyperparameters["target_modules"] == ["q_proj", "v_proj"]
+
+
+def test_a_dpo_fine_tune_started_from_the_form_trains_on_preference_pairs_with_its_beta(alice_web):
+    upload(alice_web, good_dataset(12), "chat.jsonl")
+    upload(alice_web, preference_dataset(12), "pairs.jsonl")
+    chat, pairs = File.objects.order_by("created_at")
+    form_page = alice_web.get(reverse("dashboard:job_new")).content.decode()
+    assert "pairs.jsonl (12 preference pairs" in form_page and "chat.jsonl (12 examples" in form_page
+    form = {
+        "model": BASE, "method": "dpo", "training_file": pairs.id, "beta": 0.5, "lora_r": 8, "lora_alpha": 16,
+        "lora_dropout": 0.05, "target_modules": ["q_proj"],
+    }  # fmt: skip
+
+    wrong_file = alice_web.post(reverse("dashboard:job_new"), form | {"training_file": chat.id}).content.decode()
+    assert "the dpo method trains on preference lines" in field_block(wrong_file, "training_file")
+    beta_alone = alice_web.post(reverse("dashboard:job_new"), form | {"method": "supervised"}).content.decode()
+    assert "beta is DPO&#x27;s" in field_block(beta_alone, "beta")
+    assert not FineTuningJob.objects.exists()
+
+    alice_web.post(reverse("dashboard:job_new"), form)
+    job = FineTuningJob.objects.get()
+    assert (job.method, job.training_file, job.hyperparameters["beta"]) == ("dpo", pairs.id, 0.5)
 
 
 def test_early_stopping_from_the_form_watches_the_validation_dataset_and_is_refused_without_one(alice_web):

@@ -170,6 +170,7 @@ DOORS = [
     Door("POST", "/jobs/new", "dashboard:job_new", FORM, JOB_FORM, "learning_rate_multiplier", session=True),
     Door("POST", "/jobs/new", "dashboard:job_new", FORM, JOB_FORM, "early_stopping_patience", "n_checkpoints", session=True),
     Door("POST", "/jobs/new", "dashboard:job_new", FORM, JOB_FORM, "early_stopping_min_delta", "n_evals", session=True),
+    Door("POST", "/jobs/new", "dashboard:job_new", FORM, JOB_FORM, "beta", "method", session=True),
     Door("POST", "/jobs/{job}/cancel", "dashboard:job_cancel", NOTHING, session=True),
     Door("POST", "/models/upload", "dashboard:adapter_upload", MULTIPART, {"adapter-model": BASE}, text="adapter-suffix", session=True),
     Door("POST", "/models/compose", "dashboard:model_compose", FORM, COMPOSE_FORM, "compose-rank", "compose-suffix", session=True),

@@ -10,11 +10,20 @@ from django.forms.boundfield import BoundWidget
 
 from base.upload_limits import adapter_too_large_message, file_too_large_message
 from core.api_errors import ApiError
+from core.datasets import PREFERENCE
 from core.lora_merge import METHODS
 from core.openai_protocol import MAX_ADAPTER_SCALE
 from finetuning.compose import CompositionRequest
-from finetuning.job_creation import MAX_CHECKPOINTS_PER_EPOCH, MAX_EVALS_PER_EPOCH, TARGET_MODULES, JobRequest
-from finetuning.models import File
+from finetuning.job_creation import (
+    DPO_BETA_AUTO,
+    MAX_BETA,
+    MAX_CHECKPOINTS_PER_EPOCH,
+    MAX_EVALS_PER_EPOCH,
+    MIN_BETA,
+    TARGET_MODULES,
+    JobRequest,
+)
+from finetuning.models import DPO, SUPERVISED, File
 from webhooks.event_types import EventType
 
 
@@ -132,6 +141,12 @@ class ComposeForm(forms.Form):
 
 class JobForm(forms.Form):
     model = forms.ChoiceField(label="Base model")
+    method = forms.ChoiceField(
+        required=False, initial=SUPERVISED, label="Method",
+        choices=[(SUPERVISED, "Supervised: learn the answers of chat examples"),
+                 (DPO, "DPO: prefer the preferred answer of preference pairs")],
+        help_text="A dataset holds one kind of line: chat examples, or preference pairs",
+    )  # fmt: skip
     training_file = forms.ChoiceField(label="Training dataset")
     validation_file = forms.ChoiceField(label="Validation dataset", required=False)
     suffix = forms.CharField(required=False, max_length=64, help_text=SUFFIX_HELP)
@@ -160,28 +175,44 @@ class JobForm(forms.Form):
         required=False, min_value=0, max_value=100, label="Early stopping: minimum improvement",
         help_text="Of the validation loss. Empty: any",
     )  # fmt: skip
+    beta = forms.FloatField(
+        required=False, min_value=MIN_BETA, max_value=MAX_BETA, label="DPO beta",
+        help_text=f"How far from the base model DPO may move: smaller lets it go further. Empty: auto ({DPO_BETA_AUTO})",
+    )  # fmt: skip
 
     def __init__(self, *args: Any, files: list[File], **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         choice_field(self, "model").choices = [(m, m) for m in settings.MODEL_CATALOG.ids]
-        choices = [(f.id, f"{f.filename} ({f.example_count} examples, {f.token_count} tokens)") for f in files]
+        choices = [(f.id, f"{f.filename} ({f.example_count} {_lines_of(f)}, {f.token_count} tokens)") for f in files]
         choice_field(self, "training_file").choices = choices
         choice_field(self, "validation_file").choices = [("", "None")] + choices
         # The page estimates training tokens from these before launch.
         self.tokens_by_file = {f.id: f.token_count for f in files}
+
+    def clean(self) -> dict[str, Any]:
+        data = super().clean() or {}
+        if data.get("beta") is not None and data.get("method") != DPO:
+            self.add_error("beta", "beta is DPO's: choose the DPO method, or leave beta empty")
+        return data
 
     def to_job_request(self) -> JobRequest:
         data = self.cleaned_data
         optional = ("n_epochs", "batch_size", "learning_rate_multiplier", "n_evals", "n_checkpoints")
         hyperparameters = {name: data[name] for name in optional if data[name] is not None}
         hyperparameters |= {name: data[name] for name in ("lora_r", "lora_alpha", "lora_dropout", "target_modules")}
+        if data["beta"] is not None:
+            hyperparameters["beta"] = data["beta"]
         if data["early_stopping_patience"] is not None:
             patience, min_delta = data["early_stopping_patience"], data["early_stopping_min_delta"] or 0.0
             hyperparameters["early_stopping"] = {"patience": patience, "min_delta": min_delta}
         return JobRequest(
             model=data["model"], training_file=data["training_file"], validation_file=data["validation_file"] or None,
-            suffix=data["suffix"] or None, hyperparameters=hyperparameters,
+            suffix=data["suffix"] or None, hyperparameters=hyperparameters, method=data["method"] or SUPERVISED,
         )  # fmt: skip
+
+
+def _lines_of(file: File) -> str:
+    return "preference pairs" if file.format == PREFERENCE else "examples"
 
 
 class CompareForm(forms.Form):

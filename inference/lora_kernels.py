@@ -305,6 +305,13 @@ class _Step:
     token_weights: torch.Tensor | None  # float32, tokens x parts: each part's scale; None: no mix
     tiers: list[_Tier]  # for torch's batched products; empty when the C kernel computes
 
+    def pairs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's (slot, scale) pairs as two tokens x parts tables, mixes or not."""
+        import torch
+
+        slots = self.token_slots.view(self.token_slots.size(0), -1)
+        return slots, torch.ones(slots.shape) if self.token_weights is None else self.token_weights
+
 
 def _add_lora_linear(
     self: Any,
@@ -368,8 +375,7 @@ def _add_unfit_apart(
     import torch
 
     unfit = torch.tensor(sorted(weights.unfit_slots), dtype=torch.int64)
-    pairs = step.token_slots.view(step.token_slots.size(0), -1)  # tokens x parts
-    pair_weights = torch.ones(pairs.shape) if step.token_weights is None else step.token_weights
+    pairs, pair_weights = step.pairs()
     kept = torch.where(torch.isin(pairs, unfit), -1, pairs).contiguous()
     gemv.add(y, x, kept, weights, scale, pair_weights.contiguous())
     _add_pairs_in_torch(y, x, lora_a_stacked, lora_b_stacked, scale, output_slices, step, weights.unfit_slots, weights.rank)
@@ -388,10 +394,7 @@ def _add_pairs_in_torch(
 ) -> None:
     """The step's (token, slot, scale) pairs whose slot is one of ``slots``, computed in float32
     with torch from vLLM's own weights, slot by slot: exact for any dtype and any mix, and slow."""
-    import torch
-
-    pairs = step.token_slots.view(step.token_slots.size(0), -1)  # tokens x parts
-    pair_weights = torch.ones(pairs.shape) if step.token_weights is None else step.token_weights
+    pairs, pair_weights = step.pairs()
     for slot in slots:
         tokens, parts = (pairs == slot).nonzero(as_tuple=True)
         if tokens.numel() == 0:

@@ -1,6 +1,6 @@
 """Inference benchmark: publish-to-first-token, mixed-adapter throughput, gateway overhead, mixes.
 
-    .venv/bin/python benchmarks/inference_bench.py [--rounds 2] [--publishes 10] [--compare-stock]
+    .venv/bin/python benchmarks/inference_bench.py [--rounds 2] [--publishes 10] [--compare-stock] [--model ID]
                                                    [--mix-only | --publish-only | --throughput-only | --overhead-only]
 
 Starts its own pool (one vLLM CPU replica, the repository's model catalog) and web gateway on a
@@ -30,6 +30,8 @@ prints one table whose ratios are against baselines measured in the same run:
    It adds a few minutes to a run; --mix-only runs only this section (no 1-3).
 With --compare-stock it then restarts the replica with vLLM's own LoRA kernels (no
 inference.lora_kernels; the same process layout) and measures throughput (2) directly against it.
+--model measures another base model of the catalog (MODEL_CATALOG; ``manage.py add_base_model``
+adds one): its pool serves that model alone, and the adapters are made on it.
 """
 
 from __future__ import annotations
@@ -68,6 +70,8 @@ import httpx
 from django.conf import settings
 from django.core.management import call_command
 
+from core.catalog import BaseModel, catalog_entry
+from core.catalog_file import with_model_appended
 from core.model_names import pinned_name
 from inference.replica import vllm_command, vllm_environment
 from tests.inference_fixtures import (
@@ -91,9 +95,18 @@ SWEEP = [round(0.25 + 1.5 * i / CONCURRENCY, 4) for i in range(CONCURRENCY)]  # 
 FIRST_REQUEST_SAMPLES = 3  # (4)'s first-request pairs
 INTERNAL = {"Authorization": f"Bearer {settings.INTERNAL_TOKEN}"}  # what the pool and replicas require
 PROMPT = "Write a short story about a lighthouse keeper and a storm."
+MODEL = BASE  # the base model measured (--model)
 
 
 # --- set-up ------------------------------------------------------------------------------------
+
+
+def _catalog_of(model: BaseModel) -> Path:
+    """A catalog of this model alone, for the pool: no other model's replica takes the cores."""
+    catalog = SCRATCH / "models.toml"
+    config = settings.CONFIG
+    catalog.write_text(with_model_appended("", catalog_entry(model, config.data_dir, config.dynamic_lora_path)))
+    return catalog
 
 
 def _persona() -> Persona:
@@ -136,7 +149,7 @@ def publish_to_first_token(persona: Persona, folders: list[Path], gateway: str, 
         for index, folder in enumerate(folders):
             preloaded = index % 2 == 1
             started = time.perf_counter()
-            name = publish_fine_tuned_model(persona, _fresh_suffix("fresh", index), folder)
+            name = publish_fine_tuned_model(persona, _fresh_suffix("fresh", index), folder, MODEL)
             if preloaded:
                 client.post(f"{pool}/v1/adapters/preload", json={"model": name}, headers=INTERNAL).raise_for_status()
             asked = time.perf_counter()
@@ -167,7 +180,7 @@ def variant(adapter: Path, seed: int, out: Path) -> Path:
 
 def mix_target(parts: list[tuple[str, float]]) -> dict:
     """A request's model fields for a mix: the base model, plus the adapters and their scales."""
-    return {"model": BASE, "adapters": [{"model": name, "scale": scale} for name, scale in parts]}
+    return {"model": MODEL, "adapters": [{"model": name, "scale": scale} for name, scale in parts]}
 
 
 def first_request_cost(persona: Persona, adapters: list[str], gateway: str) -> dict[str, list[float]]:
@@ -199,7 +212,7 @@ Loads = dict[str, list[dict]]
 def adapter_loads(adapters: list[str]) -> Loads:
     """(2)'s loads: the base model first (the ratios' baseline), then 1, 4, 16, MANY_ADAPTERS and
     HELD_ADAPTERS adapters (those past MANY_ADAPTERS, when given)."""
-    spreads = {"base model": [BASE]} | {
+    spreads = {"base model": [MODEL]} | {
         f"{n} adapter{'s' if n > 1 else ''}": adapters[:n] for n in (1, 4, 16, MANY_ADAPTERS, HELD_ADAPTERS) if n <= len(adapters)
     }  # fmt: skip
     return {load: [{"model": model} for model in models] for load, models in spreads.items()}
@@ -214,7 +227,7 @@ def mix_loads(adapters: list[str]) -> Loads:
     next), the first at a scale of its own; one adapter; and that adapter at every scale of SWEEP."""
     parts = adapters[:MIX_WIDTH]
     return {
-        "base model": [{"model": BASE}],
+        "base model": [{"model": MODEL}],
         PLAIN: [{"model": name} for name in adapters[:CONCURRENCY]],
         MIXES: [
             mix_target([(parts[i % MIX_WIDTH], scale), (parts[(i + 1) % MIX_WIDTH], 0.5)])
@@ -332,7 +345,7 @@ DIRECT, POOL, GATEWAY = "vLLM replica, direct", "pool (route, adapter check)", "
 
 def overhead(replica: str, pool: str, gateway: str, api_key: str, model: str, samples: int) -> dict[str, list[float]]:
     """The replica holds a fine-tuned model under its revision's name; the pool and the gateway pin it."""
-    found = adapter_store().version(model) if model != BASE else None
+    found = adapter_store().version(model) if model != MODEL else None
     held_as = pinned_name(model, found.version) if found else model
     paths = {
         DIRECT: (replica, INTERNAL, held_as),
@@ -358,14 +371,14 @@ def overhead(replica: str, pool: str, gateway: str, api_key: str, model: str, sa
 
 
 def stock_vllm_throughput(adapter_folders: dict[str, Path], rounds: int) -> dict:
-    model = settings.MODEL_CATALOG.get(BASE)
+    model = settings.MODEL_CATALOG.get(MODEL)
     port = free_port()
     command = vllm_command(model, port, server_module="vllm.entrypoints.openai.api_server")
     url = f"http://127.0.0.1:{port}"
     loaded: set[str] = set()
 
     def load(models: list[str]) -> None:
-        wanted = [name for name in models if name != BASE]
+        wanted = [name for name in models if name != MODEL]
         for name in list(loaded):  # stock vLLM: keep at most max_cpu_loras registered, like the pool
             if name not in wanted and len(loaded) + len(wanted) > model.lora.max_num_adapters_per_replica:
                 httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": name}, headers=INTERNAL, timeout=60)
@@ -466,7 +479,7 @@ def report(
     """The table; a section left out of the run (--mix-only) is left out of it."""
     print()
     print("=" * 78)
-    print(f"Inference benchmark, {BASE}, 1 replica; {catalog_line}")
+    print(f"Inference benchmark, {MODEL}, 1 replica; {catalog_line}")
     print(f"machine: {os.cpu_count()} cores, load average now {os.getloadavg()[0]:.1f} (other work included)")
     print("-" * 78)
     if publish is not None:
@@ -499,7 +512,12 @@ def main() -> int:
     parser.add_argument(
         "--overhead-only", action="store_true", help="only (3): the pool's and the gateway's cost a request"
     )
+    parser.add_argument("--model", default=BASE, help=f"a base model of the catalog (default: {BASE})")
     args = parser.parse_args()
+    if args.model not in settings.MODEL_CATALOG.ids:
+        parser.error(f"--model {args.model!r} is not in the catalog ({', '.join(settings.MODEL_CATALOG.ids)})")
+    global MODEL
+    MODEL = args.model
     chosen = [section for section in SECTIONS if getattr(args, f"{section}_only")]
     if len(chosen) > 1:
         parser.error("choose one of --mix-only, --publish-only, --throughput-only and --overhead-only")
@@ -511,9 +529,10 @@ def main() -> int:
     print(f"scratch: {SCRATCH}", flush=True)
     call_command("migrate", verbosity=0)
     persona = _persona()
-    maker = AdapterMaker(SCRATCH / "made")
+    model = settings.MODEL_CATALOG.require(MODEL)
+    maker = AdapterMaker(SCRATCH / "made", MODEL, model.weights)
     print("making adapters ...", flush=True)  # all before the engine starts, which wants both cores
-    folders = {f"{BASE}:bench{i}": maker(seed=100 + i) for i in range(MANY_ADAPTERS)}
+    folders = {f"{MODEL}:bench{i}": maker(seed=100 + i) for i in range(MANY_ADAPTERS)}
     publishes = args.publishes if "publish" in sections else 0
     fresh = [maker(seed=200 + i) for i in range(publishes)]
     held: dict[str, Path] = {}
@@ -521,12 +540,11 @@ def main() -> int:
         print(f"making {HELD_ADAPTERS - MANY_ADAPTERS} more adapters ...", flush=True)
         first = next(iter(folders.values()))
         held = {
-            f"{BASE}:held{i}": variant(first, i, SCRATCH / "held" / str(i)) for i in range(MANY_ADAPTERS, HELD_ADAPTERS)
+            f"{MODEL}:held{i}": variant(first, i, SCRATCH / "held" / str(i)) for i in range(MANY_ADAPTERS, HELD_ADAPTERS)
         }
     for name, folder in {**folders, **held}.items():
-        publish_fine_tuned_model(persona, name.rpartition(":")[2], folder)
+        publish_fine_tuned_model(persona, name.rpartition(":")[2], folder, MODEL)
 
-    model = settings.MODEL_CATALOG.get(BASE)
     catalog_line = (
         f"dtype {model.engine.dtype}, max_loras {model.engine.max_loras}, max_num_adapters_per_replica "
         f"{model.lora.max_num_adapters_per_replica}, max_lora_rank {model.lora.max_lora_rank}"
@@ -535,7 +553,7 @@ def main() -> int:
     env = {
         key: os.environ[key]
         for key in ("DATABASE_URL", "DYNAMIC_LORA_PATH", "INFERENCE_POOL_URL", "FIRST_REPLICA_PORT")
-    }
+    } | {"MODEL_CATALOG": str(_catalog_of(model))}
     gateway_port = free_port()
     gateway = f"http://127.0.0.1:{gateway_port}"
     web = [sys.executable, "-m", "uvicorn", "server.asgi:application", "--app-dir", "platform",
@@ -557,7 +575,7 @@ def main() -> int:
             print("(3) overhead ...", flush=True)
             adapter = next(iter(folders))
             latencies = {
-                "base model": overhead(replica, pool_url, gateway, persona.api_key, BASE, args.overhead_samples),
+                "base model": overhead(replica, pool_url, gateway, persona.api_key, MODEL, args.overhead_samples),
                 "adapter": overhead(replica, pool_url, gateway, persona.api_key, adapter, args.overhead_samples),
             }
         if "throughput" in sections:

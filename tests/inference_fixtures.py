@@ -126,12 +126,14 @@ def charlie(transactional_db, gateway) -> Persona:
 
 
 class AdapterMaker:
-    """Random (not zero-initialised) LoRA adapters on the base model, so each answers differently.
-    An adapter is a function of its seed and rank: each is made once a session, and the base model
-    it is made on is loaded for that and let go, not held by the test process for the session."""
+    """Random (not zero-initialised) LoRA adapters on a base model (the catalog's first, or ``base``
+    with its weights in ``weights``), so each answers differently. An adapter is a function of its
+    seed and rank: each is made once a session, and the base model it is made on is loaded for that
+    and let go, not held by the test process for the session."""
 
-    def __init__(self, folder: Path):
-        self.folder = folder
+    def __init__(self, folder: Path, base: str = BASE, weights: Path | None = None):
+        self.folder, self.base = folder, base
+        self.weights = weights or ROOT / "data" / "models" / base
         self._lock = threading.Lock()
 
     def __call__(self, seed: int, rank: int = 8) -> Path:
@@ -141,19 +143,18 @@ class AdapterMaker:
                 self._make(out, seed, rank)
         return out
 
-    @staticmethod
-    def _make(out: Path, seed: int, rank: int) -> None:
+    def _make(self, out: Path, seed: int, rank: int) -> None:
         import torch
         from peft import LoraConfig, get_peft_model
         from transformers import AutoModelForCausalLM
 
-        base = AutoModelForCausalLM.from_pretrained(ROOT / "data" / "models" / BASE, dtype=torch.float32)
+        base = AutoModelForCausalLM.from_pretrained(self.weights, dtype=torch.float32)
         torch.manual_seed(seed)
         config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGET_MODULES, init_lora_weights=False)
         get_peft_model(base, config).save_pretrained(out)
         config_file = out / "adapter_config.json"
         saved = json.loads(config_file.read_text())
-        saved["base_model_name_or_path"] = BASE  # what the platform's training writes
+        saved["base_model_name_or_path"] = self.base  # what the platform's training writes
         config_file.write_text(json.dumps(saved))
 
 
@@ -170,28 +171,28 @@ def adapter_store():
     return store_for(settings.CONFIG.dynamic_lora_path, settings.CONFIG.s3)
 
 
-def register_fine_tuned_model(persona: Persona, suffix: str) -> str:
+def register_fine_tuned_model(persona: Persona, suffix: str, base: str = BASE) -> str:
     """The rows a succeeded fine-tuning job leaves: job, its training file, the fine-tuned model."""
     from finetuning.models import File, FineTunedModel, FineTuningJob, JobStatus, ModelRevision
 
-    name = f"{BASE}:{suffix}"
+    name = f"{base}:{suffix}"
     organization = persona.organization
     training_file = File.objects.create(
         organization=organization, filename="train.jsonl", bytes=1, storage_key=f"test/{suffix}",
         example_count=10, token_count=100, max_example_tokens=10,
     )  # fmt: skip
     job = FineTuningJob.objects.create(
-        organization=organization, model=BASE, training_file=training_file.id, suffix=suffix, seed=0,
+        organization=organization, model=base, training_file=training_file.id, suffix=suffix, seed=0,
         hyperparameters={"n_epochs": 1, "batch_size": 1, "learning_rate_multiplier": 1.0},
         status=JobStatus.SUCCEEDED, fine_tuned_model=name,
     )  # fmt: skip
-    model = FineTunedModel.objects.create(name=name, organization=organization, job=job, base_model=BASE, suffix=suffix)
+    model = FineTunedModel.objects.create(name=name, organization=organization, job=job, base_model=base, suffix=suffix)
     ModelRevision.objects.create(model=model, number=1, job=job)
     return name
 
 
-def publish_fine_tuned_model(persona: Persona, suffix: str, folder: Path) -> str:
+def publish_fine_tuned_model(persona: Persona, suffix: str, folder: Path, base: str = BASE) -> str:
     """What the platform does when a job succeeds: the adapter to the dynamic path, then the row."""
-    name = f"{BASE}:{suffix}"
+    name = f"{base}:{suffix}"
     adapter_store().publish(name, folder, 1)  # a new model's first revision, whatever an earlier run left
-    return register_fine_tuned_model(persona, suffix)
+    return register_fine_tuned_model(persona, suffix, base)

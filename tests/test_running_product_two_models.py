@@ -17,13 +17,12 @@ import openai
 import pytest
 import redis
 
-from tests.inference_fixtures import catalog_text, kernels_for
+from tests.inference_fixtures import AdapterMaker, catalog_text, kernels_for
 from tests.personas import good_dataset
 from tests.processes import ROOT, wait_until
 from tests.running_platform import bin_run, shipped_models
 from tests.second_base_model import build_tiny_qwen2
 from tests.test_running_product import _archive
-from tests.test_second_base_model_served import _qwen_adapter
 
 pytestmark = [pytest.mark.product, pytest.mark.engine, pytest.mark.training]
 
@@ -99,7 +98,7 @@ def test_both_base_models_are_listed_fine_tuned_and_served_side_by_side(platform
         assert name == f"{base}:side"
         assert ask(name).model == f"{name}@r1" and ask(name).choices[0].message.content
 
-    folder = _qwen_adapter(platform.data_dir / "models" / QWEN, tmp_path / "elsewhere", seed=5)
+    folder = AdapterMaker(tmp_path / "elsewhere", QWEN, platform.data_dir / "models" / QWEN)(seed=5)
     uploaded = api.post(
         "/fine_tuning/adapters",
         files={"file": ("adapter.tar.gz", _archive(folder))},

@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.inference_fixtures import BASE, TARGET_MODULES, adapter_store, internal_headers, pool_environment
+from tests.inference_fixtures import BASE, AdapterMaker, adapter_store, internal_headers, pool_environment
 from tests.processes import free_port, running, wait_until
 from tests.second_base_model import build_tiny_qwen2
 
@@ -27,24 +27,6 @@ pytestmark = pytest.mark.engine
 QWEN = "tests/tiny-qwen2"
 PROMPT = "The capital of France is"
 TOKENS = 8
-
-
-def _qwen_adapter(model_folder: Path, out: Path, seed: int) -> Path:
-    """A random (not zero) rank-8 LoRA on every linear layer of the tiny model, as PEFT saves it."""
-    import json
-
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    base = AutoModelForCausalLM.from_pretrained(model_folder, dtype=torch.float32)
-    torch.manual_seed(seed)
-    config = LoraConfig(r=8, lora_alpha=16, target_modules=TARGET_MODULES, init_lora_weights=False)
-    get_peft_model(base, config).save_pretrained(out)
-    saved = json.loads((out / "adapter_config.json").read_text())
-    saved["base_model_name_or_path"] = QWEN
-    (out / "adapter_config.json").write_text(json.dumps(saved))
-    return out
 
 
 def _peft_tokens(model_folder: Path, adapters: list[Path], scales: list[float]) -> list[int]:
@@ -131,7 +113,7 @@ def test_the_second_models_adapters_pass_the_upload_check_and_answer_as_peft_alo
     url, weights, data = two_models
     catalog = load_catalog(Path(data).parent / "models.toml", data, "")
     qwen = catalog.require(QWEN)
-    folders = [_qwen_adapter(weights, tmp_path / f"a{seed}", seed) for seed in (3, 4)]
+    folders = [AdapterMaker(tmp_path, QWEN, weights)(seed) for seed in (3, 4)]
     names = [f"{QWEN}:second-{index}" for index in range(2)]
     for name, folder in zip(names, folders):
         assert check_adapter(folder, qwen).rank == 8  # what an upload for this model goes through

@@ -2,12 +2,14 @@
 another architecture (a tiny Qwen2, ``tests.second_base_model``) to a catalog beside SmolLM2, then
 ``bin/run`` serves both. With the official ``openai`` client: both are listed, a fine-tune of each
 trains and answers under its own name, an adapter trained elsewhere for the second is uploaded and
-answers, and two of the second model's adapters mix; a mix never takes the other model's.
+answers, and two of the second model's adapters mix; a mix never takes the other model's. In a real
+browser, the dashboard's pickers, models page and usage page show both models' fine-tunes.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -17,6 +19,7 @@ import openai
 import pytest
 import redis
 
+from tests.browser import screenshot
 from tests.inference_fixtures import AdapterMaker, catalog_text, kernels_for
 from tests.personas import good_dataset
 from tests.processes import ROOT, wait_until
@@ -72,7 +75,7 @@ def _fine_tune(client: openai.OpenAI, model: str, suffix: str) -> str:
     return job.fine_tuned_model
 
 
-def test_both_base_models_are_listed_fine_tuned_and_served_side_by_side(platform, tmp_path):
+def test_both_base_models_are_listed_fine_tuned_and_served_side_by_side(platform, page, tmp_path):
     client = openai.OpenAI(base_url=f"{platform.url}/v1", api_key=platform.api_key, max_retries=0)
     api = httpx.Client(
         base_url=f"{platform.url}/v1", headers={"Authorization": f"Bearer {platform.api_key}"}, timeout=120
@@ -119,3 +122,21 @@ def test_both_base_models_are_listed_fine_tuned_and_served_side_by_side(platform
     usage = api.get("/organization/usage/completions", params={"start_time": today, "group_by": "model"})
     served = {row["model"] for bucket in usage.json()["data"] for row in bucket["results"]}
     assert {tuned[SMOL], tuned[QWEN], elsewhere} <= served, json.dumps(usage.json())[:500]
+
+    # The dashboard, in a real browser: the pickers, the models page and the usage page show both.
+    page.goto(f"{platform.url}/login")
+    page.fill("#id_username", "demo")
+    page.fill("#id_password", "demo")
+    page.click("button[type=submit]")
+    page.wait_for_url(re.compile(r"/jobs$"))
+    page.goto(f"{platform.url}/jobs/new")
+    assert page.eval_on_selector_all("#id_model option", "options => options.map(o => o.value)") == [SMOL, QWEN]
+    page.goto(f"{platform.url}/playground")
+    offered = page.eval_on_selector_all("#pane-1 select.model option", "options => options.map(o => o.value)")
+    assert {SMOL, QWEN, tuned[SMOL], tuned[QWEN], elsewhere} <= set(offered), offered
+    page.goto(f"{platform.url}/models")
+    assert all(page.is_visible(f'tr[data-model="{name}"]') for name in (tuned[SMOL], tuned[QWEN], elsewhere))
+    page.goto(f"{platform.url}/usage")
+    totals = page.inner_text("#usage-totals")
+    assert all(name in totals for name in (tuned[SMOL], tuned[QWEN], elsewhere)), totals
+    screenshot(page, "product-two-models-usage")

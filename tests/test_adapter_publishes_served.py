@@ -128,7 +128,7 @@ def _deleted_and_published_again(url: str, data: Path, store: S3AdapterStore, ma
 
     assert _text(charlies) == _fresh_answer(url, store, charlie, "charlie-ref") != _text(alices)
     danas_own = _fresh_answer(url, store, dana, "dana-ref")
-    # On a failure, which weights answered (a run in CI once answered with neither charlie's nor dana's).
+    # On a failure, which weights answered (on Ray, a replica once kept answering with charlie's).
     seen = lambda: {"alice": _text(alices), "charlie": _text(charlies), "base": _text(_answer(url, BASE))}  # noqa: E731
     assert _text(danas) == danas_own != _text(charlies), (_text(danas), danas_own, seen(), danas["model"])
 

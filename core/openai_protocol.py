@@ -23,6 +23,10 @@ from core import api_errors, strict_json
 # The pool counts adapters against it (``inference.adapter_slots.FairUse``).
 ORGANIZATION_HEADER = "fineserve-organization"
 
+# The header by which the gateway marks work nobody is waiting on token by token (a batch's lines, an
+# evaluation's answers): the pool lets it yield to live requests on a replica (``Replica.background_may_start``).
+BACKGROUND_HEADER = "fineserve-background"
+
 # Scales of a mix beyond this push a layer far from anything its adapters were trained for (the
 # output degenerates into noise long before), and negative ones subtract an adapter's behaviour
 # ("task negation"); the bound keeps a typo like 50 from passing as a meaningful request.

@@ -21,6 +21,7 @@ the base model when every scale is 0, and ``adapters`` goes (vLLM does not know 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
@@ -49,6 +50,7 @@ from inference.router import choose_replica
 from inference.served_model import served_model
 
 MAX_ATTEMPTS = 3
+BACKGROUND_POLL_S = 0.05  # how often background work waiting for its turn looks again
 _JSON = "application/json"
 _SSE = "text/event-stream"
 # vLLM's own status codes that mean "this replica does not have the adapter" (it restarted, or an
@@ -68,22 +70,25 @@ class CompletionsHandler:
     def __init__(self, pool: Pool, catalog: Catalog, adapters: AdapterManager, http: Poster, metrics: Metrics):
         self.pool, self.catalog, self.adapters, self.http, self.metrics = pool, catalog, adapters, http, metrics
 
-    async def handle(self, body: bytes, endpoint: str, organization: str | None = None) -> Response:
-        """``organization``: the one the gateway says the request is for (None: not named)."""
+    async def handle(
+        self, body: bytes, endpoint: str, organization: str | None = None, background: bool = False
+    ) -> Response:
+        """``organization``: the one the gateway says the request is for (None: not named);
+        ``background``: work nobody waits on token by token, which yields to live requests."""
         started = time.perf_counter()
         fields = routed_fields(body)
         base, fine_tuned = served_model(self.catalog, fields.model)
         if fields.adapters is not None:
-            request = await self._mix_request(body, endpoint, fields, base, started, organization)
+            request = await self._mix_request(body, endpoint, fields, base, started, organization, background)
         elif fine_tuned:
             pinned, version = await self.adapters.pinned(base.id, fields.model)
             body = body if pinned == fields.model else with_fields(body, model=pinned)
             request = _Request(
                 body, endpoint, pinned, base.id, True, fields.stream, started, label_as=fields.model, version=version,
-                organization=organization,
+                organization=organization, background=background,
             )  # fmt: skip
         else:
-            request = _Request(body, endpoint, base.id, base.id, False, fields.stream, started)
+            request = _Request(body, endpoint, base.id, base.id, False, fields.stream, started, background=background)
         try:
             return await self._forward(request)
         except api_errors.ApiError as exc:
@@ -116,6 +121,7 @@ class CompletionsHandler:
         base: BaseModel,
         started: float,
         organization: str | None,
+        background: bool,
     ) -> _Request:
         if fields.model != base.id:
             raise api_errors.mix_needs_base_model(fields.model)
@@ -128,8 +134,9 @@ class CompletionsHandler:
         model = mix.name if mix else base.id
         body = with_fields(body, model=model, adapters=None)
         return _Request(
-            body, endpoint, model, base.id, mix is not None, fields.stream, started, mix, organization=organization
-        )
+            body, endpoint, model, base.id, mix is not None, fields.stream, started, mix, organization=organization,
+            background=background,
+        )  # fmt: skip
 
     async def _forward(self, request: _Request) -> Response:
         skip: set[Replica] = set()
@@ -152,9 +159,8 @@ class CompletionsHandler:
 
     async def _attempt(self, replica: Replica, request: _Request) -> Response:
         model = request.model
-        if request.adapter:  # its organization's turn in the replica's batch slots (nothing yields until begin)
-            await self.adapters.batch_turn(replica, model, request.organization, request.mix)
-        done = _Done(replica, model)
+        await self._turn(replica, request)
+        done = _Done(replica, model, request.background)
         try:
             if request.mix is not None:  # a kernel mix's parts are in use as each is ensured
                 await self.adapters.ensure_mix(replica, request.mix, request.organization, done.uses)
@@ -197,6 +203,17 @@ class CompletionsHandler:
                 headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
             )
         return await self._whole(upstream, done, request)
+
+    async def _turn(self, replica: Replica, request: _Request) -> None:
+        """Return when the request may start on the replica: its organization's turn in the batch slots
+        (an adapter's), and background work's turn beside live requests. Both are checked last
+        without a yield in between, and the caller begins the request before it yields."""
+        while True:
+            if request.adapter:
+                await self.adapters.batch_turn(replica, request.model, request.organization, request.mix)
+            if not request.background or replica.background_may_start(time.monotonic()):
+                return
+            await asyncio.sleep(BACKGROUND_POLL_S)
 
     async def _whole(self, upstream: UpstreamResponse, done: _Done, request: _Request) -> Response:
         try:
@@ -249,6 +266,7 @@ class _Request:
     label_as: str | None = None  # the name the client asked for, when the pool pinned it
     version: str | None = None  # the pinned revision's, as the store published it
     organization: str | None = None  # whose adapter it is, for fair use of the replica's slots
+    background: bool = False  # yields to live requests (``Replica.background_may_start``)
 
     @property
     def label(self) -> str:
@@ -264,10 +282,10 @@ def _down(replica: Replica, reason: str) -> _TryAnother:
 class _Done:
     """Begins one request's accounting on its replica, and ends it once, however the request ends."""
 
-    def __init__(self, replica: Replica, model: str):
-        self.replica, self.model, self.called = replica, model, False
+    def __init__(self, replica: Replica, model: str, background: bool):
+        self.replica, self.model, self.background, self.called = replica, model, background, False
         self.adapters: list[str] = []
-        replica.begin(model)
+        replica.begin(model, background)
 
     def uses(self, adapter: str) -> None:
         """The engine answers this request with ``adapter`` (its own, or a kernel mix's part): it
@@ -279,6 +297,6 @@ class _Done:
         if self.called:
             return
         self.called = True
-        self.replica.end(self.model)
+        self.replica.end(self.model, self.background)
         for adapter in self.adapters:
             self.replica.adapters.finished(adapter)

@@ -31,6 +31,11 @@ _PROBE_TIMEOUT_S = 3.0
 _PROBE_FAILURES_TO_DOWN = 2
 _STOP_GRACE_S = 10.0
 _REFUSED_START_RETRY_S = 10.0  # a start refused for want of memory: memory may have been freed since
+# Background work (a batch's lines) yields to live requests: while live ones are in flight on a replica,
+# or were this recently (the gap between one client's requests), only this many background requests run
+# there at once, so a live request shares each decode step with few of them; otherwise as many as come.
+BACKGROUND_BESIDE_LIVE = 1
+LIVE_QUIET_S = 2.0
 
 
 def batch_slots(model: BaseModel) -> int:
@@ -153,6 +158,8 @@ class Replica:
     failed_probes: int = 0
     inflight: int = 0
     inflight_by_model: Counter = field(default_factory=Counter)
+    background_inflight: int = 0  # of ``inflight``: background work's (``BACKGROUND_BESIDE_LIVE``)
+    live_seen_at: float = float("-inf")  # when a live request last began or ended here (time.monotonic())
     adapters: AdapterSlots = field(init=False)
     # What the replica said about its LoRA kernels when it became ready (inference.lora_kernels_report):
     # active, requested, reason. None: not asked yet, or a server that does not say (vLLM's own).
@@ -183,17 +190,29 @@ class Replica:
         """Whether its kernel computes mixes from their parts' slots (``inference.lora_mixes``)."""
         return bool((self.lora_kernels or {}).get("mixes_in_kernel"))
 
-    def begin(self, model: str) -> None:
+    def background_may_start(self, now: float) -> bool:
+        """Whether a background request may start now (``BACKGROUND_BESIDE_LIVE``)."""
+        live_near = self.inflight > self.background_inflight or now - self.live_seen_at < LIVE_QUIET_S
+        return not live_near or self.background_inflight < BACKGROUND_BESIDE_LIVE
+
+    def begin(self, model: str, background: bool = False) -> None:
         self.inflight += 1
         self.inflight_by_model[model] += 1
-        self.last_active_at = time.monotonic()
+        self._count(background, 1)
 
-    def end(self, model: str) -> None:
-        self.last_active_at = time.monotonic()
+    def end(self, model: str, background: bool = False) -> None:
         self.inflight -= 1
         self.inflight_by_model[model] -= 1
         if self.inflight_by_model[model] <= 0:
             del self.inflight_by_model[model]
+        self._count(background, -1)
+
+    def _count(self, background: bool, change: int) -> None:
+        self.last_active_at = time.monotonic()
+        if background:
+            self.background_inflight += change
+        else:
+            self.live_seen_at = self.last_active_at
 
     def mark_down(self, reason: str) -> None:
         """Stop routing here until the health check passes again.
@@ -356,6 +375,7 @@ class Replica:
             "restarts": self.restarts,
             "last_exit_code": self.last_exit_code,
             "inflight": self.inflight,
+            "background_inflight": self.background_inflight,
             "adapters": list(self.adapters.held),
             "lora_kernels": self.lora_kernels,
             "start_refused": self.start_refused,

@@ -4,7 +4,8 @@ Every route needs the internal token (``inference.internal_auth``); the pool pre
 token to its replicas, on the admin client (probes, adapter loads, /v1/models) and the hot path.
 
 - POST /v1/chat/completions, /v1/completions: route, load the adapter, relay (``completions``);
-  the organization the request is for in ``ORGANIZATION_HEADER`` (``core.openai_protocol``)
+  the organization the request is for in ``ORGANIZATION_HEADER`` (``core.openai_protocol``), and
+  background work (a batch's lines) marked by ``BACKGROUND_HEADER``
 - POST /v1/adapters/preload {"model"}: load a just-published adapter where its requests will go
 - GET /health: each model's state (ready, starting, cold) and its replicas'; 200 when one is
   ready or every model is cold (scaled to zero: it starts on its next request)
@@ -27,7 +28,7 @@ from starlette.routing import Route
 from core import api_errors, strict_json
 from core.http_client import HttpClient, Poster
 from core.internal_token import bearer
-from core.openai_protocol import ORGANIZATION_HEADER
+from core.openai_protocol import BACKGROUND_HEADER, ORGANIZATION_HEADER
 from inference.adapters import AdapterManager
 from inference.completions import CompletionsHandler
 from inference.internal_auth import RequireInternalToken
@@ -70,11 +71,17 @@ def create_app(pool: Pool, adapters: AdapterManager, http: Poster, metrics: Metr
                 await http.aclose()
             pool.stop()
 
+    async def answer(request: Request, endpoint: str) -> Response:
+        headers = request.headers
+        return await handler.handle(
+            await request.body(), endpoint, headers.get(ORGANIZATION_HEADER), BACKGROUND_HEADER in headers
+        )
+
     async def chat_completions(request: Request) -> Response:
-        return await handler.handle(await request.body(), "chat/completions", request.headers.get(ORGANIZATION_HEADER))
+        return await answer(request, "chat/completions")
 
     async def completions(request: Request) -> Response:
-        return await handler.handle(await request.body(), "completions", request.headers.get(ORGANIZATION_HEADER))
+        return await answer(request, "completions")
 
     async def preload(request: Request) -> JSONResponse:
         try:

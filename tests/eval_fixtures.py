@@ -11,6 +11,7 @@ import re
 import threading
 from dataclasses import dataclass, field
 
+from core.openai_protocol import BACKGROUND_HEADER, ORGANIZATION_HEADER
 from tests.personas import chat_example, jsonl
 
 BASE = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -33,6 +34,7 @@ class StandInEngine:
     url: str = ""
     bodies: list[dict] = field(default_factory=list)
     organizations: list[str] = field(default_factory=list)
+    background: list[bool] = field(default_factory=list)  # whether each was marked as background work
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def answer_to(self, body: dict) -> tuple[int, dict]:
@@ -56,7 +58,8 @@ def start_stand_in(engine: StandInEngine) -> http.server.ThreadingHTTPServer:
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             with engine.lock:
                 engine.bodies.append(body | {"_path": self.path})
-                engine.organizations.append(self.headers.get("fineserve-organization", ""))
+                engine.organizations.append(self.headers.get(ORGANIZATION_HEADER, ""))
+                engine.background.append(BACKGROUND_HEADER in self.headers)
             status, answer = engine.answer_to(body)
             raw = json.dumps(answer).encode()
             self.send_response(status)

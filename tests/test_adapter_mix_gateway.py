@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from core.openai_protocol import ORGANIZATION_HEADER
+from core.openai_protocol import BACKGROUND_HEADER, ORGANIZATION_HEADER
 from tests.inference_fixtures import BASE, register_fine_tuned_model
 from tests.personas import alice, bob, charlie  # noqa: F401 (fixtures)
 from tests.test_request_limits import _bearer, _chat, _error, _limits, anyio_backend, pool, web  # noqa: F401
@@ -115,9 +115,10 @@ async def test_the_playground_checks_a_mix_as_the_api_does(pool, alice, charlie,
 async def test_it_tells_the_pool_which_organization_a_request_is_for_whatever_the_caller_sends(
     web, pool, alice, charlie, fine_tunes
 ):
-    forged = {**_bearer(charlie), ORGANIZATION_HEADER: str(alice.organization.pk)}  # to take alice's share
+    forged = {**_bearer(charlie), ORGANIZATION_HEADER: str(alice.organization.pk), BACKGROUND_HEADER: "1"}  # alice's share
     assert (await web.post("/v1/chat/completions", json=_chat(), headers=forged)).status_code == 200
     mix = _chat(adapters=[{"model": fine_tunes["a"]}])
     assert (await web.post("/v1/chat/completions", json=mix, headers=_bearer(alice))).status_code == 200
     named = [headers[ORGANIZATION_HEADER] for headers in pool.headers]
     assert named == [str(charlie.organization.pk), str(alice.organization.pk)]
+    assert not any(BACKGROUND_HEADER in headers for headers in pool.headers)  # live requests never yield to a batch

@@ -226,6 +226,7 @@ def test_bad_lines_go_to_the_error_file_with_their_custom_id_and_the_batch_goes_
     sent = {body["model"] for body in engine.bodies}
     assert theirs not in sent and f"{mine}@r9" not in sent and len(engine.bodies) == 4
     assert all(body["cache_salt"] for body in engine.bodies)  # the organization's own prefix cache, as live requests
+    assert engine.background == [True] * 4  # they yield to live requests in the pool
     usage = CompletionUsage.objects.filter(organization=alice.organization)
     assert {(row.model, row.batch) for row in usage} >= {(BASE, True), (mine, True)}
     assert sum(row.requests for row in usage) == 4 and all(row.batch for row in usage)

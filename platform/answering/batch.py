@@ -1,6 +1,7 @@
 """Answers a worker asks for (an evaluation run, the publish gate, a Batch API line): chat completions
 sent through ``answering.forward``, so they reach the model's own backend and count in the
-organization's usage as any completion does.
+organization's usage as any completion does. They are background work: in the pool they yield to
+live requests (``inference.replica.BACKGROUND_BESIDE_LIVE``), since nobody waits on them token by token.
 
 An ``Answerer`` holds an event loop for its lifetime, so the backends' connections are kept from one
 batch to the next; a batch's answers run at once (the engine batches them), and each comes back
@@ -117,7 +118,7 @@ class Answerer:
         try:
             request = parse_request(body)
             caller = Caller(self.organization_id, None, request.routed.model, batch)
-            answered = await forward(body, request, CHAT, caller)
+            answered = await forward(body, request, CHAT, caller, background=True)
         except api_errors.ApiError as exc:
             return Reply(exc.status, exc.json_bytes())
         return Reply(answered.status, answered.body, answered.tokens or Tokens())
@@ -126,7 +127,8 @@ class Answerer:
         body = json.dumps({**target.fields(), "messages": prompt, **sampling.fields()}).encode()
         try:
             request = parse_request(body)
-            answered = await forward(body, request, CHAT, Caller(self.organization_id, None, target.model))
+            caller = Caller(self.organization_id, None, target.model)
+            answered = await forward(body, request, CHAT, caller, background=True)
         except api_errors.ApiError as exc:
             return Answer(None, error_code=exc.code or exc.type, error_message=exc.message)
         if answered.status != 200:

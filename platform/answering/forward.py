@@ -16,7 +16,7 @@ from answering.forwarded_body import asks_for_usage, forwarded_body
 from base.serving_client import pool_http, serving_url
 from core import api_errors
 from core.http_client import UpstreamError, UpstreamResponse, UpstreamTimeout
-from core.openai_protocol import ORGANIZATION_HEADER, ParsedRequest, RoutedFields
+from core.openai_protocol import BACKGROUND_HEADER, ORGANIZATION_HEADER, ParsedRequest, RoutedFields
 from finetuning.registry import UsableModel
 from usage.answers import StreamTokens, Tokens, whole_answer_tokens
 from usage.meter import METER, Caller
@@ -53,17 +53,19 @@ async def check_mix(
 
 
 async def forward(
-    body: bytes, request: ParsedRequest, endpoint: str, caller: Caller, prompt_estimate: int = 0
+    body: bytes, request: ParsedRequest, endpoint: str, caller: Caller, prompt_estimate: int = 0,
+    background: bool = False,
 ) -> PoolAnswer:
     """The backend's answer to ``body`` (``request`` is its parsed form), counted for ``caller``.
-    ``prompt_estimate``: the prompt tokens a stream left before its end counts (the gateway's estimate)."""
+    ``prompt_estimate``: the prompt tokens a stream left before its end counts (the gateway's estimate);
+    ``background``: work nobody waits on token by token, which yields to live requests in the pool."""
     stream = request.routed.stream
     body = forwarded_body(body, request.data, cache_salt(caller.organization_id), stream)
+    headers = {ORGANIZATION_HEADER: str(caller.organization_id)}  # for fair use of the pool's adapter slots
+    if background:
+        headers[BACKGROUND_HEADER] = "1"
     try:
-        upstream = await pool_http().post(
-            serving_url(request.routed.model, f"/v1/{endpoint}"), body,
-            headers={ORGANIZATION_HEADER: str(caller.organization_id)},  # for fair use of the pool's adapter slots
-        )  # fmt: skip
+        upstream = await pool_http().post(serving_url(request.routed.model, f"/v1/{endpoint}"), body, headers=headers)
     except UpstreamError as exc:
         raise _unreachable(exc) from None
     content_type = upstream.headers.get("content-type", JSON)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import io
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
@@ -43,6 +43,7 @@ class BatchFile:
     """What checking a whole file found: the requests counted, and up to MAX_REPORTED_ERRORS problems."""
 
     request_count: int = 0
+    prompt_tokens: int = 0  # its requests' prompts, as ``check_batch_file``'s caller estimates them
     errors: list[LineError] = field(default_factory=list)
     problem: str | None = None  # a whole-file problem (empty, not UTF-8, too many lines)
 
@@ -111,8 +112,9 @@ def _lines(source: BinaryIO) -> Iterator[tuple[int, BatchRequest | None, str | N
         yield number, request, error
 
 
-def check_batch_file(source: bytes | BinaryIO) -> BatchFile:
-    """Check every line; report up to MAX_REPORTED_ERRORS problems with their line numbers."""
+def check_batch_file(source: bytes | BinaryIO, prompt_tokens: Callable[[BatchRequest], int] = lambda _: 0) -> BatchFile:
+    """Check every line; report up to MAX_REPORTED_ERRORS problems with their line numbers.
+    ``prompt_tokens``: a request's prompt tokens, summed over the file's requests."""
     stream = io.BytesIO(source) if isinstance(source, bytes) else source
     checked, bad_lines = BatchFile(), 0
     for number, request, error in _lines(stream):
@@ -124,6 +126,7 @@ def check_batch_file(source: bytes | BinaryIO) -> BatchFile:
                 checked.errors.append(LineError(number, error))
         elif request is not None:
             checked.request_count += 1
+            checked.prompt_tokens += prompt_tokens(request)
     if checked.request_count == 0 and not bad_lines:
         checked.problem = "the file is empty"
     elif bad_lines > len(checked.errors):

@@ -113,6 +113,10 @@ class TenantLimits:
     # creating one more is refused (429) until one has finished.
     compositions_at_once_per_organization: int
     compositions_per_hour_per_organization: int  # every composition, linear too (each publishes a model)
+    # Prompt tokens (estimated at upload) of an organization's unfinished batches: a batch that would
+    # take it past this is refused (429) until some have finished. Batches pace themselves and yield
+    # to live requests, so they are held to this, as OpenAI's are, rather than to the per-minute rates.
+    batch_queue_tokens_per_organization: int
     sign_in_failures: int  # per username and per client address, within sign_in_window_s
     sign_in_window_s: int
 
@@ -129,6 +133,7 @@ LIMIT_SETTINGS = {
     "queued_jobs_per_organization": "QUEUED_JOBS_PER_ORGANIZATION",
     "compositions_at_once_per_organization": "COMPOSITIONS_AT_ONCE_PER_ORGANIZATION",
     "compositions_per_hour_per_organization": "COMPOSITIONS_PER_HOUR_PER_ORGANIZATION",
+    "batch_queue_tokens_per_organization": "BATCH_QUEUE_TOKENS_PER_ORGANIZATION",
     "sign_in_failures": "SIGN_IN_FAILURES",
     "sign_in_window_s": "SIGN_IN_WINDOW_SECONDS",
 }
@@ -149,6 +154,7 @@ def _limits() -> TenantLimits:
         queued_jobs_per_organization=setting("queued_jobs_per_organization", 100),
         compositions_at_once_per_organization=setting("compositions_at_once_per_organization", 2),
         compositions_per_hour_per_organization=setting("compositions_per_hour_per_organization", 20),
+        batch_queue_tokens_per_organization=setting("batch_queue_tokens_per_organization", 20_000_000),
         sign_in_failures=setting("sign_in_failures", 10),
         sign_in_window_s=setting("sign_in_window_s", 15 * 60),
     )

@@ -20,8 +20,10 @@ from batches import batch_status, line_answers
 from batches.models import Batch, BatchResult, BatchStatus
 from core.batch_input import BatchRequest, check_batch_file
 from finetuning import files
+from finetuning.models import File
 from tests.eval_fixtures import BASE, REFUSED, StandInEngine, start_stand_in
 from tests.inference_fixtures import register_fine_tuned_model
+from tests.limits import lower_limits
 from usage.models import CompletionUsage
 from webhooks.models import WebhookEndpoint, WebhookEvent
 from workers import run_batch as worker
@@ -160,6 +162,32 @@ def test_it_creates_retrieves_lists_and_cancels_batches(alice, charlie, queued):
     assert cancelled["status"] == "cancelled" and cancelled["cancelled_at"] is not None  # nothing had started
     Batch.objects.filter(pk=second["id"]).update(status=BatchStatus.IN_PROGRESS)
     assert alice.api.post(f"/v1/batches/{second['id']}/cancel").json()["status"] == "cancelling"
+
+
+def test_an_organizations_batch_queue_is_held_to_its_prompt_tokens_and_frees_as_batches_finish(
+    alice, charlie, queued, settings
+):
+    question = "x" * 400  # about 100 prompt tokens a line (characters / 4), "user" included
+    file_id = upload(alice, [line(str(n), question=question) for n in range(10)])
+    tokens = File.objects.get(pk=file_id).token_count
+    assert 1000 < tokens < 1100
+    lower_limits(settings, batch_queue_tokens_per_organization=tokens * 2)
+
+    first, second = create(alice, file_id).json()["id"], create(alice, file_id).json()["id"]
+    refused = create(alice, file_id)
+    assert refused.status_code == 429 and refused["Retry-After"]
+    error = refused.json()["error"]
+    assert error["code"] == "batch_queue_full" and "BATCH_QUEUE_TOKENS_PER_ORGANIZATION" in error["message"]
+    assert f"{tokens * 2:,}" in error["message"] and Batch.objects.count() == 2 and len(queued) == 2  # nothing written
+    assert create(charlie, upload(charlie, [line("c", question=question)])).status_code == 200  # its own queue
+
+    Batch.objects.filter(pk=first).update(status=BatchStatus.COMPLETED)  # a finished batch leaves the queue
+    assert create(alice, file_id).status_code == 200
+    alice.api.post(f"/v1/batches/{second}/cancel")  # so does a cancelled one
+    lower_limits(settings, batch_queue_tokens_per_organization=tokens - 1)
+    too_large = create(alice, file_id)
+    assert too_large.status_code == 400 and too_large.json()["error"]["param"] == "input_file_id"
+    assert "split it" in too_large.json()["error"]["message"]
 
 
 def test_the_openai_client_runs_a_batch_and_downloads_its_files(alice, live_server, engine, queued, no_waits):

@@ -21,6 +21,7 @@ from core.batch_input import BatchFile, check_batch_file
 from core.config import UPLOAD_LIMIT_SETTING
 from core.datasets import CHAT, Dataset, Example, Record, as_chat, parse_dataset
 from finetuning import quotas, results, storage
+from gateway.limits import estimated_prompt_tokens
 from finetuning.models import FINISHED_STATUSES, File, FineTuningJob
 from finetuning.tokens import default_model, token_counter
 
@@ -69,12 +70,13 @@ class _Counted(NamedTuple):
 
 def _counts(source: BinaryIO, purpose: str) -> _Counted:
     """What an upload that passes its purpose's check holds; the check's 400 otherwise. A batch's
-    lines are not tokenized: its requests are, when they run."""
+    lines are not tokenized: their prompts are estimated as the rate limits estimate them (what the
+    batch queue limit counts, ``batches.creation``), and its requests are counted when they run."""
     if purpose == BATCH_PURPOSE:
-        checked = check_batch_file(source)
+        checked = check_batch_file(source, lambda line: estimated_prompt_tokens(line.body, line.url.removeprefix("/v1/")))
         if not checked.ok:
             raise batch_file_error(checked)
-        return _Counted(checked.request_count, 0, 0, CHAT)
+        return _Counted(checked.request_count, checked.prompt_tokens, 0, CHAT)
     dataset, counts = check_dataset(source, keep_examples=False)
     if not dataset.ok:
         raise dataset_error(dataset)

@@ -40,7 +40,8 @@ class File(models.Model):
     bytes = models.BigIntegerField()
     storage_key = models.CharField(max_length=255)  # where the bytes are in object storage
     example_count = models.IntegerField()
-    token_count = models.BigIntegerField()  # with the default base model's tokenizer and chat template
+    # With the default base model's tokenizer and chat template; a batch file's: its prompts, estimated.
+    token_count = models.BigIntegerField()
     max_example_tokens = models.IntegerField()  # checked against a job's model context at launch
     # What its lines hold (``core.datasets``): "chat" (chat or prompt/completion lines) or "preference"
     # (DPO pairs); a job's method needs one of them.

@@ -208,11 +208,15 @@ class CompletionsHandler:
         """Return when the request may start on the replica: its organization's turn in the batch slots
         (an adapter's), and background work's turn beside live requests. Both are checked last
         without a yield in between, and the caller begins the request before it yields."""
+        waited = False
         while True:
             if request.adapter:
                 await self.adapters.batch_turn(replica, request.model, request.organization, request.mix)
             if not request.background or replica.background_may_start(time.monotonic()):
                 return
+            if not waited:
+                self.metrics.background_waits.labels(request.base_id).inc()
+                waited = True
             await asyncio.sleep(BACKGROUND_POLL_S)
 
     async def _whole(self, upstream: UpstreamResponse, done: _Done, request: _Request) -> Response:

@@ -107,6 +107,10 @@ class Metrics:
             "fineserve_adapter_load_seconds", "Time for a replica to load an adapter",
             ["base_model"], buckets=_LOAD_BUCKETS, registry=r,
         )  # fmt: skip
+        self.background_waits = Counter(
+            "fineserve_background_waits", "Background requests (a batch's lines) that waited for live ones on a replica",
+            ["base_model"], registry=r,
+        )  # fmt: skip
         self.adapter_downloads = Counter(
             "fineserve_adapter_downloads", "Adapters synced from S3 into the local cache", ["base_model"], registry=r
         )

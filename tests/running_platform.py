@@ -41,8 +41,16 @@ class RunningPlatform:
     process: subprocess.Popen
 
     def pool_health(self) -> dict:
+        return self._from_pool("/health").json()
+
+    def pool_metric(self, name: str) -> float:
+        """A series of the pool's Prometheus metrics, summed over its labels (0 when it has none yet)."""
+        lines = self._from_pool("/metrics").text.splitlines()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith((f"{name}{{", f"{name} ")))
+
+    def _from_pool(self, path: str) -> httpx.Response:
         headers = {"Authorization": f"Bearer {self.internal_token}"}
-        return httpx.get(f"{self.pool_url}/health", headers=headers, timeout=10).json()
+        return httpx.get(f"{self.pool_url}{path}", headers=headers, timeout=10)
 
     def sign_in(self, page) -> None:
         """Sign a browser page in to the dashboard as the demo user bin/run creates."""

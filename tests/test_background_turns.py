@@ -68,21 +68,26 @@ def held_pool(tmp_path, monkeypatch):
         headers = {BACKGROUND_HEADER: "1"} if background else {}
         return asyncio.create_task(http.post("/v1/chat/completions", json=body, headers=headers))
 
-    return held, ask, pool.pool.replicas[0]
+    return held, ask, pool.pool.replicas[0], pool.metrics
+
+
+def waits(metrics) -> float:
+    return metrics.registry.get_sample_value("fineserve_background_waits_total", {"base_model": BASE}) or 0.0
 
 
 @pytest.mark.anyio
 async def test_background_work_runs_all_at_once_on_a_replica_with_no_live_requests(held_pool):
-    held, ask, _ = held_pool
+    held, ask, _, metrics = held_pool
     lines = [ask(f"line-{n}", background=True) for n in range(4)]
     await held.running_soon("line-0", "line-1", "line-2", "line-3")
     held.release("line-0", "line-1", "line-2", "line-3")
     assert [(await line).status_code for line in lines] == [200] * 4
+    assert waits(metrics) == 0
 
 
 @pytest.mark.anyio
 async def test_beside_live_requests_background_work_runs_one_at_a_time_and_live_requests_never_wait(held_pool):
-    held, ask, replica = held_pool
+    held, ask, replica, metrics = held_pool
     live = [ask("live-0", background=False)]
     await held.running_soon("live-0")
     lines = [ask(f"line-{n}", background=True) for n in range(3)]
@@ -105,3 +110,4 @@ async def test_beside_live_requests_background_work_runs_one_at_a_time_and_live_
     held.release("line-1", "line-2")
     assert [(await request).status_code for request in live + lines] == [200] * 5
     assert replica.inflight == 0 and replica.background_inflight == 0
+    assert waits(metrics) == 2  # for operators: how often batches gave way

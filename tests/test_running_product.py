@@ -14,12 +14,15 @@ test-artifacts/product-timings.json.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import re
-import time
-
-import io
 import tarfile
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -260,10 +263,12 @@ def test_a_batch_over_the_base_model_two_fine_tunes_and_a_mix_answers_as_live_re
         hook = api.post("/webhooks", json={"url": receiver.url, "event_types": ["batch.completed"]})
         assert hook.status_code in (200, 201), hook.text
         batch_input = client.files.create(file=("batch.jsonl", jsonl(lines)), purpose="batch")
-        batch = client.batches.create(
-            input_file_id=batch_input.id, endpoint="/v1/chat/completions", completion_window="24h"
-        )
-        wait_until(lambda: client.batches.retrieve(batch.id).status in ("completed", "failed"), 300, "the batch")
+        with live_traffic(client):  # the batch's lines give way to it: one at a time beside live requests
+            batch = client.batches.create(
+                input_file_id=batch_input.id, endpoint="/v1/chat/completions", completion_window="24h"
+            )
+            wait_until(lambda: client.batches.retrieve(batch.id).status in ("completed", "failed"), 300, "the batch")
+        assert platform.pool_metric("fineserve_background_waits_total") >= 1
         batch = client.batches.retrieve(batch.id)
         assert batch.status == "completed", batch
         assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (9, 8, 1)
@@ -284,6 +289,24 @@ def test_a_batch_over_the_base_model_two_fine_tunes_and_a_mix_answers_as_live_re
         assert event.type == "batch.completed" and event.data.id == batch.id
     finally:
         next(receiver_context, None)
+
+
+@contextlib.contextmanager
+def live_traffic(client: openai.OpenAI) -> Iterator[None]:
+    """Live chat requests of the base model, one after another, until the block ends."""
+    stop = threading.Event()
+
+    def chat() -> None:
+        while not stop.is_set():
+            client.chat.completions.create(model=BASE, messages=[{"role": "user", "content": "Hi"}], max_tokens=8)
+
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(chat)
+        try:
+            yield
+        finally:
+            stop.set()
+        running.result()  # a live request that failed fails the test
 
 
 def test_a_dpo_job_created_with_method_trains_on_preference_pairs_and_its_model_answers(platform):
@@ -417,11 +440,7 @@ def test_usage_reports_the_completions_served_and_the_tokens_trained_in_the_api_
     by_model = {r["model"]: r for b in trained["data"] for r in b["results"]}
     assert by_model[f"{BASE}:revised"]["num_jobs"] == 2 and by_model[f"{BASE}:revised"]["trained_tokens"] > 0
 
-    page.goto(f"{platform.url}/login")
-    page.fill("#id_username", "demo")
-    page.fill("#id_password", "demo")
-    page.click("button[type=submit]")
-    page.wait_for_url(re.compile(r"/jobs$"))
+    platform.sign_in(page)
     page.click("nav >> text=Usage")
     page.wait_for_selector("#usage-chart rect")
     totals = page.inner_text("#usage-totals")

@@ -42,6 +42,7 @@ REDIS_URL = "redis://127.0.0.1:6379/13"  # the platform's own database: neither 
 # Low enough for a few chats to reach it (each charged its prompt and max_tokens, or the whole
 # 2,048-token context without max_tokens), as an operator's .env would set it.
 TOKENS_PER_MINUTE_PER_KEY = 12_000
+BATCH_QUEUE_TOKENS = 5_000  # prompt tokens of the organization's unfinished batches
 TIMINGS = ROOT / "test-artifacts" / "product-timings.json"
 FINISHED = ("succeeded", "failed", "cancelled")
 
@@ -53,6 +54,7 @@ def platform(tmp_path_factory):
     settings = {
         "TOKENS_PER_MINUTE_PER_KEY": str(TOKENS_PER_MINUTE_PER_KEY), "UNPUBLISHED_CHECKPOINTS_DAYS": "0", **SWEEPS_OFTEN,
         "WEBHOOKS_ALLOW_PRIVATE_ADDRESSES": "true",  # an on-premises operator's: the test's receiver is on loopback
+        "BATCH_QUEUE_TOKENS_PER_ORGANIZATION": str(BATCH_QUEUE_TOKENS),
     }  # fmt: skip
     with bin_run(tmp_path_factory.mktemp("platform"), REDIS_URL, settings=settings) as running:
         yield running
@@ -262,6 +264,13 @@ def test_a_batch_over_the_base_model_two_fine_tunes_and_a_mix_answers_as_live_re
     try:
         hook = api.post("/webhooks", json={"url": receiver.url, "event_types": ["batch.completed"]})
         assert hook.status_code in (200, 201), hook.text
+        too_long = [{**lines[0], "custom_id": "long", "body": {**lines[0]["body"], "messages": [
+            {"role": "user", "content": "Tell me more. " * BATCH_QUEUE_TOKENS}]}}]  # fmt: skip
+        over_queue = client.files.create(file=("long.jsonl", jsonl(too_long)), purpose="batch")
+        with pytest.raises(openai.BadRequestError) as refused:  # nothing queued: past the batch queue's limit
+            client.batches.create(input_file_id=over_queue.id, endpoint="/v1/chat/completions", completion_window="24h")
+        assert refused.value.code == "batch_too_large" and "BATCH_QUEUE_TOKENS_PER_ORGANIZATION" in refused.value.message
+
         batch_input = client.files.create(file=("batch.jsonl", jsonl(lines)), purpose="batch")
         with live_traffic(client):  # the batch's lines give way to it: one at a time beside live requests
             batch = client.batches.create(

@@ -113,12 +113,18 @@ def stepping(index_mapping: tuple[int, ...], parts: dict[int, tuple[tuple[int, f
 
 
 def wrap_add_adapter(original: Callable[[Any, Any], bool]) -> Callable[[Any, Any], bool]:
+    """vLLM's worker calls ``add_adapter`` for each of a step's adapters, every step. For one it
+    holds already, vLLM's own code first tests membership in ``list_adapters()``, a copy of the
+    whole warm tier's index (a thousand entries, copied in Python, for each adapter of each step);
+    here that case is a lookup, then what vLLM does next for it (activate it in a slot)."""
+    from vllm.utils.gpu_sync_debug import gpu_sync_allowed
+
     def add_adapter(self: Any, lora_request: Any) -> bool:
         lora_id = lora_request.lora_int_id
         if lora_id in _mixes:
             return True
-        # Not registered yet (a lookup, not ``list_adapters``: this runs for each of a step's adapters).
-        if self._adapter_manager.get_adapter(lora_id) is None:
+        manager = self._adapter_manager
+        if manager.get_adapter(lora_id) is None:
             manifest = read_manifest(Path(lora_request.lora_path))
             if manifest is not None:
                 if not _accepting:
@@ -126,7 +132,13 @@ def wrap_add_adapter(original: Callable[[Any, Any], bool]) -> Callable[[Any, Any
                 _mixes[lora_id] = manifest
                 log.info("mix %s: %s", lora_request.lora_name, manifest.parts)
                 return True
-        added = original(self, lora_request)
+            added = original(self, lora_request)
+        elif getattr(lora_request, "load_inplace", False):
+            added = original(self, lora_request)  # held, and to be loaded again in its place
+        else:
+            with gpu_sync_allowed():
+                manager.activate_adapter(lora_id)
+            added = True
         _requests[lora_request.lora_name] = lora_request
         return added
 

@@ -610,6 +610,25 @@ def test_a_replica_that_builds_mixes_refuses_a_mixs_manifest(tmp_path, monkeypat
     assert add(manager, request) and lora_mixes._mixes[77].parts == (("m:a@r1", 0.5),)
 
 
+def test_an_adapter_held_already_is_activated_each_step_without_copying_the_warm_tiers_index(tmp_path, monkeypatch):
+    activated, loaded, held = [], [], {5: "weights"}
+    index_copied = lambda: pytest.fail("a copy of every held adapter's entry, for each adapter of each step")  # noqa: E731
+    worker = types.SimpleNamespace(_adapter_manager=types.SimpleNamespace(
+        get_adapter=held.get, activate_adapter=activated.append, list_adapters=index_copied))  # fmt: skip
+    add = lora_mixes.wrap_add_adapter(lambda self, request: loaded.append(request.lora_int_id) or True)  # vLLM's
+    monkeypatch.setattr(lora_mixes, "_requests", {})
+
+    def request(lora_id: int, name: str, load_inplace: bool = False) -> types.SimpleNamespace:
+        return types.SimpleNamespace(
+            lora_int_id=lora_id, lora_name=name, lora_path=str(tmp_path / name), load_inplace=load_inplace
+        )
+
+    assert add(worker, request(5, "m:a@r1")) and activated == [5] and loaded == []  # held: into a slot
+    assert add(worker, request(6, "m:b@r1")) and loaded == [6]  # not held: vLLM loads it
+    assert add(worker, request(5, "m:a@r1", load_inplace=True)) and loaded == [6, 5]  # vLLM reloads it in place
+    assert set(lora_mixes._requests) == {"m:a@r1", "m:b@r1"}  # a mix's parts are found by name
+
+
 def test_registered_adapters_are_held_in_half_precision_unless_a_weight_is_past_its_range():
     def adapter(peak: float) -> types.SimpleNamespace:
         packed = types.SimpleNamespace(

@@ -124,7 +124,8 @@ def wrap_add_adapter(original: Callable[[Any, Any], bool]) -> Callable[[Any, Any
         if lora_id in _mixes:
             return True
         manager = self._adapter_manager
-        if manager.get_adapter(lora_id) is None:
+        held = manager.get_adapter(lora_id) is not None
+        if not held:
             manifest = read_manifest(Path(lora_request.lora_path))
             if manifest is not None:
                 if not _accepting:
@@ -132,13 +133,12 @@ def wrap_add_adapter(original: Callable[[Any, Any], bool]) -> Callable[[Any, Any
                 _mixes[lora_id] = manifest
                 log.info("mix %s: %s", lora_request.lora_name, manifest.parts)
                 return True
-            added = original(self, lora_request)
-        elif getattr(lora_request, "load_inplace", False):
-            added = original(self, lora_request)  # held, and to be loaded again in its place
-        else:
+        if held and not getattr(lora_request, "load_inplace", False):  # not to be loaded again in its place
             with gpu_sync_allowed():
                 manager.activate_adapter(lora_id)
             added = True
+        else:
+            added = original(self, lora_request)
         _requests[lora_request.lora_name] = lora_request
         return added
 

@@ -41,10 +41,12 @@ import asyncio
 import os
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -117,6 +119,30 @@ def _persona() -> Persona:
     organization = create_organization("Benchmark", user)
     _, raw_key = create_api_key(organization, user, "bench")
     return Persona(organization, raw_key, client=None)
+
+
+@contextmanager
+def serving(model: BaseModel) -> Iterator[tuple[str, str, subprocess.Popen]]:
+    """The pool (one replica of ``model``) and the web gateway, running until the block ends:
+    (the gateway's URL, the replica's URL, the pool's process)."""
+    env = {
+        key: os.environ[key]
+        for key in ("DATABASE_URL", "DYNAMIC_LORA_PATH", "INFERENCE_POOL_URL", "FIRST_REPLICA_PORT")
+    } | {"MODEL_CATALOG": str(_catalog_of(model))}
+    pool_url = settings.INFERENCE_POOL_URL
+    gateway_port = free_port()
+    gateway = f"http://127.0.0.1:{gateway_port}"
+    web = [sys.executable, "-m", "uvicorn", "server.asgi:application", "--app-dir", "platform",
+           "--host", "127.0.0.1", "--port", str(gateway_port), "--log-level", "warning"]  # fmt: skip
+    with (
+        running("bench-pool", [sys.executable, "-m", "inference"], env) as pool_process,
+        running("bench-gateway", web, env) as web_process,
+    ):
+        print("waiting for the engine ...", flush=True)
+        wait_until(lambda: answers(f"{pool_url}/health", headers=INTERNAL), 600, "pool", pool_process)
+        wait_until(lambda: httpx.get(f"{gateway}/v1/models").status_code == 401, 60, "gateway", web_process)
+        replica = httpx.get(f"{pool_url}/health", headers=INTERNAL).json()["replicas"][0]["url"]
+        yield gateway, replica, pool_process
 
 
 # --- measurements ------------------------------------------------------------------------------
@@ -550,24 +576,8 @@ def main() -> int:
         f"{model.lora.max_num_adapters_per_replica}, max_lora_rank {model.lora.max_lora_rank}"
     )
     pool_url = settings.INFERENCE_POOL_URL
-    env = {
-        key: os.environ[key]
-        for key in ("DATABASE_URL", "DYNAMIC_LORA_PATH", "INFERENCE_POOL_URL", "FIRST_REPLICA_PORT")
-    } | {"MODEL_CATALOG": str(_catalog_of(model))}
-    gateway_port = free_port()
-    gateway = f"http://127.0.0.1:{gateway_port}"
-    web = [sys.executable, "-m", "uvicorn", "server.asgi:application", "--app-dir", "platform",
-           "--host", "127.0.0.1", "--port", str(gateway_port), "--log-level", "warning"]  # fmt: skip
     publish = throughput = latencies = mixes = None
-    with (
-        running("bench-pool", [sys.executable, "-m", "inference"], env) as pool_process,
-        running("bench-gateway", web, env) as web_process,
-    ):
-        print("waiting for the engine ...", flush=True)
-        wait_until(lambda: answers(f"{pool_url}/health", headers=INTERNAL), 600, "pool", pool_process)
-        wait_until(lambda: httpx.get(f"{gateway}/v1/models").status_code == 401, 60, "gateway", web_process)
-        replica = httpx.get(f"{pool_url}/health", headers=INTERNAL).json()["replicas"][0]["url"]
-
+    with serving(model) as (gateway, replica, _):
         if "publish" in sections:
             print("(1) publish -> first token ...", flush=True)
             publish = publish_to_first_token(persona, fresh, gateway, pool_url)

@@ -28,19 +28,53 @@ static inline float sum8(__m256 v) {
     return _mm_cvtss_f32(_mm_hadd_ps(s, s));
 }
 
-static float dot(const float *x, const uint16_t *row, int64_t n) {
-    __m256 acc = _mm256_setzero_ps();
+/* h[j] = scale * x . a[j] for the `count` (1 to 4) rows a[j] = a + j * n: x is loaded once for all of
+ * them, and each row has an accumulator of its own, so the FMAs do not wait on one another. */
+static void dot_rows(const float *x, const uint16_t *a, int64_t n, int64_t count, float scale, float *h) {
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
     int64_t i = 0;
-    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), load_half8(row + i), acc);
-    float total = sum8(acc);
-    for (; i < n; i++) total += x[i] * half_to_float(row[i]);
-    return total;
+    if (count == 4) {
+        for (; i + 8 <= n; i += 8) {
+            __m256 xs = _mm256_loadu_ps(x + i);
+            acc[0] = _mm256_fmadd_ps(xs, load_half8(a + i), acc[0]);
+            acc[1] = _mm256_fmadd_ps(xs, load_half8(a + n + i), acc[1]);
+            acc[2] = _mm256_fmadd_ps(xs, load_half8(a + 2 * n + i), acc[2]);
+            acc[3] = _mm256_fmadd_ps(xs, load_half8(a + 3 * n + i), acc[3]);
+        }
+    } else {
+        for (; i + 8 <= n; i += 8) {
+            __m256 xs = _mm256_loadu_ps(x + i);
+            for (int64_t j = 0; j < count; j++) acc[j] = _mm256_fmadd_ps(xs, load_half8(a + j * n + i), acc[j]);
+        }
+    }
+    for (int64_t j = 0; j < count; j++) {
+        float total = sum8(acc[j]);
+        for (int64_t tail = i; tail < n; tail++) total += x[tail] * half_to_float(a[j * n + tail]);
+        h[j] = scale * total;
+    }
 }
 
-/* y[begin..end) += sum_k h[k] * b[k][begin..end), b's rows `stride` apart. */
+/* y[begin..end) += sum_k h[k] * b[k][begin..end), b's rows `stride` apart: 32 outputs at a time (four
+ * independent sums sharing each broadcast h[k]), then 8, then one; each output summed over k in order. */
 static void add_combination(float *y, const float *h, const uint16_t *b, int64_t rank, int64_t stride,
                             int64_t begin, int64_t end) {
     int64_t o = begin;
+    for (; o + 32 <= end; o += 32) {
+        __m256 acc0 = _mm256_loadu_ps(y + o), acc1 = _mm256_loadu_ps(y + o + 8);
+        __m256 acc2 = _mm256_loadu_ps(y + o + 16), acc3 = _mm256_loadu_ps(y + o + 24);
+        for (int64_t k = 0; k < rank; k++) {
+            const uint16_t *row = b + k * stride + o;
+            __m256 hk = _mm256_set1_ps(h[k]);
+            acc0 = _mm256_fmadd_ps(hk, load_half8(row), acc0);
+            acc1 = _mm256_fmadd_ps(hk, load_half8(row + 8), acc1);
+            acc2 = _mm256_fmadd_ps(hk, load_half8(row + 16), acc2);
+            acc3 = _mm256_fmadd_ps(hk, load_half8(row + 24), acc3);
+        }
+        _mm256_storeu_ps(y + o, acc0);
+        _mm256_storeu_ps(y + o + 8, acc1);
+        _mm256_storeu_ps(y + o + 16, acc2);
+        _mm256_storeu_ps(y + o + 24, acc3);
+    }
     for (; o + 8 <= end; o += 8) {
         __m256 acc = _mm256_loadu_ps(y + o);
         for (int64_t k = 0; k < rank; k++)
@@ -58,7 +92,8 @@ static void one_token(float *y, const float *x, const uint16_t *a, const uint16_
                       int64_t slices, const int64_t *offsets, float scale) {
     int64_t components = slices * rank, out = offsets[slices];
     float h[components]; /* at most 3 slices x vLLM's largest max_lora_rank: a few KiB */
-    for (int64_t k = 0; k < components; k++) h[k] = scale * dot(x, a + k * in, in);
+    for (int64_t k = 0; k < components; k += 4)
+        dot_rows(x, a + k * in, in, components - k < 4 ? components - k : 4, scale, h + k);
     for (int64_t i = 0; i < slices; i++) add_combination(y, h + i * rank, b, rank, out, offsets[i], offsets[i + 1]);
 }
 

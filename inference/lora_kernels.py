@@ -150,17 +150,20 @@ def _decide(requested: str, dtype: str) -> KernelsState:
 
 def _mixes_in_kernel(checked: type, wrapper: type, worker_manager: type) -> bool:
     """Whether mixes can be computed in our kernel: the worker manager's methods that put a mix's
-    parts in slots are where they were, and the mixed known-answer step passes; then they are patched."""
+    parts in slots and the server's that registers a mix are where they were, and the mixed
+    known-answer step passes; then they are patched."""
     try:
-        worker_replacements = _worker_replacements(worker_manager)
-    except AttributeError as exc:
-        log.warning("LoRA kernels: mixes built as adapters: vLLM's worker LoRA manager changed (%s)", exc)
+        from vllm.entrypoints.openai.models.serving import OpenAIServingModels
+
+        replacements = _mix_replacements(worker_manager, OpenAIServingModels)
+    except (ImportError, AttributeError) as exc:
+        log.warning("LoRA kernels: mixes built as adapters: vLLM's LoRA managers changed (%s)", exc)
         return False
-    problem = signature_refusal(worker_replacements) or mix_refusal(wrapper, checked, _RANKS, lora_mixes.stepping)
+    problem = signature_refusal(replacements) or mix_refusal(wrapper, checked, _RANKS, lora_mixes.stepping)
     if problem is not None:
         log.warning("LoRA kernels: mixes built as adapters: %s", problem)
         return False
-    for replacement in worker_replacements:
+    for replacement in replacements:
         setattr(replacement.owner, replacement.name, replacement.new)
     return True
 
@@ -210,15 +213,17 @@ def _zeroing(layers: tuple[type, ...]) -> list[Replacement]:
     ]
 
 
-def _worker_replacements(manager: type) -> list[Replacement]:
-    """What puts a mix's parts in slots in its stead (``inference.lora_mixes``)."""
+def _mix_replacements(manager: type, server_models: type) -> list[Replacement]:
+    """What puts a mix's parts in slots in its stead, and what registers a mix in vLLM's server
+    without a call to the engine (``inference.lora_mixes``)."""
     return [
-        Replacement(manager, name, wrap(getattr(manager, name)))
-        for name, wrap in (
-            ("add_adapter", lora_mixes.wrap_add_adapter),
-            ("remove_adapter", lora_mixes.wrap_remove_adapter),
-            ("list_adapters", lora_mixes.wrap_list_adapters),
-            ("set_active_adapters", lora_mixes.wrap_set_active_adapters),
+        Replacement(owner, name, wrap(getattr(owner, name)))
+        for owner, name, wrap in (
+            (manager, "add_adapter", lora_mixes.wrap_add_adapter),
+            (manager, "remove_adapter", lora_mixes.wrap_remove_adapter),
+            (manager, "list_adapters", lora_mixes.wrap_list_adapters),
+            (manager, "set_active_adapters", lora_mixes.wrap_set_active_adapters),
+            (server_models, "load_lora_adapter", lora_mixes.wrap_load_lora_adapter),
         )
     ]
 

@@ -2,10 +2,11 @@
 
 A mix (``inference.adapter_mix``) reaches vLLM as an adapter of its own name whose folder holds only
 a manifest (``MANIFEST``): its parts, adapters the replica holds, each with its scale. vLLM never
-loads it as weights. In the engine's worker process:
+loads it as weights. vLLM's server registers its name without a call to the engine
+(``wrap_load_lora_adapter``), and in the engine's worker process:
 
-- ``add_adapter`` of a folder with a manifest records the mix (``_mixes``) instead of loading it; it
-  takes no slot and no memory but the manifest's few bytes;
+- ``add_adapter`` of a folder with a manifest (at the first step that serves the mix) records the
+  mix (``_mixes``) instead of loading it; it takes no slot and no memory but the manifest's few bytes;
 - ``set_active_adapters`` (once per engine step) puts the parts of the batch's mixes in slots in the
   mixes' stead and points vLLM's LoRA mapping for a mix's tokens at its first part (its own code,
   the embedding and logits paths, sees a loaded adapter), and keeps what the mapping said
@@ -125,14 +126,8 @@ def wrap_add_adapter(original: Callable[[Any, Any], bool]) -> Callable[[Any, Any
             return True
         manager = self._adapter_manager
         held = manager.get_adapter(lora_id) is not None
-        if not held:
-            manifest = read_manifest(Path(lora_request.lora_path))
-            if manifest is not None:
-                if not _accepting:
-                    raise ValueError("this replica builds mixes as adapters: it cannot serve a mix's manifest")
-                _mixes[lora_id] = manifest
-                log.info("mix %s: %s", lora_request.lora_name, manifest.parts)
-                return True
+        if not held and _recorded_mix(lora_request):
+            return True
         if held and not getattr(lora_request, "load_inplace", False):  # not to be loaded again in its place
             with gpu_sync_allowed():
                 manager.activate_adapter(lora_id)
@@ -143,6 +138,44 @@ def wrap_add_adapter(original: Callable[[Any, Any], bool]) -> Callable[[Any, Any
         return added
 
     return add_adapter
+
+
+def _recorded_mix(lora_request: Any) -> bool:
+    """Record the mix whose manifest the request's folder holds; False: an adapter's folder."""
+    manifest = read_manifest(Path(lora_request.lora_path))
+    if manifest is None:
+        return False
+    if not _accepting:
+        raise ValueError("this replica builds mixes as adapters: it cannot serve a mix's manifest")
+    _mixes[lora_request.lora_int_id] = manifest
+    log.info("mix %s: %s", lora_request.lora_name, manifest.parts)
+    return True
+
+
+def wrap_load_lora_adapter(original: Callable[..., Any]) -> Callable[..., Any]:
+    """In vLLM's server: a mix's folder is registered under its name without asking the engine.
+    vLLM's own load asks the engine to add the adapter, which waits for the engine's step under
+    way; a mix's manifest is read by the engine's worker at the first step that serves it
+    (``wrap_add_adapter``), so its first request waits for nothing a warm adapter's does not."""
+    from vllm.lora.request import LoRARequest
+
+    async def load_lora_adapter(self: Any, request: Any, base_model_name: str | None = None) -> Any:
+        try:
+            manifest = read_manifest(Path(request.lora_path)) if _accepting and request.lora_path else None
+        except ValueError:
+            manifest = None  # vLLM's own load, whose engine reports the broken manifest
+        if manifest is None or request.load_inplace:
+            return await original(self, request, base_model_name)
+        async with self.lora_resolver_lock[request.lora_name]:
+            problem = await self._check_load_lora_adapter_request(request)
+            if problem is not None:
+                return problem
+            lora_id = self.lora_id_counter.inc(1)
+            self.lora_requests[request.lora_name] = LoRARequest(request.lora_name, lora_id, request.lora_path)
+        log.info("mix %s registered: %s", request.lora_name, manifest.parts)
+        return f"Success: mix '{request.lora_name}' registered."
+
+    return load_lora_adapter
 
 
 def wrap_remove_adapter(original: Callable[[Any, int], bool]) -> Callable[[Any, int], bool]:
@@ -166,6 +199,13 @@ def wrap_list_adapters(original: Callable[[Any], set[int]]) -> Callable[[Any], s
 
 def wrap_set_active_adapters(original: Callable[[Any, set[Any], Any], None]) -> Callable[[Any, set[Any], Any], None]:
     def set_active_adapters(self: Any, requests: set[Any], mapping: Any) -> None:
+        for request in requests:  # a mix the server registered (``wrap_load_lora_adapter``), at its first step
+            if (
+                request
+                and request.lora_int_id not in _mixes
+                and self._adapter_manager.get_adapter(request.lora_int_id) is None
+            ):
+                _recorded_mix(request)
         mixed = {request.lora_int_id for request in requests if request and request.lora_int_id in _mixes}
         had_mixes = getattr(self, "_fineserve_had_mixes", False)
         self._fineserve_had_mixes = bool(mixed)

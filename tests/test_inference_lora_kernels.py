@@ -707,3 +707,41 @@ def test_a_slot_swap_is_one_c_call_that_rounds_as_torch_does_and_finds_weights_p
     lora_b[1][2, 0, 5, 3] = 1.0
     weights.copy_slots([2])
     assert weights.unfit_slots == set() and torch.equal(weights.a[0, :8], lora_a[0][0, 0, :8].half())
+
+
+def test_vllms_server_registers_a_mix_without_asking_the_engine_and_loads_an_adapter_as_vllm_does(
+    tmp_path, monkeypatch
+):
+    import asyncio
+
+    from vllm.entrypoints.openai.models.protocol import BaseModelPath
+    from vllm.entrypoints.openai.models.serving import OpenAIServingModels
+    from vllm.entrypoints.serve.lora.protocol import LoadLoRAAdapterRequest
+
+    asked: list[str] = []
+
+    async def add_lora(request) -> bool:  # the engine: a call that waits for its step under way
+        asked.append(request.lora_name)
+        return True
+
+    engine = types.SimpleNamespace(model_config=None, renderer=None, input_processor=None, add_lora=add_lora)
+    models = OpenAIServingModels(engine, [BaseModelPath(name="base", model_path="base")])
+    load = lora_mixes.wrap_load_lora_adapter(OpenAIServingModels.load_lora_adapter)
+    mix, adapter = tmp_path / "mix", tmp_path / "adapter"
+    lora_mixes.write_manifest(mix, [("base:a@r1", 0.5), ("base:b@r1", 1.0)])
+    adapter.mkdir()
+    monkeypatch.setattr(lora_mixes, "_accepting", True)
+
+    def loaded(name: str, folder: Path) -> object:
+        return asyncio.run(load(models, LoadLoRAAdapterRequest(lora_name=name, lora_path=str(folder))))
+
+    assert "registered" in loaded("base:mix.1", mix) and asked == []  # the engine reads it at its first step
+    registered = models.lora_requests["base:mix.1"]
+    assert registered.lora_path == str(mix) and registered.lora_int_id >= 1
+    again = loaded("base:mix.1", mix)  # vLLM's own checks still apply
+    assert "already been loaded" in again.error.message
+    assert "added successfully" in loaded("base:a@r1", adapter) and asked == ["base:a@r1"]  # vLLM's own load
+    assert models.lora_requests["base:a@r1"].lora_int_id != registered.lora_int_id
+    monkeypatch.setattr(lora_mixes, "_accepting", False)  # mixes built as adapters here: the engine refuses one
+    loaded("base:mix.2", mix)
+    assert asked == ["base:a@r1", "base:mix.2"]

@@ -171,16 +171,20 @@ def profile(load: str, gateway: str, api_key: str, targets: list[dict], replica:
     }
 
 
+def _adapters(count: int) -> str:
+    return f"{count} adapter{'s' if count > 1 else ''}"
+
+
 def _median(runs: list[dict], key: str, name: str) -> float:
     return statistics.median(run[key].get(name, 0.0) for run in runs)
 
 
 def report(runs: dict[str, list[dict]], adapters: int) -> None:
-    base, many = runs["base model"], runs[f"{adapters} adapters"]
+    base, many = runs["base model"], runs[_adapters(adapters)]
     print()
     print("=" * 78)
     print(f"A decode step's time (ms per {CONCURRENCY} generated tokens), {MODEL}; median of {len(base)} round(s)")
-    print(f"{'part':<42}{'base model':>12}{f'{adapters} adapters':>14}{'difference':>11}")
+    print(f"{'part':<42}{'base model':>12}{_adapters(adapters):>14}{'difference':>11}")
     print("-" * 78)
     names = [*PARTS, OTHER]
     for name in names:
@@ -229,7 +233,7 @@ def main() -> int:
     maker = AdapterMaker(SCRATCH / "made", MODEL, model.weights)
     print(f"making {args.adapters} adapters ...", flush=True)
     names = [publish_fine_tuned_model(persona, f"step{i}", maker(seed=100 + i), MODEL) for i in range(args.adapters)]
-    loads = {"base model": [{"model": MODEL}], f"{args.adapters} adapters": [{"model": name} for name in names]}
+    loads = {"base model": [{"model": MODEL}], _adapters(args.adapters): [{"model": name} for name in names]}
     runs: dict[str, list[dict]] = {load: [] for load in loads}
     with serving(model) as (gateway, replica, pool_process):
         engine = engine_process(pool_process)

@@ -107,17 +107,25 @@ class LoraGemv:
         self._to_half_slots.restype = None
 
     @staticmethod
-    def accepts(y: torch.Tensor, x: torch.Tensor, *weights: torch.Tensor) -> bool:
-        """Whether these are what the kernel reads and writes: float32 row-major matrices, and
-        vLLM's stacked adapter weights in float32 (the model's dtype), all in host memory."""
+    def accepts(y: torch.Tensor, x: torch.Tensor) -> bool:
+        """Whether these are what the kernel reads and writes: float32 row-major matrices in host
+        memory (checked at every call: vLLM may hand a layer other activations)."""
         import torch
 
-        tensors = (y, x, *weights)
         return (
             y.dim() == x.dim() == 2
             and y.stride(1) == x.stride(1) == 1
-            and all(tensor.dtype == torch.float32 and tensor.device.type == "cpu" for tensor in tensors)
+            and y.dtype == x.dtype == torch.float32
+            and y.device.type == x.device.type == "cpu"
         )
+
+    @staticmethod
+    def reads(*weights: torch.Tensor) -> bool:
+        """Whether vLLM's stacked adapter weights are what the kernel's layout is copied from:
+        float32 (the model's dtype) in host memory (checked once per layer, when it is prepared)."""
+        import torch
+
+        return all(tensor.dtype == torch.float32 and tensor.device.type == "cpu" for tensor in weights)
 
     def add(
         self,

@@ -345,9 +345,7 @@ def _add_lora_linear(
     if gemv is None:
         _add_grouped(self, y, x, lora_a_stacked, lora_b_stacked, scale, output_slices, step)
         return
-    weights = None
-    if gemv.accepts(y, x, *lora_a_stacked, *lora_b_stacked):
-        weights = _layer_weights(self, lora_a_stacked, lora_b_stacked, step)
+    weights = _layer_weights(self, lora_a_stacked, lora_b_stacked, step) if gemv.accepts(y, x) else None
     if not isinstance(weights, lora_gemv.HalfWeights):  # not float32 row-major matrices
         if step.token_weights is None:  # vLLM's own code, which sees one adapter per token
             self._fineserve_stock_add_lora_linear(
@@ -547,17 +545,19 @@ def _layer_weights(
     lora_a_stacked: Stacked,
     lora_b_stacked: Stacked,
     step: _Step,
-) -> _LayerWeights | lora_gemv.HalfWeights:
+) -> _LayerWeights | lora_gemv.HalfWeights | None:
     """The layer's adapter weights in the layout of the wrapper's kernel, prepared once and computed
-    up to the step's rank. A slot is copied again only when vLLM writes another adapter into it, so
-    a batch whose adapters change every step (many adapters in round robin) costs one slot's copy
-    per change, not all."""
+    up to the step's rank; None: the C kernel cannot read vLLM's (not float32 in host memory). A
+    slot is copied again only when vLLM writes another adapter into it, so a batch whose adapters
+    change every step (many adapters in round robin) costs one slot's copy per change, not all."""
     cache: dict[int, _LayerWeights | lora_gemv.HalfWeights] = wrapper._fineserve_prepared
     gemv: lora_gemv.LoraGemv | None = wrapper._fineserve_gemv
     layer = id(lora_a_stacked[0])
     rank = _computed_rank(step, lora_a_stacked)
     weights = cache.get(layer)
     if weights is None or weights.source is not lora_a_stacked[0] or weights.rank != rank:
+        if gemv is not None and not gemv.reads(*lora_a_stacked, *lora_b_stacked):
+            return None
         prepare = _LayerWeights.of if gemv is None else gemv.prepare
         weights = cache[layer] = prepare(lora_a_stacked, lora_b_stacked, rank, step.slot_state)
     elif weights.slot_state != step.slot_state:

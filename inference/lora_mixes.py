@@ -170,8 +170,10 @@ def wrap_load_lora_adapter(original: Callable[..., Any]) -> Callable[..., Any]:
             problem = await self._check_load_lora_adapter_request(request)
             if problem is not None:
                 return problem
-            lora_id = self.lora_id_counter.inc(1)
-            self.lora_requests[request.lora_name] = LoRARequest(request.lora_name, lora_id, request.lora_path)
+            registered = LoRARequest(request.lora_name, self.lora_id_counter.inc(1), request.lora_path)
+            if base_model_name is not None and self.is_base_model(base_model_name):
+                registered.base_model_name = base_model_name  # as vLLM's own load does
+            self.lora_requests[request.lora_name] = registered
         log.info("mix %s registered: %s", request.lora_name, manifest.parts)
         return f"Success: mix '{request.lora_name}' registered."
 

@@ -10,7 +10,10 @@ runs: first the base model alone, then ``--adapters`` adapters in round robin, a
 ``--rounds``. The engine's generated tokens over each window (vLLM's own counter) turn the samples
 into milliseconds per CONCURRENCY generated tokens, one decode step's worth at that concurrency, so
 the two loads' steps can be set side by side: where the adapters' extra milliseconds go, by part
-(``PARTS``), and the functions that gained most. ``--keep DIR`` keeps py-spy's raw stacks.
+(``PARTS``), and the functions that gained most. ``--keep DIR`` keeps py-spy's raw stacks. py-spy
+comes with the bench extra (``pip install -c constraints.txt ".[bench]"``). Sampled, the engine runs
+slower than alone (py-spy takes a share of the two cores): read the parts against each other and
+the base model's, and take throughput from ``inference_bench.py``.
 """
 
 from __future__ import annotations

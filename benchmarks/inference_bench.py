@@ -13,8 +13,9 @@ prints one table whose ratios are against baselines measured in the same run:
 2. throughput: CONCURRENCY requests x TOKENS tokens, all base model, then spread over 1, 4, 16 and
    MANY_ADAPTERS adapters (round robin: each of them once, CONCURRENCY in flight), through the
    gateway; then HELD_ADAPTERS adapters, all loaded first (one token each), the timed requests each
-   a different one of them; tokens per second as a ratio to the base model's (each round has its
-   own base run, and the median ratio over rounds is reported, with each round's), and how many
+   a different one of them; tokens per second as a ratio to the base model's (measured just before
+   and just after each load, in every round; the median ratio over rounds is reported, with each
+   round's), and how many
    adapters the pool loaded during the timed runs (0: the warm tier held them all, and each
    batch's slot swaps were host-memory copies, no disk read);
 3. gateway overhead: sequential one-token completions straight to the vLLM replica, to the pool,
@@ -312,28 +313,40 @@ def throughput_rounds(
     endpoint: str = "completions",
     pool: str | None = None,
 ) -> dict:
-    """tok/s per load, and each round's ratio to that round's run of the first load; with ``pool``,
-    also the adapters the pool loaded during each timed run (0: every slot swap was a copy from
-    host memory, none a read from the store)."""
+    """tok/s per load, and each round's ratio to the first load's (the baseline's) runs just before
+    and just after it: the baseline runs again after every other load, so a machine that slows or
+    speeds up during a round moves both sides of a ratio alike. With ``pool``, also the adapters the
+    pool loaded during each timed run (0: every slot swap was a copy from host memory, none a read
+    from the store)."""
     results: dict[str, dict[str, list[float]]] = {load: {"tok_s": [], "ratio": [], "loads": []} for load in loads}
-    baseline = next(iter(loads))
+    baseline, *others = loads
+
+    def run(load: str) -> float:
+        targets = loads[load]
+        if load_adapters:
+            load_adapters([target["model"] for target in targets])
+        loads_before: list[float] = []
+        warmed = (lambda: loads_before.append(adapter_churn(pool)["loads"])) if pool else (lambda: None)
+        tok_s = asyncio.run(_throughput(url, targets, api_key, endpoint, warmed))
+        if pool:
+            results[load]["loads"].append(adapter_churn(pool)["loads"] - loads_before[0])
+        results[load]["tok_s"].append(tok_s)
+        return tok_s
+
     for round_number in range(rounds):
-        base = None
-        for load, targets in loads.items():
-            if load_adapters:
-                load_adapters([target["model"] for target in targets])
-            loads_before: list[float] = []
-            warmed = (lambda: loads_before.append(adapter_churn(pool)["loads"])) if pool else (lambda: None)
-            tok_s = asyncio.run(_throughput(url, targets, api_key, endpoint, warmed))
-            if pool:
-                results[load]["loads"].append(adapter_churn(pool)["loads"] - loads_before[0])
-            base = tok_s if base is None else base
-            results[load]["tok_s"].append(tok_s)
-            results[load]["ratio"].append(tok_s / base)
+        base_before = run(baseline)
+        results[baseline]["ratio"].append(1.0)
+        for load in others:
+            tok_s = run(load)
+            base_after = run(baseline)
+            ratio = tok_s / statistics.mean((base_before, base_after))
+            results[load]["ratio"].append(ratio)
             print(
-                f"  round {round_number + 1}: {load:<12} {tok_s:7.1f} tok/s  ({tok_s / base:.2f} of {baseline})",
+                f"  round {round_number + 1}: {load:<12} {tok_s:7.1f} tok/s  ({ratio:.2f} of {baseline}: "
+                f"{base_before:.1f} before, {base_after:.1f} after)",
                 flush=True,
             )
+            base_before = base_after
     return results
 
 
@@ -524,7 +537,7 @@ SECTIONS = ("publish", "throughput", "overhead", "mix")  # each has its --<secti
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=2, help="throughput rounds (each has its own baseline run)")
+    parser.add_argument("--rounds", type=int, default=2, help="throughput rounds (the baseline runs between loads)")
     parser.add_argument(
         "--publishes", type=int, default=10, help="fresh adapters for publish-to-first-token (half preloaded)"
     )

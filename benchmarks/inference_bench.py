@@ -95,7 +95,7 @@ MANY_ADAPTERS = 64  # (2)'s widest round robin: far more adapters than a replica
 HELD_ADAPTERS = 1000  # (2)'s warm tier load: a platform whose every fine-tune gets a little traffic
 MIX_WIDTH = 8  # (4)'s mixes are pairs of these many adapters: their parts share slots
 SWEEP = [round(0.25 + 1.5 * i / CONCURRENCY, 4) for i in range(CONCURRENCY)]  # (4)'s distinct scales, 0.25 to 1.7
-FIRST_REQUEST_SAMPLES = 3  # (4)'s first-request pairs
+FIRST_REQUEST_SAMPLES = 8  # (4)'s first-request pairs (a first token varies by tens of ms)
 INTERNAL = {"Authorization": f"Bearer {settings.INTERNAL_TOKEN}"}  # what the pool and replicas require
 PROMPT = "Write a short story about a lighthouse keeper and a storm."
 MODEL = BASE  # the base model measured (--model)
@@ -462,7 +462,7 @@ def _report_throughput(throughput: dict, stock: dict | None) -> None:
         line = f"    {load:<14}{statistics.median(values['tok_s']):9.1f}{ratio:15.2f}{max(values['loads'], default=0):13.0f}"
         if stock:
             line += f"{statistics.median(stock[load]['tok_s']):18.1f}{statistics.median(stock[load]['ratio']):7.2f}"
-        if load in ("4 adapters", f"{MANY_ADAPTERS} adapters"):
+        if load in ("1 adapter", f"{MANY_ADAPTERS} adapters"):
             line += f"   target >= 0.95: {'PASS' if ratio >= 0.95 else 'MISS'}"
         if load == f"{HELD_ADAPTERS} adapters":
             line += f"   target >= 0.85, 0 loads: {'PASS' if ratio >= 0.85 and not max(values['loads']) else 'MISS'}"

@@ -2,6 +2,9 @@
 
 At most ``max_num_adapters_per_replica``, with one exception: an adapter is never unloaded while
 the replica is still answering requests with it (nor for ``UNLOAD_GRACE_S`` after the last one).
+Mixes its kernel computes from their parts (``weightless``: a manifest, no weights of their own)
+are held beside them, up to as many again: a new one makes room only among them, so a flood of
+mixes never sends an adapter with weights back to the store.
 vLLM tells adapters apart *by name* when it puts a batch together (``LoRARequest.__eq__``): the
 same name loaded again under a new id while the old id still has requests in the batch drops one
 of them from the batch's adapter set, and the engine dies (``KeyError`` in ``convert_mapping``).
@@ -87,8 +90,9 @@ class AdapterSlots:
         # pool's own preloads and internal callers, never held back).
         self.owner: dict[str, str] = {}
         # Mixes whose replica computes them in its kernel (``inference.lora_mixes``): a manifest of
-        # their parts, no weights of their own. They count in the capacity and the shares, but not
-        # in an organization's mixes (``FairUse.mixes`` caps the combined adapters built for mixes).
+        # their parts, no weights of their own. They have a capacity of their own (as many as the
+        # adapters), count in the shares, but not in an organization's mixes (``FairUse.mixes``
+        # caps the combined adapters built for mixes).
         self.weightless: set[str] = set()
         self.turn_waiting: Counter[str] = Counter()  # organizations' requests waiting for a batch slot (``batch_turn``)
         self.running: Counter[str] = Counter()  # requests the engine is answering, per adapter
@@ -162,7 +166,7 @@ class AdapterSlots:
         return self.running[name] == 0 and now - self.last_finished.get(name, -UNLOAD_GRACE_S) >= UNLOAD_GRACE_S
 
     def over_capacity(self) -> bool:
-        return len(self.held) > self.capacity
+        return any(self._excess(weightless, self.held) > 0 for weightless in (False, True))
 
     def victims(self, count_loading: bool = True) -> list[str]:
         """Idle adapters to evict to get back within capacity: of organizations over their share
@@ -171,8 +175,12 @@ class AdapterSlots:
         Before a load, adapters being loaded count too (room is made ahead); after one, only held
         adapters do. Busy adapters are never chosen: the replica may overshoot until they idle.
         """
-        excess = len(self.held) + (len(self._loads_counted()) if count_loading else 0) - self.capacity
-        chosen = self._fair_victims(excess, set(), time.monotonic())
+        counted = [*self.held, *self._loads_counted()] if count_loading else self.held
+        chosen = [
+            victim
+            for weightless in (False, True)
+            for victim in self._fair_victims(self._excess(weightless, counted), set(), time.monotonic(), weightless)
+        ]
         for name in chosen:
             self.forget(name)  # at once, so a concurrent load does not pick the same one
         return chosen
@@ -192,11 +200,12 @@ class AdapterSlots:
                 raise OwnAdaptersBusy(True, self.fair_use.mixes)
             chosen += [(held, "organization_mixes") for held in idle[: max(excess, 0)]]
         taken = {victim for victim, _ in chosen}
-        excess = len(self._live()) - len(taken) - self.capacity
+        weightless = name in self.weightless  # room among its own kind (a built mix's victims are adapters too)
+        excess = self._excess(weightless, self._live()) - len(taken)
         # Over its share, it makes room only from organizations over theirs (itself first when it
         # holds the most): never from one within its share.
         over_share = excess > 0 and self._over_share(organization, self._holdings(taken))
-        victims = self._fair_victims(excess, taken, now, over_share_only=over_share)
+        victims = self._fair_victims(excess, taken, now, weightless, over_share_only=over_share)
         if over_share and not victims:
             raise OwnAdaptersBusy(False, self.fair_use.share)
         chosen += [(victim, "lru") for victim in victims]
@@ -231,6 +240,11 @@ class AdapterSlots:
     def _live(self) -> list[str]:
         return [*self.held, *self._loads_counted()]
 
+    def _excess(self, weightless: bool, names: Iterable[str]) -> int:
+        """How many of ``names`` of one kind (weightless mixes, or adapters with weights) are over
+        the capacity, which each kind has whole."""
+        return sum((name in self.weightless) == weightless for name in names) - self.capacity
+
     def _idle(self, now: float) -> list[str]:
         """Held adapters that may be evicted now, least recently used first."""
         return [name for name in self.held if name not in self.loading and self.idle(name, now)]
@@ -247,12 +261,17 @@ class AdapterSlots:
         present = {self.owner.get(name) for name in [*self.held, *self.loading]}
         return bool(present - {organization, None})
 
-    def _fair_victims(self, excess: int, taken: set[str], now: float, over_share_only: bool = False) -> list[str]:
-        """``excess`` idle adapters not in ``taken``, one at a time: of the organization most over
-        its share (the least recently used of the most held), else the least recently used of all
-        unless ``over_share_only``. Fewer when too few are idle."""
+    def _fair_victims(
+        self, excess: int, taken: set[str], now: float, weightless: bool, over_share_only: bool = False
+    ) -> list[str]:
+        """``excess`` idle adapters of one kind (``weightless`` mixes or not) not in ``taken``, one
+        at a time: of the organization most over its share (the least recently used of the most
+        held), else the least recently used of all unless ``over_share_only``. Fewer when too few
+        are idle."""
         holdings = self._holdings(taken)
-        candidates = [name for name in self._idle(now) if name not in taken]  # least recently used first
+        candidates = [  # least recently used first
+            name for name in self._idle(now) if name not in taken and (name in self.weightless) == weightless
+        ]
         chosen: list[str] = []
         while len(chosen) < excess and candidates:
             over = [name for name in candidates if self._over_share(self.owner.get(name), holdings)]

@@ -19,7 +19,8 @@ computes mixes (``inference.lora_mixes``), it loads the parts as adapters and th
 manifest naming them with their scales: nothing is built, and any scale costs nothing. Elsewhere the
 mix's combined adapter is built once from the parts' cached copies (``core.lora_algebra``). Either
 is written to the adapter cache under the mix's digest, then loaded, counted in the replica's slots
-and evicted like any other adapter. It is unloaded once a part is republished or deleted, and its
+and evicted like any other adapter (a manifest among the manifests, which have a capacity of their
+own: ``inference.adapter_slots``). It is unloaded once a part is republished or deleted, and its
 folder goes when no replica holds it. A kernel mix's parts count as the request's adapters while
 it runs (``Replica``'s ``begin``/``end`` and the slots' ``started``/``finished``), so none is
 evicted under it, and in vLLM's batch slots (``batch_turn``): the engine must find each in a slot.

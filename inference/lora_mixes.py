@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -83,7 +84,12 @@ class StepMixes:
     parts: dict[int, tuple[tuple[int, float], ...]]  # mix id -> its parts' adapter ids and scales
 
 
-_mixes: dict[int, MixManifest] = {}  # vLLM adapter id -> the mix it names
+# vLLM adapter id -> the mix it names, least recently served first. vLLM's server unregisters a
+# mix without telling the engine, so the worker forgets the least recently served past
+# MIXES_REMEMBERED (a client sending a new scale each time makes a new mix each time); one
+# forgotten while still registered is read again from its folder at its next step.
+MIXES_REMEMBERED = 4096
+_mixes: OrderedDict[int, MixManifest] = OrderedDict()
 _requests: dict[str, Any] = {}  # adapter name -> the LoRARequest it was last added with
 _step: StepMixes | None = None  # this step's, between set_active_adapters and the kernel's plan
 _accepting = False  # whether this process computes mixes in the kernel (``accept``)
@@ -148,6 +154,8 @@ def _recorded_mix(lora_request: Any) -> bool:
     if not _accepting:
         raise ValueError("this replica builds mixes as adapters: it cannot serve a mix's manifest")
     _mixes[lora_request.lora_int_id] = manifest
+    while len(_mixes) > MIXES_REMEMBERED:
+        _mixes.popitem(last=False)
     log.info("mix %s: %s", lora_request.lora_name, manifest.parts)
     return True
 
@@ -209,6 +217,8 @@ def wrap_set_active_adapters(original: Callable[[Any, set[Any], Any], None]) -> 
             ):
                 _recorded_mix(request)
         mixed = {request.lora_int_id for request in requests if request and request.lora_int_id in _mixes}
+        for mix_id in mixed:
+            _mixes.move_to_end(mix_id)
         had_mixes = getattr(self, "_fineserve_had_mixes", False)
         self._fineserve_had_mixes = bool(mixed)
         if not mixed:

@@ -175,6 +175,25 @@ async def test_an_organization_alone_holds_more_kernel_mixes_than_its_cap_of_bui
 
 
 @pytest.mark.anyio
+async def test_kernel_mixes_make_room_among_themselves_and_never_evict_an_adapter_of_a_full_replica(tmp_path):
+    pool = _kernel_mixing(MixPool(tmp_path, replicas=1, max_adapters=3))
+    part = pool.publish_real("a", seed=1)
+    adapters = [pool.served(name) for name in (part, pool.publish("b"), pool.publish("c"))]
+    for name in (part, "b", "c"):
+        assert (await pool.chat(name if name == part else f"{BASE}:{name}")).status_code == 200
+    mixes = []
+    for step in range(5):  # the replica holds 3 adapters, its capacity: each new mix wants room
+        response = await pool.mix([{"model": part, "scale": 0.1 * (step + 1)}])
+        assert response.status_code == 200, response.text
+        mixes.append(response.json()["model"])
+        await _settle()
+    held = set(pool.vllm.loaded["http://replica-0"])
+    assert set(adapters) <= held  # no adapter went back to the store for a mix that weighs nothing
+    assert held - set(adapters) == set(mixes[-3:])  # as many mixes as adapters, the least recently used went
+    assert sorted(call[2] for call in pool.vllm.unloads()) == sorted(mixes[:2])
+
+
+@pytest.mark.anyio
 async def test_a_kernel_mixs_parts_are_not_evicted_while_it_answers(tmp_path):
     from tests.test_adapter_fair_use import MixesAnswering, TenantPool
 

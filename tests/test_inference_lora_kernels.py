@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 import types
 import uuid
+from collections import OrderedDict, namedtuple
 from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
 
@@ -605,9 +606,35 @@ def test_a_replica_that_builds_mixes_refuses_a_mixs_manifest(tmp_path, monkeypat
     monkeypatch.setattr(lora_mixes, "_accepting", False)
     with pytest.raises(ValueError, match="builds mixes as adapters"):
         add(manager, request)
-    monkeypatch.setattr(lora_mixes, "_mixes", {})
+    monkeypatch.setattr(lora_mixes, "_mixes", OrderedDict())
     monkeypatch.setattr(lora_mixes, "_accepting", True)
     assert add(manager, request) and lora_mixes._mixes[77].parts == (("m:a@r1", 0.5),)
+
+
+def test_the_worker_forgets_the_least_recently_served_mix_and_reads_a_forgotten_one_again_from_its_folder(
+    tmp_path, monkeypatch
+):
+    Request = namedtuple("Request", "lora_int_id lora_name lora_path")
+    monkeypatch.setattr(lora_mixes, "MIXES_REMEMBERED", 2)
+    monkeypatch.setattr(lora_mixes, "_mixes", OrderedDict())
+    monkeypatch.setattr(lora_mixes, "_accepting", True)
+    monkeypatch.setattr(lora_mixes, "_requests", {"m:a@r1": Request(5, "m:a@r1", str(tmp_path / "a"))})
+    worker = types.SimpleNamespace(_adapter_manager=types.SimpleNamespace(get_adapter=lambda lora_id: None))
+    served: list[set[int]] = []
+    step = lora_mixes.wrap_set_active_adapters(lambda self, requests, mapping: served.append(
+        {request.lora_int_id for request in requests}))  # fmt: skip
+
+    def mix(lora_id: int, scale: float) -> Request:
+        lora_mixes.write_manifest(tmp_path / str(lora_id), [("m:a@r1", scale)])
+        return Request(lora_id, f"m:mix.{lora_id}", str(tmp_path / str(lora_id)))
+
+    first, second, third = mix(90, 0.5), mix(91, 1.0), mix(92, 2.0)
+    for request in (first, second, first, third):  # a step each
+        step(worker, {request}, None)
+    assert list(lora_mixes._mixes) == [90, 92]  # 91, the least recently served, is forgotten
+    step(worker, {second}, None)  # still registered in vLLM's server: its manifest is read again
+    assert lora_mixes._mixes[91].parts == (("m:a@r1", 1.0),) and list(lora_mixes._mixes) == [92, 91]
+    assert served == [{5}] * 5  # each step served its mix's part in its stead
 
 
 def test_an_adapter_held_already_is_activated_each_step_without_copying_the_warm_tiers_index(tmp_path, monkeypatch):

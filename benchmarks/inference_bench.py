@@ -15,7 +15,8 @@ prints one table whose ratios are against baselines measured in the same run:
    gateway; then HELD_ADAPTERS adapters, all loaded first (one token each), the timed requests each
    a different one of them; tokens per second as a ratio to the base model's (measured just before
    and just after each load, in every round; the median ratio over rounds is reported, with each
-   round's), and how many
+   round's), the same ratio of the engine's CPU time per token (the engine's own work, apart from
+   the processes that share its cores), and how many
    adapters the pool loaded during the timed runs (0: the warm tier held them all, and each
    batch's slot swaps were host-memory copies, no disk read);
 3. gateway overhead: sequential one-token completions straight to the vLLM replica, to the pool,
@@ -70,6 +71,7 @@ django.setup()
 import logging
 
 import httpx
+import psutil
 from django.conf import settings
 from django.core.management import call_command
 
@@ -272,11 +274,11 @@ def _request_body(target: dict, endpoint: str) -> dict:
 
 async def _throughput(
     url: str, targets: list[dict], api_key: str | None, endpoint: str, warmed: Callable[[], None] = lambda: None
-) -> float:
+) -> tuple[int, float]:
     """TIMED_REQUESTS requests over the targets in round robin (every target at least once, up to
     MANY_ADAPTERS of them; past that, TIMED_REQUESTS different ones), CONCURRENCY in flight;
     ``warmed`` is called between the untimed warm-up (every target once, one token each past
-    MANY_ADAPTERS: just loaded) and the timed run."""
+    MANY_ADAPTERS: just loaded) and the timed run. Returns the timed run's tokens and seconds."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     held = len(targets) > MANY_ADAPTERS
     order = (
@@ -301,7 +303,7 @@ async def _throughput(
         warmed()
         started = time.perf_counter()
         tokens = await asyncio.gather(*(one(client, target) for target in order))
-        return sum(tokens) / (time.perf_counter() - started)
+        return sum(tokens), time.perf_counter() - started
 
 
 def throughput_rounds(
@@ -312,42 +314,74 @@ def throughput_rounds(
     load_adapters=None,
     endpoint: str = "completions",
     pool: str | None = None,
+    engine: psutil.Process | None = None,
 ) -> dict:
     """tok/s per load, and each round's ratio to the first load's (the baseline's) runs just before
     and just after it: the baseline runs again after every other load, so a machine that slows or
     speeds up during a round moves both sides of a ratio alike. With ``pool``, also the adapters the
     pool loaded during each timed run (0: every slot swap was a copy from host memory, none a read
-    from the store)."""
-    results: dict[str, dict[str, list[float]]] = {load: {"tok_s": [], "ratio": [], "loads": []} for load in loads}
+    from the store). With ``engine`` (vLLM's engine-core process), also the engine's CPU time per
+    generated token, as the same kind of ratio (the base model's over the load's: 1.0 = as cheap as
+    the base model): the engine's own work, apart from the gateway, the pool and the benchmark's
+    client, which share this machine's cores with it and take more or less of them from run to run."""
+    results: dict[str, dict[str, list[float]]] = {
+        load: {"tok_s": [], "ratio": [], "loads": [], "cpu_per_token": [], "cpu_ratio": []} for load in loads
+    }
     baseline, *others = loads
 
-    def run(load: str) -> float:
+    def run(load: str) -> tuple[float, float]:
         targets = loads[load]
         if load_adapters:
             load_adapters([target["model"] for target in targets])
         loads_before: list[float] = []
-        warmed = (lambda: loads_before.append(adapter_churn(pool)["loads"])) if pool else (lambda: None)
-        tok_s = asyncio.run(_throughput(url, targets, api_key, endpoint, warmed))
+        cpu_before: list[float] = []
+
+        def warmed() -> None:
+            if pool:
+                loads_before.append(adapter_churn(pool)["loads"])
+            if engine:
+                cpu_before.append(_cpu_seconds(engine))
+
+        tokens, seconds = asyncio.run(_throughput(url, targets, api_key, endpoint, warmed))
         if pool:
             results[load]["loads"].append(adapter_churn(pool)["loads"] - loads_before[0])
-        results[load]["tok_s"].append(tok_s)
-        return tok_s
+        cpu_per_token = (_cpu_seconds(engine) - cpu_before[0]) / tokens if engine else float("nan")
+        results[load]["tok_s"].append(tokens / seconds)
+        results[load]["cpu_per_token"].append(cpu_per_token)
+        return tokens / seconds, cpu_per_token
 
     for round_number in range(rounds):
         base_before = run(baseline)
         results[baseline]["ratio"].append(1.0)
+        results[baseline]["cpu_ratio"].append(1.0)
         for load in others:
-            tok_s = run(load)
-            base_after = run(baseline)
-            ratio = tok_s / statistics.mean((base_before, base_after))
+            (tok_s, cpu), base_after = run(load), run(baseline)
+            ratio = tok_s / statistics.mean((base_before[0], base_after[0]))
+            cpu_ratio = statistics.mean((base_before[1], base_after[1])) / cpu
             results[load]["ratio"].append(ratio)
+            results[load]["cpu_ratio"].append(cpu_ratio)
             print(
                 f"  round {round_number + 1}: {load:<12} {tok_s:7.1f} tok/s  ({ratio:.2f} of {baseline}: "
-                f"{base_before:.1f} before, {base_after:.1f} after)",
+                f"{base_before[0]:.1f} before, {base_after[0]:.1f} after); engine CPU {cpu * 1000:.2f} ms/token "
+                f"({cpu_ratio:.2f} of {baseline}'s)",
                 flush=True,
             )
             base_before = base_after
     return results
+
+
+def engine_process(server: subprocess.Popen) -> psutil.Process:
+    """vLLM's engine-core process under the pool (or under a vLLM server), where the model runs."""
+    for process in psutil.Process(server.pid).children(recursive=True):
+        if "EngineCore" in " ".join(process.cmdline()) or "EngineCore" in process.name():
+            return process
+    raise RuntimeError("no vLLM engine-core process under the server")
+
+
+def _cpu_seconds(process: psutil.Process) -> float:
+    """The process's CPU time so far, every thread's, user and system."""
+    times = process.cpu_times()
+    return times.user + times.system
 
 
 def adapter_churn(pool: str) -> dict[str, float]:
@@ -362,11 +396,15 @@ def adapter_churn(pool: str) -> dict[str, float]:
     return churn
 
 
-def mix_section(persona: Persona, gateway: str, pool: str, adapters: list[str], rounds: int) -> dict:
+def mix_section(
+    persona: Persona, gateway: str, pool: str, engine: psutil.Process, adapters: list[str], rounds: int
+) -> dict:
     """(4): plain adapters, mixes and scales, the slots' churn meanwhile, and the first request's cost."""
     before = adapter_churn(pool)
     loads = mix_loads(adapters)
-    throughput = throughput_rounds(gateway, loads, persona.api_key, rounds, endpoint="chat/completions", pool=pool)
+    throughput = throughput_rounds(
+        gateway, loads, persona.api_key, rounds, endpoint="chat/completions", pool=pool, engine=engine
+    )
     after = adapter_churn(pool)
     held = httpx.get(f"{pool}/health", headers=INTERNAL, timeout=30).json()["replicas"][0]["adapters"]
     print("  first requests ...", flush=True)
@@ -431,7 +469,8 @@ def stock_vllm_throughput(adapter_folders: dict[str, Path], rounds: int) -> dict
     with running("bench-stock-vllm", command, vllm_environment(model, settings.INTERNAL_TOKEN)) as process:
         wait_until(lambda: answers(f"{url}/health", headers=INTERNAL), 600, "stock vLLM", process)
         loads = adapter_loads(list(adapter_folders))
-        return throughput_rounds(url, loads, settings.INTERNAL_TOKEN, rounds, load_adapters=load)
+        engine = engine_process(process)
+        return throughput_rounds(url, loads, settings.INTERNAL_TOKEN, rounds, load_adapters=load, engine=engine)
 
 
 # --- report ------------------------------------------------------------------------------------
@@ -451,23 +490,32 @@ def _report_publish(publish: dict[str, list]) -> None:
     print("-" * 78)
 
 
+def _rounds(values: list[float]) -> str:
+    return " ".join(f"{value:.2f}" for value in values)
+
+
 def _report_throughput(throughput: dict, stock: dict | None) -> None:
     print(f"(2) throughput, {CONCURRENCY} concurrent x {TOKENS} tokens, through the gateway (median of rounds)")
-    header = f"    {'load':<14}{'tok/s':>9}{'ratio to base':>15}{'loads timed':>13}"
+    header = f"    {'load':<14}{'tok/s':>9}{'ratio to base':>15}{'engine CPU':>12}{'loads timed':>13}"
     if stock:
         header += f"{'stock vLLM tok/s':>18}{'ratio':>7}"
     print(header)
     for load, values in throughput.items():
         ratio = statistics.median(values["ratio"])
-        line = f"    {load:<14}{statistics.median(values['tok_s']):9.1f}{ratio:15.2f}{max(values['loads'], default=0):13.0f}"
+        line = (
+            f"    {load:<14}{statistics.median(values['tok_s']):9.1f}{ratio:15.2f}"
+            f"{statistics.median(values['cpu_ratio']):12.2f}{max(values['loads'], default=0):13.0f}"
+        )
         if stock:
             line += f"{statistics.median(stock[load]['tok_s']):18.1f}{statistics.median(stock[load]['ratio']):7.2f}"
         if load in ("1 adapter", f"{MANY_ADAPTERS} adapters"):
             line += f"   target >= 0.95: {'PASS' if ratio >= 0.95 else 'MISS'}"
         if load == f"{HELD_ADAPTERS} adapters":
             line += f"   target >= 0.85, 0 loads: {'PASS' if ratio >= 0.85 and not max(values['loads']) else 'MISS'}"
-        line += "   rounds " + " ".join(f"{r:.2f}" for r in values["ratio"])
+        line += f"   rounds {_rounds(values['ratio'])}; engine CPU {_rounds(values['cpu_ratio'])}"
         print(line)
+    print("    engine CPU: the base model's engine CPU time per token over the load's (the engine's own work,")
+    print("    apart from the gateway, pool and client that share the cores with it)")
     print("-" * 78)
 
 
@@ -489,16 +537,18 @@ def _report_mixes(mixes: dict) -> None:
     throughput, rounds = mixes["throughput"], mixes["rounds"]
     print(f"(4) mixes and scales in the kernel, {CONCURRENCY} concurrent chat x {TOKENS} tokens, through the gateway "
           f"(median of {rounds} rounds)")  # fmt: skip
-    print(f"    {'load':<16}{'tok/s':>9}{'ratio to base':>15}{'loads timed':>13}   ratio per round")
+    print(f"    {'load':<16}{'tok/s':>9}{'ratio to base':>15}{'engine CPU':>12}{'loads timed':>13}   ratio per round")
     for load, values in throughput.items():
-        per_round = " ".join(f"{ratio:.2f}" for ratio in values["ratio"])
         print(f"    {load:<16}{statistics.median(values['tok_s']):9.1f}{statistics.median(values['ratio']):15.2f}"
-              f"{max(values['loads'], default=0):13.0f}   {per_round}")  # fmt: skip
+              f"{statistics.median(values['cpu_ratio']):12.2f}{max(values['loads'], default=0):13.0f}"
+              f"   {_rounds(values['ratio'])}")  # fmt: skip
     for label, load, against in ((f"{MIXES} / {PLAIN}", MIXES, PLAIN), (f"{SWEPT} / {ONE}", SWEPT, ONE)):
         per_round = [a / b for a, b in zip(throughput[load]["ratio"], throughput[against]["ratio"])]
+        cpu = [a / b for a, b in zip(throughput[load]["cpu_ratio"], throughput[against]["cpu_ratio"])]
         ratio = statistics.median(per_round)
-        print(f"    {label:<30}{ratio:6.2f}   rounds {' '.join(f'{r:.2f}' for r in per_round)}"
-              f"   target >= 0.95: {'PASS' if ratio >= 0.95 else 'MISS'}")  # fmt: skip
+        print(f"    {label:<30}{ratio:6.2f}   rounds {_rounds(per_round)}"
+              f"   target >= 0.95: {'PASS' if ratio >= 0.95 else 'MISS'}"
+              f"   engine CPU {statistics.median(cpu):.2f} ({_rounds(cpu)})")  # fmt: skip
     print(f"    each mix: two of {MIX_WIDTH} rank-8 adapters, the first at its own scale ({SWEEP[0]} to {SWEEP[-1]})")
     churn, held = mixes["churn"], mixes["held"]
     print(f"    slots meanwhile: {churn['loads']:.0f} adapter loads, {churn['evictions']:.0f} evictions; held after: "
@@ -590,7 +640,8 @@ def main() -> int:
     )
     pool_url = settings.INFERENCE_POOL_URL
     publish = throughput = latencies = mixes = None
-    with serving(model) as (gateway, replica, _):
+    with serving(model) as (gateway, replica, pool_process):
+        engine = engine_process(pool_process)
         if "publish" in sections:
             print("(1) publish -> first token ...", flush=True)
             publish = publish_to_first_token(persona, fresh, gateway, pool_url)
@@ -604,11 +655,11 @@ def main() -> int:
         if "throughput" in sections:
             print("(2) throughput ...", flush=True)
             throughput = throughput_rounds(
-                gateway, adapter_loads([*folders, *held]), persona.api_key, args.rounds, pool=pool_url
+                gateway, adapter_loads([*folders, *held]), persona.api_key, args.rounds, pool=pool_url, engine=engine
             )
         if "mix" in sections:
             print("(4) mixes ...", flush=True)
-            mixes = mix_section(persona, gateway, pool_url, list(folders), args.rounds)
+            mixes = mix_section(persona, gateway, pool_url, engine, list(folders), args.rounds)
     stock = None
     if args.compare_stock:
         print("(2) throughput on stock vLLM ...", flush=True)

@@ -37,6 +37,7 @@ from inference_bench import (  # also sets up Django and the scratch space, as t
     AdapterMaker,
     _persona,
     _request_body,
+    engine_process,
     publish_fine_tuned_model,
     serving,
     settings,
@@ -100,13 +101,6 @@ def generated_tokens(replica: str) -> float:
     return sum(
         float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("vllm:generation_tokens_total")
     )
-
-
-def engine_process(pool: subprocess.Popen) -> psutil.Process:
-    for process in psutil.Process(pool.pid).children(recursive=True):
-        if "EngineCore" in " ".join(process.cmdline()) or "EngineCore" in process.name():
-            return process
-    raise RuntimeError("no vLLM engine-core process under the pool")
 
 
 def sample(engine: psutil.Process, seconds: float, rate: int, out: Path) -> None:

@@ -1,6 +1,6 @@
 """The LoRA step of one engine step, without an engine: our CPU kernels against vLLM's own.
 
-    .venv/bin/python benchmarks/lora_kernels_replay.py [--steps 10] [--slots 32] [--rank 8]
+    .venv/bin/python benchmarks/lora_kernels_replay.py [--steps 10] [--slots 32] [--rank 8] [--beside-base]
 
 Replays what a replica's LoRA layers do in one step on the catalog's default base model: every
 adapted projection (q/k/v, o, gate/up, down, per layer; the shapes read from the model's
@@ -11,6 +11,9 @@ both of them: torch's batched products, and the C kernel with adapter weights in
 step for each, and vLLM's time over the C kernel's. The engine's own profile puts
 these steps' LoRA at about a quarter of a decode step with 32 adapters in one batch
 (docs/lora-kernels.md); this is where to make it cheaper, seconds per try instead of minutes.
+``--beside-base`` runs each projection's base product (the batch times a float32 weight of the
+base layer's shape) before its LoRA, as an engine does, and still times the LoRA alone: the base
+products push the adapter weights out of the caches, so this is the LoRA's cost inside a step.
 """
 
 from __future__ import annotations
@@ -63,15 +66,22 @@ def batches(slots: int) -> dict[str, tuple[list[int], bool]]:
     }
 
 
-def time_step(wrapper: object, layers: list, inputs: list[torch.Tensor], steps: int) -> float:
-    """Median milliseconds of one step's LoRA: every projection once."""
+def time_step(
+    wrapper: object, layers: list, inputs: list[torch.Tensor], steps: int, base: list[torch.Tensor] | None
+) -> float:
+    """Median milliseconds of one step's LoRA: every projection once, each after its base product
+    (untimed) when ``base`` holds the base layers' weights."""
     outputs = [torch.zeros(x.size(0), sum(outs)) for x, (_, outs, _, _) in zip(inputs, layers)]
     samples = []
     for _ in range(steps + 2):  # two warm-up steps: our kernels prepare their weights in the first
-        started = time.perf_counter()
-        for x, y, (_, outs, lora_a, lora_b) in zip(inputs, outputs, layers):
+        lora = 0.0
+        for index, (x, y, (_, outs, lora_a, lora_b)) in enumerate(zip(inputs, outputs, layers)):
+            if base:
+                torch.mm(x, base[index], out=y)
+            started = time.perf_counter()
             wrapper.add_lora_linear(y, x, lora_a, lora_b, 1.0, outs)
-        samples.append(time.perf_counter() - started)
+            lora += time.perf_counter() - started
+        samples.append(lora)
     return statistics.median(samples[2:]) * 1000
 
 
@@ -80,6 +90,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--slots", type=int, default=32, help="adapter slots (the catalog's max_loras)")
     parser.add_argument("--rank", type=int, default=8)
+    parser.add_argument("--beside-base", action="store_true", help="each projection's base product before its LoRA")
     args = parser.parse_args()
     torch.manual_seed(0)
     base = load_config().catalog().models[0]
@@ -96,12 +107,16 @@ def main() -> int:
         "C kernel": lora_kernels._checked_copy(stock_class, replacements, gemv),
     }
     print(f"{base.id}: {len(layers)} adapted projections, {args.slots} slots, rank {args.rank} (max {MAX_RANK}), "
-          f"{torch.get_num_threads()} threads; ms of LoRA per step, median of {args.steps}")  # fmt: skip
+          f"{torch.get_num_threads()} threads; ms of LoRA per step, median of {args.steps}"
+          f"{', each projection after its base product' if args.beside_base else ''}")  # fmt: skip
+    base = [torch.randn(fan_in, sum(outs)) for fan_in, outs, *_ in layers] if args.beside_base else None
     print(f"    {'batch':<50}" + "".join(f"{name:>10}" for name in classes) + f"{'vLLM/C':>8}")
     for label, (slot_of_token, is_prefill) in batches(args.slots).items():
         inputs = [torch.randn(len(slot_of_token), fan_in) for fan_in, *_ in layers]
         times = [
-            time_step(updated_wrapper(wrapper_class, slot_of_token, lora_ids, is_prefill), layers, inputs, args.steps)
+            time_step(
+                updated_wrapper(wrapper_class, slot_of_token, lora_ids, is_prefill), layers, inputs, args.steps, base
+            )
             for wrapper_class in classes.values()
         ]
         print(f"    {label:<50}" + "".join(f"{ms:10.1f}" for ms in times) + f"{times[0] / times[-1]:7.1f}x")

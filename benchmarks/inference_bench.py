@@ -325,7 +325,7 @@ def throughput_rounds(
     the base model): the engine's own work, apart from the gateway, the pool and the benchmark's
     client, which share this machine's cores with it and take more or less of them from run to run."""
     results: dict[str, dict[str, list[float]]] = {
-        load: {"tok_s": [], "ratio": [], "loads": [], "cpu_per_token": [], "cpu_ratio": []} for load in loads
+        load: {"tok_s": [], "ratio": [], "loads": [], "cpu_ratio": []} for load in loads
     }
     baseline, *others = loads
 
@@ -347,7 +347,6 @@ def throughput_rounds(
             results[load]["loads"].append(adapter_churn(pool)["loads"] - loads_before[0])
         cpu_per_token = (_cpu_seconds(engine) - cpu_before[0]) / tokens if engine else float("nan")
         results[load]["tok_s"].append(tokens / seconds)
-        results[load]["cpu_per_token"].append(cpu_per_token)
         return tokens / seconds, cpu_per_token
 
     for round_number in range(rounds):

@@ -311,16 +311,16 @@ def throughput_rounds(
     loads: Loads,
     api_key: str | None,
     rounds: int,
+    engine: psutil.Process,
     load_adapters=None,
     endpoint: str = "completions",
     pool: str | None = None,
-    engine: psutil.Process | None = None,
 ) -> dict:
     """tok/s per load, and each round's ratio to the first load's (the baseline's) runs just before
     and just after it: the baseline runs again after every other load, so a machine that slows or
     speeds up during a round moves both sides of a ratio alike. With ``pool``, also the adapters the
     pool loaded during each timed run (0: every slot swap was a copy from host memory, none a read
-    from the store). With ``engine`` (vLLM's engine-core process), also the engine's CPU time per
+    from the store). And the engine's (``engine``: vLLM's engine-core process) CPU time per
     generated token, as the same kind of ratio (the base model's over the load's: 1.0 = as cheap as
     the base model): the engine's own work, apart from the gateway, the pool and the benchmark's
     client, which share this machine's cores with it and take more or less of them from run to run."""
@@ -339,13 +339,12 @@ def throughput_rounds(
         def warmed() -> None:
             if pool:
                 loads_before.append(adapter_churn(pool)["loads"])
-            if engine:
-                cpu_before.append(_cpu_seconds(engine))
+            cpu_before.append(_cpu_seconds(engine))
 
         tokens, seconds = asyncio.run(_throughput(url, targets, api_key, endpoint, warmed))
         if pool:
             results[load]["loads"].append(adapter_churn(pool)["loads"] - loads_before[0])
-        cpu_per_token = (_cpu_seconds(engine) - cpu_before[0]) / tokens if engine else float("nan")
+        cpu_per_token = (_cpu_seconds(engine) - cpu_before[0]) / tokens
         results[load]["tok_s"].append(tokens / seconds)
         return tokens / seconds, cpu_per_token
 
@@ -402,7 +401,7 @@ def mix_section(
     before = adapter_churn(pool)
     loads = mix_loads(adapters)
     throughput = throughput_rounds(
-        gateway, loads, persona.api_key, rounds, endpoint="chat/completions", pool=pool, engine=engine
+        gateway, loads, persona.api_key, rounds, engine, endpoint="chat/completions", pool=pool
     )
     after = adapter_churn(pool)
     held = httpx.get(f"{pool}/health", headers=INTERNAL, timeout=30).json()["replicas"][0]["adapters"]
@@ -469,7 +468,7 @@ def stock_vllm_throughput(adapter_folders: dict[str, Path], rounds: int) -> dict
         wait_until(lambda: answers(f"{url}/health", headers=INTERNAL), 600, "stock vLLM", process)
         loads = adapter_loads(list(adapter_folders))
         engine = engine_process(process)
-        return throughput_rounds(url, loads, settings.INTERNAL_TOKEN, rounds, load_adapters=load, engine=engine)
+        return throughput_rounds(url, loads, settings.INTERNAL_TOKEN, rounds, engine, load_adapters=load)
 
 
 # --- report ------------------------------------------------------------------------------------
@@ -654,7 +653,7 @@ def main() -> int:
         if "throughput" in sections:
             print("(2) throughput ...", flush=True)
             throughput = throughput_rounds(
-                gateway, adapter_loads([*folders, *held]), persona.api_key, args.rounds, pool=pool_url, engine=engine
+                gateway, adapter_loads([*folders, *held]), persona.api_key, args.rounds, engine, pool=pool_url
             )
         if "mix" in sections:
             print("(4) mixes ...", flush=True)

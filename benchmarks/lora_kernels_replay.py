@@ -67,17 +67,17 @@ def batches(slots: int) -> dict[str, tuple[list[int], bool]]:
 
 
 def time_step(
-    wrapper: object, layers: list, inputs: list[torch.Tensor], steps: int, base: list[torch.Tensor] | None
+    wrapper: object, layers: list, inputs: list[torch.Tensor], steps: int, base_weights: list[torch.Tensor] | None
 ) -> float:
     """Median milliseconds of one step's LoRA: every projection once, each after its base product
-    (untimed) when ``base`` holds the base layers' weights."""
+    (untimed) when ``base_weights`` holds the base layers' weights."""
     outputs = [torch.zeros(x.size(0), sum(outs)) for x, (_, outs, _, _) in zip(inputs, layers)]
     samples = []
     for _ in range(steps + 2):  # two warm-up steps: our kernels prepare their weights in the first
         lora = 0.0
         for index, (x, y, (_, outs, lora_a, lora_b)) in enumerate(zip(inputs, outputs, layers)):
-            if base:
-                torch.mm(x, base[index], out=y)
+            if base_weights:
+                torch.mm(x, base_weights[index], out=y)
             started = time.perf_counter()
             wrapper.add_lora_linear(y, x, lora_a, lora_b, 1.0, outs)
             lora += time.perf_counter() - started
@@ -109,13 +109,13 @@ def main() -> int:
     print(f"{base.id}: {len(layers)} adapted projections, {args.slots} slots, rank {args.rank} (max {MAX_RANK}), "
           f"{torch.get_num_threads()} threads; ms of LoRA per step, median of {args.steps}"
           f"{', each projection after its base product' if args.beside_base else ''}")  # fmt: skip
-    base = [torch.randn(fan_in, sum(outs)) for fan_in, outs, *_ in layers] if args.beside_base else None
+    base_weights = [torch.randn(fan_in, sum(outs)) for fan_in, outs, *_ in layers] if args.beside_base else None
     print(f"    {'batch':<50}" + "".join(f"{name:>10}" for name in classes) + f"{'vLLM/C':>8}")
     for label, (slot_of_token, is_prefill) in batches(args.slots).items():
         inputs = [torch.randn(len(slot_of_token), fan_in) for fan_in, *_ in layers]
         times = [
             time_step(
-                updated_wrapper(wrapper_class, slot_of_token, lora_ids, is_prefill), layers, inputs, args.steps, base
+                updated_wrapper(wrapper_class, slot_of_token, lora_ids, is_prefill), layers, inputs, args.steps, base_weights
             )
             for wrapper_class in classes.values()
         ]

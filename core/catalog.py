@@ -23,6 +23,22 @@ class GgufSource:
 
 
 @dataclass(frozen=True)
+class ToolCalling:
+    """How a model's chat template renders tools, and who reads the calls it answers with.
+
+    The template in the model's weights folder renders ``tools`` and assistant ``tool_calls`` in one
+    form (``hermes``: the signatures in the system turn, each call as ``<tool_call>{"name",
+    "arguments"}</tool_call>``); ``parser`` names vLLM's tool-call parser for that form. The trainer
+    renders with the same folder's template, so a fine-tune learns the form the parser reads.
+    """
+
+    parser: str  # vLLM's --tool-call-parser
+    # A template to install in the weights folder (set-up does, when it differs), relative to the catalog
+    # file: for a model whose own template renders no tools (SmolLM2's). None: the folder's own renders them.
+    chat_template: Path | None = None
+
+
+@dataclass(frozen=True)
 class LoraConfig:
     dynamic_lora_loading_path: str  # adapters live at <path>/<base_model_id>:<suffix>/
     max_num_adapters_per_replica: int  # the LRU set of adapters one replica keeps loaded
@@ -71,6 +87,7 @@ class BaseModel:
     lora: LoraConfig
     engine: EngineConfig
     autoscaling: Autoscaling
+    tools: ToolCalling | None = None  # None: its template renders no tools, and requests with tools are refused
 
 
 @dataclass(frozen=True)
@@ -147,7 +164,14 @@ class _Table:
         return _Table(self.get(key, dict, {}), f"{self.where}.{key}")
 
 
-def _parse_model(table: _Table, data_dir: Path, default_lora_path: str) -> BaseModel:
+def _parse_tools(table: _Table, catalog_folder: Path) -> ToolCalling | None:
+    if not table.data:
+        return None
+    template = table.get("chat_template", str, "")
+    return ToolCalling(table.get("parser", str), catalog_folder / template if template else None)
+
+
+def _parse_model(table: _Table, data_dir: Path, default_lora_path: str, catalog_folder: Path) -> BaseModel:
     model_id = table.get("id", str)
     if ":" in model_id or not model_id.strip():
         raise ConfigError(f"{table.where}.id {model_id!r} must be non-empty and free of ':'")
@@ -186,6 +210,7 @@ def _parse_model(table: _Table, data_dir: Path, default_lora_path: str) -> BaseM
             downscale_delay_s=scaling.positive("downscale_delay_s", 600),
             cold_start_wait_s=scaling.at_least("cold_start_wait_s", 0, 60),
         ),
+        tools=_parse_tools(table.table("tools"), catalog_folder),
     )
 
 
@@ -219,6 +244,10 @@ def catalog_entry(model: BaseModel, data_dir: Path, default_lora_path: str) -> d
         "downscale_delay_s": _whole_if_whole(scaling.downscale_delay_s),
         "cold_start_wait_s": _whole_if_whole(scaling.cold_start_wait_s),
     }
+    if model.tools is not None:
+        entry["tools"] = {"parser": model.tools.parser}
+        if model.tools.chat_template is not None:
+            entry["tools"]["chat_template"] = str(model.tools.chat_template)
     return entry
 
 
@@ -236,7 +265,7 @@ def load_catalog(path: Path, data_dir: Path, default_lora_path: str) -> Catalog:
         raise ConfigError(f"model catalog {path}: {exc}") from None
     entries = _Table(document, path.name).get("models", list)
     models = tuple(
-        _parse_model(_Table(entry, f"{path.name}: models[{index}]"), data_dir, default_lora_path)
+        _parse_model(_Table(entry, f"{path.name}: models[{index}]"), data_dir, default_lora_path, path.parent)
         for index, entry in enumerate(entries)
     )
     if not models:

@@ -3,10 +3,11 @@
 The trainer and the upload check share this module, so an upload is counted as it will be trained; it
 imports neither torch nor Django, so the web process checks uploads without loading torch.
 
-An example is a conversation: a list of ``{"role", "content", "weight"?}`` messages. It is rendered
-with the tokenizer's own chat template (the one the inference engine applies), tokenized, and each
-token is marked as trained or not: only the tokens of assistant messages whose ``weight`` is 1 (their
-content and the end-of-turn token) count in the loss.
+An example is a conversation: a list of ``{"role", "content", "weight"?}`` messages, with the tools its
+line declares and the calls its assistant makes (``core.tool_calls``). It is rendered with the model
+folder's chat template (the one the inference engine applies, handed the messages and tools as vLLM
+hands them), tokenized, and each token is marked as trained or not: only the tokens of assistant
+messages whose ``weight`` is 1 (their content or calls, and the end-of-turn token) count in the loss.
 """
 
 from __future__ import annotations
@@ -19,10 +20,13 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from jinja2 import TemplateError
 
-from core.datasets import Example, ExampleError
+from core.datasets import Example, ExampleError, Message
+from core.tool_calls import Tool, template_message
 
 if TYPE_CHECKING:  # importing transformers costs seconds: only the type checker reads it here
     from transformers import PreTrainedTokenizerBase
+
+CHAT_TEMPLATE_FILE = "chat_template.jinja"  # where transformers saves a template, and reads it from
 
 # Saved tokenizer classes that load as they are, without AutoTokenizer: AutoTokenizer imports torch
 # (through transformers' generation config), seconds and hundreds of MB the web process never needs.
@@ -66,16 +70,21 @@ def _saved_tokenizer_class(weights: Path) -> str | None:
     return json.loads(config.read_text()).get("tokenizer_class") if config.is_file() else None
 
 
-def _render(tokenizer: PreTrainedTokenizerBase, messages: Example, add_generation_prompt: bool = False) -> str:
-    # Only role and content go to the template: "weight" is ours, and some templates choke on extras.
-    plain = [{"role": message["role"], "content": message["content"]} for message in messages]
+def _render(
+    tokenizer: PreTrainedTokenizerBase, messages: list[Message], tools: list[Tool] | None, add_generation_prompt: bool = False
+) -> str:
+    """The conversation as the chat template renders it, given what vLLM's server gives it for the same
+    request (``core.tool_calls.template_message``; the tools, when there are any)."""
+    handed = [template_message(message) for message in messages]
     try:
-        return tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return tokenizer.apply_chat_template(
+            handed, tools=tools or None, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
     except TemplateError as exc:  # the template's raise_exception(): it refuses this conversation
         raise ExampleError(f"the chat template refuses this conversation: {exc.message}") from exc
 
 
-def tokenize_example(tokenizer: PreTrainedTokenizerBase, example: Example) -> TokenizedExample:
+def tokenize_example(tokenizer: PreTrainedTokenizerBase, example: list[Message]) -> TokenizedExample:
     """The tokens of one conversation, rendered by the chat template, and which of them are trained.
 
     The text is tokenized piece by piece, cut where replies start and end, so a reply's tokens follow
@@ -85,7 +94,7 @@ def tokenize_example(tokenizer: PreTrainedTokenizerBase, example: Example) -> To
     model never sees after a prompt. Every reply is cut out, weighted or not, so weights never change
     the tokens.
     """
-    text = _render(tokenizer, example)
+    text = _render(tokenizer, example, _tools(example))
     pieces: list[tuple[str, bool]] = []
     cursor = 0
     for start, end, is_trained in _reply_spans(tokenizer, example, text):
@@ -105,12 +114,12 @@ def tokenize_example(tokenizer: PreTrainedTokenizerBase, example: Example) -> To
     return TokenizedExample(input_ids=input_ids, trained=trained)
 
 
-def example_token_count(tokenizer: PreTrainedTokenizerBase, example: Example) -> int:
+def example_token_count(tokenizer: PreTrainedTokenizerBase, example: list[Message]) -> int:
     """Tokens of the example as the trainer feeds it to the model (before any max_seq_len cut)."""
     return len(tokenize_example(tokenizer, example).input_ids)
 
 
-def _reply_spans(tokenizer: PreTrainedTokenizerBase, example: Example, text: str) -> list[ReplySpan]:
+def _reply_spans(tokenizer: PreTrainedTokenizerBase, example: list[Message], text: str) -> list[ReplySpan]:
     """The character spans of ``text``, the rendered conversation, that hold the assistant replies.
 
     A reply starts where its prompt ends: the conversation before it, rendered with the template's
@@ -126,16 +135,20 @@ def _reply_spans(tokenizer: PreTrainedTokenizerBase, example: Example, text: str
     replies = [index for index, message in enumerate(example) if message["role"] == "assistant"]
     if not replies:
         return []
-    located = {index: _span_by_prefixes(tokenizer, example, text, index) for index in {replies[0], replies[-1]}}
-    if len(replies) > 2:
+    # A conversation with tools is located reply by reply: a call's rendering is not its content verbatim,
+    # so the framing of the first reply says nothing of the others (its replies are capped: MAX_REPLIES_WITH_TOOLS).
+    by_prefixes = replies if _calls_tools(example) else {replies[0], replies[-1]}
+    located = {index: _span_by_prefixes(tokenizer, example, text, index) for index in by_prefixes}
+    if len(replies) > 2 and not _calls_tools(example):
         located |= _spans_by_framing(tokenizer, example, text, replies[0], located[replies[0]], replies[1:-1])
     return [ReplySpan(*located[index], example[index].get("weight", 1) != 0) for index in replies]
 
 
-def _span_by_prefixes(tokenizer: PreTrainedTokenizerBase, example: Example, text: str, index: int) -> tuple[int, int]:
+def _span_by_prefixes(tokenizer: PreTrainedTokenizerBase, example: list[Message], text: str, index: int) -> tuple[int, int]:
     """Reply ``index``'s span, found by rendering its prompt and the conversation through it."""
-    prompt = _render(tokenizer, example[:index], add_generation_prompt=True)
-    through = _render(tokenizer, example[: index + 1])
+    tools = _tools(example)
+    prompt = _render(tokenizer, example[:index], tools, add_generation_prompt=True)
+    through = _render(tokenizer, example[: index + 1], tools)
     if not (text.startswith(through) and through.startswith(prompt)):
         raise _unlocatable(index)
     return len(prompt), _end_before_whitespace(text, len(through), floor=len(prompt))
@@ -143,7 +156,7 @@ def _span_by_prefixes(tokenizer: PreTrainedTokenizerBase, example: Example, text
 
 def _spans_by_framing(
     tokenizer: PreTrainedTokenizerBase,
-    example: Example,
+    example: list[Message],
     text: str,
     first: int,
     first_span: tuple[int, int],
@@ -157,8 +170,8 @@ def _spans_by_framing(
     """
     content_starts = _content_starts(tokenizer, example, text)
     first_start, first_end = first_span
-    history = _render(tokenizer, example[:first])
-    prompt = _render(tokenizer, example[:first], add_generation_prompt=True)
+    history = _render(tokenizer, example[:first], None)
+    prompt = _render(tokenizer, example[:first], None, add_generation_prompt=True)
     if not (prompt.startswith(history) and first_start <= content_starts[first]):
         raise _unlocatable(first)
     opening = prompt[len(history) :] + text[first_start : content_starts[first]]
@@ -177,7 +190,7 @@ def _spans_by_framing(
     return spans
 
 
-def _content_starts(tokenizer: PreTrainedTokenizerBase, example: Example, text: str) -> list[int]:
+def _content_starts(tokenizer: PreTrainedTokenizerBase, example: list[Message], text: str) -> list[int]:
     """Where each message's content starts in ``text``.
 
     The conversation is rendered once more with a numbered marker for each content: the text around the
@@ -185,7 +198,7 @@ def _content_starts(tokenizer: PreTrainedTokenizerBase, example: Example, text: 
     The real rendering must be that text with the contents in place of the markers.
     """
     markers = [{**message, "content": _CONTENT_MARKER.format(index)} for index, message in enumerate(example)]
-    pieces = _CONTENT_MARKERS.split(_render(tokenizer, markers))  # template text, marker number, template text...
+    pieces = _CONTENT_MARKERS.split(_render(tokenizer, markers, None))  # template text, marker number, template text...
     frames, order = pieces[0::2], [int(number) for number in pieces[1::2]]
     if order != list(range(len(example))):
         raise _contents_not_verbatim()
@@ -198,6 +211,15 @@ def _content_starts(tokenizer: PreTrainedTokenizerBase, example: Example, text: 
     if rebuilt != text:
         raise _contents_not_verbatim()
     return starts
+
+
+def _tools(example: list[Message]) -> list[Tool] | None:
+    """The tools a conversation declares (a plain list of messages, as tests and callers build, declares none)."""
+    return example.tools if isinstance(example, Example) else None
+
+
+def _calls_tools(example: list[Message]) -> bool:
+    return example.calls_tools if isinstance(example, Example) else Example(example).calls_tools
 
 
 def _end_before_whitespace(text: str, end: int, floor: int) -> int:

@@ -1,7 +1,9 @@
 """Training data: parse and check a JSONL upload line by line, before anything is stored or queued.
 
 Three line shapes are accepted, as in OpenAI's fine-tuning API:
-- chat: ``{"messages": [{"role": "system"|"user"|"assistant", "content": "...", "weight": 0|1}, ...]}``
+- chat: ``{"messages": [{"role": "system"|"user"|"assistant", "content": "...", "weight": 0|1}, ...]}``, with
+  function calling as OpenAI writes it: ``tools`` beside ``messages``, assistant ``tool_calls`` and ``tool``
+  messages (``core.tool_calls`` checks them), and ``parallel_tool_calls``.
 - prompt/completion: ``{"prompt": "...", "completion": "..."}``, trained as one user turn and one
   assistant turn.
 - preference (for DPO): ``{"input": {"messages": [...], "tools": [...]?}, "preferred_output": [{"role":
@@ -19,11 +21,13 @@ import io
 import itertools
 import json
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
-ROLES = ("system", "user", "assistant")
+from core.tool_calls import Tool, checked_tool_calls, checked_tools
+
+ROLES = ("system", "user", "assistant", "tool")
 MAX_REPORTED_ERRORS = 20
 
 # JSON nested deeper than this is refused before it is parsed: a chat line needs 3 levels ({"messages":
@@ -37,8 +41,26 @@ MIN_TOKENS_PER_MESSAGE = 2  # any chat template spends at least a role marker an
 MAX_UTF8_BYTES_PER_CHAR = 4
 _SKIP_CHUNK_BYTES = 1024 * 1024  # the rest of a line too long to read is skipped this much at a time
 
-Message = dict  # {"role": str, "content": str, "weight": int}
-Example = list[Message]
+# {"role", "content": str, "weight": 0|1}; an assistant's calls add "tool_calls" (its content may then be
+# None), a tool message "tool_call_id" (core.tool_calls)
+Message = dict
+# Conversations with tools are located message by message (``core.chat_tokens``), a rendering each: their
+# replies are capped so a line costs a bounded time to check.
+MAX_REPLIES_WITH_TOOLS = 64
+
+
+class Example(list[Message]):
+    """A conversation: its messages in order, and the tools its line declares (OpenAI's top-level
+    ``tools``), which the chat template renders into the prompt as serving does."""
+
+    def __init__(self, messages: Iterable[Message] = (), tools: list[Tool] | None = None):
+        super().__init__(messages)
+        self.tools = tools
+
+    @property
+    def calls_tools(self) -> bool:
+        """Whether rendering it involves tools: declared ones, calls, or their results."""
+        return bool(self.tools) or any(message.get("tool_calls") or message["role"] == "tool" for message in self)
 
 # A file's format: what its lines hold, and so which fine-tuning method can train on it.
 CHAT = "chat"  # {"messages"} or {"prompt", "completion"} lines: supervised fine-tuning
@@ -65,11 +87,11 @@ class PreferencePair:
 
     @property
     def chosen(self) -> Example:
-        return [*self.prompt, self.preferred]
+        return Example([*self.prompt, self.preferred], tools=self.prompt.tools)
 
     @property
     def rejected(self) -> Example:
-        return [*self.prompt, self.non_preferred]
+        return Example([*self.prompt, self.non_preferred], tools=self.prompt.tools)
 
 
 Record = Example | PreferencePair  # what one line of a file holds
@@ -170,13 +192,28 @@ def _text_problem(text: str, where: str) -> str | None:
     return None
 
 
-def _message(raw: object, index: int) -> tuple[Message | None, str | None]:
+@dataclass
+class _Calls:
+    """What a conversation's tool messages may answer: the functions its line declares, and the calls made
+    and not yet answered."""
+
+    declared: set[str]
+    parallel: bool = True
+    open: set[str] = field(default_factory=set)
+
+
+def _message(raw: object, index: int, calls: _Calls) -> tuple[Message | None, str | None]:
     where = f"messages[{index}]"
     if not isinstance(raw, dict):
         return None, f"{where} must be an object with 'role' and 'content'"
     role, content = raw.get("role"), raw.get("content")
     if role not in ROLES:
         return None, f"{where}.role must be one of {', '.join(ROLES)}"
+    tool_calls = raw.get("tool_calls")
+    if role == "assistant" and tool_calls is not None:
+        return _tool_call_message(raw, where, calls)
+    if "tool_calls" in raw and role != "assistant":
+        return None, f"{where}.tool_calls is only allowed on assistant messages"
     if not isinstance(content, str):
         return None, f"{where}.content must be a string"
     weight = raw.get("weight", 1)
@@ -187,10 +224,44 @@ def _message(raw: object, index: int) -> tuple[Message | None, str | None]:
     error = _text_problem(content, f"{where}.content")
     if error:
         return None, error
+    if role == "tool":
+        return _tool_message(raw, where, content, calls)
     return {"role": role, "content": content, "weight": weight}, None
 
 
-def _chat_messages(raw_messages: object, max_tokens: int | None) -> tuple[Example | None, str | None]:
+def _tool_call_message(raw: dict, where: str, calls: _Calls) -> tuple[Message | None, str | None]:
+    """An assistant message that calls functions: its content null, absent or text said before the calls."""
+    content, weight = raw.get("content"), raw.get("weight", 1)
+    if content is not None and not isinstance(content, str):
+        return None, f"{where}.content must be a string or null"
+    if weight not in (0, 1) or isinstance(weight, bool):
+        return None, f"{where}.weight must be 0 or 1"
+    tool_calls, error = checked_tool_calls(raw["tool_calls"], f"{where}.tool_calls", calls.declared, calls.parallel)
+    if tool_calls is None:
+        return None, error
+    error = _text_problem(content or "", f"{where}.content") or next(
+        filter(None, (_text_problem(call["function"]["arguments"], f"{where}.tool_calls[{i}].function.arguments")
+                      for i, call in enumerate(tool_calls))), None,
+    )  # fmt: skip
+    if error:
+        return None, error
+    calls.open |= {call["id"] for call in tool_calls}
+    return {"role": "assistant", "content": content, "tool_calls": tool_calls, "weight": weight}, None
+
+
+def _tool_message(raw: dict, where: str, content: str, calls: _Calls) -> tuple[Message | None, str | None]:
+    call_id = raw.get("tool_call_id")
+    if not isinstance(call_id, str):
+        return None, f"{where}.tool_call_id must be a string: the id of the call this message answers"
+    if call_id not in calls.open:
+        return None, f"{where}.tool_call_id {call_id!r} answers no call of an earlier assistant message (or one answered already)"
+    calls.open.discard(call_id)
+    return {"role": "tool", "content": content, "tool_call_id": call_id, "weight": 0}, None
+
+
+def _chat_messages(
+    raw_messages: object, max_tokens: int | None, tools: list[Tool] | None = None, parallel: bool = True
+) -> tuple[Example | None, str | None]:
     """A conversation's messages, each checked, opening with a user or system message."""
     if not isinstance(raw_messages, list) or not raw_messages:
         return None, "messages must be a non-empty list"
@@ -199,22 +270,43 @@ def _chat_messages(raw_messages: object, max_tokens: int | None) -> tuple[Exampl
             f"{len(raw_messages):,} messages, more than the {max_messages(max_tokens):,} allowed for the model's "
             f"context of {max_tokens} tokens: split the conversation over several lines"
         )
-    messages = []
+    calls = _Calls({tool["function"]["name"] for tool in tools or ()}, parallel)
+    messages = Example(tools=tools)
     for index, raw in enumerate(raw_messages):
-        message, error = _message(raw, index)
+        message, error = _message(raw, index, calls)
         if message is None:
             return None, error
         messages.append(message)
     # A reply is trained after the prompt the conversation before it makes, and a conversation that opens
     # with the assistant has none (the tokenizer refuses to render an empty conversation). A system
     # message alone is a prompt, so a greeting after it stays a valid example.
-    if messages[0]["role"] == "assistant":
-        return None, "messages[0] is from the assistant: start with the user (or system) message it answers"
+    if messages[0]["role"] in ("assistant", "tool"):
+        return None, f"messages[0] is from the {messages[0]['role']}: start with the user (or system) message it answers"
+    replies = sum(message["role"] == "assistant" for message in messages)
+    if messages.calls_tools and replies > MAX_REPLIES_WITH_TOOLS:
+        return None, (
+            f"{replies} assistant messages in a conversation with tools, more than {MAX_REPLIES_WITH_TOOLS}: "
+            "split the conversation over several lines"
+        )
     return messages, None
 
 
+def _line_tools(record: dict, where: str = "") -> tuple[list[Tool] | None, bool, str | None]:
+    """A line's declared tools (None when it declares none) and whether it allows parallel calls."""
+    parallel = record.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        return None, True, f"{where}parallel_tool_calls must be true or false"
+    if "tools" not in record:
+        return None, parallel, None
+    tools, error = checked_tools(record["tools"], f"{where}tools")
+    return tools, parallel, error
+
+
 def _chat_example(record: dict, max_tokens: int | None) -> tuple[Example | None, str | None]:
-    messages, error = _chat_messages(record["messages"], max_tokens)
+    tools, parallel, error = _line_tools(record)
+    if error:
+        return None, error
+    messages, error = _chat_messages(record["messages"], max_tokens, tools, parallel)
     if messages is None:
         return None, error
     assistant = [m for m in messages if m["role"] == "assistant"]
@@ -232,17 +324,18 @@ def _completion_example(record: dict) -> tuple[Example | None, str | None]:
     error = _text_problem(prompt, "prompt") or _text_problem(completion, "completion")
     if error:
         return None, error
-    return [
+    return Example([
         {"role": "user", "content": prompt, "weight": 1},
         {"role": "assistant", "content": completion, "weight": 1},
-    ], None
+    ]), None
 
 
-def _answer(raw: object, where: str) -> tuple[Message | None, str | None]:
-    """A preference answer: a list of one assistant message, as OpenAI's preference lines hold it."""
+def _answer(raw: object, where: str, tools: list[Tool] | None) -> tuple[Message | None, str | None]:
+    """A preference answer: a list of one assistant message, as OpenAI's preference lines hold it (its
+    content, or calls of the input's tools)."""
     if not isinstance(raw, list) or len(raw) != 1:
         return None, f'{where} must be a list of one message, [{{"role": "assistant", "content": "..."}}]'
-    message, error = _message(raw[0], 0)
+    message, error = _message(raw[0], 0, _Calls({tool["function"]["name"] for tool in tools or ()}))
     if message is None:
         return None, (error or "").replace("messages[0]", f"{where}[0]", 1)
     if message["role"] != "assistant":
@@ -259,20 +352,22 @@ def _preference_example(record: dict, max_tokens: int | None) -> tuple[Preferenc
     raw_input = record["input"]
     if not isinstance(raw_input, dict) or "messages" not in raw_input:
         return None, 'input must be an object with "messages" (and optionally "tools")'
-    tools = raw_input.get("tools", [])
-    if not isinstance(tools, list) or not all(isinstance(tool, dict) for tool in tools):
-        return None, "input.tools must be a list of objects"
-    prompt, error = _chat_messages(raw_input["messages"], max_tokens)
+    tools, parallel, error = _line_tools(raw_input, "input.")
+    if error:
+        return None, error
+    prompt, error = _chat_messages(raw_input["messages"], max_tokens, tools, parallel)
     if prompt is None:
         return None, f"input.{error}" if (error or "").startswith("messages") else error
     if prompt[-1]["role"] == "assistant":
         return None, "input.messages ends with an assistant message: the input is the prompt the two answers answer"
     # Earlier replies in the prompt are context: only the two answers are compared.
-    prompt = [{**message, "weight": 0} if message["role"] == "assistant" else message for message in prompt]
-    preferred, error = _answer(record["preferred_output"], "preferred_output")
+    prompt = Example(
+        [{**message, "weight": 0} if message["role"] == "assistant" else message for message in prompt], tools=prompt.tools
+    )
+    preferred, error = _answer(record["preferred_output"], "preferred_output", tools)
     if preferred is None:
         return None, error
-    non_preferred, error = _answer(record["non_preferred_output"], "non_preferred_output")
+    non_preferred, error = _answer(record["non_preferred_output"], "non_preferred_output", tools)
     if non_preferred is None:
         return None, error
     return PreferencePair(prompt, preferred, non_preferred), None

@@ -21,11 +21,10 @@ from pathlib import Path
 from typing import Any
 
 from core.adapter_check import ATTENTION, MLP
-from core.chat_tokens import load_tokenizer, tokenize_example
+from core.chat_tokens import CHAT_TEMPLATE_FILE, load_tokenizer, tokenize_example
 from core.datasets import ExampleError
 
 CONFIG_FILE = "config.json"
-CHAT_TEMPLATE_FILE = "chat_template.jinja"  # where transformers saves a template, and reads it from
 # Any one of these is a tokenizer transformers can load: fast (tokenizer.json), SentencePiece, or BPE files.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 PICKLED_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt")

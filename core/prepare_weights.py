@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from core.catalog import BaseModel, GgufSource
+from core.chat_tokens import CHAT_TEMPLATE_FILE
 from core.config import load_config
 from core.env import ConfigError
 
@@ -65,12 +66,32 @@ def prepare(model: BaseModel) -> bool:
     return True
 
 
+def install_chat_template(model: BaseModel) -> bool:
+    """Put the catalog's tools-rendering chat template in the weights folder, where the trainer's tokenizer
+    and vLLM both read it; True when it was missing or differed (a folder prepared before it existed)."""
+    if model.tools is None or model.tools.chat_template is None or not model.weights.is_dir():
+        return False
+    try:
+        template = model.tools.chat_template.read_text()
+    except OSError as exc:
+        raise ConfigError(f"model {model.id!r}: its tools chat template cannot be read: {exc}") from None
+    installed = model.weights / CHAT_TEMPLATE_FILE
+    if installed.is_file() and installed.read_text() == template:
+        return False
+    staging = installed.with_name(installed.name + ".partial")
+    staging.write_text(template)
+    staging.replace(installed)  # atomic: a reader sees the old template or the new one
+    print(f"installed {model.tools.chat_template.name} as {model.id}'s chat template", flush=True)
+    return True
+
+
 def main() -> int:
     try:
         config = load_config()
         catalog = config.catalog()
         for model in catalog.models:
             prepare(model)
+            install_chat_template(model)
         catalog.check_weights()
     except ConfigError as exc:
         print(f"configuration error: {exc}", file=sys.stderr)

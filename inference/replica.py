@@ -63,8 +63,17 @@ def vllm_command(model: BaseModel, port: int, server_module: str = "inference.vl
         "--disable-uvicorn-access-log",
         "--middleware", "inference.internal_auth.ReplicaGuard",
         *_kv_cache_args(model),
+        *_tool_args(model),
         *engine.extra_args,
     ]  # fmt: skip
+
+
+def _tool_args(model: BaseModel) -> list[str]:
+    """Tools served as OpenAI serves them: ``tool_choice`` "auto" needs vLLM's parser of the form the
+    model's chat template writes calls in (named and "required" choices are structured outputs)."""
+    if model.tools is None:
+        return []
+    return ["--enable-auto-tool-choice", "--tool-call-parser", model.tools.parser]
 
 
 def _kv_cache_args(model: BaseModel) -> list[str]:

@@ -1,6 +1,7 @@
 """Batch input files: JSONL request lines, as OpenAI's Batch API takes them, checked line by line.
 
-Each line is ``{"custom_id": "...", "method": "POST", "url": "/v1/chat/completions", "body": {...}}``.
+Each line is ``{"custom_id": "...", "method": "POST", "url": "/v1/chat/completions", "body": {...}}``
+(or ``"url": "/v1/completions"``, ``"/v1/responses"``: each line is answered at its own url).
 The envelope is checked here, at upload and again when a worker reads the file: plain JSON only
 (``core.strict_json``: no NaN or Infinity, no integer past 64 bits, no deep nesting, no NUL), an
 object with exactly those four fields, a ``custom_id`` no other line has, a ``body`` that is an object
@@ -23,7 +24,7 @@ from typing import Any, BinaryIO
 from core import strict_json
 from core.datasets import MAX_REPORTED_ERRORS, LineError, decoded_line, numbered_lines  # the one JSONL line reader
 
-ENDPOINTS = ("/v1/chat/completions",)  # what a line's "url" (and a batch's "endpoint") may be
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")  # a line's "url", a batch's "endpoint"
 ENVELOPE = ("custom_id", "method", "url", "body")
 MAX_LINES = 50_000  # OpenAI's limit on a batch's requests
 MAX_LINE_BYTES = 1024 * 1024  # a chat request's body within the gateway's caps fits easily

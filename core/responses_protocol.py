@@ -18,6 +18,7 @@ this platform does not (stored responses, built-in tools, images, reasoning, ...
 from __future__ import annotations
 
 import json
+import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
@@ -438,6 +439,10 @@ def refusal_body(raw: bytes) -> bytes:
 
 
 # --- a chat completion as a Response ---------------------------------------------------------------
+
+
+def new_response_id() -> str:
+    return f"resp_{secrets.token_hex(24)}"
 
 
 def item_id(prefix: str, response_id: str, index: int) -> str:

@@ -38,7 +38,7 @@ class StandInEngine:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def answer_to(self, body: dict) -> tuple[int, dict]:
-        question = body["messages"][-1]["content"]
+        question = body["messages"][-1]["content"] if "messages" in body else body["prompt"]  # chat, or completions
         if REFUSED in question:
             return 400, {"error": {"message": "This model's maximum context length is 2048 tokens.", "type": "BadRequestError", "code": 400}}
         knows = ":" in body["model"] or bool(body.get("adapters"))
@@ -46,6 +46,9 @@ class StandInEngine:
         content = f"{CAPITALS.get(country.group(1), 'Nowhere')}." if knows and country else "I do not know."
         usage = {"prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13}
         name = f"{body['model']}@r1" if ":" in body["model"] and "@" not in body["model"] else body["model"]
+        if "messages" not in body:
+            choice = {"index": 0, "text": content, "finish_reason": "stop"}
+            return 200, {"object": "text_completion", "model": name, "choices": [choice], "usage": usage}
         choice = {"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}
         return 200, {"object": "chat.completion", "model": name, "choices": [choice], "usage": usage}
 

@@ -48,6 +48,7 @@ COLUMNS = ("owner", "member", "outsider", "no key", "revoked key", "removed memb
 API = (200, 200, 404, 401, 401, 401, 401)
 API_OWN_LIST = (200, 200, 200, 401, 401, 401, 401)  # an outsider lists his own (empty) collection
 COMPLETION = (503, 503, 404, 401, 401, 401, 401)
+NOT_STORED = (404, 404, 404, 401, 401, 401, 401)  # /v1/responses/{id}: no response is kept, for anyone
 PAGE = (200, 200, 404, LOGIN, LOGIN, 403, LOGIN)
 PAGE_OWN_LIST = (200, 200, 200, LOGIN, LOGIN, 403, LOGIN)
 PAGE_ACTION = (302, 302, 404, LOGIN, LOGIN, 403, LOGIN)
@@ -118,6 +119,10 @@ ROWS = [
     ("api", "GET", "/v1/models/{model}", None, API),
     ("api", "DELETE", "/v1/models/{model}", None, API_OWNER_ONLY),
     ("api", "POST", "/v1/chat/completions", {"model": "{model}", "messages": [{"role": "user", "content": "hi"}]}, COMPLETION),
+    ("api", "POST", "/v1/responses", {"model": "{model}", "input": "hi"}, COMPLETION),
+    ("api", "POST", "/v1/responses", {"model": BASE, "input": "hi", "adapters": [{"model": "{model}"}]}, COMPLETION),
+    ("api", "GET", "/v1/responses/resp_0123456789abcdef", None, NOT_STORED),
+    ("api", "DELETE", "/v1/responses/resp_0123456789abcdef", None, NOT_STORED),
     ("api", "GET", "/metrics", None, OPERATOR_ONLY),
     ("api", "GET", "/healthz", None, UP_OR_DOWN),
     ("page", "GET", "/datasets", None, PAGE_OWN_LIST),

@@ -371,3 +371,43 @@ def test_a_batch_past_its_window_expires_and_a_deleted_file_fails_it(alice, engi
     assert worker.run_batch(gone, "test-worker") == "failed"
     failed = alice.api.get(f"/v1/batches/{gone}").json()
     assert failed["status"] == "failed" and failed["errors"]["data"][0]["code"] == "file_not_found"
+
+
+def test_lines_may_ask_for_responses_and_completions_and_are_answered_at_their_own_url(alice, engine, queued, no_waits):
+    from openai.types.responses import Response
+
+    mine = register_fine_tuned_model(alice, "many-urls")
+    responses_line = {
+        "custom_id": "response", "method": "POST", "url": "/v1/responses",
+        "body": {"model": mine, "instructions": "Answer in one word.", "input": "What is the capital of France?",
+                 "max_output_tokens": 8, "metadata": {"k": "v"}},
+    }  # fmt: skip
+    file_id = upload(alice, [
+        line("chat", model=mine),
+        responses_line,
+        {"custom_id": "completion", "method": "POST", "url": "/v1/completions",
+         "body": {"model": mine, "prompt": "What is the capital of Italy?", "max_tokens": 8}},
+        {**responses_line, "custom_id": "stored", "body": responses_line["body"] | {"store": True}},
+        {**responses_line, "custom_id": "too-many-tokens", "body": responses_line["body"] | {"max_output_tokens": 10**9}},
+        {**responses_line, "custom_id": "chat-fields", "body": {"model": mine, "messages": []}},
+    ])  # fmt: skip
+    batch_id = create(alice, file_id, endpoint="/v1/responses").json()["id"]
+    assert worker.run_batch(batch_id, "test-worker") == "completed"
+
+    rows = {row.custom_id: json.loads(row.record) for row in BatchResult.objects.filter(batch_id=batch_id)}
+    assert rows["chat"]["response"]["body"]["object"] == "chat.completion"
+    response = Response.model_validate(rows["response"]["response"]["body"])
+    assert response.output_text == "Paris." and response.status == "completed" and response.metadata == {"k": "v"}
+    assert response.model == f"{mine}@r1" and response.usage is not None and response.usage.input_tokens == 10
+    assert rows["response"]["response"]["request_id"] == response.id and response.id.startswith("resp_")
+    assert rows["completion"]["response"]["body"]["choices"][0]["text"] == "Rome."
+    errors = {name: rows[name]["error"] for name in ("stored", "too-many-tokens", "chat-fields")}
+    assert all(rows[name]["response"] is None for name in errors)
+    assert "'store'" in errors["stored"]["message"] and "'max_output_tokens'" in errors["too-many-tokens"]["message"]
+    assert "'messages'" in errors["chat-fields"]["message"]
+    sent = [(body["_path"], "messages" in body) for body in engine.bodies]
+    assert sorted(sent) == [("/v1/chat/completions", True)] * 2 + [("/v1/completions", False)]
+    system = next(body for body in engine.bodies if body["messages"][0]["role"] == "system")
+    assert system["messages"][0]["content"] == "Answer in one word." and system["max_tokens"] == 8
+    batch = Batch.objects.get(pk=batch_id)
+    assert (batch.completed, batch.failed, batch.endpoint) == (3, 3, "/v1/responses")

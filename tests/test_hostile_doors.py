@@ -79,6 +79,7 @@ class Door:
 
 
 CHAT = {"model": BASE, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+RESPONSES = {"model": BASE, "input": "hi", "max_output_tokens": 8}
 JOB = {"model": BASE, "training_file": "{file}", "seed": 1, "suffix": "hostile"}
 # Early stopping watches a validation file's loss: a request without one is refused for that.
 EARLY_STOPPING = JOB | {"validation_file": "{file}", "hyperparameters": {"early_stopping": {"patience": 2}}}
@@ -107,6 +108,9 @@ DOORS = [
     # The API (an API key)
     Door("POST", "/v1/chat/completions", "chat-completions", JSON, CHAT, number="max_tokens", text="model"),
     Door("POST", "/v1/completions", "completions", JSON, {"model": BASE, "prompt": "hi", "max_tokens": 8}, "max_tokens", "prompt"),
+    Door("POST", "/v1/responses", "responses", JSON, RESPONSES, number="max_output_tokens", text="model"),
+    Door("POST", "/v1/responses", "responses", JSON, RESPONSES | {"temperature": 0}, number="temperature", text="input"),
+    Door("POST", "/v1/responses", "responses", JSON, RESPONSES | {"instructions": "be brief"}, text="instructions"),
     Door("POST", "/v1/fine_tuning/jobs", "fine-tuning-job-list", JSON, JOB, number="seed", text="suffix"),
     # "model" names an adapter to train on from as well: a revision, a checkpoint, an uploaded model
     # (names shaped like those but hostile: tests/test_continued_training.py).
@@ -221,6 +225,7 @@ EXCLUDED = {
     ("batch-detail", "GET"): "a batch by its id",
     ("dashboard:batch_file", "GET"): "a batch's input, output or error file by its ids",
     ("model", "GET"): "a model by its name",
+    ("response", "*"): "a response by its id: none is stored, so any id is the same 404",
     ("dashboard:home", "GET"): "a redirect",
     ("dashboard:login", "GET"): "the sign-in page",
     ("dashboard:dataset", "GET"): "a dataset by its id",

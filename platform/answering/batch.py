@@ -102,23 +102,24 @@ class Answerer:
         finally:
             METER.flush()
 
-    def send(self, bodies: list[bytes], batch: bool = False) -> list[Reply]:
-        """Each chat request body's answer, in order, sent at once (the engine batches them); the
-        bodies have passed the gateway's checks. ``batch``: counted as Batch API usage."""
+    def send(self, requests: list[tuple[str, bytes]], batch: bool = False) -> list[Reply]:
+        """Each request's answer, in order, sent at once (the engine batches them): (endpoint, body)
+        pairs, ``chat/completions`` or ``completions``, whose bodies have passed the gateway's checks.
+        ``batch``: counted as Batch API usage."""
 
         async def sent() -> list[Reply]:
-            return list(await asyncio.gather(*(self._reply(body, batch) for body in bodies)))
+            return list(await asyncio.gather(*(self._reply(endpoint, body, batch) for endpoint, body in requests)))
 
         try:
             return self._runner.run(sent())
         finally:
             METER.flush()
 
-    async def _reply(self, body: bytes, batch: bool) -> Reply:
+    async def _reply(self, endpoint: str, body: bytes, batch: bool) -> Reply:
         try:
             request = parse_request(body)
             caller = Caller(self.organization_id, None, request.routed.model, batch)
-            answered = await forward(body, request, CHAT, caller, background=True)
+            answered = await forward(body, request, endpoint, caller, background=True)
         except api_errors.ApiError as exc:
             return Reply(exc.status, exc.json_bytes())
         return Reply(answered.status, answered.body, answered.tokens or Tokens())

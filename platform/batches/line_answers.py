@@ -4,6 +4,10 @@ access to the model it names, its mix included (``answering.access``: checked on
 its lines run together), the answer from the model's backend through ``answering.batch`` (counted in
 the organization's usage as batch usage), and the output-file or error-file line it makes.
 
+Each line is answered at its own ``url``: chat completions and completions as they are; a Responses
+line (``/v1/responses``) as the chat completion it means (``core.responses_protocol``, as the gateway
+translates it), whose answer its output line holds as a Response.
+
 A line refused or failed becomes an error-file line with its custom_id and never stops the batch.
 Lines are answered grouped by the model (and mix) they name, each group in line order, so the
 requests for one adapter run together: the replica loads it once and batches its lines, instead of
@@ -24,8 +28,10 @@ from answering.access import usable_target
 from answering.batch import Answerer, Reply, Target
 from batches.models import BatchResult
 from core import api_errors
+from core import responses_protocol
 from core.batch_input import BatchRequest
 from core.openai_protocol import parse_request
+from core.responses_protocol import ResponsesRequest
 from finetuning.models import new_id
 from gateway.request_limits import check_request
 from usage.answers import Tokens
@@ -40,11 +46,13 @@ RETRY_WAIT_S = 5.0
 
 @dataclass(frozen=True)
 class Checked:
-    """A line that passed the gateway's checks: the body to send and what answers it."""
+    """A line that passed the gateway's checks: the body to send, where, and what answers it."""
 
     request: BatchRequest
     body: bytes
     target: Target
+    endpoint: str = CHAT  # where the body goes: chat/completions or completions
+    responses: ResponsesRequest | None = None  # a Responses line, answered as the chat completion ``body`` is
 
 
 def group_key(request: BatchRequest) -> str:
@@ -62,14 +70,18 @@ def in_groups(requests: Iterable[BatchRequest]) -> list[list[BatchRequest]]:
 
 def checked(request: BatchRequest) -> Checked | api_errors.ApiError:
     """The line's body as the gateway would take it, or its refusal (its fields, caps and types)."""
-    body = json.dumps(request.body).encode()
+    endpoint, data, responses = request.url.removeprefix("/v1/"), request.body, None
     try:
+        if endpoint == responses_protocol.ENDPOINT:
+            responses = responses_protocol.request_from(request.body)
+            endpoint, data = CHAT, responses_protocol.chat_body(responses)
+        body = json.dumps(data).encode()
         parsed = parse_request(body)
-        check_request(parsed.data, CHAT, settings.CONFIG.request_limits)
+        check_request(parsed.data, endpoint, settings.CONFIG.request_limits)
     except api_errors.ApiError as exc:
-        return exc
+        return responses_protocol.in_responses_terms(exc) if responses is not None else exc
     adapters = tuple((share.model, share.scale) for share in parsed.routed.adapters or ())
-    return Checked(request, body, Target(parsed.routed.model, adapters))
+    return Checked(request, body, Target(parsed.routed.model, adapters), endpoint, responses)
 
 
 class Access:
@@ -98,16 +110,16 @@ def answered(answerer: Answerer, access: Access, requests: list[BatchRequest], b
             line = access.refusal(line.target) or line
         outcomes.append(line)
     sendable = [line for line in outcomes if isinstance(line, Checked)]
-    replies = iter(_sent(answerer, [line.body for line in sendable]))
+    replies = iter(_sent(answerer, [(line.endpoint, line.body) for line in sendable]))
     return [
-        _replied(batch_id, request, next(replies))
+        _replied(batch_id, outcome, next(replies))
         if isinstance(outcome, Checked)
         else _refused(batch_id, request, outcome)
         for request, outcome in zip(requests, outcomes)
     ]
 
 
-def _sent(answerer: Answerer, bodies: list[bytes]) -> list[Reply]:
+def _sent(answerer: Answerer, bodies: list[tuple[str, bytes]]) -> list[Reply]:
     replies = answerer.send(bodies, batch=True) if bodies else []
     for attempt in range(RETRIES):
         again = [index for index, reply in enumerate(replies) if reply.status in TRANSIENT]
@@ -136,13 +148,16 @@ def _refused(batch_id: str, request: BatchRequest, error: api_errors.ApiError) -
     return _row(batch_id, request, False, record)
 
 
-def _replied(batch_id: str, request: BatchRequest, reply: Reply) -> BatchResult:
+def _replied(batch_id: str, line: Checked, reply: Reply) -> BatchResult:
     """The output-file line of a 200; the error-file line, with the response, of any other status."""
-    result_id = new_id("batch_req", "_")
+    request, result_id = line.request, new_id("batch_req", "_")
     try:
-        body = json.loads(reply.body)
+        body = json.loads(reply.body if line.responses is None else responses_protocol.refusal_body(reply.body))
     except ValueError:
         body = None
+    if line.responses is not None and reply.status == 200 and isinstance(body, dict):
+        now = int(time.time())
+        body = responses_protocol.response_object(line.responses, body, responses_protocol.new_response_id(), now)
     request_id = body.get("id") if isinstance(body, dict) and isinstance(body.get("id"), str) else result_id
     response = {"status_code": reply.status, "request_id": request_id, "body": body}
     if reply.status == 200 and isinstance(body, dict):

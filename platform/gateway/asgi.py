@@ -3,9 +3,9 @@
 Django under ASGI runs each synchronous middleware step in a worker thread and sends its request
 signals through threads too; for a proxy that adds one key lookup to a model call, that was most
 of the gateway's cost (6-7 ms a request on a 2-core machine, against 0.6 ms this way).
-``with_fast_path`` answers POST /v1/chat/completions and /v1/completions itself, with the same
-handler the Django views use (``gateway.completions``: same key check, same registry, same
-errors), and passes every other request to Django unchanged. Nothing these two endpoints need is
+``with_fast_path`` answers POST /v1/chat/completions, /v1/completions and /v1/responses itself, with
+the same handlers the Django views use (``gateway.completions``, ``gateway.responses``: same key
+check, same registry, same errors), and passes every other request to Django unchanged. Nothing these endpoints need is
 lost: no session, cookie, CSRF or HTML response is involved, and the ORM is used the same way
 (``gateway.access``).
 
@@ -31,18 +31,23 @@ from core.api_errors import ApiError, internal_error
 
 log = logging.getLogger(__name__)
 
-ENDPOINTS = {"/v1/chat/completions": "chat/completions", "/v1/completions": "completions"}
+ENDPOINTS = {"/v1/chat/completions": "chat/completions", "/v1/completions": "completions", "/v1/responses": "responses"}
 
 
 def with_fast_path(django_application: ASGIApp) -> ASGIApp:
     """Call with Django's ASGI application: the handler's imports need Django set up first."""
     from gateway import metrics as gateway_metrics
     from gateway.completions import STREAM_HEADERS, complete
+    from gateway.responses import respond
     from core import api_errors
 
     async def answer(request: Request, endpoint: str) -> Response:
+        authorization, body = request.headers.get("authorization"), await request.body()
         try:
-            result = await complete(request.headers.get("authorization"), await request.body(), endpoint)
+            if endpoint == "responses":
+                result = await respond(authorization, body)
+            else:
+                result = await complete(authorization, body, endpoint)
         except api_errors.ApiError as exc:
             return _error(exc)
         except Exception:  # a bug: the client gets the API's 500, the log gets the traceback

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from core.openai_protocol import REQUEST_FIELDS, AdapterShare, ModelCard, ModelList
+from core.responses_protocol import ResponsesRequest
 
 if TYPE_CHECKING:
     from drf_spectacular.generators import SchemaGenerator
@@ -60,6 +61,14 @@ def _request_body(endpoint: str) -> dict:
     return {"required": True, "content": {"application/json": {"schema": schema}}}
 
 
+def _responses_request_body() -> tuple[dict, dict[str, dict]]:
+    """POST /v1/responses' body, from the model that checks it (one source), and its parts as components."""
+    schema = ResponsesRequest.model_json_schema(ref_template="#/components/schemas/Responses{model}")
+    parts = {f"Responses{name}": part for name, part in schema.pop("$defs").items()}
+    schema["properties"]["input"] = {"anyOf": [{"type": "string"}, schema["properties"]["input"]]}  # a string is one user message
+    return {"required": True, "content": {"application/json": {"schema": schema}}}, parts
+
+
 def _responses(ok: dict, *errors: str) -> dict:
     answers = {"200": {"description": "OK", "content": {"application/json": {"schema": ok}}}}
     for status in errors:
@@ -76,6 +85,9 @@ def add_inference_endpoints(result: dict, generator: SchemaGenerator, request: R
     completion = {"type": "object", "description": "OpenAI's completion object, or with stream=true a text/event-stream"}
     card, listing = {"$ref": "#/components/schemas/ModelCard"}, {"$ref": "#/components/schemas/ModelList"}
     model_path = [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}]
+    response_path = [{"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}]
+    responses_body, responses_parts = _responses_request_body()
+    response = {"type": "object", "description": "OpenAI's Response object, or with stream=true a text/event-stream of its events"}
     result["paths"].update({
         "/v1/chat/completions": {"post": _operation(
             "chat_completions_create", "Chat with a base or fine-tuned model", _responses(completion, "400", "401", "404", "429", "503"),
@@ -85,6 +97,17 @@ def add_inference_endpoints(result: dict, generator: SchemaGenerator, request: R
             "completions_create", "Complete a prompt", _responses(completion, "400", "401", "404", "429", "503"),
             requestBody=_request_body("completions"),
         )},
+        "/v1/responses": {"post": _operation(
+            "responses_create", "OpenAI's Responses API, answered through chat completions",
+            _responses(response, "400", "401", "404", "429", "503"), requestBody=responses_body,
+        )},
+        "/v1/responses/{response_id}": {
+            method: _operation(
+                f"responses_{name}", "Responses are not stored: always a 404 that says so",
+                {**_responses({"type": "object"}, "401", "404")}, parameters=response_path,
+            )
+            for method, name in (("get", "retrieve"), ("delete", "delete"))
+        },
         "/v1/models": {"get": _operation("models_list", "The models this key's organization may use", _responses(listing, "401"))},
         "/v1/models/{model}": {
             "get": _operation("models_retrieve", "One model", _responses(card, "401", "404"), parameters=model_path),
@@ -98,6 +121,7 @@ def add_inference_endpoints(result: dict, generator: SchemaGenerator, request: R
     listing_schema.pop("$defs")  # ModelCard is a component of its own
     components = result.setdefault("components", {})
     components.setdefault("schemas", {}).update({
+        **responses_parts,
         "ModelCard": ModelCard.model_json_schema(),
         "ModelList": listing_schema,
         "InferenceError": {

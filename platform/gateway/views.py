@@ -1,7 +1,7 @@
 """Thin views: method check, error shaping and counting in ``openai_endpoint``; work in the modules.
 
-The two completion views stay beside the ASGI fast path (``gateway.asgi``, which answers first
-under uvicorn): they serve WSGI, Django's test client and the schema fuzzer, and name the URLs.
+The completion and Responses views stay beside the ASGI fast path (``gateway.asgi``, which answers
+first under uvicorn): they serve WSGI, Django's test client and the schema fuzzer, and name the URLs.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from core.openai_protocol import ModelCard, ModelList
 from gateway import metrics as gateway_metrics
 from gateway.access import authorize, delete_model, usable_models
 from gateway.completions import bearer_key, complete, pool_response
+from gateway.responses import lookup_refusal, respond
 from finetuning.registry import UsableModel
 
 
@@ -64,6 +65,17 @@ async def chat_completions(request: HttpRequest) -> HttpResponseBase:
 @openai_endpoint("completions", "POST")
 async def completions(request: HttpRequest) -> HttpResponseBase:
     return await _completion(request, "completions")
+
+
+@openai_endpoint("responses", "POST")
+async def responses(request: HttpRequest) -> HttpResponseBase:
+    return pool_response(await respond(request.headers.get("Authorization"), request.body))
+
+
+@openai_endpoint("responses", "GET", "DELETE")
+async def response(request: HttpRequest, response_id: str) -> HttpResponseBase:
+    """Responses are not stored: a 404 that says so (to a caller with a valid key)."""
+    raise await lookup_refusal(request.headers.get("Authorization"), response_id)
 
 
 def _card(model: UsableModel, running: Serving | None) -> ModelCard:

@@ -232,6 +232,14 @@ def model_not_found(name: str, param: str = "model") -> ApiError:
     )  # fmt: skip
 
 
+def tools_not_rendered(base_model_id: str) -> ApiError:
+    return ApiError(
+        f"The base model '{base_model_id}' has a chat template that renders no tools, so it cannot be offered "
+        "'tools' (an operator adds a template that does: manage.py add_base_model --chat-template).",
+        param="tools", code="tools_not_supported",
+    )  # fmt: skip
+
+
 def adapter_not_found(name: str, param: str = "model") -> ApiError:
     return ApiError(
         f"The fine-tuned model `{name}` has no adapter in the dynamic LoRA path (it was deleted, or is not "

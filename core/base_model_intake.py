@@ -17,11 +17,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from core.catalog import BaseModel, Catalog, catalog_entry, load_catalog
+from core.catalog import BaseModel, Catalog, ToolCalling, catalog_entry, load_catalog
+from core.chat_tokens import CHAT_TEMPLATE_FILE
 from core.catalog_file import replace_catalog, with_model_appended
 from core.compute_dtype import ComputeDtype, asked, compute_dtype
 from core.memory_plan import ReplicaMemory, replica_memory
-from core.model_folder_check import CHAT_TEMPLATE_FILE, CheckedFolder, ModelFolderRefused, check_model_folder
+from core.model_folder_check import CheckedFolder, ModelFolderRefused, check_model_folder
 from core.model_names import is_valid_base_model_id
 
 MODELS_FOLDER = "models"  # under DATA_DIR, as the shipped entry's weights are
@@ -35,6 +36,7 @@ class NewBaseModel:
     chat_template: Path | None = None  # a Jinja chat template, for a folder that has none (or to replace its own)
     link: bool = False  # link to the folder's files instead of copying them
     dtype: str | None = None  # one of compute_dtype.DTYPES; None: the one this machine computes well
+    tool_call_parser: str | None = None  # vLLM's parser of the template's tool calls; None: detected
 
 
 @dataclass(frozen=True)
@@ -80,7 +82,7 @@ def add_base_model(request: NewBaseModel, place: CatalogPlace) -> AddedBaseModel
     template = _read_template(request.chat_template)
 
     with _model_folder(source, is_gguf, target) as folder:
-        checked = check_model_folder(folder, template)
+        checked = check_model_folder(folder, template, request.tool_call_parser)
         dtype = compute_dtype() if request.dtype is None else asked(request.dtype)
         model = _new_entry(catalog.models[0], model_id, target, checked, dtype)
         text = with_model_appended(
@@ -136,7 +138,8 @@ def _new_entry(
         max_model_len=min(template.engine.max_model_len, checked.context_length),
         extra_args=(),  # the shipped model's own engine flags are not this model's
     )
-    return dataclasses.replace(template, id=model_id, weights=weights, prepare_from=None, engine=engine)
+    tools = ToolCalling(checked.tool_call_parser) if checked.tool_call_parser else None  # its own template's form
+    return dataclasses.replace(template, id=model_id, weights=weights, prepare_from=None, engine=engine, tools=tools)
 
 
 def _place_weights(checked: CheckedFolder, target: Path, link: bool, move: bool) -> None:

@@ -70,7 +70,7 @@ def _saved_tokenizer_class(weights: Path) -> str | None:
     return json.loads(config.read_text()).get("tokenizer_class") if config.is_file() else None
 
 
-def _render(
+def render(
     tokenizer: PreTrainedTokenizerBase, messages: list[Message], tools: list[Tool] | None, add_generation_prompt: bool = False
 ) -> str:
     """The conversation as the chat template renders it, given what vLLM's server gives it for the same
@@ -94,7 +94,7 @@ def tokenize_example(tokenizer: PreTrainedTokenizerBase, example: list[Message])
     model never sees after a prompt. Every reply is cut out, weighted or not, so weights never change
     the tokens.
     """
-    text = _render(tokenizer, example, _tools(example))
+    text = render(tokenizer, example, _tools(example))
     pieces: list[tuple[str, bool]] = []
     cursor = 0
     for start, end, is_trained in _reply_spans(tokenizer, example, text):
@@ -147,8 +147,8 @@ def _reply_spans(tokenizer: PreTrainedTokenizerBase, example: list[Message], tex
 def _span_by_prefixes(tokenizer: PreTrainedTokenizerBase, example: list[Message], text: str, index: int) -> tuple[int, int]:
     """Reply ``index``'s span, found by rendering its prompt and the conversation through it."""
     tools = _tools(example)
-    prompt = _render(tokenizer, example[:index], tools, add_generation_prompt=True)
-    through = _render(tokenizer, example[: index + 1], tools)
+    prompt = render(tokenizer, example[:index], tools, add_generation_prompt=True)
+    through = render(tokenizer, example[: index + 1], tools)
     if not (text.startswith(through) and through.startswith(prompt)):
         raise _unlocatable(index)
     return len(prompt), _end_before_whitespace(text, len(through), floor=len(prompt))
@@ -170,8 +170,8 @@ def _spans_by_framing(
     """
     content_starts = _content_starts(tokenizer, example, text)
     first_start, first_end = first_span
-    history = _render(tokenizer, example[:first], None)
-    prompt = _render(tokenizer, example[:first], None, add_generation_prompt=True)
+    history = render(tokenizer, example[:first], None)
+    prompt = render(tokenizer, example[:first], None, add_generation_prompt=True)
     if not (prompt.startswith(history) and first_start <= content_starts[first]):
         raise _unlocatable(first)
     opening = prompt[len(history) :] + text[first_start : content_starts[first]]
@@ -198,7 +198,7 @@ def _content_starts(tokenizer: PreTrainedTokenizerBase, example: list[Message], 
     The real rendering must be that text with the contents in place of the markers.
     """
     markers = [{**message, "content": _CONTENT_MARKER.format(index)} for index, message in enumerate(example)]
-    pieces = _CONTENT_MARKERS.split(_render(tokenizer, markers, None))  # template text, marker number, template text...
+    pieces = _CONTENT_MARKERS.split(render(tokenizer, markers, None))  # template text, marker number, template text...
     frames, order = pieces[0::2], [int(number) for number in pieces[1::2]]
     if order != list(range(len(example))):
         raise _contents_not_verbatim()

@@ -81,17 +81,18 @@ class PreferencePair:
     are rendered, tokenized and masked exactly as a chat line is (``core.chat_tokens``).
     """
 
-    prompt: Example
+    prompt: list[Message]
     preferred: Message  # an assistant message, weight 1
     non_preferred: Message
+    tools: list[Tool] | None = None  # the input's tools, declared to both answers
 
     @property
     def chosen(self) -> Example:
-        return Example([*self.prompt, self.preferred], tools=self.prompt.tools)
+        return Example([*self.prompt, self.preferred], tools=self.tools)
 
     @property
     def rejected(self) -> Example:
-        return Example([*self.prompt, self.non_preferred], tools=self.prompt.tools)
+        return Example([*self.prompt, self.non_preferred], tools=self.tools)
 
 
 Record = Example | PreferencePair  # what one line of a file holds
@@ -361,16 +362,14 @@ def _preference_example(record: dict, max_tokens: int | None) -> tuple[Preferenc
     if prompt[-1]["role"] == "assistant":
         return None, "input.messages ends with an assistant message: the input is the prompt the two answers answer"
     # Earlier replies in the prompt are context: only the two answers are compared.
-    prompt = Example(
-        [{**message, "weight": 0} if message["role"] == "assistant" else message for message in prompt], tools=prompt.tools
-    )
+    context = [{**message, "weight": 0} if message["role"] == "assistant" else message for message in prompt]
     preferred, error = _answer(record["preferred_output"], "preferred_output", tools)
     if preferred is None:
         return None, error
     non_preferred, error = _answer(record["non_preferred_output"], "non_preferred_output", tools)
     if non_preferred is None:
         return None, error
-    return PreferencePair(prompt, preferred, non_preferred), None
+    return PreferencePair(context, preferred, non_preferred, tools), None
 
 
 def _json_record(line: str) -> tuple[object, str | None]:

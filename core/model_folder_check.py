@@ -18,11 +18,15 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from core import tool_call_form
 from core.adapter_check import ATTENTION, MLP
 from core.chat_tokens import CHAT_TEMPLATE_FILE, load_tokenizer, tokenize_example
 from core.datasets import ExampleError
+
+if TYPE_CHECKING:  # importing transformers costs seconds: only the type checker reads it here
+    from transformers import PreTrainedTokenizerBase
 
 CONFIG_FILE = "config.json"
 # Any one of these is a tokenizer transformers can load: fast (tokenizer.json), SentencePiece, or BPE files.
@@ -49,15 +53,23 @@ class CheckedFolder:
     architecture: str
     context_length: int  # the model's max_position_embeddings: the most a replica's max_model_len may be
     chat_template: str | None  # supplied with --chat-template: to be saved with the weights
+    tool_call_parser: str | None  # vLLM's parser of the calls the template writes; None: it renders no tools
 
 
-def check_model_folder(folder: Path, chat_template: str | None = None) -> CheckedFolder:
+def check_model_folder(
+    folder: Path, chat_template: str | None = None, tool_call_parser: str | None = None
+) -> CheckedFolder:
+    """``tool_call_parser``: the parser asked for (refused unless it reads the template's calls); None: detected."""
     config = _check_files(folder, supplied_template=chat_template is not None)
     architecture = _check_architecture(config)
     _check_attention(config)
     _check_target_modules(folder, architecture)
-    _check_chat_template(folder, config, chat_template)
-    return CheckedFolder(folder, architecture, _context_length(config), chat_template)
+    tokenizer = _check_chat_template(folder, config, chat_template)
+    try:
+        parser = tool_call_form.tool_call_parser(tokenizer, tool_call_parser)
+    except tool_call_form.ToolFormRefused as exc:
+        raise ModelFolderRefused(str(exc)) from exc
+    return CheckedFolder(folder, architecture, _context_length(config), chat_template, parser)
 
 
 def _check_files(folder: Path, supplied_template: bool) -> dict[str, Any]:
@@ -204,7 +216,7 @@ def _platform_modules(layers: int) -> set[str]:
     return {f"model.layers.{i}.{_BLOCK[module]}.{module}" for i in range(layers) for module in PLATFORM_TARGETS}
 
 
-def _check_chat_template(folder: Path, config: dict[str, Any], chat_template: str | None) -> None:
+def _check_chat_template(folder: Path, config: dict[str, Any], chat_template: str | None) -> PreTrainedTokenizerBase:
     try:
         tokenizer = load_tokenizer(folder)
     except Exception as exc:  # transformers raises many kinds; any of them means no usable tokenizer

@@ -33,6 +33,9 @@ backend = "{backend}"
 weights = "models/{BASE}"
 replicas = {replicas}
 
+[models.tools]  # the template set-up installed in the weights folder renders them in this form
+parser = "hermes"
+
 [models.lora_config]
 max_num_adapters_per_replica = {adapters}
 max_lora_rank = 16

@@ -63,6 +63,7 @@ async def complete(authorization: str | None, body: bytes, endpoint: str) -> Poo
         return (await authorize(raw_key, name)).model
 
     await check_mix(access.model, request.routed, usable)
+    check_tools(access.model, request)
     caller = Caller(access.api_key.organization_id, access.api_key.pk, request.routed.model)
     return await _forward(body, request, endpoint, caller)
 
@@ -79,7 +80,14 @@ async def complete_for_organization(organization: Organization, body: bytes, end
         return await organization_model(organization, name)
 
     await check_mix(model, request.routed, usable)
+    check_tools(model, request)
     return await _forward(body, request, endpoint, Caller(organization.pk, None, request.routed.model))
+
+
+def check_tools(model: UsableModel, request: ParsedRequest) -> None:
+    """Tools only for a model whose chat template renders them (its replicas run the matching parser)."""
+    if request.data.get("tools") and settings.MODEL_CATALOG.require(model.base_model_id).tools is None:
+        raise api_errors.tools_not_rendered(model.base_model_id)
 
 
 async def _forward(body: bytes, request: ParsedRequest, endpoint: str, caller: Caller) -> PoolAnswer:

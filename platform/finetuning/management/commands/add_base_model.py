@@ -30,6 +30,11 @@ class Command(BaseCommand):
             "--id", dest="model_id", help="the model's id, e.g. 'Qwen/Qwen2-0.5B-Instruct' (default: the folder's name)"
         )
         parser.add_argument("--chat-template", type=Path, help="a Jinja chat template file, for a model that has none")
+        parser.add_argument(
+            "--tool-call-parser",
+            help="vLLM's tool-call parser for the calls the chat template writes, e.g. hermes (default: detected; "
+            "refused unless it reads them)",
+        )
         parser.add_argument("--link", action="store_true", help="link to the folder's files instead of copying them")
         parser.add_argument(
             "--dtype", choices=DTYPES,
@@ -38,10 +43,10 @@ class Command(BaseCommand):
         )  # fmt: skip
 
     def handle(self, *args: object, folder: Path, model_id: str | None, chat_template: Path | None, link: bool,
-               dtype: str | None, **options: object) -> None:  # fmt: skip
+               dtype: str | None, tool_call_parser: str | None, **options: object) -> None:  # fmt: skip
         config = load_config()
         place = CatalogPlace(config.model_catalog, config.data_dir, config.dynamic_lora_path)
-        request = NewBaseModel(folder, model_id, chat_template, link, dtype)
+        request = NewBaseModel(folder, model_id, chat_template, link, dtype, tool_call_parser)
         try:
             added = add_base_model(request, place)
         except (ModelFolderRefused, ConfigError) as exc:
@@ -51,5 +56,7 @@ class Command(BaseCommand):
         self.stdout.write(
             f"dtype {model.engine.dtype} ({added.dtype.why}); max_model_len {model.engine.max_model_len}."
         )
+        tools = f"tool calls read by vLLM's {model.tools.parser} parser" if model.tools else "no tools (its chat template renders none)"
+        self.stdout.write(f"Tools: {tools}.")
         self.stdout.write(f"Memory: {added.memory.describe()}.")
         self.stdout.write("Restart the platform's processes (bin/run) to serve and fine-tune it.")

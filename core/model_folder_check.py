@@ -241,6 +241,7 @@ def _check_chat_template(folder: Path, config: dict[str, Any], chat_template: st
             "the chat template renders the exchange, but the assistant's reply cannot be told apart from the "
             f"rest (the tokens marked for training read {trained!r})"
         )
+    return tokenizer
 
 
 def _context_length(config: dict[str, Any]) -> int:

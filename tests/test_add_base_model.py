@@ -102,6 +102,28 @@ def test_it_computes_in_the_dtype_asked_for_whatever_the_machine_would_pick(qwen
         add(str(qwen2_folder), "--dtype", "float64")
 
 
+# ChatML without a tools section: SmolLM2's template as it was published.
+PLAIN_CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def test_it_detects_which_parser_reads_the_templates_tool_calls_and_serves_no_tools_for_a_template_without_them(
+    qwen2_folder, platform_files, tmp_path
+):
+    catalog_path, data_dir = platform_files
+    out = add(str(qwen2_folder), "--id", QWEN)  # the shipped tokenizer's template: the hermes form
+    assert load_catalog(catalog_path, data_dir, "").require(QWEN).tools.parser == "hermes"
+    assert "Tools: tool calls read by vLLM's hermes parser." in out
+
+    plain = tmp_path / "plain.jinja"
+    plain.write_text(PLAIN_CHATML)
+    out = add(str(_copy(qwen2_folder, tmp_path / "plain")), "--chat-template", str(plain))
+    assert load_catalog(catalog_path, data_dir, "").require("plain").tools is None
+    assert "Tools: no tools (its chat template renders none)." in out
+
+
 def _copy(folder: Path, to: Path) -> Path:
     return Path(shutil.copytree(folder, to))
 
@@ -152,6 +174,17 @@ REFUSALS = {
     "absolute id": (lambda f: None, ["--id", "/tmp/x"], "model id '/tmp/x' is not allowed"),
     "dot segment in the id": (lambda f: None, ["--id", "a/.."], r"model id 'a/\.\.' is not allowed"),
     "id already in the catalog": (lambda f: None, ["--id", SMOL], f"model id '{SMOL}' is already in the catalog"),
+    "a tool-call parser that does not read the template's calls": (
+        lambda f: None, ["--tool-call-parser", "pythonic"], "--tool-call-parser pythonic does not read the calls",
+    ),
+    "a tool-call parser vLLM does not have": (
+        lambda f: None, ["--tool-call-parser", "smoke_signals"], "vLLM has no tool-call parser named 'smoke_signals'",
+    ),
+    "a tool-call parser for a template without tools": (
+        lambda f: _drop_chat_template(f) or (f / "chat_template.jinja").write_text(PLAIN_CHATML),
+        ["--tool-call-parser", "hermes"],
+        "the chat template renders no tools",
+    ),
 }
 
 

@@ -34,6 +34,7 @@ from tests.inference_fixtures import AdapterMaker
 from tests.personas import chat_example, good_dataset, jsonl, preference_dataset
 from tests.processes import ROOT, SWEEPS_OFTEN, wait_until
 from tests.running_platform import bin_run
+from tests.tool_calling import WEATHER_TOOL
 
 pytestmark = [pytest.mark.product, pytest.mark.engine, pytest.mark.training]
 
@@ -257,6 +258,9 @@ def test_a_batch_over_the_base_model_two_fine_tunes_and_a_mix_answers_as_live_re
          "body": {**target, "messages": [{"role": "user", "content": question}], "max_tokens": 12, "temperature": 0}}
         for label, target in targets.items() for number, question in enumerate(questions)
     ]  # fmt: skip
+    lines.append({"custom_id": "tools", "method": "POST", "url": "/v1/chat/completions", "body": {
+        "model": names[0], "messages": [{"role": "user", "content": "Weather in Oslo?"}], "max_tokens": 40, "temperature": 0,
+        "tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}})  # fmt: skip
     lines.append({**lines[0], "custom_id": "not-ours", "body": {**lines[0]["body"], "model": f"{BASE}:nobodys"}})
 
     receiver_context = _serve(Receiver())
@@ -280,15 +284,19 @@ def test_a_batch_over_the_base_model_two_fine_tunes_and_a_mix_answers_as_live_re
         assert platform.pool_metric("fineserve_background_waits_total") >= 1
         batch = client.batches.retrieve(batch.id)
         assert batch.status == "completed", batch
-        assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (9, 8, 1)
+        assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (10, 9, 1)
         output = [json.loads(line) for line in client.files.content(batch.output_file_id).text.splitlines()]
-        answered = {line["custom_id"]: line["response"]["body"]["choices"][0]["message"]["content"] for line in output}
-        for line in lines[:-1]:  # each as a live request answers it (greedy)
+        answered = {line["custom_id"]: line["response"]["body"]["choices"][0]["message"] for line in output}
+        for line in lines[:-1]:  # each as a live request answers it (greedy; a forced call's arguments too)
             body = dict(line["body"])
             extra = {"extra_body": {"adapters": body.pop("adapters")}} if "adapters" in body else {}
-            live = client.chat.completions.create(**body, **extra)
-            assert answered[line["custom_id"]] == live.choices[0].message.content, line["custom_id"]
-        assert len(set(answered.values())) > 2  # the models do answer differently
+            live = client.chat.completions.create(**body, **extra).choices[0].message
+            batched = answered[line["custom_id"]]
+            assert batched["content"] == live.content, line["custom_id"]
+            calls = [(call["function"]["name"], call["function"]["arguments"]) for call in batched.get("tool_calls") or []]
+            assert calls == [(call.function.name, call.function.arguments) for call in live.tool_calls or []]
+        assert answered["tools"]["tool_calls"] and json.loads(answered["tools"]["tool_calls"][0]["function"]["arguments"])
+        assert len({message["content"] for message in answered.values()}) > 2  # the models do answer differently
         errors = [json.loads(line) for line in client.files.content(batch.error_file_id).text.splitlines()]
         assert [error["custom_id"] for error in errors] == ["not-ours"]
         wait_until(lambda: receiver.received, 60, "the batch.completed webhook")

@@ -1,0 +1,131 @@
+"""Tools on the real engine, through the gateway, with the official client and the shapes of OpenAI's
+function calling guide: a named or ``required`` choice gives a call valid against the tool's schema
+(the base model has never been taught to call tools), streamed as ``delta.tool_calls`` pieces the
+guide's own loop assembles; ``none`` answers text; a second turn carrying the tool's result is
+answered; a fine-tune, a mix and a batch take tools as the base model does. And the trainer renders
+a tool conversation token for token as the server does, so what is trained is what is served."""
+
+# ruff: noqa: F811 (pytest fixtures are imported from tests.inference_fixtures, then named as arguments)
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import pytest
+
+from core.chat_tokens import load_tokenizer, tokenize_example
+from core.datasets import parse_example
+from tests.inference_fixtures import (  # noqa: F401 (fixtures)
+    BASE,
+    alice,
+    gateway,
+    internal_headers,
+    make_adapter,
+    publish_fine_tuned_model,
+)
+from tests.tool_calling import WEATHER_TOOL, weather_line
+
+pytestmark = [pytest.mark.engine, pytest.mark.django_db(transaction=True)]
+
+# The guide's example tool and question, as written there.
+GET_WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get current temperature for a given location.",
+        "parameters": {
+            "type": "object",
+            "properties": {"location": {"type": "string", "description": "City and country e.g. Bogotá, Colombia"}},
+            "required": ["location"],
+            "additionalProperties": False,
+        },
+        "strict": True,
+    },
+}
+QUESTION = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def served_prompt_tokens(pool: str, model: str, messages: list[dict], tools: list[dict]) -> list[int]:
+    """The prompt's token ids as the engine rendered them for a chat request with these tools."""
+    body = {"model": model, "messages": messages, "tools": tools, "max_tokens": 1, "return_token_ids": True}
+    response = httpx.post(f"{pool}/v1/chat/completions", json=body, headers=internal_headers(), timeout=300)
+    assert response.status_code == 200, response.text
+    return response.json()["prompt_token_ids"]
+
+
+def assert_trained_as_served(pool: str, model: str, weights) -> None:
+    """Each prompt of a tool conversation (the question; the question, call and result) is the start of
+    the trainer's tokens, and the trainer trains exactly the replies that follow them."""
+    line = weather_line("Ljubljana", "What's the weather like in {city}?", answered=2)
+    example, error = parse_example(json.dumps(line))
+    assert error is None, error
+    tokenizer = load_tokenizer(weights)
+    trained = tokenize_example(tokenizer, example)
+    for prompt_end in (1, 3):  # the call answers the question; the reply answers the tool's result
+        prompt = served_prompt_tokens(pool, model, line["messages"][:prompt_end], line["tools"])
+        assert trained.input_ids[: len(prompt)] == prompt
+        assert not any(trained.trained[: len(prompt)])
+        reply = tokenizer.decode([t for t, on in zip(trained.input_ids[len(prompt) :], trained.trained[len(prompt) :]) if on])
+        expected = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Ljubljana"}}\n</tool_call>'
+        assert reply.startswith(expected if prompt_end == 1 else line["messages"][3]["content"])
+
+
+def test_the_trainer_renders_a_tool_conversation_token_for_token_as_the_server_does(inference_pool):
+    from django.conf import settings
+
+    assert_trained_as_served(inference_pool, BASE, settings.CONFIG.data_dir / "models" / BASE)
+
+
+def test_a_named_or_required_choice_calls_the_tool_with_arguments_its_schema_accepts(alice):
+    client = alice.client
+    for choice in (NAMED, "required"):
+        completion = client.chat.completions.create(
+            model=BASE, messages=QUESTION, tools=[GET_WEATHER], tool_choice=choice, max_tokens=40
+        )
+        message = completion.choices[0].message
+        (call,) = message.tool_calls
+        assert call.type == "function" and call.function.name == "get_weather" and call.id
+        jsonschema.validate(json.loads(call.function.arguments), GET_WEATHER["function"]["parameters"])
+    assert completion.choices[0].finish_reason == "tool_calls"  # required: the model chose to call
+
+    answered = client.chat.completions.create(model=BASE, messages=QUESTION, tools=[GET_WEATHER], tool_choice="none", max_tokens=8)
+    assert answered.choices[0].message.content and not answered.choices[0].message.tool_calls
+
+
+def test_a_streamed_call_arrives_as_pieces_the_guides_loop_assembles(alice):
+    stream = alice.client.chat.completions.create(
+        model=BASE, messages=QUESTION, tools=[GET_WEATHER], tool_choice=NAMED, max_tokens=40, stream=True
+    )
+    final_tool_calls = {}  # the guide's loop, unchanged
+    for chunk in stream:
+        for tool_call in chunk.choices[0].delta.tool_calls or []:
+            index = tool_call.index
+            if index not in final_tool_calls:
+                final_tool_calls[index] = tool_call
+            else:
+                final_tool_calls[index].function.arguments += tool_call.function.arguments
+    (call,) = final_tool_calls.values()
+    assert call.function.name == "get_weather" and call.id
+    jsonschema.validate(json.loads(call.function.arguments), GET_WEATHER["function"]["parameters"])
+
+
+def test_the_tools_result_makes_a_second_turn_that_is_answered(alice):
+    client = alice.client
+    first = client.chat.completions.create(model=BASE, messages=QUESTION, tools=[GET_WEATHER], tool_choice=NAMED, max_tokens=40)
+    call = first.choices[0].message.tool_calls[0]
+    messages = [*QUESTION, first.choices[0].message, {"role": "tool", "tool_call_id": call.id, "content": "14 degrees Celsius"}]
+    second = client.chat.completions.create(model=BASE, messages=messages, tools=[GET_WEATHER], max_tokens=16)
+    assert second.choices[0].message.content or second.choices[0].message.tool_calls
+    assert second.usage.prompt_tokens > first.usage.prompt_tokens  # the call and its result were read
+
+
+def test_a_fine_tune_and_a_mix_take_tools_as_the_base_model_does(alice, make_adapter):
+    fine_tune = publish_fine_tuned_model(alice, "tools-adapter", make_adapter(seed=11))
+    for model, extra in ((fine_tune, {}), (BASE, {"adapters": [{"model": fine_tune, "scale": 0.5}]})):
+        completion = alice.client.chat.completions.create(
+            model=model, messages=QUESTION, tools=[WEATHER_TOOL], tool_choice="required", max_tokens=40, extra_body=extra
+        )
+        (call,) = completion.choices[0].message.tool_calls
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER_TOOL["function"]["parameters"])

@@ -232,6 +232,10 @@ def model_not_found(name: str, param: str = "model") -> ApiError:
     )  # fmt: skip
 
 
+def invalid_tools(param: str, problem: str) -> ApiError:
+    return ApiError(f"{problem}.", param=param, code="invalid_value")
+
+
 def tools_not_rendered(base_model_id: str) -> ApiError:
     return ApiError(
         f"The base model '{base_model_id}' has a chat template that renders no tools, so it cannot be offered "

@@ -79,6 +79,38 @@ def schema_problem(schema: object, where: str) -> Problem:
     return None
 
 
+def request_tools_problem(tools: object, tool_choice: object, parallel_tool_calls: object) -> tuple[str, Problem]:
+    """What is wrong with a chat request's ``tools``, ``tool_choice`` and ``parallel_tool_calls``, and the
+    field at fault: checked before the request reaches an engine, in the words of a training line's check."""
+    declared: set[str] = set()
+    if tools is not None:
+        checked, problem = checked_tools(tools)
+        if checked is None:
+            return "tools", problem
+        declared = {tool["function"]["name"] for tool in checked}
+    if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):
+        return "parallel_tool_calls", "parallel_tool_calls must be true or false"
+    return "tool_choice", _choice_problem(tool_choice, declared)
+
+
+def _choice_problem(choice: object, declared: set[str]) -> Problem:
+    named = '{"type": "function", "function": {"name": ...}}'
+    if choice is None or choice in ("auto", "none"):
+        return None
+    if choice == "required" or isinstance(choice, dict):
+        if not declared:
+            return "tool_choice asks for a call, but the request declares no tools"
+        if choice == "required":
+            return None
+        function = choice.get("function") if isinstance(choice, dict) else None
+        if choice.get("type") != "function" or not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            return f"tool_choice must be \"auto\", \"none\", \"required\" or {named}"
+        if function["name"] not in declared:
+            return f"tool_choice names {function['name']!r}, which tools do not declare (declared: {', '.join(sorted(declared))})"
+        return None
+    return f"tool_choice must be \"auto\", \"none\", \"required\" or {named}"
+
+
 def checked_tool_calls(raw: object, where: str, declared: set[str], parallel: bool) -> tuple[list[dict] | None, Problem]:
     """An assistant message's ``tool_calls``: each names a declared function and gives its arguments as a
     string holding a JSON object."""

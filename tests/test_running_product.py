@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import jsonschema
 import openai
 import pytest
 import redis
@@ -34,7 +35,7 @@ from tests.inference_fixtures import AdapterMaker
 from tests.personas import chat_example, good_dataset, jsonl, preference_dataset
 from tests.processes import ROOT, SWEEPS_OFTEN, wait_until
 from tests.running_platform import bin_run
-from tests.tool_calling import WEATHER_TOOL
+from tests.tool_calling import WEATHER_TOOL, held_out_prompts, weather_dataset
 
 pytestmark = [pytest.mark.product, pytest.mark.engine, pytest.mark.training]
 
@@ -46,6 +47,8 @@ TOKENS_PER_MINUTE_PER_KEY = 12_000
 BATCH_QUEUE_TOKENS = 5_000  # prompt tokens of the organization's unfinished batches
 TIMINGS = ROOT / "test-artifacts" / "product-timings.json"
 FINISHED = ("succeeded", "failed", "cancelled")
+# The function-calling fine-tune: 48 lines, two passes (docs/api.md's recipe for such data).
+TOOLS_HYPERPARAMETERS = {"n_epochs": 2, "batch_size": 4, "learning_rate_multiplier": 2.5}
 
 
 @pytest.fixture(scope="module")
@@ -123,11 +126,75 @@ def test_a_job_created_with_the_openai_client_trains_and_its_model_streams_then_
 
     tokens_per_minute(client)
 
+    record_timings(created_to_running_s=running_s, created_to_succeeded_s=succeeded_s, created_to_first_token_s=first_token_s)
+
+
+def record_timings(**timings: float) -> None:
+    """Add these to the timings file (each test that measures some writes its own)."""
     TIMINGS.parent.mkdir(parents=True, exist_ok=True)
-    TIMINGS.write_text(json.dumps(
-        {"created_to_running_s": running_s, "created_to_succeeded_s": succeeded_s, "created_to_first_token_s": first_token_s},
-        indent=2,
-    ))  # fmt: skip
+    recorded = json.loads(TIMINGS.read_text()) if TIMINGS.exists() else {}
+    TIMINGS.write_text(json.dumps(recorded | timings, indent=2))
+
+
+def calls_the_tool_for(client: openai.OpenAI, model: str, question: str, city: str, stream: bool) -> bool:
+    """Whether the model, free to answer in words (``tool_choice`` auto), calls get_weather with the city."""
+    asked = {"model": model, "messages": [{"role": "user", "content": question}], "tools": [WEATHER_TOOL]}
+    asked |= {"tool_choice": "auto", "max_tokens": 40, "temperature": 0}
+    if not stream:
+        calls = client.chat.completions.create(**asked).choices[0].message.tool_calls or []
+        return [(call.function.name, json.loads(call.function.arguments)) for call in calls] == [("get_weather", {"city": city})]
+    final_tool_calls = {}  # OpenAI's function calling guide's loop, unchanged
+    for chunk in client.chat.completions.create(**asked, stream=True):
+        for tool_call in chunk.choices[0].delta.tool_calls or []:
+            index = tool_call.index
+            if index not in final_tool_calls:
+                final_tool_calls[index] = tool_call
+            else:
+                final_tool_calls[index].function.arguments += tool_call.function.arguments
+    calls = [(call.function.name, json.loads(call.function.arguments)) for call in final_tool_calls.values()]
+    return calls == [("get_weather", {"city": city})]
+
+
+def test_a_function_calling_fine_tune_calls_the_tool_for_cities_it_never_saw_and_answers_its_result(platform):
+    client = openai.OpenAI(base_url=f"{platform.url}/v1", api_key=platform.api_key, max_retries=0)
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    question = [{"role": "user", "content": "What is the weather in Oslo?"}]
+    forced = client.chat.completions.create(model=BASE, messages=question, tools=[WEATHER_TOOL], tool_choice=named, max_tokens=40)
+    jsonschema.validate(json.loads(forced.choices[0].message.tool_calls[0].function.arguments), WEATHER_TOOL["function"]["parameters"])
+    held_out = held_out_prompts()
+    base_right = sum(calls_the_tool_for(client, BASE, prompt, city, stream=False) for prompt, city in held_out)
+
+    training = client.files.create(file=("weather.jsonl", weather_dataset(48)), purpose="fine-tune")
+    created_at = time.monotonic()
+    job = client.fine_tuning.jobs.create(
+        model=BASE, training_file=training.id, suffix="weather", hyperparameters=TOOLS_HYPERPARAMETERS
+    )
+    job = wait_for_status(client, job.id, FINISHED, timeout_s=900)
+    assert job.status == "succeeded", job.error
+    trained_s = time.monotonic() - created_at
+    model = job.fine_tuned_model
+    right = sum(calls_the_tool_for(client, model, prompt, city, stream=False) for prompt, city in held_out)
+    streamed_right = sum(calls_the_tool_for(client, model, prompt, city, stream=True) for prompt, city in held_out)
+    record_timings(tools_job_created_to_succeeded_s=trained_s, tools_held_out_right_base=base_right,
+                   tools_held_out_right_fine_tune=right, tools_held_out_right_streamed=streamed_right)  # fmt: skip
+    assert right >= 8 and streamed_right >= 8, (base_right, right, streamed_right)
+
+    ask = [{"role": "user", "content": "How is the weather in Helsinki?"}]
+    call = client.chat.completions.create(model=model, messages=ask, tools=[WEATHER_TOOL], max_tokens=40, temperature=0)
+    message = call.choices[0].message
+    assert call.choices[0].finish_reason == "tool_calls" and message.tool_calls
+    report = json.dumps({"city": "Helsinki", "temperature_c": 3, "sky": "snowy"})
+    ask += [message, {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": report}]
+    answer = client.chat.completions.create(model=model, messages=ask, tools=[WEATHER_TOOL], max_tokens=40, temperature=0)
+    assert answer.choices[0].finish_reason == "stop" and "3" in answer.choices[0].message.content  # read the result
+
+    text = client.responses.create(model=model, input="Say hello.", max_output_tokens=8)
+    assert text.output_text and text.status in ("completed", "incomplete")
+    flat_tool = {"type": "function", **WEATHER_TOOL["function"]}  # the Responses API's shape
+    called = client.responses.create(model=model, input="What is the weather in Zurich today?", tools=[flat_tool],
+                                     max_output_tokens=40, temperature=0)  # fmt: skip
+    (call_item,) = [item for item in called.output if item.type == "function_call"]
+    assert call_item.name == "get_weather" and json.loads(call_item.arguments)["city"]
 
 
 def tokens_per_minute(client: openai.OpenAI) -> None:

@@ -23,7 +23,7 @@ from core import api_errors
 from core.config import LIMIT_SETTINGS
 from core.rate_limits import TOKEN_LIMIT_TYPE, Limit, charge_async
 from finetuning.registry import UsableModel
-from gateway.request_limits import prompt_chars, prompt_field
+from gateway.request_limits import prompt_text_chars
 
 MINUTE_S = 60
 CHARS_PER_TOKEN = 4  # OpenAI's rule of thumb for English text
@@ -41,7 +41,7 @@ def estimated_tokens(data: dict[str, Any], endpoint: str, model: UsableModel | N
 
 
 def estimated_prompt_tokens(data: dict[str, Any], endpoint: str) -> int:
-    return math.ceil(prompt_chars(data.get(prompt_field(endpoint))) / CHARS_PER_TOKEN)
+    return math.ceil(prompt_text_chars(data, endpoint) / CHARS_PER_TOKEN)
 
 
 def completion_limits(organization_id: int, api_key_id: int | None, tokens: int = 0) -> list[Limit]:

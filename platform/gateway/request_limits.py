@@ -15,6 +15,7 @@ from typing import Any
 from core import api_errors
 from core.config import Limit, RequestLimits
 from core.openai_protocol import REQUEST_FIELDS
+from core.tool_calls import request_tools_problem
 
 
 def _numeric_caps(endpoint: str, limits: RequestLimits) -> dict[str, Limit]:
@@ -50,18 +51,28 @@ def check_request(data: dict[str, Any], endpoint: str, limits: RequestLimits) ->
         limit = limits.mix_adapters
         raise api_errors.over_limit("adapters", "The number of adapters", len(adapters), limit.value, limit.setting)
     prompt = data.get(prompt_field(endpoint))
-    if endpoint == "chat/completions" and isinstance(prompt, list) and len(prompt) > limits.messages.value:
-        limit = limits.messages
-        raise api_errors.over_limit("messages", "The number of messages", len(prompt), limit.value, limit.setting)
-    chars = prompt_chars(prompt)
+    if endpoint == "chat/completions":
+        if isinstance(prompt, list) and len(prompt) > limits.messages.value:
+            limit = limits.messages
+            raise api_errors.over_limit("messages", "The number of messages", len(prompt), limit.value, limit.setting)
+        param, problem = request_tools_problem(data.get("tools"), data.get("tool_choice"), data.get("parallel_tool_calls"))
+        if problem:
+            raise api_errors.invalid_tools(param, problem)
+    chars = prompt_text_chars(data, endpoint)
     if chars > limits.prompt_chars.value:
         limit = limits.prompt_chars
-        what = f"The text of '{prompt_field(endpoint)}'"
+        what = f"The text of '{prompt_field(endpoint)}'" + (" and 'tools'" if data.get("tools") else "")
         raise api_errors.over_limit(prompt_field(endpoint), what, chars, limit.value, limit.setting, unit=" characters")
 
 
 def prompt_field(endpoint: str) -> str:
-    return "messages" if endpoint == "chat/completions" else "prompt"
+    return {"chat/completions": "messages", "responses": "input"}.get(endpoint, "prompt")
+
+
+def prompt_text_chars(data: dict[str, Any], endpoint: str) -> int:
+    """The characters the prompt is rendered from: its messages or prompt, and the tools the chat
+    template writes into it."""
+    return prompt_chars(data.get(prompt_field(endpoint))) + prompt_chars(data.get("tools"))
 
 
 def prompt_chars(value: Any) -> int:

@@ -80,6 +80,9 @@ class Door:
 
 CHAT = {"model": BASE, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
 RESPONSES = {"model": BASE, "input": "hi", "max_output_tokens": 8}
+WEATHER = {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
+CHAT_TOOLS = CHAT | {"tools": [{"type": "function", "function": WEATHER}], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+RESPONSES_TOOLS = RESPONSES | {"tools": [{"type": "function", **WEATHER}], "tool_choice": {"type": "function", "name": "get_weather"}}
 JOB = {"model": BASE, "training_file": "{file}", "seed": 1, "suffix": "hostile"}
 # Early stopping watches a validation file's loss: a request without one is refused for that.
 EARLY_STOPPING = JOB | {"validation_file": "{file}", "hyperparameters": {"early_stopping": {"patience": 2}}}
@@ -107,10 +110,14 @@ RUN = {"data_source": {"type": "completions", "model": BASE, "sampling_params": 
 DOORS = [
     # The API (an API key)
     Door("POST", "/v1/chat/completions", "chat-completions", JSON, CHAT, number="max_tokens", text="model"),
+    Door("POST", "/v1/chat/completions", "chat-completions", JSON, CHAT_TOOLS, text="tools.0.function.name"),
+    Door("POST", "/v1/chat/completions", "chat-completions", JSON, CHAT_TOOLS, text="tool_choice.function.name"),
     Door("POST", "/v1/completions", "completions", JSON, {"model": BASE, "prompt": "hi", "max_tokens": 8}, "max_tokens", "prompt"),
     Door("POST", "/v1/responses", "responses", JSON, RESPONSES, number="max_output_tokens", text="model"),
     Door("POST", "/v1/responses", "responses", JSON, RESPONSES | {"temperature": 0}, number="temperature", text="input"),
     Door("POST", "/v1/responses", "responses", JSON, RESPONSES | {"instructions": "be brief"}, text="instructions"),
+    Door("POST", "/v1/responses", "responses", JSON, RESPONSES_TOOLS, text="tools.0.name"),
+    Door("POST", "/v1/responses", "responses", JSON, RESPONSES_TOOLS, text="tool_choice.name"),
     Door("POST", "/v1/fine_tuning/jobs", "fine-tuning-job-list", JSON, JOB, number="seed", text="suffix"),
     # "model" names an adapter to train on from as well: a revision, a checkpoint, an uploaded model
     # (names shaped like those but hostile: tests/test_continued_training.py).
@@ -384,8 +391,13 @@ def _request(door: Door, hostile: Hostile, objects: Objects) -> Request:
 
 
 def _with(body: dict, path: str, value) -> dict:
-    """``body`` with ``value`` at the dotted ``path`` (a field inside an object: ``hyperparameters.n_evals``)."""
+    """``body`` with ``value`` at the dotted ``path`` (a field inside an object, ``hyperparameters.n_evals``,
+    or a list's item)."""
     name, _, rest = path.partition(".")
+    if isinstance(body, list):  # an item of a list: ``tools.0.function.name``
+        items = list(body)
+        items[int(name)] = _with(items[int(name)], rest, value) if rest else value
+        return items
     return body | {name: _with(body.get(name, {}), rest, value) if rest else value}
 
 

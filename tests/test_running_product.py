@@ -47,8 +47,10 @@ TOKENS_PER_MINUTE_PER_KEY = 12_000
 BATCH_QUEUE_TOKENS = 5_000  # prompt tokens of the organization's unfinished batches
 TIMINGS = ROOT / "test-artifacts" / "product-timings.json"
 FINISHED = ("succeeded", "failed", "cancelled")
-# The function-calling fine-tune: 48 lines, two passes (docs/api.md's recipe for such data).
-TOOLS_HYPERPARAMETERS = {"n_epochs": 2, "batch_size": 4, "learning_rate_multiplier": 2.5}
+# The function-calling fine-tune of 48 lines: docs/api.md's recipe for teaching a small model a tool.
+TOOLS_HYPERPARAMETERS = {
+    "n_epochs": 3, "batch_size": 4, "learning_rate_multiplier": 5, "lora_r": 16, "lora_alpha": 32, "lora_dropout": 0,
+}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -177,7 +179,7 @@ def test_a_function_calling_fine_tune_calls_the_tool_for_cities_it_never_saw_and
     streamed_right = sum(calls_the_tool_for(client, model, prompt, city, stream=True) for prompt, city in held_out)
     record_timings(tools_job_created_to_succeeded_s=trained_s, tools_held_out_right_base=base_right,
                    tools_held_out_right_fine_tune=right, tools_held_out_right_streamed=streamed_right)  # fmt: skip
-    assert right >= 8 and streamed_right >= 8, (base_right, right, streamed_right)
+    assert 5 * right >= 4 * len(held_out) and 5 * streamed_right >= 4 * len(held_out), (base_right, right, streamed_right)
 
     ask = [{"role": "user", "content": "How is the weather in Helsinki?"}]
     call = client.chat.completions.create(model=model, messages=ask, tools=[WEATHER_TOOL], max_tokens=40, temperature=0)

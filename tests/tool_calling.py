@@ -7,6 +7,7 @@ right argument on a held-out prompt has learned to read the city from the questi
 from __future__ import annotations
 
 import json
+import random
 
 WEATHER_TOOL = {
     "type": "function",
@@ -31,7 +32,24 @@ TRAINING_CITIES = (
     "Casablanca", "Johannesburg", "Kinshasa", "Brisbane", "Adelaide", "Wellington", "Winnipeg", "Valparaiso",
     "Thessaloniki", "Kaohsiung",
 )  # fmt: skip
-HELD_OUT_CITIES = ("Warsaw", "Budapest", "Helsinki", "Montreal", "Dallas", "Mumbai", "Seoul", "Manila", "Zurich", "Havana")
+# Cities no training line names. The product test asks a fixed sample of them (``held_out_prompts``);
+# the benchmark asks them all. Some no fine-tune of this size spells from the question, whatever it
+# learns: SmolLM2-135M, made to start the call, writes "Buda" for Budapest and "MALAZON" for Manila.
+HELD_OUT_CITIES = (
+    "Warsaw", "Budapest", "Helsinki", "Montreal", "Dallas", "Mumbai", "Seoul", "Manila", "Zurich", "Havana",
+    "Amsterdam", "Brussels", "Copenhagen", "Stockholm", "Krakow", "Bucharest", "Sofia", "Belgrade", "Zagreb",
+    "Sarajevo", "Riga", "Minsk", "Kyiv", "Istanbul", "Ankara", "Tehran", "Baghdad", "Riyadh", "Dubai", "Doha",
+    "Karachi", "Lahore", "Delhi", "Kolkata", "Chennai", "Bangalore", "Dhaka", "Colombo", "Yangon", "Hanoi",
+    "Jakarta", "Singapore", "Taipei", "Shanghai", "Beijing", "Osaka", "Kyoto", "Busan", "Auckland", "Perth",
+    "Melbourne", "Honolulu", "Anchorage", "Vancouver", "Calgary", "Ottawa", "Quebec", "Detroit", "Atlanta",
+    "Miami", "Houston", "Phoenix", "Portland", "Nashville", "Memphis", "Baltimore", "Pittsburgh", "Cleveland",
+    "Kingston", "Bogota", "Quito", "Caracas", "Santiago", "Mendoza", "Cordoba", "Recife", "Salvador",
+    "Fortaleza", "Lagos", "Accra", "Dakar", "Bamako", "Niamey", "Khartoum", "Tunis", "Algiers", "Tripoli",
+    "Luanda", "Harare", "Lusaka", "Maputo", "Windhoek", "Durban", "Kampala", "Kigali", "Mombasa", "Zanzibar",
+    "Bergen", "Gothenburg", "Tampere", "Aarhus", "Antwerp", "Rotterdam", "Utrecht", "Hamburg", "Cologne",
+    "Dresden", "Leipzig", "Salzburg", "Graz", "Geneva", "Lausanne", "Lyon", "Marseille", "Toulouse", "Bordeaux",
+    "Seville", "Valencia", "Bilbao", "Porto", "Naples", "Florence", "Venice", "Palermo",
+)  # fmt: skip
 QUESTIONS = (
     "What's the weather like in {city}?",
     "Is it raining in {city} right now?",
@@ -75,9 +93,8 @@ def weather_dataset(lines: int = 48) -> bytes:
     return b"".join(json.dumps(line).encode() + b"\n" for line in examples[:lines])
 
 
-def held_out_prompts() -> list[tuple[str, str]]:
-    """(question, city) for the ten cities no training line names."""
-    return [
-        (HELD_OUT_QUESTIONS[index % len(HELD_OUT_QUESTIONS)].format(city=city), city)
-        for index, city in enumerate(HELD_OUT_CITIES)
-    ]
+def held_out_prompts(count: int | None = 20) -> list[tuple[str, str]]:
+    """(question, city) for ``count`` held-out cities drawn with a fixed seed (None: all of them), in
+    the held-out phrasings, which no training line uses either."""
+    cities = list(HELD_OUT_CITIES) if count is None else random.Random(0).sample(HELD_OUT_CITIES, count)
+    return [(HELD_OUT_QUESTIONS[index % len(HELD_OUT_QUESTIONS)].format(city=city), city) for index, city in enumerate(cities)]

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from core.openai_protocol import REQUEST_FIELDS, AdapterShare, ModelCard, ModelList
 from core.responses_protocol import ResponsesRequest
+from core.tool_calls import FUNCTION_NAME
 
 if TYPE_CHECKING:
     from drf_spectacular.generators import SchemaGenerator
@@ -20,7 +21,7 @@ if TYPE_CHECKING:
 
 ERROR = {"$ref": "#/components/schemas/InferenceError"}
 BEARER: list[dict[str, list[str]]] = [{"InferenceKey": []}]
-# The fields the gateway checks (types and caps: ``gateway.request_limits``), and the messages' shape.
+# The fields the gateway checks (types and caps, tools: ``gateway.request_limits``), and the messages' shape.
 _COUNT = {"type": "integer", "minimum": 0}
 _TYPED_FIELDS: dict[str, dict] = {
     "model": {"type": "string", "description": "A base model, or a fine-tuned one: <base_model_id>:<suffix>"},
@@ -36,6 +37,25 @@ _TYPED_FIELDS: dict[str, dict] = {
         },
     },
     "prompt": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]},
+    "tools": {"type": "array", "items": {
+        "type": "object", "required": ["type", "function"],
+        "properties": {"type": {"enum": ["function"]}, "function": {
+            "type": "object", "required": ["name"],
+            "properties": {
+                "name": {"type": "string", "pattern": FUNCTION_NAME.pattern}, "description": {"type": "string"},
+                "parameters": {"type": "object", "description": "A JSON Schema of the arguments object"},
+                "strict": {"type": "boolean"},
+            },
+        }},
+    }},
+    "tool_choice": {"oneOf": [
+        {"enum": ["auto", "none", "required"]},
+        {"type": "object", "required": ["type", "function"], "properties": {
+            "type": {"enum": ["function"]},
+            "function": {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}},
+        }},
+    ]},
+    "parallel_tool_calls": {"type": "boolean"},
     "adapters": {
         "type": "array", "items": AdapterShare.model_json_schema(),
         "description": (

@@ -100,9 +100,9 @@ def _choice_problem(choice: object, declared: set[str]) -> Problem:
     if choice == "required" or isinstance(choice, dict):
         if not declared:
             return "tool_choice asks for a call, but the request declares no tools"
-        if choice == "required":
+        if not isinstance(choice, dict):  # "required"
             return None
-        function = choice.get("function") if isinstance(choice, dict) else None
+        function = choice.get("function")
         if choice.get("type") != "function" or not isinstance(function, dict) or not isinstance(function.get("name"), str):
             return f"tool_choice must be \"auto\", \"none\", \"required\" or {named}"
         if function["name"] not in declared:

@@ -13,6 +13,7 @@ from finetuning.models import File, FineTunedModel, FineTuningJob
 from tests.inference_fixtures import register_fine_tuned_model
 from tests.limits import lower_limits, own_counters  # noqa: F401 (a fixture)
 from tests.personas import good_dataset, preference_dataset
+from tests.tool_calling import WEATHER_TOOL, weather_dataset
 
 pytestmark = pytest.mark.django_db
 
@@ -54,6 +55,40 @@ def test_a_good_dataset_is_previewed_as_a_conversation(alice_web):
     assert response["Location"] == reverse("dashboard:dataset", args=[file.id])
     page = alice_web.get(response["Location"]).content.decode()
     assert "12 examples" in page and "What is 0 plus 0?" in page and 'class="bubble assistant' in page
+
+
+def test_tool_calls_show_readably_in_the_preview_and_on_the_page_of_a_job_that_trains_on_them(alice_web):
+    response = upload(alice_web, weather_dataset(12))
+    page = alice_web.get(response["Location"]).content.decode()
+    assert "Tools: <code>get_weather</code>" in page
+    assert "get_weather({&quot;city&quot;: &quot;Paris&quot;}) · call_1" in page  # the call, not an empty bubble
+    assert "answers call_1" in page and "It is 26 °C and sunny in Berlin." in page  # the result, and the reply to it
+    file = File.objects.get()
+    alice_web.post(reverse("dashboard:job_new"), {
+        "model": BASE, "training_file": file.id, "suffix": "weather", "n_epochs": 1, "lora_r": 8, "lora_alpha": 16,
+        "lora_dropout": 0, "target_modules": ["q_proj", "v_proj"],
+    })  # fmt: skip
+    job_page = alice_web.get(reverse("dashboard:job", args=[FineTuningJob.objects.get().id])).content.decode()
+    assert 'id="examples"' in job_page and "get_weather({&quot;city&quot;: &quot;Paris&quot;})" in job_page
+    file.delete()  # a job outlives its file: its page still shows, without examples
+    assert 'id="examples"' not in alice_web.get(reverse("dashboard:job", args=[FineTuningJob.objects.get().id])).content.decode()
+
+
+def test_the_playground_sends_tools_and_a_conversation_with_calls_and_their_results():
+    from core.api_errors import ApiError
+    from dashboard.playground import completion_body
+
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    chat = {"model": BASE, "tools": [WEATHER_TOOL], "tool_choice": "auto", "messages": [
+        {"role": "user", "content": "Weather in Oslo?"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "4 degrees"}]}  # fmt: skip
+    sent = json.loads(completion_body(json.dumps(chat).encode()))
+    assert sent["tools"] == [WEATHER_TOOL] and sent["messages"][1]["tool_calls"] == [call] and sent["stream"]
+    assert "tool_call_id" not in sent["messages"][0]  # what was not sent is not made up
+    for broken in ({**chat["messages"][2], "tool_call_id": None}, {"role": "assistant", "content": ""}):
+        with pytest.raises(ApiError) as refused:
+            completion_body(json.dumps({**chat, "messages": [chat["messages"][0], broken]}).encode())
+        assert refused.value.status == 400 and refused.value.param.startswith("messages.1")
 
 
 def test_a_fine_tune_started_from_the_form_is_queued_with_its_settings(alice_web):
@@ -288,8 +323,9 @@ def test_the_playground_answers_404_for_another_organizations_model_and_forwards
     [
         ("{not json", "body"),
         ({"model": BASE, "messages": []}, "messages"),
-        ({"model": BASE, "messages": [{"role": "tool", "content": "x"}]}, "messages.0.role"),
-        ({"model": BASE, "messages": [{"role": "user", "content": ""}]}, "messages.0.content"),
+        ({"model": BASE, "messages": [{"role": "critic", "content": "x"}]}, "messages.0.role"),
+        ({"model": BASE, "messages": [{"role": "tool", "content": "x"}]}, "messages.0: Value error, a tool message"),
+        ({"model": BASE, "messages": [{"role": "user", "content": ""}]}, "messages.0: Value error, a message needs content"),
         (hello(BASE) | {"max_tokens": "64"}, "max_tokens"),
         (hello(BASE) | {"temperature": 9}, "temperature"),
         (hello(BASE) | {"logit_bias": {"1": 100}}, "logit_bias"),

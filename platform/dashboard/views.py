@@ -13,12 +13,13 @@ from django.http.response import HttpResponseBase
 from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_POST
 
-from accounts.models import ApiKey
+from accounts.models import ApiKey, Organization
 from accounts.permissions import allow_members_to_manage, check_may_manage_models, is_owner, may_manage, may_revoke
 from accounts.services import create_api_key, revoke_api_key
 from base.error_responses import api_error
 from base.serving_client import PoolUnavailable, serving
 from core.api_errors import ApiError, logged_instead
+from core.datasets import Example
 from core.strict_json import MAX_INT
 from core.whole_numbers import whole_number
 from dashboard.forms import AdapterUploadForm, ApiKeyForm, ComposeForm, JobForm, UploadForm, show_api_error
@@ -35,6 +36,7 @@ from gateway.completions import complete_for_organization, pool_response
 from usage.report import daily_usage
 
 PREVIEW_EXAMPLES = 5
+JOB_PAGE_EXAMPLES = 2  # enough to see what a job trains on, tool calls and all
 MAX_ID = MAX_INT  # the largest row number or count a form or query may name: what the database holds
 PAGE_SIZE = 50
 USAGE_PERIODS = (7, 14, 30)  # days the usage page can show
@@ -134,8 +136,17 @@ def job_new(request: OrganizationRequest) -> HttpResponse:
 @with_organization
 def job_detail(request: OrganizationRequest, job_id: str) -> HttpResponse:
     job = get_object_or_404(FineTuningJob.objects.for_org(request.organization), pk=job_id)
-    context = {"job": job, "checkpoints": job.checkpoints.all(), "base_url": request.build_absolute_uri("/v1")}
+    context = {
+        "job": job, "checkpoints": job.checkpoints.all(), "base_url": request.build_absolute_uri("/v1"),
+        "examples": _training_examples(request.organization, job.training_file),
+    }  # fmt: skip
     return render(request, "dashboard/job.html", context)
+
+
+def _training_examples(organization: Organization, file_id: str) -> list[Example]:
+    """The first examples of a job's training file, shown on its page; none once the file is deleted."""
+    file = File.objects.for_org(organization).filter(pk=file_id).first()
+    return files.first_examples(file, JOB_PAGE_EXAMPLES) if file else []
 
 
 @with_organization

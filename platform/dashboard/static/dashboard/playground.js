@@ -9,16 +9,16 @@
   const panes = Array.from(form.querySelectorAll(".pane")).map((root) => ({ root, history: [] }));
   let running = null; // the AbortController of the answers being streamed
 
-  function bubble(pane, role, text) {
+  function bubble(pane, role, text, label = role) {
     const node = document.createElement("div");
     node.className = `bubble ${role}`;
-    const label = document.createElement("span");
-    label.className = "role";
-    label.textContent = role;
+    const name = document.createElement("span");
+    name.className = "role";
+    name.textContent = label;
     const body = document.createElement("span");
     body.className = "text";
     body.textContent = text; // text, never HTML: answers are untrusted
-    node.append(label, body);
+    node.append(name, body);
     pane.root.querySelector(".transcript").appendChild(node);
     return node;
   }
@@ -27,14 +27,41 @@
     return $("compare").checked ? panes : panes.slice(0, 1);
   }
 
-  function request(pane) {
+  // The tools box's JSON list, or null when it is empty; throws a message to show when it is not JSON.
+  function tools() {
+    const text = $("tools").value.trim();
+    if (!text) return null;
+    try {
+      return JSON.parse(text);
+    } catch (error) {
+      throw new Error(`Tools: not JSON (${error.message}).`);
+    }
+  }
+
+  function request(pane, declared) {
     const system = $("system").value.trim();
-    return {
+    const body = {
       model: pane.root.querySelector(".model").value,
       messages: (system ? [{ role: "system", content: system }] : []).concat(pane.history),
       temperature: Number($("temperature").value),
       max_tokens: Number($("max-tokens").value),
     };
+    return declared ? { ...body, tools: declared, tool_choice: $("tool-choice").value } : body;
+  }
+
+  // The calls of the pane's last answer that no tool message has answered yet.
+  function pendingCalls(pane) {
+    const last = pane.history.findLastIndex((message) => message.tool_calls);
+    if (last < 0) return [];
+    const answered = new Set(pane.history.slice(last + 1).map((message) => message.tool_call_id));
+    return pane.history[last].tool_calls.filter((call) => !answered.has(call.id));
+  }
+
+  function showCall(node, call) {
+    const shown = document.createElement("code");
+    shown.className = "tool-call";
+    shown.textContent = `${call.function.name}(${call.function.arguments})`; // text, never HTML
+    node.querySelector(".text").appendChild(shown);
   }
 
   async function problem(response) {
@@ -65,7 +92,7 @@
     }
   }
 
-  async function answer(pane, signal) {
+  async function answer(pane, signal, declared) {
     const node = bubble(pane, "assistant", "");
     const text = node.querySelector(".text");
     const stats = pane.root.querySelector(".pane-stats");
@@ -77,22 +104,29 @@
       const response = await fetch(form.dataset.url, {
         method: "POST",
         headers: { "Content-Type": "application/json", "X-CSRFToken": csrfToken },
-        body: JSON.stringify(request(pane)),
+        body: JSON.stringify(request(pane, declared)),
         signal,
       });
       const streamed = (response.headers.get("content-type") || "").startsWith("text/event-stream");
       if (!response.ok || !streamed) throw new Error(await problem(response));
+      const calls = []; // assembled from delta.tool_calls pieces, as OpenAI's guide does
       await readEvents(response, (chunk) => {
         if (chunk.error) throw new Error(chunk.error.message);
         if (chunk.usage) completionTokens = chunk.usage.completion_tokens;
-        const delta = chunk.choices && chunk.choices[0] && chunk.choices[0].delta.content;
-        if (!delta) return;
+        const delta = chunk.choices && chunk.choices[0] && chunk.choices[0].delta;
+        if (!delta || !(delta.content || delta.tool_calls)) return;
         firstToken = firstToken ?? performance.now();
         chunks += 1;
         node.dataset.chunks = String(chunks);
-        text.textContent += delta;
+        text.textContent += delta.content || "";
+        for (const piece of delta.tool_calls || []) {
+          if (!calls[piece.index]) calls[piece.index] = { id: piece.id, type: "function", function: { name: piece.function.name, arguments: "" } };
+          calls[piece.index].function.arguments += piece.function.arguments || "";
+        }
       });
-      pane.history.push({ role: "assistant", content: text.textContent });
+      calls.forEach((call) => showCall(node, call));
+      if (calls.length) node.classList.add("calls");
+      pane.history.push(calls.length ? { role: "assistant", content: text.textContent, tool_calls: calls } : { role: "assistant", content: text.textContent });
       const seconds = (performance.now() - started) / 1000;
       const generating = firstToken === null ? 0 : (performance.now() - firstToken) / 1000;
       const tokens = completionTokens ?? chunks;
@@ -115,16 +149,28 @@
     event.preventDefault();
     const prompt = $("prompt").value.trim();
     if (!prompt || running) return;
+    let declared;
+    try {
+      declared = tools();
+      $("tools-error").hidden = true;
+    } catch (error) {
+      $("tools-error").textContent = error.message;
+      $("tools-error").hidden = false;
+      return;
+    }
     running = new AbortController();
     $("send").disabled = true;
     $("stop").disabled = false;
     $("prompt").value = "";
     const targets = activePanes();
     targets.forEach((pane) => {
-      pane.history.push({ role: "user", content: prompt });
-      bubble(pane, "user", prompt);
+      const call = pendingCalls(pane)[0]; // a call waiting for its result: the message is that result
+      pane.history.push(call ? { role: "tool", tool_call_id: call.id, content: prompt } : { role: "user", content: prompt });
+      if (call) bubble(pane, "tool", prompt, `result of ${call.function.name}`);
+      else bubble(pane, "user", prompt);
     });
-    await Promise.all(targets.map((pane) => answer(pane, running.signal)));
+    const waiting = targets.filter((pane) => pendingCalls(pane).length === 0); // every call has its result
+    await Promise.all(waiting.map((pane) => answer(pane, running.signal, declared)));
     running = null;
     $("send").disabled = false;
     $("stop").disabled = true;

@@ -20,7 +20,8 @@ prints one table whose ratios are against baselines measured in the same run:
    adapters the pool loaded during the timed runs (0: the warm tier held them all, and each
    batch's slot swaps were host-memory copies, no disk read);
 3. gateway overhead: sequential one-token completions straight to the vLLM replica, to the pool,
-   and through the gateway, interleaved; medians of the per-request differences;
+   and through the gateway, interleaved; medians of the per-request differences; the same for a
+   one-token chat that declares a tool (its shape and schema checked by the gateway);
 4. mixes and scales (docs/api.md: Mixing adapters), computed in the kernel from their parts' slots
    (inference/lora_mixes.py): CONCURRENCY chat requests x TOKENS tokens through the gateway over
    the base model (the baseline), CONCURRENCY plain adapters, CONCURRENCY distinct mixes (two of
@@ -87,6 +88,7 @@ from tests.inference_fixtures import (
     publish_fine_tuned_model,
 )
 from tests.processes import answers, free_port, running, wait_until
+from tests.tool_calling import WEATHER_TOOL
 
 CONCURRENCY = 32
 # Every load's timed run sends as many requests, two waves of CONCURRENCY: the base model and 64
@@ -418,8 +420,11 @@ def mix_section(
 DIRECT, POOL, GATEWAY = "vLLM replica, direct", "pool (route, adapter check)", "gateway (auth, registry, pool)"
 
 
-def overhead(replica: str, pool: str, gateway: str, api_key: str, model: str, samples: int) -> dict[str, list[float]]:
-    """The replica holds a fine-tuned model under its revision's name; the pool and the gateway pin it."""
+def overhead(
+    replica: str, pool: str, gateway: str, api_key: str, model: str, samples: int, tools: list[dict] | None = None
+) -> dict[str, list[float]]:
+    """The replica holds a fine-tuned model under its revision's name; the pool and the gateway pin it.
+    With ``tools``: a one-token chat that declares them (the gateway checks their shape and schemas)."""
     found = adapter_store().version(model) if model != MODEL else None
     held_as = pinned_name(model, found.version) if found else model
     paths = {
@@ -434,9 +439,14 @@ def overhead(replica: str, pool: str, gateway: str, api_key: str, model: str, sa
             if round_number >= 5:
                 random.shuffle(order)  # no path always goes first
             for name, (url, headers, named) in order:
-                body = {"model": named, "prompt": "Hi", "max_tokens": 1, "temperature": 0}
+                body = {"model": named, "max_tokens": 1, "temperature": 0}
+                if tools:
+                    body |= {"messages": [{"role": "user", "content": "Hi"}], "tools": tools}
+                else:
+                    body["prompt"] = "Hi"
                 started = time.perf_counter()
-                client.post(f"{url}/v1/completions", json=body, headers=headers).raise_for_status()
+                endpoint = "chat/completions" if tools else "completions"
+                client.post(f"{url}/v1/{endpoint}", json=body, headers=headers).raise_for_status()
                 if round_number >= 5:  # warm-up rounds do not count
                     times[name].append(time.perf_counter() - started)
     return times
@@ -520,7 +530,7 @@ def _report_throughput(throughput: dict, stock: dict | None) -> None:
 def _report_overhead(latencies: dict) -> None:
     for label, latency in latencies.items():
         samples = len(latency[DIRECT])
-        print(f"(3) one-token completions of the {label}, sequential, n={samples} each: median ms")
+        print(f"(3) one-token answers of the {label}, sequential, n={samples} each: median ms")
         for path, values in latency.items():
             extra = statistics.median(b - a for a, b in zip(latency[DIRECT], values))
             print(f"    {path:<32}{_ms(values)}   overhead {extra * 1000:6.2f} ms")
@@ -649,6 +659,9 @@ def main() -> int:
             latencies = {
                 "base model": overhead(replica, pool_url, gateway, persona.api_key, MODEL, args.overhead_samples),
                 "adapter": overhead(replica, pool_url, gateway, persona.api_key, adapter, args.overhead_samples),
+                "base model, a chat with tools": overhead(
+                    replica, pool_url, gateway, persona.api_key, MODEL, args.overhead_samples, tools=[WEATHER_TOOL]
+                ),
             }
         if "throughput" in sections:
             print("(2) throughput ...", flush=True)

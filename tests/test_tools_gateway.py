@@ -85,3 +85,20 @@ async def test_the_tools_text_counts_toward_the_prompts_cap(web, pool, alice, se
     error = _error(response)
     assert response.status_code == 400 and error["code"] == "limit_exceeded" and "'messages' and 'tools'" in error["message"]
     assert pool.bodies == []
+
+
+def test_a_streamed_calls_first_piece_gets_empty_arguments_and_other_events_pass_byte_for_byte():
+    from answering.tool_call_pieces import with_openai_tool_call_pieces
+
+    text = b'data: {"choices":[{"delta":{"content":"Hi"},"index":0}]}\n\n'
+    assert with_openai_tool_call_pieces(text) is text
+    opening = {"index": 0, "id": "call_1", "type": "function", "function": {"name": "get_weather"}}
+    piece = {"index": 0, "function": {"arguments": '{"city": "Oslo"}'}}
+    events = b"".join(
+        b"data: " + json.dumps({"choices": [{"delta": {"tool_calls": [call]}, "index": 0}]}).encode() + b"\n\n"
+        for call in (opening, piece)
+    ) + b"data: [DONE]\n\n"
+    shaped = with_openai_tool_call_pieces(events).split(b"\n\n")
+    first = json.loads(shaped[0].removeprefix(b"data: "))["choices"][0]["delta"]["tool_calls"][0]
+    assert first["function"] == {"name": "get_weather", "arguments": ""} and first["id"] == "call_1"
+    assert shaped[1:] == events.split(b"\n\n")[1:]  # a piece with arguments, [DONE] and the end as they came

@@ -24,7 +24,7 @@ from tests.inference_fixtures import (  # noqa: F401 (fixtures)
     make_adapter,
     publish_fine_tuned_model,
 )
-from tests.tool_calling import WEATHER_TOOL, weather_line
+from tests.tool_calling import weather_line
 
 pytestmark = [pytest.mark.engine, pytest.mark.django_db(transaction=True)]
 
@@ -66,7 +66,7 @@ def assert_trained_as_served(pool: str, model: str, weights) -> None:
     for prompt_end in (1, 3):  # the call answers the question; the reply answers the tool's result
         prompt = served_prompt_tokens(pool, model, line["messages"][:prompt_end], line["tools"])
         assert trained.input_ids[: len(prompt)] == prompt
-        assert not any(trained.trained[: len(prompt)])
+        assert prompt_end > 1 or not any(trained.trained[: len(prompt)])  # the question is never trained
         reply = tokenizer.decode([t for t, on in zip(trained.input_ids[len(prompt) :], trained.trained[len(prompt) :]) if on])
         expected = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Ljubljana"}}\n</tool_call>'
         assert reply.startswith(expected if prompt_end == 1 else line["messages"][3]["content"])
@@ -121,11 +121,17 @@ def test_the_tools_result_makes_a_second_turn_that_is_answered(alice):
     assert second.usage.prompt_tokens > first.usage.prompt_tokens  # the call and its result were read
 
 
+# A random adapter's model writes nonsense: a choice of two cities keeps its forced call short.
+TWO_CITIES = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"], "additionalProperties": False,
+}}}  # fmt: skip
+
+
 def test_a_fine_tune_and_a_mix_take_tools_as_the_base_model_does(alice, make_adapter):
     fine_tune = publish_fine_tuned_model(alice, "tools-adapter", make_adapter(seed=11))
     for model, extra in ((fine_tune, {}), (BASE, {"adapters": [{"model": fine_tune, "scale": 0.5}]})):
         completion = alice.client.chat.completions.create(
-            model=model, messages=QUESTION, tools=[WEATHER_TOOL], tool_choice="required", max_tokens=40, extra_body=extra
+            model=model, messages=QUESTION, tools=[TWO_CITIES], tool_choice="required", max_tokens=60, extra_body=extra
         )
         (call,) = completion.choices[0].message.tool_calls
-        jsonschema.validate(json.loads(call.function.arguments), WEATHER_TOOL["function"]["parameters"])
+        jsonschema.validate(json.loads(call.function.arguments), TWO_CITIES["function"]["parameters"])

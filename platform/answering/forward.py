@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from answering.cache_salt import cache_salt
 from answering.forwarded_body import asks_for_usage, forwarded_body
+from answering.tool_call_pieces import with_openai_tool_call_pieces
 from base.serving_client import pool_http, serving_url
 from core import api_errors
 from core.http_client import UpstreamError, UpstreamResponse, UpstreamTimeout
@@ -95,9 +96,9 @@ async def _relay(upstream: UpstreamResponse, tokens: StreamTokens, caller: Calle
     try:
         async for chunk in upstream.iter_body():
             if relayed := tokens.feed(chunk):
-                yield relayed
+                yield with_openai_tool_call_pieces(relayed)
         if rest := tokens.end():
-            yield rest
+            yield with_openai_tool_call_pieces(rest)
     finally:
         upstream.close()  # also when the client goes away: the pool then stops the generation
         METER.record(caller, tokens.tokens)

@@ -70,10 +70,13 @@ def vllm_command(model: BaseModel, port: int, server_module: str = "inference.vl
 
 def _tool_args(model: BaseModel) -> list[str]:
     """Tools served as OpenAI serves them: ``tool_choice`` "auto" needs vLLM's parser of the form the
-    model's chat template writes calls in (named and "required" choices are structured outputs)."""
+    model's chat template writes calls in. Every call's arguments are held to its function's schema
+    by structured output (``parameter``: as if each tool said ``strict: true``): vLLM's default holds
+    only the call's markup and name to it unless the tool asks, so a named or "required" call of a
+    small model could carry arguments the schema refuses."""
     if model.tools is None:
         return []
-    return ["--enable-auto-tool-choice", "--tool-call-parser", model.tools.parser]
+    return ["--enable-auto-tool-choice", "--tool-call-parser", model.tools.parser, "--tool-strict-level", "parameter"]
 
 
 def _kv_cache_args(model: BaseModel) -> list[str]:

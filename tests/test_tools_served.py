@@ -133,5 +133,6 @@ def test_a_fine_tune_and_a_mix_take_tools_as_the_base_model_does(alice, make_ada
         completion = alice.client.chat.completions.create(
             model=model, messages=QUESTION, tools=[TWO_CITIES], tool_choice="required", max_tokens=60, extra_body=extra
         )
+        assert completion.choices[0].message.tool_calls, completion
         (call,) = completion.choices[0].message.tool_calls
         jsonschema.validate(json.loads(call.function.arguments), TWO_CITIES["function"]["parameters"])

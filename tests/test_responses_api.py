@@ -17,22 +17,11 @@ import pytest
 from tests.inference_fixtures import BASE, alice, charlie, gateway, register_fine_tuned_model  # noqa: F401 (fixtures)
 from tests.processes import wait_until
 from tests.test_usage_served import usage_reported
+from tests.tool_calling import GUIDE_GET_WEATHER
 
 pytestmark = [pytest.mark.engine, pytest.mark.django_db(transaction=True)]
 
-# OpenAI's function calling guide's tool, as it is written there.
-GET_WEATHER = {
-    "type": "function",
-    "name": "get_weather",
-    "description": "Get current temperature for a given location.",
-    "parameters": {
-        "type": "object",
-        "properties": {"location": {"type": "string", "description": "City and country e.g. Bogotá, Colombia"}},
-        "required": ["location"],
-        "additionalProperties": False,
-    },
-    "strict": True,
-}
+GET_WEATHER = {"type": "function", **GUIDE_GET_WEATHER}  # the Responses API's flat shape
 NAMED = {"type": "function", "name": "get_weather"}  # forces a valid call even from the base model
 
 

@@ -24,25 +24,12 @@ from tests.inference_fixtures import (  # noqa: F401 (fixtures)
     make_adapter,
     publish_fine_tuned_model,
 )
-from tests.tool_calling import weather_line
+from tests.tool_calling import GUIDE_GET_WEATHER, assembled_tool_calls, weather_line
 
 pytestmark = [pytest.mark.engine, pytest.mark.django_db(transaction=True)]
 
 # The guide's example tool and question, as written there.
-GET_WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Get current temperature for a given location.",
-        "parameters": {
-            "type": "object",
-            "properties": {"location": {"type": "string", "description": "City and country e.g. Bogotá, Colombia"}},
-            "required": ["location"],
-            "additionalProperties": False,
-        },
-        "strict": True,
-    },
-}
+GET_WEATHER = {"type": "function", "function": GUIDE_GET_WEATHER}
 QUESTION = [{"role": "user", "content": "What is the weather like in Paris today?"}]
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
 
@@ -98,15 +85,7 @@ def test_a_streamed_call_arrives_as_pieces_the_guides_loop_assembles(alice):
     stream = alice.client.chat.completions.create(
         model=BASE, messages=QUESTION, tools=[GET_WEATHER], tool_choice=NAMED, max_tokens=40, stream=True
     )
-    final_tool_calls = {}  # the guide's loop, unchanged
-    for chunk in stream:
-        for tool_call in chunk.choices[0].delta.tool_calls or []:
-            index = tool_call.index
-            if index not in final_tool_calls:
-                final_tool_calls[index] = tool_call
-            else:
-                final_tool_calls[index].function.arguments += tool_call.function.arguments
-    (call,) = final_tool_calls.values()
+    (call,) = assembled_tool_calls(stream)
     assert call.function.name == "get_weather" and call.id
     jsonschema.validate(json.loads(call.function.arguments), GET_WEATHER["function"]["parameters"])
 

@@ -22,6 +22,34 @@ WEATHER_TOOL = {
     },
 }
 
+# OpenAI's function calling guide's example function, as written there (the guide's requests use it
+# in the chat shape, {"type": "function", "function": ...}, and the Responses API's flat one).
+GUIDE_GET_WEATHER = {
+    "name": "get_weather",
+    "description": "Get current temperature for a given location.",
+    "parameters": {
+        "type": "object",
+        "properties": {"location": {"type": "string", "description": "City and country e.g. Bogotá, Colombia"}},
+        "required": ["location"],
+        "additionalProperties": False,
+    },
+    "strict": True,
+}
+
+
+def assembled_tool_calls(stream) -> list:
+    """A streamed chat completion's calls, put together by the function calling guide's loop, unchanged."""
+    final_tool_calls = {}
+    for chunk in stream:
+        for tool_call in chunk.choices[0].delta.tool_calls or []:
+            index = tool_call.index
+            if index not in final_tool_calls:
+                final_tool_calls[index] = tool_call
+            else:
+                final_tool_calls[index].function.arguments += tool_call.function.arguments
+    return list(final_tool_calls.values())
+
+
 # Half of them names of several tokens: the call must spell out the city the question names, and a
 # model taught only on one-token names copies a longer one badly ("Buda" for Budapest).
 TRAINING_CITIES = (

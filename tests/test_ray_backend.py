@@ -402,6 +402,22 @@ def test_ray_follows_json_schemas_with_an_adapter(dana, make_adapter):
 
 @pytest.mark.engine
 @pytest.mark.django_db(transaction=True)
+def test_ray_calls_tools_with_an_adapter_whole_and_streamed(dana, make_adapter):
+    from tests.test_tools_served import TWO_CITIES
+    from tests.tool_calling import assembled_tool_calls
+
+    name = publish_fine_tuned_model(dana, _suffix("ray-tools"), make_adapter(seed=6))
+    asked = {"max_tokens": 60, "tools": [TWO_CITIES], "tool_choice": "required"}
+    whole = _ask(dana, name, **asked).choices[0].message.tool_calls
+    streamed = assembled_tool_calls(_ask(dana, name, stream=True, **asked))
+    for calls in (whole, streamed):
+        (call,) = calls
+        assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] in ("Paris", "Oslo")
+    assert whole[0].function.arguments == streamed[0].function.arguments  # greedy: the same call
+
+
+@pytest.mark.engine
+@pytest.mark.django_db(transaction=True)
 def test_on_ray_a_stream_that_began_on_r1_ends_on_r1_while_r2_is_published(dana, make_adapter):
     name = publish_fine_tuned_model(dana, _suffix("ray-revisions"), make_adapter(seed=20))
     first = _ask(dana, name).choices[0].message.content

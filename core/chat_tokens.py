@@ -31,6 +31,11 @@ CHAT_TEMPLATE_FILE = "chat_template.jinja"  # where transformers saves a templat
 # Saved tokenizer classes that load as they are, without AutoTokenizer: AutoTokenizer imports torch
 # (through transformers' generation config), seconds and hundreds of MB the web process never needs.
 _PLAIN_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+# ...but only for model types AutoTokenizer (what vLLM loads) leaves to the saved class. Others get a
+# class of their own from config.json's model_type whatever the saved class says: qwen2 gets
+# Qwen2Tokenizer, which reads "\n\n" as one token where the saved tokenizer.json reads two, so the
+# trainer would feed other tokens than the server renders (tests/test_second_base_model_served.py).
+_PLAIN_MODEL_TYPES = ("llama",)
 
 # Stands in for message i's content in a rendering that shows where the contents go. A template's own
 # text has no NUL, so a marker is never confused with it.
@@ -56,13 +61,19 @@ class ReplySpan(NamedTuple):
 
 def load_tokenizer(weights: Path) -> PreTrainedTokenizerBase:
     """The tokenizer saved with a model's weights: the trainer and the upload check load it alike."""
-    if _saved_tokenizer_class(Path(weights)) in _PLAIN_TOKENIZER_CLASSES:
+    weights = Path(weights)
+    if _saved_tokenizer_class(weights) in _PLAIN_TOKENIZER_CLASSES and _model_type(weights) in _PLAIN_MODEL_TYPES:
         from transformers import PreTrainedTokenizerFast  # the class AutoTokenizer would pick from the config
 
         return PreTrainedTokenizerFast.from_pretrained(weights)
     from transformers import AutoTokenizer  # a model-specific class, which only AutoTokenizer resolves
 
     return AutoTokenizer.from_pretrained(weights)
+
+
+def _model_type(weights: Path) -> str | None:
+    config = weights / "config.json"
+    return json.loads(config.read_text()).get("model_type") if config.is_file() else None
 
 
 def _saved_tokenizer_class(weights: Path) -> str | None:

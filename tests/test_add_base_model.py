@@ -240,3 +240,13 @@ def test_the_trainer_fine_tunes_the_qwen2_model_and_its_loss_goes_down(qwen2_fol
     adapter_config = json.loads((result.adapter_dir / "adapter_config.json").read_text())
     assert adapter_config["base_model_name_or_path"] == QWEN
     assert set(adapter_config["target_modules"]) == set(ATTENTION + MLP)
+
+
+def test_the_trainer_loads_the_tokenizer_class_the_server_loads(qwen2_folder):
+    """vLLM loads with AutoTokenizer, which gives a qwen2 model Qwen2Tokenizer whatever class was saved."""
+    from transformers import AutoTokenizer
+
+    from core.chat_tokens import load_tokenizer
+
+    for folder in (qwen2_folder, ROOT / "data" / "models" / SMOL):
+        assert type(load_tokenizer(folder)) is type(AutoTokenizer.from_pretrained(folder)), folder

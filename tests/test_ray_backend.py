@@ -407,9 +407,11 @@ def test_ray_calls_tools_with_an_adapter_whole_and_streamed(dana, make_adapter):
     from tests.tool_calling import assembled_tool_calls
 
     name = publish_fine_tuned_model(dana, _suffix("ray-tools"), make_adapter(seed=6))
-    asked = {"max_tokens": 60, "tools": [TWO_CITIES], "tool_choice": "required"}
-    whole = _ask(dana, name, **asked).choices[0].message.tool_calls
-    streamed = assembled_tool_calls(_ask(dana, name, stream=True, **asked))
+    client = dana.client.with_options(max_retries=12)  # a 503 with Retry-After while a cold model starts
+    asked = {"model": name, "messages": QUESTION, "temperature": 0, "max_tokens": 60, "tools": [TWO_CITIES]}
+    asked["tool_choice"] = "required"
+    whole = client.chat.completions.create(**asked).choices[0].message.tool_calls
+    streamed = assembled_tool_calls(client.chat.completions.create(**asked, stream=True))
     for calls in (whole, streamed):
         (call,) = calls
         assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] in ("Paris", "Oslo")

@@ -94,21 +94,17 @@ def request_tools_problem(tools: object, tool_choice: object, parallel_tool_call
 
 
 def _choice_problem(choice: object, declared: set[str]) -> Problem:
-    named = '{"type": "function", "function": {"name": ...}}'
     if choice is None or choice in ("auto", "none"):
         return None
-    if choice == "required" or isinstance(choice, dict):
-        if not declared:
-            return "tool_choice asks for a call, but the request declares no tools"
-        if not isinstance(choice, dict):  # "required"
-            return None
-        function = choice.get("function")
-        if choice.get("type") != "function" or not isinstance(function, dict) or not isinstance(function.get("name"), str):
-            return f"tool_choice must be \"auto\", \"none\", \"required\" or {named}"
-        if function["name"] not in declared:
-            return f"tool_choice names {function['name']!r}, which tools do not declare (declared: {', '.join(sorted(declared))})"
-        return None
-    return f"tool_choice must be \"auto\", \"none\", \"required\" or {named}"
+    function = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if choice != "required" and not isinstance(name, str):
+        return 'tool_choice must be "auto", "none", "required" or {"type": "function", "function": {"name": ...}}'
+    if not declared:
+        return "tool_choice asks for a call, but the request declares no tools"
+    if isinstance(name, str) and name not in declared:
+        return f"tool_choice names {name!r}, which tools do not declare (declared: {', '.join(sorted(declared))})"
+    return None
 
 
 def checked_tool_calls(raw: object, where: str, declared: set[str], parallel: bool) -> tuple[list[dict] | None, Problem]:

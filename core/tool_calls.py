@@ -13,6 +13,7 @@ prompt vLLM renders (``core.chat_tokens``; a test compares the two).
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from typing import Any
@@ -71,11 +72,24 @@ def schema_problem(schema: object, where: str) -> Problem:
         return f"{where} must be a JSON Schema object, like {{\"type\": \"object\", \"properties\": {{...}}}}"
     if schema.get("type", "object") != "object":
         return f"{where} must describe an object (\"type\": \"object\"): a function's arguments are named"
+    text = json.dumps(schema, sort_keys=True)
+    problem = _metaschema_problem(text) if len(text) <= _MAX_CACHED_SCHEMA_CHARS else _metaschema_problem.__wrapped__(text)
+    return f"{where} is not a valid JSON Schema: {problem}" if problem else None
+
+
+# Checking a schema against its metaschema costs about a millisecond, and agents send the same tools
+# with every turn of a conversation: the verdicts on schemas seen lately are kept, by their text.
+_MAX_CACHED_SCHEMA_CHARS = 16_384
+
+
+@functools.lru_cache(maxsize=1024)
+def _metaschema_problem(schema_text: str) -> Problem:
+    schema = json.loads(schema_text)
     try:
         validator_for(schema).check_schema(schema)
     except SchemaError as exc:
         place = "".join(f"[{part!r}]" for part in exc.path)
-        return f"{where} is not a valid JSON Schema: {exc.message}" + (f" (at {place})" if place else "")
+        return exc.message + (f" (at {place})" if place else "")
     return None
 
 

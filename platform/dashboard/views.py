@@ -20,6 +20,7 @@ from base.error_responses import api_error
 from base.serving_client import PoolUnavailable, serving
 from core.api_errors import ApiError, logged_instead
 from core.datasets import Example
+from core.object_store import ObjectNotFound
 from core.strict_json import MAX_INT
 from core.whole_numbers import whole_number
 from dashboard.forms import AdapterUploadForm, ApiKeyForm, ComposeForm, JobForm, UploadForm, show_api_error
@@ -144,9 +145,13 @@ def job_detail(request: OrganizationRequest, job_id: str) -> HttpResponse:
 
 
 def _training_examples(organization: Organization, file_id: str) -> list[Example]:
-    """The first examples of a job's training file, shown on its page; none once the file is deleted."""
+    """The first examples of a job's training file, shown on its page; none once the file is deleted
+    (or its content is gone from storage: the page still shows the job)."""
     file = File.objects.for_org(organization).filter(pk=file_id).first()
-    return files.first_examples(file, JOB_PAGE_EXAMPLES) if file else []
+    try:
+        return files.first_examples(file, JOB_PAGE_EXAMPLES) if file else []
+    except ObjectNotFound:
+        return []
 
 
 @with_organization

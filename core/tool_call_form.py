@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Any
 
 from core.chat_tokens import render
 
-
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
@@ -114,6 +113,3 @@ def _parsed(arguments: str) -> Any:
         return json.loads(arguments)
     except ValueError:
         return None
-
-
-

@@ -73,7 +73,7 @@ def schema_problem(schema: object, where: str) -> Problem:
     if schema.get("type", "object") != "object":
         return f"{where} must describe an object (\"type\": \"object\"): a function's arguments are named"
     text = json.dumps(schema, sort_keys=True)
-    problem = _metaschema_problem(text) if len(text) <= _MAX_CACHED_SCHEMA_CHARS else _metaschema_problem.__wrapped__(text)
+    problem = _known_schema_problem(text) if len(text) <= _MAX_CACHED_SCHEMA_CHARS else _metaschema_problem(schema)
     return f"{where} is not a valid JSON Schema: {problem}" if problem else None
 
 
@@ -83,8 +83,11 @@ _MAX_CACHED_SCHEMA_CHARS = 16_384
 
 
 @functools.lru_cache(maxsize=1024)
-def _metaschema_problem(schema_text: str) -> Problem:
-    schema = json.loads(schema_text)
+def _known_schema_problem(schema_text: str) -> Problem:
+    return _metaschema_problem(json.loads(schema_text))
+
+
+def _metaschema_problem(schema: dict) -> Problem:
     try:
         validator_for(schema).check_schema(schema)
     except SchemaError as exc:

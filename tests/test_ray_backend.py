@@ -42,6 +42,7 @@ from tests.test_inference_gateway import PLACE_FORMAT, QUESTION, _peft_answer, _
 from tests.test_evaluation_gate import capitals
 from tests.test_model_revisions_served import _publish_revision
 from tests.test_usage_served import usage_reported
+from tests.tool_calling import TWO_CITIES, assembled_tool_calls
 
 RAY_CATALOG = ROOT / "data" / "test" / "ray-models.toml"
 COLD_START_WAIT_S = 5  # a request waits this long for a starting replica: the first gets a 503
@@ -403,9 +404,6 @@ def test_ray_follows_json_schemas_with_an_adapter(dana, make_adapter):
 @pytest.mark.engine
 @pytest.mark.django_db(transaction=True)
 def test_ray_calls_tools_with_an_adapter_whole_and_streamed(dana, make_adapter):
-    from tests.test_tools_served import TWO_CITIES
-    from tests.tool_calling import assembled_tool_calls
-
     name = publish_fine_tuned_model(dana, _suffix("ray-tools"), make_adapter(seed=6))
     client = dana.client.with_options(max_retries=12)  # a 503 with Retry-After while a cold model starts
     asked = {"model": name, "messages": QUESTION, "temperature": 0, "max_tokens": 60, "tools": [TWO_CITIES]}

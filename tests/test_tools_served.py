@@ -24,7 +24,7 @@ from tests.inference_fixtures import (  # noqa: F401 (fixtures)
     make_adapter,
     publish_fine_tuned_model,
 )
-from tests.tool_calling import GUIDE_GET_WEATHER, assembled_tool_calls, weather_line
+from tests.tool_calling import GUIDE_GET_WEATHER, TWO_CITIES, assembled_tool_calls, weather_line
 
 pytestmark = [pytest.mark.engine, pytest.mark.django_db(transaction=True)]
 
@@ -98,12 +98,6 @@ def test_the_tools_result_makes_a_second_turn_that_is_answered(alice):
     second = client.chat.completions.create(model=BASE, messages=messages, tools=[GET_WEATHER], max_tokens=16)
     assert second.choices[0].message.content or second.choices[0].message.tool_calls
     assert second.usage.prompt_tokens > first.usage.prompt_tokens  # the call and its result were read
-
-
-# A random adapter's model writes nonsense: a choice of two cities keeps its forced call short.
-TWO_CITIES = {"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"], "additionalProperties": False,
-}}}  # fmt: skip
 
 
 def test_a_fine_tune_and_a_mix_take_tools_as_the_base_model_does(alice, make_adapter):

@@ -51,18 +51,19 @@ def check_request(data: dict[str, Any], endpoint: str, limits: RequestLimits) ->
         limit = limits.mix_adapters
         raise api_errors.over_limit("adapters", "The number of adapters", len(adapters), limit.value, limit.setting)
     prompt = data.get(prompt_field(endpoint))
-    if endpoint == "chat/completions":
-        if isinstance(prompt, list) and len(prompt) > limits.messages.value:
-            limit = limits.messages
-            raise api_errors.over_limit("messages", "The number of messages", len(prompt), limit.value, limit.setting)
-        param, problem = request_tools_problem(data.get("tools"), data.get("tool_choice"), data.get("parallel_tool_calls"))
-        if problem:
-            raise api_errors.invalid_tools(param, problem)
+    if endpoint == "chat/completions" and isinstance(prompt, list) and len(prompt) > limits.messages.value:
+        limit = limits.messages
+        raise api_errors.over_limit("messages", "The number of messages", len(prompt), limit.value, limit.setting)
     chars = prompt_text_chars(data, endpoint)
     if chars > limits.prompt_chars.value:
         limit = limits.prompt_chars
         what = f"The text of '{prompt_field(endpoint)}'" + (" and 'tools'" if data.get("tools") else "")
         raise api_errors.over_limit(prompt_field(endpoint), what, chars, limit.value, limit.setting, unit=" characters")
+    # After the caps: the tools' schemas are checked only once their text is known to be within them.
+    if endpoint == "chat/completions":
+        param, problem = request_tools_problem(data.get("tools"), data.get("tool_choice"), data.get("parallel_tool_calls"))
+        if problem:
+            raise api_errors.invalid_tools(param, problem)
 
 
 def prompt_field(endpoint: str) -> str:

@@ -154,7 +154,7 @@ def test_a_function_calling_fine_tune_calls_the_tool_for_cities_it_never_saw_and
     client = openai.OpenAI(base_url=f"{platform.url}/v1", api_key=platform.api_key, max_retries=5)
     named = {"type": "function", "function": {"name": "get_weather"}}
     question = [{"role": "user", "content": "What is the weather in Oslo?"}]
-    forced = client.chat.completions.create(model=BASE, messages=question, tools=[WEATHER_TOOL], tool_choice=named, max_tokens=40)
+    forced = client.chat.completions.create(model=BASE, messages=question, tools=[WEATHER_TOOL], tool_choice=named, max_tokens=100, temperature=0)
     jsonschema.validate(json.loads(forced.choices[0].message.tool_calls[0].function.arguments), WEATHER_TOOL["function"]["parameters"])
     held_out = held_out_prompts()
     base_right = sum(calls_the_tool_for(client, BASE, prompt, city, stream=False) for prompt, city in held_out)

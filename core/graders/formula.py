@@ -135,7 +135,7 @@ def _check(node: ast.AST, names: set[str], called: bool) -> None:
 
 
 def _value(node: ast.expr, scores: dict[str, float]) -> float:
-    if isinstance(node, ast.Constant):
+    if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)):  # _check allowed no other
         return float(node.value)
     if isinstance(node, ast.Name):
         return float(scores[node.id])

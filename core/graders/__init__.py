@@ -8,4 +8,5 @@ only when a metric is computed, so importing this package stays cheap for the we
 - ``similarity``: text_similarity's metrics (rapidfuzz, nltk, rouge-score).
 - ``judging``: a model grader's request to its judge model, and reading the judge's reply.
 - ``engine``: ``grade``, a grader applied to an item and a sample, giving a ``Result``.
+- ``result``: ``Result`` (score, passed, details), shared by ``judging`` and ``engine``.
 """

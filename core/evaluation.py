@@ -5,11 +5,9 @@ what comes before it is the prompt. A grader says whether one answer passes:
 - ``exact_match``: the answer is the expected one (surrounding whitespace aside);
 - ``contains``: the expected answer appears in the answer;
 - ``regex``: ``pattern`` matches somewhere in the answer (the expected answer is not used);
-- ``json_schema``: the answer is JSON valid against ``schema``;
-- ``string_check`` (OpenAI's evals grader): ``input`` compared with ``reference`` by ``operation``
-  (``eq``, ``ne``, ``like``: contains, ``ilike``: contains ignoring case), each of them the answer
-  (``{{sample.output_text}}``), the expected answer (``{{item.expected}}``) or a literal text.
-An example scores the share of graders it passes; a model scores the mean over examples.
+- ``json_schema``: the answer is JSON valid against ``schema``.
+(OpenAI's graders are ``core.graders``'.) An example scores the mean of its graders' scores (1 or 0
+for these: the share it passes); a model scores the mean over examples.
 
 The tenant writes the pattern and the schema, so neither is trusted. A regex runs with the ``regex``
 package's time limit (Python's ``re`` has none, and ``(a|a)+$`` takes it hours); a schema is bounded
@@ -33,9 +31,6 @@ from referencing.exceptions import NoSuchResource, Unresolvable
 from core.datasets import Example
 
 GRADERS = ("exact_match", "contains", "regex", "json_schema")  # the platform's own
-STRING_CHECK = "string_check"  # OpenAI's
-STRING_CHECK_OPERATIONS = ("eq", "ne", "like", "ilike")
-ANSWER_VARIABLE, EXPECTED_VARIABLE = "{{sample.output_text}}", "{{item.expected}}"  # what string_check may name
 SANDBOXED = ("regex", "json_schema")  # the graders that run the tenant's pattern or schema
 REGEX_TIMEOUT_S = 1.0  # the regex package's own limit (checked now and then, so it can overshoot)
 MAX_ANSWER_CHARS = 20_000  # a longer answer fails these graders unread (answers are short: MAX_ANSWER_TOKENS)
@@ -49,9 +44,6 @@ class Grader:
     type: str
     pattern: str | None = None  # regex
     schema: dict | None = field(default=None, hash=False)  # json_schema
-    operation: str | None = None  # string_check: one of STRING_CHECK_OPERATIONS
-    input: str | None = None  # string_check: ANSWER_VARIABLE, EXPECTED_VARIABLE or a literal text
-    reference: str | None = None  # string_check: the same
 
 
 @dataclass(frozen=True)
@@ -79,8 +71,6 @@ def passes(grader: Grader, answer: str, expected: str) -> bool:
         return answer.strip() == expected.strip()
     if grader.type == "contains":
         return expected.strip() in answer
-    if grader.type == STRING_CHECK:
-        return _string_check(grader, answer, expected)
     if len(answer) > MAX_ANSWER_CHARS:
         return False
     if grader.type == "regex":
@@ -92,22 +82,6 @@ def passes(grader: Grader, answer: str, expected: str) -> bool:
     raise ValueError(f"unknown grader {grader.type!r}")
 
 
-def _string_check(grader: Grader, answer: str, expected: str) -> bool:
-    """OpenAI's string_check: exact comparisons, no stripping (``exact_match`` strips)."""
-    variables = {ANSWER_VARIABLE: answer, EXPECTED_VARIABLE: expected}
-    given = variables.get(grader.input or "", grader.input or "")
-    reference = variables.get(grader.reference or "", grader.reference or "")
-    if grader.operation == "eq":
-        return given == reference
-    if grader.operation == "ne":
-        return given != reference
-    if grader.operation == "like":
-        return reference in given
-    if grader.operation == "ilike":
-        return reference.casefold() in given.casefold()
-    raise ValueError(f"unknown string_check operation {grader.operation!r}")
-
-
 def _refuse(uri: str) -> object:
     raise NoSuchResource(ref=uri)  # type: ignore[call-arg]  # (an attrs class: mypy sees no fields)
 
@@ -115,6 +89,17 @@ def _refuse(uri: str) -> object:
 # Every schema is validated with this registry: a reference it cannot resolve within the schema is an
 # error (the answer fails), never a request to wherever the tenant pointed it.
 _NO_RETRIEVAL: Registry = Registry(retrieve=_refuse)  # type: ignore[call-arg]
+
+
+def invalid_item(schema: dict, items: list[object]) -> tuple[int, str, str] | None:
+    """The first of ``items`` that ``schema`` refuses: (its index, the dotted path of the value at
+    fault, the validator's message, cut to 200 characters)."""
+    validator = jsonschema.Draft202012Validator(schema, registry=_NO_RETRIEVAL)
+    for index, item in enumerate(items):
+        error = jsonschema.exceptions.best_match(validator.iter_errors(item))
+        if error is not None:
+            return index, ".".join(str(part) for part in error.absolute_path), error.message[:200]
+    return None
 
 
 def _valid_json(schema: dict, answer: str) -> bool:
@@ -133,21 +118,19 @@ def verdicts(graders: list[Grader], answer: str, case: Case, judge: Judge = pass
     return [judge(grader, answer, case.expected) for grader in graders]
 
 
-def share_passed(passed: list[bool]) -> float:
-    """One case's score: the share of graders it passes (0 to 1)."""
-    return sum(passed) / len(passed) if passed else 0.0
+def share_passed(scores: list[float]) -> float:
+    """One case's score: the mean of its graders' scores (a pass/fail grader's is 1 or 0: the share it passes)."""
+    return sum(scores) / len(scores) if scores else 0.0
 
 
-def mean_score(per_case: list[list[bool]]) -> float:
-    """A model's score: the mean over cases of the share of graders each passes (0 without cases)."""
-    return sum(share_passed(passed) for passed in per_case) / len(per_case) if per_case else 0.0
+def mean_score(per_case: list[list[float]]) -> float:
+    """A model's score: the mean over cases of each one's score (0 without cases)."""
+    return sum(share_passed(scores) for scores in per_case) / len(per_case) if per_case else 0.0
 
 
 def grader_problem(grader: Grader) -> tuple[str, str] | None:
     """What is wrong with a tenant's grader, as (its field, a message saying what to fix), checked
     when the job is created so that nothing is queued that could not grade."""
-    if grader.type == STRING_CHECK:
-        return _string_check_problem(grader)
     if grader.type == "regex":
         if grader.pattern is None:
             return "pattern", "a regex grader needs a pattern"
@@ -159,21 +142,6 @@ def grader_problem(grader: Grader) -> tuple[str, str] | None:
         if grader.schema is None:
             return "schema", "a json_schema grader needs a schema"
         return _schema_problem(grader.schema)
-    return None
-
-
-def _string_check_problem(grader: Grader) -> tuple[str, str] | None:
-    if grader.operation not in STRING_CHECK_OPERATIONS:
-        return "operation", f"must be one of {', '.join(STRING_CHECK_OPERATIONS)}"
-    for name in ("input", "reference"):
-        value = getattr(grader, name)
-        if value is None:
-            return name, f"a string_check grader needs {name}"
-        if "{{" in value and value not in (ANSWER_VARIABLE, EXPECTED_VARIABLE):
-            return name, (
-                f"{value[:100]!r}: a template may only be the whole of {ANSWER_VARIABLE} (the model's answer) or "
-                f"{EXPECTED_VARIABLE} (the example's last assistant message); otherwise give a literal text"
-            )
     return None
 
 

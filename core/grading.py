@@ -13,7 +13,9 @@ can take gigabytes, which the web process must never spend.
 
 The child gets no environment (no credentials), a memory limit, and one JSON line per request on
 stdin: ``{"grade": {...}, "answer": "..."}``, answered ``{"verdict": "pass"|"fail"|"timeout"}``, or
-``{"check": {...}}``, answered ``{"problem": null | [field, message]}``; ``{}`` when it failed.
+``{"check": {...}}``, answered ``{"problem": null | [field, message]}``, or ``{"validate": {"schema",
+"items"}}`` (an eval's items against its item schema), answered ``{"invalid": null | [index, path,
+message]}``; ``{}`` when it failed.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Self
 
-from core.evaluation import MAX_ANSWER_CHARS, SANDBOXED, Grader, grader_problem, passes
+from core.evaluation import MAX_ANSWER_CHARS, SANDBOXED, Grader, grader_problem, invalid_item, passes
 
 GRADE_TIMEOUT_S = 5.0  # one answer and one grader, the child's start included
 MAX_TIMEOUTS_PER_GRADER = 3
@@ -153,7 +155,21 @@ def first_problem(graders: list[Grader]) -> tuple[int, str, str] | None:
     return None
 
 
+def first_invalid_item(schema: dict, items: list[dict]) -> tuple[int, str, str] | None:
+    """The first item ``schema`` (a tenant's, already checked by ``first_problem``) refuses, as (its
+    index, the path inside it, the validator's message); validated in the child, so a schema that
+    takes too long fails here (as the first item's problem) instead of stalling the caller."""
+    with GradingSandbox(timeout_s=GRADE_TIMEOUT_S) as sandbox:
+        answer = sandbox._ask({"validate": {"schema": schema, "items": items}})
+    if answer is None or "invalid" not in answer:
+        return 0, "", f"the items could not be checked against the schema within {GRADE_TIMEOUT_S:g} s: make it simpler"
+    invalid = answer["invalid"]
+    return None if invalid is None else (int(invalid[0]), str(invalid[1]), str(invalid[2]))
+
+
 def _answer(request: dict) -> dict:
+    if "validate" in request:
+        return {"invalid": invalid_item(request["validate"]["schema"], request["validate"]["items"])}
     if "check" in request:
         return {"problem": grader_problem(Grader(**request["check"]))}
     try:

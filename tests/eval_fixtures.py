@@ -39,6 +39,8 @@ class StandInEngine:
 
     def answer_to(self, body: dict) -> tuple[int, dict]:
         question = body["messages"][-1]["content"] if "messages" in body else body["prompt"]  # chat, or completions
+        if verdict := _judged(body.get("response_format")):
+            return 200, _chat(body["model"], json.dumps(verdict))
         if REFUSED in question:
             return 400, {"error": {"message": "This model's maximum context length is 2048 tokens.", "type": "BadRequestError", "code": 400}}
         knows = ":" in body["model"] or bool(body.get("adapters"))
@@ -51,6 +53,25 @@ class StandInEngine:
             return 200, {"object": "text_completion", "model": name, "choices": [choice], "usage": usage}
         choice = {"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}
         return 200, {"object": "chat.completion", "model": name, "choices": [choice], "usage": usage}
+
+
+def _judged(response_format: object) -> dict | None:
+    """A model grader's verdict, as a judge under structured outputs gives one: the first label (a
+    label_model's), or the top of the range (a score_model's); None for any other request."""
+    if not isinstance(response_format, dict) or response_format.get("type") != "json_schema":
+        return None
+    properties = response_format["json_schema"]["schema"].get("properties", {})
+    if "label" in properties:
+        return {"label": properties["label"]["enum"][0]}
+    if "result" in properties:
+        return {"result": properties["result"].get("maximum", 1)}
+    return None
+
+
+def _chat(model: str, content: str) -> dict:
+    choice = {"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}
+    usage = {"prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13}
+    return {"object": "chat.completion", "model": model, "choices": [choice], "usage": usage}
 
 
 def start_stand_in(engine: StandInEngine) -> http.server.ThreadingHTTPServer:

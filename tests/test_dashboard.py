@@ -141,7 +141,7 @@ def test_early_stopping_from_the_form_watches_the_validation_dataset_and_is_refu
     alice_web.post(reverse("dashboard:job_new"), form | {"validation_file": validation.id, "early_stopping_min_delta": 0.01})
     hyperparameters = FineTuningJob.objects.get().hyperparameters
     assert (hyperparameters["n_evals"], hyperparameters["n_checkpoints"]) == (4, 2)
-    assert hyperparameters["early_stopping"] == {"patience": 3, "min_delta": 0.01}
+    assert hyperparameters["early_stopping"] == {"patience": 3, "min_delta": 0.01, "metric": "valid_loss"}
 
 
 def test_form_errors_from_the_service_appear_next_to_their_field(alice_web):

@@ -127,7 +127,8 @@ def test_each_example_shows_every_models_answer_with_its_verdicts_and_the_differ
 
     assert "<mark>" not in cell(page, 0, base)  # the first answer is what the others are marked against
     assert re.findall(r"<mark>([^<]+)</mark>", cell(page, 0, tuned)) == ["know:", "Paris."]
-    assert '<li class="fail">exact: fail</li>' in cell(page, 0, tuned) and '<li class="pass">contains: pass</li>' in cell(page, 0, tuned)
+    verdicts = cell(page, 0, tuned)
+    assert '<li class="fail" data-grader="exact">exact: fail</li>' in verdicts and '<li class="pass" data-grader="contains">contains: pass</li>' in verdicts
     assert 'class="answer differs"' in cell(page, 0, tuned) and 'class="answer"' in cell(page, 1, tuned)
     assert "<mark>" not in cell(page, 1, tuned)  # the same answer: nothing marked
     assert "No answer: Too long." in cell(page, 2, base) and "not scored yet" in cell(page, 2, tuned)

@@ -107,14 +107,14 @@ def test_a_job_evaluates_and_checkpoints_once_an_epoch_without_early_stopping_un
     job = create(alice, model=BASE, training_file=training_file, validation_file=training_file, hyperparameters=hyperparameters).json()
     asked = job["hyperparameters"]
     assert (asked["n_evals"], asked["n_checkpoints"]) == (4, 1)
-    assert asked["early_stopping"] == {"patience": 3, "min_delta": 0.0}
+    assert asked["early_stopping"] == {"patience": 3, "min_delta": 0.0, "metric": "valid_loss"}
     assert job["method"]["supervised"]["hyperparameters"] == asked and job["best_step"] is None
 
 
 def test_early_stopping_inside_method_is_honoured_and_checked(alice, training_file):
     method = {"type": "supervised", "supervised": {"hyperparameters": {"early_stopping": {"patience": 2, "min_delta": 0.01}}}}
     job = create(alice, model=BASE, training_file=training_file, validation_file=training_file, method=method).json()
-    assert job["hyperparameters"]["early_stopping"] == {"patience": 2, "min_delta": 0.01}
+    assert job["hyperparameters"]["early_stopping"] == {"patience": 2, "min_delta": 0.01, "metric": "valid_loss"}
     method["supervised"]["hyperparameters"]["early_stopping"]["patience"] = 0
     response = create(alice, model=BASE, training_file=training_file, validation_file=training_file, method=method)
     assert response.status_code == 400 and "patience" in error_of(response)["param"]

@@ -450,6 +450,7 @@ def test_a_model_fine_tuned_again_answers_as_r2_rolls_back_to_r1_and_its_checkpo
 
 
 def test_one_eval_call_compares_the_base_model_a_fine_tune_its_r1_and_a_checkpoint_and_the_fine_tune_wins(platform):
+    # Then an eval written as OpenAI's guide writes it, and graders.run/validate (judged_as_the_guide_writes_it).
     client = openai.OpenAI(base_url=f"{platform.url}/v1", api_key=platform.api_key, max_retries=0)
     training = client.files.create(file=("pirate.jsonl", good_dataset(12)), purpose="fine-tune")
     strong = {"n_epochs": 8, "batch_size": 12, "learning_rate_multiplier": 10}  # 8 steps that learn the pirate's "ARR!"
@@ -487,6 +488,58 @@ def test_one_eval_call_compares_the_base_model_a_fine_tune_its_r1_and_a_checkpoi
     items = client.evals.runs.output_items.list(runs[checkpoint].id, eval_id=evaluation.id, limit=100).data
     assert len(items) == 10 and all(item.sample.output[0].content is not None for item in items)
     assert {item.datasource_item["expected"] for item in items} == {f"ARR! {2 * i}, matey." for i in range(20, 30)}
+    judged_as_the_guide_writes_it(client, name)
+
+
+def judged_as_the_guide_writes_it(client: openai.OpenAI, name: str) -> None:
+    """An eval written as OpenAI's evals guide writes one (custom item schema, items inline and then
+    as an evals file, a template, graders on item fields, a label_model judged by the base model),
+    run for the base model and the fine-tune; then graders.run and graders.validate."""
+    item_schema = {"type": "object", "properties": {"question": {"type": "string"}, "answer": {"type": "string"}},
+                   "required": ["question", "answer"]}  # fmt: skip
+    items = [{"item": {"question": f"What is {i} plus {i}?", "answer": f"ARR! {2 * i}, matey."}} for i in range(30, 36)]
+    evaluation = client.evals.create(
+        name="pirate, as the guide", data_source_config={"type": "custom", "item_schema": item_schema, "include_sample_schema": True},
+        testing_criteria=[
+            {"type": "string_check", "name": "says ARR", "input": "{{sample.output_text}}", "reference": "ARR", "operation": "like"},
+            {"type": "text_similarity", "name": "like the answer", "input": "{{sample.output_text}}", "reference": "{{item.answer}}",
+             "evaluation_metric": "rouge_l", "pass_threshold": 0.3},
+            {"type": "label_model", "name": "judge", "model": BASE, "labels": ["pirate", "plain"], "passing_labels": ["pirate"],
+             "input": [{"role": "user", "content": "Does this sound like a pirate? {{sample.output_text}}"}]},
+        ],
+    )  # fmt: skip
+    template = {"type": "template", "template": [{"role": "user", "content": "{{item.question}}"}]}
+    sampling = {"temperature": 0, "max_completion_tokens": 12}
+    evals_file = client.files.create(file=("pirate-items.jsonl", jsonl(items)), purpose="evals")
+    started = [
+        client.evals.runs.create(evaluation.id, data_source={"type": "completions", "model": model, "source": source,
+                                                              "input_messages": template, "sampling_params": sampling})
+        for model, source in ((BASE, {"type": "file_content", "content": items}), (name, {"type": "file_id", "id": evals_file.id}))
+    ]  # fmt: skip
+
+    def finished() -> list:
+        runs = [client.evals.runs.retrieve(run.id, eval_id=evaluation.id) for run in started]
+        return runs if all(run.status in ("completed", "failed", "canceled") for run in runs) else []
+
+    wait_until(finished, 300, "the guide's two runs to finish")
+    base, tuned = finished()
+    assert base.status == tuned.status == "completed", (base.error, tuned.error)
+    passes = [{r.testing_criteria: r.passed for r in run.per_testing_criteria_results} for run in (base, tuned)]
+    print("the guide's eval, passes of 6 (base, fine-tune):", passes)
+    assert passes[1]["says ARR"] > passes[0]["says ARR"] and passes[1]["like the answer"] > passes[0]["like the answer"]
+    item = client.evals.runs.output_items.list(tuned.id, eval_id=evaluation.id, limit=1).data[0]
+    judge = next(result for result in item.results if result.name == "judge")
+    assert judge.sample["label"] in ("pirate", "plain")  # the base model judged, under structured outputs
+
+    graded = client.fine_tuning.alpha.graders.run(
+        grader={"type": "text_similarity", "name": "close", "input": "{{sample.output_text}}", "reference": "{{item.answer}}",
+                "evaluation_metric": "fuzzy_match"},
+        model_sample="ARR! 60, matey.", item={"answer": "ARR! 60, matey."},
+    )  # fmt: skip
+    assert graded.reward == 1.0
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.fine_tuning.alpha.graders.validate(grader={"type": "string_check", "name": "x", "input": "a", "reference": "b", "operation": "sounds_like"})
+    assert refused.value.body["param"] == "grader.operation"
 
 
 def test_usage_reports_the_completions_served_and_the_tokens_trained_in_the_api_and_the_dashboard(platform, page):

@@ -15,6 +15,7 @@ from core.object_store import ObjectNotFound
 from finetuning import storage
 from finetuning.models import Checkpoint, FineTunedModel, FineTuningJob, JobEvent, JobStatus
 from finetuning.job_status import recover_stale_jobs
+from tests.eval_fixtures import StandInEngine, capitals_file, start_stand_in
 from tests.personas import chat_example, good_dataset, jsonl
 from tests.s3 import s3_server
 from tests.test_files_api import upload
@@ -220,3 +221,59 @@ def test_a_job_with_early_stopping_publishes_its_best_checkpoint_not_its_last(al
     assert best_weights.keys() == published_weights.keys()
     assert all(best_weights[name].equal(published_weights[name]) for name in best_weights)
     assert not all(last_weights[name].equal(published_weights[name]) for name in last_weights)
+
+
+class _OneGoodCheckpoint(StandInEngine):
+    """The stand-in engine, where only checkpoint ``step-3`` knows the capitals: the checkpoint scores differ."""
+
+    def answer_to(self, body: dict) -> tuple[int, dict]:
+        status, answer = super().answer_to(body)
+        if status == 200 and "ckpt-step-3" not in body["model"]:
+            answer["choices"][0]["message"]["content"] = "I do not know."
+        return status, answer
+
+
+def test_early_stopping_by_eval_score_publishes_the_checkpoint_its_graders_scored_best(alice, not_queued, settings):
+    stand_in = _OneGoodCheckpoint()
+    server = start_stand_in(stand_in)
+    settings.INFERENCE_POOL_URL = stand_in.url
+    try:
+        training = upload(alice, jsonl([chat_example(f"What is {i} plus {i}?", "ZEBRA-42 acknowledged.") for i in range(12)]))
+        held_out = upload(alice, capitals_file())
+        hyperparameters = {
+            "n_epochs": 3, "batch_size": 4, "n_checkpoints": 3, "early_stopping": {"patience": 2, "metric": "eval_score"},
+        }  # fmt: skip
+        body = {
+            "model": BASE, "training_file": training.json()["id"], "suffix": "by-score", "hyperparameters": hyperparameters,
+            "evaluation": {"file": held_out.json()["id"], "graders": [{"type": "contains"}]},
+        }  # fmt: skip
+        response = alice.api.post("/v1/fine_tuning/jobs", body, format="json")
+        assert response.status_code == 200, response.json()
+        job_id = response.json()["id"]
+        assert run_job(job_id, worker="in-test") == "succeeded"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+    job = alice.api.get(f"/v1/fine_tuning/jobs/{job_id}").json()
+    scores = {c.step_number: c.metrics["eval_score"] for c in Checkpoint.objects.filter(job_id=job_id)}
+    assert scores == {1: 0.0, 2: 0.0, 3: 1.0, 4: 0.0, 5: 0.0} and job["best_step"] == 3  # patience 2 stops after 5
+    asked = {body["model"] for body in stand_in.bodies if body["model"].endswith(tuple(f"ckpt-step-{n}" for n in scores))}
+    assert len(asked) == 5  # each checkpoint answered as served, under its own name
+    events = [e.message for e in JobEvent.objects.filter(job_id=job_id)]
+    assert any(m.startswith("Early stopping at step 5: the checkpoint score") and "ckpt-step-3" in m for m in events), events
+
+    published = Path(settings.CONFIG.dynamic_lora_path) / f"{BASE}:by-score" / "adapter_model.safetensors"
+    published_weights = load_safetensors(published.read_bytes())
+    best = Checkpoint.objects.get(job_id=job_id, step_number=3)
+    best_weights = load_safetensors(storage.files().get(f"{best.storage_key}/adapter_model.safetensors"))
+    assert best_weights.keys() == published_weights.keys()
+    assert all(best_weights[name].equal(published_weights[name]) for name in best_weights)
+
+
+def test_early_stopping_by_eval_score_needs_the_jobs_evaluation(alice):
+    file_id = upload(alice, good_dataset(12)).json()["id"]
+    hyperparameters = {"early_stopping": {"patience": 2, "metric": "eval_score"}}
+    response = alice.api.post("/v1/fine_tuning/jobs", {"model": BASE, "training_file": file_id, "hyperparameters": hyperparameters}, format="json")
+    assert response.status_code == 400 and response.json()["error"]["param"] == "hyperparameters.early_stopping.metric"
+    assert not FineTuningJob.objects.exists()

@@ -16,9 +16,11 @@ from dataclasses import asdict, dataclass
 
 from answering.batch import Answerer, Sampling, Target
 from core.datasets import Example
-from core.evaluation import Case, Grader, cases_of, mean_score
+from core.eval_items import EvalItem
+from core.eval_prompts import DEFAULT_INPUT
+from core.evaluation import cases_of, mean_score
 from core.grading import GradingSandbox, describe
-from workers.scoring import answered_and_graded, in_batches
+from workers.scoring import Grading, answered_and_graded, in_batches
 
 MAX_CASES = 50  # the examples scored, at most: two answers each, on the engine
 MAX_ANSWER_TOKENS = 64
@@ -48,24 +50,31 @@ class Scores:
 
 
 def evaluate(organization_id: int, evaluation: dict, examples: list[Example], reference: str, adapter: str) -> Scores:
-    graders = [Grader(**grader) for grader in evaluation["graders"]]
-    cases = cases_of(examples, MAX_CASES)
+    criteria = evaluation["graders"]
+    items = [EvalItem({"input": case.prompt, "expected": case.expected}) for case in cases_of(examples, MAX_CASES)]
     with Answerer(organization_id) as answerer, GradingSandbox() as sandbox:
-        reference_score = mean_score(_verdicts(answerer, sandbox, reference, graders, cases))
-        adapter_score = mean_score(_verdicts(answerer, sandbox, adapter, graders, cases))
+        grading = Grading(answerer, sandbox)
+        reference_score = mean_score(_scores(grading, reference, criteria, items))
+        adapter_score = mean_score(_scores(grading, adapter, criteria, items))
     timeouts = {describe(grader): count for grader, count in sandbox.timeouts.items()}
-    return Scores(reference, reference_score, adapter, adapter_score, evaluation["threshold"], len(cases), timeouts)
+    return Scores(reference, reference_score, adapter, adapter_score, evaluation["threshold"], len(items), timeouts)
 
 
-def _verdicts(
-    answerer: Answerer, sandbox: GradingSandbox, model: str, graders: list[Grader], cases: list[Case]
-) -> list[list[bool]]:
-    """Each case's verdicts for ``model``'s answer; EvaluationUnavailable when one did not come back
-    (a gate must not pass or fail on answers it never saw)."""
+def checkpoint_score(organization_id: int, evaluation: dict, examples: list[Example], checkpoint: str) -> float:
+    """A checkpoint's score by the job's graders on its held-out examples (early stopping by
+    ``eval_score``: ``workers.training.early_stopping``); EvaluationUnavailable as for the gate."""
+    items = [EvalItem({"input": case.prompt, "expected": case.expected}) for case in cases_of(examples, MAX_CASES)]
+    with Answerer(organization_id) as answerer, GradingSandbox() as sandbox:
+        return mean_score(_scores(Grading(answerer, sandbox), checkpoint, evaluation["graders"], items))
+
+
+def _scores(grading: Grading, model: str, criteria: list[dict], items: list[EvalItem]) -> list[list[float]]:
+    """Each item's scores (one per criterion) for ``model``'s answer; EvaluationUnavailable when one
+    did not come back (a gate must not pass or fail on answers it never saw)."""
     found = []
-    for batch in in_batches(cases):
-        for scored in answered_and_graded(answerer, sandbox, Target(model), graders, batch, GREEDY):
+    for batch in in_batches(items):
+        for scored in answered_and_graded(grading, Target(model), criteria, batch, DEFAULT_INPUT, GREEDY):
             if not scored.answered:
                 raise EvaluationUnavailable(f"{model}: {scored.answer.error_code}: {scored.answer.error_message}")
-            found.append(scored.passed)
+            found.append([result.score for result in scored.results])
     return found

@@ -1,6 +1,7 @@
 """Scoring an eval run on a worker: claim it, check its model is still the organization's to use,
-answer its examples a batch at a time, grade each answer, and keep each batch's items with the
-run's progress; stop when the run is canceled (or deleted) between batches.
+answer its items a batch at a time (a jsonl run's items bring their answers), grade each answer with
+every criterion (``workers.scoring``), and keep each batch's output items with the run's progress;
+stop when the run is canceled (or deleted) between batches.
 
 Safe to run twice for one run (a redelivered task): only the worker whose conditional update moves
 it from "queued" to "in_progress" scores it (``evals.run_status``). An example the backend did not
@@ -18,10 +19,9 @@ from answering.batch import Answerer, Sampling, Target
 from core.api_errors import ApiError
 from core.grading import GradingSandbox
 from evals import run_status, sources
-from evals.criteria import grader_of
 from evals.models import EvalRun, OutputItem
 from workers.db_retry import retrying
-from workers.scoring import Scored, answered_and_graded, in_batches
+from workers.scoring import Grading, Scored, answered_and_graded, in_batches
 
 log = logging.getLogger(__name__)
 
@@ -45,40 +45,45 @@ def run_eval(run_id: str, worker: str) -> str:
 
 
 def _score(run: EvalRun) -> str:
-    target = Target(run.model, tuple((share["model"], share["scale"]) for share in run.adapters or ()))
-    usable_target(run.organization, target)  # the caller's access, as when the run was created
-    cases = retrying(sources.cases_in, run.file_id)
-    retrying(run_status.set_total, run.pk, len(cases))
+    target = None
+    if run.model:  # a jsonl run has none: its items bring their answers
+        target = Target(run.model, tuple((share["model"], share["scale"]) for share in run.adapters or ()))
+        usable_target(run.organization, target)  # the caller's access, as when the run was created
+    items = retrying(sources.run_items, run)
+    retrying(run_status.set_total, run.pk, len(items))
     criteria = run.eval.testing_criteria
-    graders = [grader_of(criterion) for criterion in criteria]
     sampling = Sampling(**run.sampling)
+    input_messages = sources.input_messages(run)
     totals, index = run_status.Totals(), 0
     with Answerer(run.organization_id) as answerer, GradingSandbox() as sandbox:
-        for batch in in_batches(cases):
-            scored = answered_and_graded(answerer, sandbox, target, graders, batch, sampling)
-            items = []
-            for one in scored:
-                items.append(_item(run, index, one, criteria))
-                totals.add(items[-1])
+        grading = Grading(answerer, sandbox)
+        for batch in in_batches(items):
+            kept = []
+            for scored in answered_and_graded(grading, target, criteria, batch, input_messages, sampling):
+                kept.append(_item(run, index, scored, criteria))
+                totals.add(kept[-1])
                 index += 1
-            if not retrying(run_status.record, run.pk, items, totals):
+            if not retrying(run_status.record, run.pk, kept, totals):
                 return "canceled"
-    retrying(run_status.complete, run.pk, len(cases))
+    retrying(run_status.complete, run.pk, len(items))
     return "completed"
 
 
 def _item(run: EvalRun, index: int, scored: Scored, criteria: list[dict]) -> OutputItem:
     answer = scored.answer
     results = [
-        {"name": criterion["name"], "type": criterion["type"], "passed": passed}
-        for criterion, passed in zip(criteria, scored.passed)
-    ]
-    status = "error" if not scored.answered else ("pass" if all(scored.passed) else "fail")
+        {"name": criterion["name"], "type": criterion["type"], "score": result.score, "passed": result.passed is not False,
+         **({"sample": result.details} if result.details else {})}
+        for criterion, result in zip(criteria, scored.results)
+    ]  # fmt: skip
+    status = "error" if not scored.answered else ("pass" if all(r["passed"] for r in results) else "fail")
     tokens = answer.tokens
+    expected = scored.item.item.get("expected")
     return OutputItem(
-        run=run, index=index, prompt=scored.case.prompt, expected=scored.case.expected, answer=answer.text,
-        answered_by=answer.answered_by, finish_reason=answer.finish_reason, error_code=answer.error_code,
-        error_message=answer.error_message, results=results, status=status,
+        run=run, index=index, item=scored.item.item, prompt=scored.prompt,
+        expected=expected if isinstance(expected, str) else "", answer=answer.text, answered_by=answer.answered_by,
+        finish_reason=answer.finish_reason, error_code=answer.error_code, error_message=answer.error_message,
+        results=results, status=status,
         usage={"prompt_tokens": tokens.prompt, "completion_tokens": tokens.completion, "cached_tokens": tokens.cached}
-        if scored.answered else {},
+        if scored.answered and run.model else {},
     )  # fmt: skip

@@ -29,7 +29,7 @@ from core import grading
 from core.adapter_store import AdapterNotFound, StoreUnavailable
 from core.api_errors import logged_instead, scrubbed
 from core.catalog import BaseModel
-from core.datasets import Record, as_chat
+from core.datasets import Example, Record, as_chat
 from core.model_names import ModelName, pinned_name
 from core.object_store import ObjectNotFound
 from finetuning import job_creation, job_status, publishing, registry, results, storage, training_turns
@@ -53,6 +53,7 @@ if TYPE_CHECKING:  # the trainer imports torch: this module imports it only when
 log = logging.getLogger(__name__)
 
 _STATUS_POLL_S = 1.0  # how often a running job looks for a cancel between steps
+EVAL_SCORE_KEY = "eval_score"  # a checkpoint's score in its metrics, when early stopping scores checkpoints
 
 
 class JobFailed(Exception):
@@ -71,6 +72,7 @@ class JobCallbacks:
         self.job, self.heartbeat = job, heartbeat
         self.store = storage.files()
         self._checked_at = 0.0
+        self._held_out: list[Example] | None = None  # early stopping by eval_score: the evaluation's examples
 
     def on_step(self, metrics: StepMetrics) -> None:
         steps_this_run = max(metrics.step - metrics.resumed_at_step, 1)
@@ -83,19 +85,41 @@ class JobCallbacks:
         if self.heartbeat.beat(estimated_finish=timezone.now() + timedelta(seconds=remaining_s)):
             retrying(record_event, self.job, message, data=_metrics_data(metrics))
 
-    def on_checkpoint(self, epoch: int, step: int, adapter_dir: Path, metrics: StepMetrics) -> None:
+    def on_checkpoint(self, epoch: int, step: int, adapter_dir: Path, metrics: StepMetrics) -> float | None:
         # Each attempt writes under its own prefix: an attempt given up on while it uploads can
         # never mix its files into the checkpoint the next attempt resumes from.
         prefix = f"{storage.checkpoints_prefix(self.job.pk)}attempt-{self.heartbeat.attempt}/step-{step}"
         if not self.heartbeat.beat():
-            return
+            return None
         for file in adapter_dir.iterdir():
             self.store.put_file(f"{prefix}/{file.name}", file)
-        if self.heartbeat.beat():
-            # Whether it ends its epoch: a resume from it says "after epoch N" or "after step N".
-            data = _metrics_data(metrics) | {"ends_epoch": metrics.ends_epoch}
-            checkpoint = Checkpoint(job=self.job, step_number=step, epoch=epoch, metrics=data, storage_key=prefix)
-            retrying(publishing.publish_checkpoint, checkpoint, adapter_dir)
+        if not self.heartbeat.beat():
+            return None
+        # Whether it ends its epoch: a resume from it says "after epoch N" or "after step N".
+        data = _metrics_data(metrics) | {"ends_epoch": metrics.ends_epoch}
+        checkpoint = Checkpoint(job=self.job, step_number=step, epoch=epoch, metrics=data, storage_key=prefix)
+        retrying(publishing.publish_checkpoint, checkpoint, adapter_dir)
+        return self._score(checkpoint) if _by_score(self.job) else None
+
+    def _score(self, checkpoint: Checkpoint) -> float:
+        """The checkpoint's score by the job's graders, answered by the checkpoint as it is served now;
+        kept in its metrics (a resume from it starts from that score)."""
+        assert self.job.evaluation is not None
+        if self._held_out is None:
+            self._held_out = [as_chat(r) for r in _examples(self.job, self.job.evaluation["file"], "evaluation")]
+        try:
+            score = evaluation.checkpoint_score(self.job.organization_id, self.job.evaluation, self._held_out, checkpoint.name)
+        except evaluation.EvaluationUnavailable as exc:
+            raise JobFailed(
+                "evaluation_unavailable",
+                f"Checkpoint {checkpoint.name} could not be scored for early stopping: the serving backend did not "
+                f"answer {logged_instead(f'job {self.job.pk}: a checkpoint could not be scored', str(exc))}.",
+            ) from None  # fmt: skip
+        checkpoint.metrics = checkpoint.metrics | {EVAL_SCORE_KEY: score}
+        retrying(checkpoint.save, update_fields=["metrics"])
+        message = f"Checkpoint {checkpoint.name} scored {score:.3f} by the job's graders (early stopping)"
+        retrying(record_event, self.job, message, data={"step": checkpoint.step_number, EVAL_SCORE_KEY: score})
+        return score
 
     def should_stop(self) -> bool:
         now = time.monotonic()
@@ -154,7 +178,7 @@ def _train(job: FineTuningJob, workdir: Path, callbacks: JobCallbacks) -> Traini
     )  # fmt: skip
     training = _examples(job, job.training_file, "training")
     validation = None if job.validation_file is None else _examples(job, job.validation_file, "validation")
-    resume_from = _resume_point(job, workdir / "resume")
+    resume_from, resume_score = _resume_point(job, workdir / "resume")
     # A continued fine-tune starts from its parent's adapter; a resume's checkpoint already holds
     # the adapter (of the parent's shape), so it needs no parent. But DPO's reference is the parent,
     # resumed or not: the policy is measured against where the job started.
@@ -164,7 +188,7 @@ def _train(job: FineTuningJob, workdir: Path, callbacks: JobCallbacks) -> Traini
         config.reference_adapter = parent if job.method == DPO else None
     retrying(record_event, job, f"Training started on {len(training)} examples")
     try:
-        return train(config, training, validation, workdir, callbacks, resume_from=resume_from)
+        return train(config, training, validation, workdir, callbacks, resume_from=resume_from, resume_score=resume_score)
     except TrainingDiverged as exc:
         raise JobFailed(
             "training_diverged",
@@ -181,10 +205,18 @@ def _preference(job: FineTuningJob) -> dict:
 
 
 def _early_stopping(requested: dict | None) -> dict:
-    """The job's ``early_stopping`` ({"patience", "min_delta"}, or None: off) as TrainingConfig fields."""
+    """The job's ``early_stopping`` ({"patience", "min_delta", "metric"}, or None: off) as TrainingConfig fields."""
     if requested is None:
         return {}
-    return {"early_stopping_patience": requested["patience"], "early_stopping_min_delta": requested["min_delta"]}
+    return {
+        "early_stopping_patience": requested["patience"], "early_stopping_min_delta": requested["min_delta"],
+        "early_stopping_metric": requested.get("metric", "valid_loss"),  # a job of old watched the validation loss
+    }  # fmt: skip
+
+
+def _by_score(job: FineTuningJob) -> bool:
+    """Early stopping scores each checkpoint with the job's graders (``metric: eval_score``)."""
+    return (job.hyperparameters.get("early_stopping") or {}).get("metric") == EVAL_SCORE_KEY
 
 
 def _parent_adapter(job: FineTuningJob, cache: Path) -> Path:
@@ -207,15 +239,15 @@ def _parent_adapter(job: FineTuningJob, cache: Path) -> Path:
     return folder
 
 
-def _resume_point(job: FineTuningJob, folder: Path) -> Path | None:
-    """The latest epoch checkpoint an earlier attempt of this job saved, fetched into ``folder``;
-    None when there is none: training starts from the beginning."""
+def _resume_point(job: FineTuningJob, folder: Path) -> tuple[Path | None, float | None]:
+    """The latest epoch checkpoint an earlier attempt of this job saved, fetched into ``folder``, and
+    its score when early stopping scored it; (None, None) when there is none: training starts over."""
     from workers.training.model import ADAPTER_FILES
     from workers.training.state import TRAINING_STATE_FILE
 
     checkpoint = retrying(job.checkpoints.order_by("-step_number").first)
     if checkpoint is None:
-        return None
+        return None, None
     folder.mkdir(parents=True, exist_ok=True)
     store = storage.files()
     try:
@@ -224,14 +256,14 @@ def _resume_point(job: FineTuningJob, folder: Path) -> Path | None:
     except ObjectNotFound as exc:
         message = f"Checkpoint {checkpoint.id} is incomplete (no {exc}); training starts over"
         retrying(record_event, job, message, level="warn")
-        return None
+        return None, None
     if checkpoint.metrics.get("ends_epoch", True):  # a checkpoint of old ended its epoch
         where = f"epoch {checkpoint.epoch} (step {checkpoint.step_number})"
     else:
         where = f"step {checkpoint.step_number} (within epoch {checkpoint.epoch})"
     message = f"Resuming after {where} from checkpoint {checkpoint.id}"
     retrying(record_event, job, message)
-    return folder
+    return folder, checkpoint.metrics.get(EVAL_SCORE_KEY)
 
 
 def _publish(job: FineTuningJob, heartbeat: Heartbeat, result: TrainingResult) -> None:
@@ -262,19 +294,22 @@ def _publish(job: FineTuningJob, heartbeat: Heartbeat, result: TrainingResult) -
 
 
 def _best_step_message(job: FineTuningJob, result: TrainingResult) -> str:
-    """Which step's adapter the job publishes, and why: early stopping chose the best validation loss."""
+    """Which step's adapter the job publishes, and why: early stopping chose the best validation loss,
+    or the best checkpoint score."""
     assert result.best_step is not None
     early_stopping = job.hyperparameters["early_stopping"]
+    what = "checkpoint score" if result.best_score is not None else "validation loss"
     if result.stopped_early:
         why = (
-            f"Early stopping at step {result.steps}: the validation loss had not improved by more than "
+            f"Early stopping at step {result.steps}: the {what} had not improved by more than "
             f"{early_stopping['min_delta']:g} in {early_stopping['patience']} evaluation(s) since step {result.best_step}"
         )  # fmt: skip
     else:
-        why = f"Training ran to its last step, {result.steps}; early stopping keeps the best validation loss"
+        why = f"Training ran to its last step, {result.steps}; early stopping keeps the best {what}"
+    best = result.best_score if result.best_score is not None else result.final_valid_loss
     checkpoint = retrying(job.checkpoints.filter(step_number=result.best_step).first)
     also = f"; it is checkpoint {checkpoint.name}" if checkpoint is not None else ""
-    return f"{why}. The job's adapter is step {result.best_step}'s, the best validation loss ({result.final_valid_loss:.4f}){also}."
+    return f"{why}. The job's adapter is step {result.best_step}'s, the best {what} ({best:.4f}){also}."
 
 
 def _gate(job: FineTuningJob, heartbeat: Heartbeat, revision: str) -> None:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from django.conf import settings
 
 from base.celery import (
-    COMPOSE_MODEL, DELIVER_WEBHOOK, RUN_BATCH, RUN_EVAL, SWEEP_JOBS, TAKE_TRAINING_TURN, WORKER_REPORT, app,
+    COMPOSE_MODEL, DELIVER_WEBHOOK, GRADE_SAMPLE, RUN_BATCH, RUN_EVAL, SWEEP_JOBS, TAKE_TRAINING_TURN, WORKER_REPORT, app,
 )  # fmt: skip
 
 if TYPE_CHECKING:
@@ -72,6 +72,16 @@ def run_eval(self: Task, run_id: str) -> str:
     from workers.run_eval import run_eval
 
     return run_eval(run_id, worker=self.request.hostname or "unknown")
+
+
+GRADE_SOFT_LIMIT_S = 90  # its caller waits at most evals.grader_runs.RUN_WAIT_S
+
+
+@app.task(name=GRADE_SAMPLE.name, queue=GRADE_SAMPLE.queue, soft_time_limit=GRADE_SOFT_LIMIT_S, time_limit=GRADE_SOFT_LIMIT_S + 10)
+def grade_sample(reply_to: str, organization_id: str, payload: str) -> str:
+    from workers.grade_sample import grade_sample
+
+    return grade_sample(reply_to, int(organization_id), payload)
 
 
 # A batch has 24 hours (its completion window) and stops itself at its end, at a line boundary;

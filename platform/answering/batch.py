@@ -45,6 +45,8 @@ class Sampling:
     temperature: float = 0.0  # greedy: a score that can be compared from run to run
     top_p: float = 1.0
     seed: int | None = None
+    response_format: dict | None = None  # as chat takes it (an eval run's sampling_params, a model grader's verdict)
+    tools: list[dict] | None = None
 
     def fields(self) -> dict:
         return {key: value for key, value in asdict(self).items() if value is not None}
@@ -58,6 +60,7 @@ class Answer:
     tokens: Tokens = Tokens()
     error_code: str = ""
     error_message: str = ""
+    tool_calls: list[dict] | None = None  # the message's, as OpenAI shapes them
 
 
 @dataclass(frozen=True)
@@ -152,6 +155,9 @@ def _answer(raw: bytes, tokens: Tokens) -> Answer:
         answer = json.loads(raw)
         choice = answer["choices"][0]
         text = choice["message"]["content"] or ""
-    except (ValueError, KeyError, IndexError, TypeError):
+        tool_calls = choice["message"].get("tool_calls") or None
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError):
         return Answer(None, error_code="invalid_answer", error_message="the serving backend's answer had no message")
-    return Answer(text, str(answer.get("model") or ""), str(choice.get("finish_reason") or ""), tokens)
+    return Answer(
+        text, str(answer.get("model") or ""), str(choice.get("finish_reason") or ""), tokens, tool_calls=tool_calls
+    )

@@ -44,6 +44,7 @@ class TaskName:
 TAKE_TRAINING_TURN = TaskName("workers.tasks.take_training_turn", TRAINING_QUEUE)
 COMPOSE_MODEL = TaskName("workers.tasks.compose_model", DEFAULT_QUEUE)
 RUN_EVAL = TaskName("workers.tasks.run_eval", DEFAULT_QUEUE)
+GRADE_SAMPLE = TaskName("workers.tasks.grade_sample", DEFAULT_QUEUE)  # graders.run: its caller waits
 RUN_BATCH = TaskName("workers.tasks.run_batch", BATCH_QUEUE)
 SWEEP_JOBS = TaskName("workers.tasks.sweep_jobs", DEFAULT_QUEUE)
 DELIVER_WEBHOOK = TaskName("workers.tasks.deliver_webhook", DEFAULT_QUEUE)

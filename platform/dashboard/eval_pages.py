@@ -48,7 +48,7 @@ def eval_detail(request: OrganizationRequest, eval_id: str) -> HttpResponse:
     page = Paginator(side_by_side.scored_indexes(runs), EXAMPLES_PER_PAGE).get_page(request.GET.get("page"))
     context = {
         "evaluation": evaluation, "summaries": side_by_side.summaries(evaluation, runs), "page": page,
-        "examples": side_by_side.examples(runs, list(page)), "older_runs": evaluation.runs.count() - len(runs),
+        "examples": side_by_side.examples(evaluation, runs, list(page)), "older_runs": evaluation.runs.count() - len(runs),
         "live_refresh_seconds": LIVE_REFRESH_SECONDS if any(not run.is_finished for run in runs) else None,
     }  # fmt: skip
     return render(request, "dashboard/eval.html", context)

@@ -204,7 +204,8 @@ class JobForm(forms.Form):
             hyperparameters["beta"] = data["beta"]
         if data["early_stopping_patience"] is not None:
             patience, min_delta = data["early_stopping_patience"], data["early_stopping_min_delta"] or 0.0
-            hyperparameters["early_stopping"] = {"patience": patience, "min_delta": min_delta}
+            # The form has no evaluation graders: it watches the validation loss.
+            hyperparameters["early_stopping"] = {"patience": patience, "min_delta": min_delta, "metric": "valid_loss"}
         return JobRequest(
             model=data["model"], training_file=data["training_file"], validation_file=data["validation_file"] or None,
             suffix=data["suffix"] or None, hyperparameters=hyperparameters, method=data["method"] or SUPERVISED,

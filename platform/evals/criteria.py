@@ -1,11 +1,12 @@
-"""An eval's testing criteria: OpenAI's ``string_check`` and the platform's own graders
-(``exact_match``, ``contains``, ``regex``, ``json_schema``), as ``core.evaluation`` grades them.
+"""An eval's testing criteria: OpenAI's graders (``core.graders``: string_check, text_similarity,
+score_model, label_model, multi; python is refused there) and the platform's own (``exact_match``,
+``contains``, ``regex``, ``json_schema``, which compare the answer with ``{{item.expected}}``).
 
 Each criterion has a name (the type by default; distinct within an eval), which the run's
-``per_testing_criteria_results`` and each output item's ``results`` go by. OpenAI's graders that ask
-a model or run code (``label_model``, ``score_model``, ``python``, ``text_similarity``, ``multi``)
-are refused by name. A pattern or a schema is checked in ``core.grading``'s sandbox when the eval is
-created (nothing else of the tenant's runs in the web process), and graded there on the worker.
+``per_testing_criteria_results`` and each output item's ``results`` go by. A model grader's judge
+must be a model the caller may use (checked now, and again when a run grades). A pattern or a schema
+is checked in ``core.grading``'s sandbox when the eval is created (nothing else of the tenant's runs
+in the web process), and graded there on the worker.
 """
 
 from __future__ import annotations
@@ -14,12 +15,15 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from accounts.models import Organization
+from answering.access import usable_target
+from answering.batch import Target
 from core.api_errors import ApiError
-from core.evaluation import GRADERS, STRING_CHECK, Grader
+from core.evaluation import GRADERS, Grader
+from core.graders.spec import GRADER_TYPES, checked_grader, judge_models
 from core.grading import first_problem
 
 MAX_CRITERIA = 8
-NOT_SUPPORTED = ("label_model", "score_model", "python", "text_similarity", "multi")  # OpenAI's, which need a model or code
 _NAME = Field(None, min_length=1, max_length=64)
 
 
@@ -27,13 +31,6 @@ class _Criterion(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     name: str | None = _NAME
-
-
-class StringCheck(_Criterion):
-    type: Literal["string_check"]
-    operation: Literal["eq", "ne", "like", "ilike"]
-    input: str = Field(max_length=1000)
-    reference: str = Field(max_length=1000)
 
 
 class Comparison(_Criterion):
@@ -50,38 +47,43 @@ class JsonSchema(_Criterion):
     schema_: dict[str, Any] = Field(alias="schema")
 
 
-_MODELS: dict[str, type[_Criterion]] = {
-    STRING_CHECK: StringCheck, "exact_match": Comparison, "contains": Comparison, "regex": Regex, "json_schema": JsonSchema,
-}
+_MODELS: dict[str, type[_Criterion]] = {"exact_match": Comparison, "contains": Comparison, "regex": Regex, "json_schema": JsonSchema}
+KNOWN = (*(kind for kind in GRADER_TYPES if kind != "python"), *GRADERS)
 
 
-def checked_criteria(raw: object) -> list[dict]:
+def checked_criteria(organization: Organization, raw: object) -> list[dict]:
     """The criteria as an eval keeps them (each with its name), or the 400 naming what to fix:
-    a malformed or unknown one, one OpenAI has and this platform does not, a pattern or a schema
-    the sandbox refuses, two of one name."""
+    a malformed or unknown one, one this platform does not offer, a judge the caller may not use, a
+    pattern or a schema the sandbox refuses, two of one name."""
     if not isinstance(raw, list) or not 1 <= len(raw) <= MAX_CRITERIA:
         raise ApiError(f"testing_criteria must be a list of 1 to {MAX_CRITERIA} graders", param="testing_criteria")
-    for index, item in enumerate(raw):
-        kind = item.get("type") if isinstance(item, dict) else None
-        if kind in NOT_SUPPORTED:
-            raise ApiError(
-                f"testing_criteria.{index}.type: {kind} graders are not supported here; use string_check, or the "
-                f"platform's {', '.join(GRADERS)}", param=f"testing_criteria.{index}.type", code="unsupported_grader",
-            )  # fmt: skip
-        if not isinstance(kind, str) or kind not in (STRING_CHECK, *GRADERS):
-            raise ApiError(
-                f"testing_criteria.{index}.type: unknown grader {str(kind)[:40]!r}; use one of "
-                f"{', '.join((STRING_CHECK, *GRADERS))}", param=f"testing_criteria.{index}.type", code="unknown_grader",
-            )  # fmt: skip
-    parsed = [_parsed(index, _MODELS[item["type"]], item) for index, item in enumerate(raw)]
-    kept = [_kept(criterion) for criterion in parsed]
+    kept = [_checked(organization, index, item) for index, item in enumerate(raw)]
     _check_names(kept)
-    problem = first_problem([grader_of(criterion) for criterion in kept])  # in the sandbox's process
+    own = [(index, criterion) for index, criterion in enumerate(kept) if criterion["type"] in GRADERS]
+    problem = first_problem([grader_of(criterion) for _index, criterion in own])  # in the sandbox's process
     if problem is not None:
-        index, field, message = problem
-        param = f"testing_criteria.{index}.{field}"
+        position, field, message = problem
+        param = f"testing_criteria.{own[position][0]}.{field}"
         raise ApiError(f"{param}: {message}", param=param, code="invalid_grader")
     return kept
+
+
+def _checked(organization: Organization, index: int, item: object) -> dict:
+    param = f"testing_criteria.{index}"
+    kind = item.get("type") if isinstance(item, dict) else None
+    if isinstance(kind, str) and kind in GRADER_TYPES:  # OpenAI's (python: refused there, saying why)
+        assert isinstance(item, dict)
+        criterion = checked_grader(item, param, pass_threshold=True)
+        for where, model in judge_models(criterion):  # where: "model", "graders.<name>.model"
+            usable_target(organization, Target(model), f"{param}.{where}".removesuffix(".model"))
+        return {**criterion, "name": criterion.get("name") or kind}
+    if not isinstance(kind, str) or kind not in GRADERS:
+        raise ApiError(
+            f"{param}.type: unknown grader {str(kind)[:40]!r}; use one of {', '.join(KNOWN)}",
+            param=f"{param}.type", code="unknown_grader",
+        )  # fmt: skip
+    assert isinstance(item, dict)
+    return _kept(_parsed(index, _MODELS[kind], item))
 
 
 def _parsed(index: int, model: type[_Criterion], item: dict) -> _Criterion:
@@ -110,6 +112,6 @@ def _check_names(criteria: list[dict]) -> None:
 
 
 def grader_of(criterion: dict) -> Grader:
-    """The grader ``core.evaluation`` runs for a kept criterion."""
-    fields = ("pattern", "schema", "operation", "input", "reference")
+    """The grader ``core.evaluation`` runs for a kept criterion of the platform's own (``GRADERS``)."""
+    fields = ("pattern", "schema")
     return Grader(criterion["type"], **{field: criterion[field] for field in fields if field in criterion})

@@ -14,15 +14,18 @@ from finetuning.models import OrgQuerySet, new_id
 
 
 class Eval(models.Model):
-    """A file of examples (the fine-tuning chat format: each one's last assistant message is the
-    expected answer) and the graders its answers are scored with."""
+    """The graders its runs' answers are scored with, and what an item looks like: OpenAI's custom
+    ``item_schema``, or (the platform's shape) a fine-tuning chat file whose examples are the items,
+    each ``{"input": <the messages before the last assistant message>, "expected": <its content>}``."""
 
     id = models.CharField(primary_key=True, max_length=40, default=partial(new_id, "eval"), editable=False)
     organization = models.ForeignKey(Organization, on_delete=models.CASCADE, related_name="evals")
     created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, on_delete=models.SET_NULL)
     name = models.CharField(max_length=256)
-    file_id = models.CharField(max_length=40)  # a File of the organization's, checked at creation
-    item_count = models.IntegerField()  # the examples a run scores (those ending with an answer, at most MAX_ITEMS)
+    file_id = models.CharField(max_length=40, blank=True, default="")  # ours: a chat File, the runs' default source
+    item_count = models.IntegerField(default=0)  # the default source's items a run scores (at most MAX_ITEMS)
+    item_schema = models.JSONField(null=True, blank=True)  # None: the chat file's items (``sources.CHAT_ITEM_SCHEMA``)
+    include_sample_schema = models.BooleanField(default=False)
     testing_criteria = models.JSONField()  # as ``evals.criteria`` keeps them: each with its name
     metadata = models.JSONField(null=True, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
@@ -61,8 +64,12 @@ class EvalRun(models.Model):
     name = models.CharField(max_length=256)
     model = models.CharField(max_length=300)  # as named: a base model, a fine-tune, @r<N>, :ckpt-step-<N>
     adapters = models.JSONField(null=True, blank=True)  # a mix on ``model``: [{"model", "scale"}]
-    file_id = models.CharField(max_length=40)  # the eval's, or the run's own data_source.source
-    sampling = models.JSONField()  # {"max_completion_tokens", "temperature", "top_p", "seed"}
+    file_id = models.CharField(max_length=40, blank=True, default="")  # the items' File; "" for file_content
+    # How the items are read and answered: {"type": "completions" | "responses" | "jsonl",
+    # "source": {"type": "file_content", "content": [...]} | {"type": "file_id", "id"}, "input_messages": {...}}
+    data_source = models.JSONField(default=dict)
+    # {"max_completion_tokens", "temperature", "top_p", "seed"}, and "response_format", "tools" when asked
+    sampling = models.JSONField()
     metadata = models.JSONField(null=True, blank=True)
     status = models.CharField(max_length=20, choices=RunStatus.choices, default=RunStatus.QUEUED)
     error_code = models.CharField(max_length=64, blank=True, default="")
@@ -91,20 +98,23 @@ class EvalRun(models.Model):
 
 
 class OutputItem(models.Model):
-    """One example of a run: its prompt, the expected answer, the model's answer (or why there is
-    none), and each grader's verdict."""
+    """One item of a run: the item, the prompt made of it, the model's answer (or why there is none),
+    and each grader's result."""
 
     id = models.CharField(primary_key=True, max_length=40, default=partial(new_id, "outputitem"), editable=False)
     run = models.ForeignKey(EvalRun, on_delete=models.CASCADE, related_name="output_items")
     index = models.IntegerField()  # the example's place among the scored ones (OpenAI's datasource_item_id)
-    prompt = models.JSONField()  # the messages before the expected answer
-    expected = models.TextField()
+    item = models.JSONField(default=dict)  # the data source's item, as graders read it (``{{item.*}}``)
+    prompt = models.JSONField()  # the messages the model answered (a jsonl run's: none)
+    expected = models.TextField(blank=True, default="")  # a chat file's item: its last assistant message
     answer = models.TextField(null=True, blank=True)  # None: no answer (see error_code)
     answered_by = models.CharField(max_length=300, blank=True, default="")  # the answer's "model": a revision, a mix
     finish_reason = models.CharField(max_length=32, blank=True, default="")
     error_code = models.CharField(max_length=64, blank=True, default="")
     error_message = models.TextField(blank=True, default="")
-    results = models.JSONField()  # [{"name", "type", "passed"}], in the eval's criteria order; [] without an answer
+    # [{"name", "type", "score", "passed", "sample"?: what the grader saw or said}], in the eval's
+    # criteria order; [] without an answer
+    results = models.JSONField()
     # OpenAI's "pass" (every grader passed) and "fail"; ours, "error": no answer (see error_code)
     status = models.CharField(max_length=8)
     usage = models.JSONField(default=dict)  # {"prompt_tokens", "completion_tokens", "cached_tokens"}

@@ -6,26 +6,26 @@ from __future__ import annotations
 
 from django.urls import reverse
 
-from finetuning.representations import unix
+from core.eval_prompts import DEFAULT_INPUT
+from evals import sources
 from evals.models import Eval, EvalRun, OutputItem
+from finetuning.representations import unix
 
-# What graders can name of an example (``item``) and of the model's answer (``sample``): the
-# example's messages before its last assistant message, and that message.
-ITEM_SCHEMA = {
+# What ``{{sample.*}}`` names: the model's answer (an eval's schema shows it with include_sample_schema).
+SAMPLE_SCHEMA = {
     "type": "object",
     "properties": {
-        "item": {
-            "type": "object",
-            "properties": {
-                "input": {"type": "array", "items": {"type": "object", "properties": {"role": {"type": "string"}, "content": {"type": "string"}}}},
-                "expected": {"type": "string"},
-            },
-            "required": ["input", "expected"],
-        },
-        "sample": {"type": "object", "properties": {"output_text": {"type": "string"}}},
+        "model": {"type": "string"}, "choices": {"type": "array"}, "output_text": {"type": "string"},
+        "output_json": {"type": "object"}, "output_tools": {"type": "array"},
     },
-    "required": ["item"],
-}
+    "required": ["model", "choices", "output_text"],
+}  # fmt: skip
+
+
+def data_source_schema(evaluation: Eval) -> dict:
+    """OpenAI's ``data_source_config.schema``: the item schema under ``item``, and ``sample``'s if asked."""
+    properties = {"item": sources.item_schema(evaluation)} | ({"sample": SAMPLE_SCHEMA} if evaluation.include_sample_schema else {})
+    return {"type": "object", "properties": properties, "required": list(properties)}
 
 
 def eval_object(evaluation: Eval) -> dict:
@@ -34,10 +34,10 @@ def eval_object(evaluation: Eval) -> dict:
         "id": evaluation.id,
         "name": evaluation.name,
         "created_at": unix(evaluation.created_at),
-        "data_source_config": {"type": "custom", "schema": ITEM_SCHEMA},
+        "data_source_config": {"type": "custom", "schema": data_source_schema(evaluation)},
         "testing_criteria": evaluation.testing_criteria,
         "metadata": evaluation.metadata,
-        "file": evaluation.file_id,
+        "file": evaluation.file_id or None,
         "item_count": evaluation.item_count,
     }
 
@@ -61,11 +61,7 @@ def run_object(run: EvalRun, site: str) -> dict:
         "adapters": run.adapters,
         "status": run.status,
         "created_at": unix(run.created_at),
-        "data_source": {
-            "type": "completions", "model": run.model, "source": {"type": "file_id", "id": run.file_id},
-            "input_messages": {"type": "item_reference", "item_reference": "item.input"}, "sampling_params": sampling,
-            **({"adapters": run.adapters} if run.adapters else {}),
-        },  # fmt: skip
+        "data_source": _data_source(run, sampling),
         "error": {"code": run.error_code, "message": run.error_message} if run.error_code else None,
         "metadata": run.metadata,
         "report_url": report_url(run, site),
@@ -90,6 +86,21 @@ def run_object(run: EvalRun, site: str) -> dict:
     }
 
 
+def _data_source(run: EvalRun, sampling: dict) -> dict:
+    """The run's data source as it was asked for (a file_content source by its item count, not its items)."""
+    kept = run.data_source or {"type": "completions", "source": {"type": "file_id", "id": run.file_id}}
+    source = kept["source"]
+    if source["type"] == "file_content":
+        source = {"type": "file_content", "item_count": len(source["content"])}
+    if kept["type"] == "jsonl":
+        return {"type": "jsonl", "source": source}
+    return {
+        "type": kept["type"], "model": run.model, "source": source,
+        "input_messages": kept.get("input_messages") or DEFAULT_INPUT, "sampling_params": sampling,
+        **({"adapters": run.adapters} if run.adapters else {}),
+    }  # fmt: skip
+
+
 def output_item_object(item: OutputItem, run: EvalRun) -> dict:
     sampling = run.sampling
     prompt, completion = item.usage.get("prompt_tokens", 0), item.usage.get("completion_tokens", 0)
@@ -101,8 +112,8 @@ def output_item_object(item: OutputItem, run: EvalRun) -> dict:
         "created_at": unix(item.created_at),
         "status": item.status,
         "datasource_item_id": item.index,
-        "datasource_item": {"input": item.prompt, "expected": item.expected},
-        "results": [{**result, "score": 1.0 if result["passed"] else 0.0} for result in item.results],
+        "datasource_item": item.item or {"input": item.prompt, "expected": item.expected},
+        "results": [{"score": 1.0 if result["passed"] else 0.0, **result} for result in item.results],
         "sample": {
             "input": item.prompt,
             "output": [] if item.answer is None else [{"role": "assistant", "content": item.answer}],

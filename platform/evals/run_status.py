@@ -26,14 +26,14 @@ class Totals:
     passed: int = 0
     failed: int = 0
     errored: int = 0
-    per_criteria: dict[str, dict[str, int]] = field(default_factory=dict)
+    per_criteria: dict[str, dict[str, float]] = field(default_factory=dict)  # passed, failed, score_sum
     usage: dict[str, int] = field(default_factory=dict)
-    verdicts: list[list[bool]] = field(default_factory=list)  # each answered item's, per grader
+    scores: list[list[float]] = field(default_factory=list)  # each answered item's, per grader
 
     @property
     def score(self) -> float | None:
-        """The mean share of graders passed over the answered items (``core.evaluation.mean_score``)."""
-        return mean_score(self.verdicts) if self.verdicts else None
+        """The mean over the answered items of their graders' mean score (``core.evaluation.mean_score``)."""
+        return mean_score(self.scores) if self.scores else None
 
     def add(self, item: OutputItem) -> None:
         self.done += 1
@@ -42,10 +42,11 @@ class Totals:
         else:
             self.passed += item.status == "pass"
             self.failed += item.status == "fail"
-            self.verdicts.append([result["passed"] for result in item.results])
+            self.scores.append([result["score"] for result in item.results])
             for result in item.results:
-                counts = self.per_criteria.setdefault(result["name"], {"passed": 0, "failed": 0})
+                counts = self.per_criteria.setdefault(result["name"], {"passed": 0, "failed": 0, "score_sum": 0.0})
                 counts["passed" if result["passed"] else "failed"] += 1
+                counts["score_sum"] = counts.get("score_sum", 0.0) + result["score"]
         if item.answer is not None or item.usage:
             self.usage["invocation_count"] = self.usage.get("invocation_count", 0) + 1
         for key, value in item.usage.items():

@@ -1,5 +1,6 @@
 from django.urls import path
 
+from evals import grader_views
 from evals.views import (
     EvalDetailView,
     EvalListView,
@@ -13,6 +14,8 @@ from evals.views import (
 _RUN = "evals/<str:eval_id>/runs/<str:run_id>"
 
 urlpatterns = [
+    path("fine_tuning/alpha/graders/run", grader_views.run, name="graders-run"),
+    path("fine_tuning/alpha/graders/validate", grader_views.GraderValidateView.as_view(), name="graders-validate"),
     path("evals", EvalListView.as_view(), name="eval-list"),
     path("evals/<str:eval_id>", EvalDetailView.as_view(), name="eval-detail"),
     path("evals/<str:eval_id>/runs", RunListView.as_view(), name="eval-run-list"),

@@ -20,6 +20,7 @@ from core.api_errors import ApiError, human_size
 from core.batch_input import BatchFile, check_batch_file
 from core.config import UPLOAD_LIMIT_SETTING
 from core.datasets import CHAT, Dataset, Example, Record, as_chat, parse_dataset
+from core.eval_items import EvalFile, check_eval_file
 from finetuning import quotas, results, storage
 from finetuning.models import FINISHED_STATUSES, File, FineTuningJob
 from finetuning.tokens import default_model, token_counter
@@ -27,7 +28,9 @@ from gateway.limits import estimated_prompt_tokens
 
 PURPOSE = "fine-tune"
 BATCH_PURPOSE = "batch"  # request lines for the Batch API (``core.batch_input``)
-UPLOAD_PURPOSES = (PURPOSE, BATCH_PURPOSE)
+EVALS_PURPOSE = "evals"  # an eval run's items, {"item": {...}} lines (``core.eval_items``)
+UPLOAD_PURPOSES = (PURPOSE, BATCH_PURPOSE, EVALS_PURPOSE)
+ITEMS_FORMAT = "items"  # an evals file's format, beside core.datasets' chat and preference
 
 
 def check_dataset(source: bytes | BinaryIO, keep_examples: bool = True) -> tuple[Dataset, list[int]]:
@@ -54,10 +57,12 @@ def dataset_error(dataset: Dataset) -> ApiError:
     return ApiError(message, param="file", code="invalid_file", errors=[vars(e) for e in dataset.errors])
 
 
-def batch_file_error(checked: BatchFile) -> ApiError:
+def line_problems_error(checked: BatchFile | EvalFile) -> ApiError:
+    """A batch file's or an evals file's line problems, as a dataset's are reported."""
+    kind = "batch" if isinstance(checked, BatchFile) else "evals"
     problems = [str(error) for error in checked.errors]
     summary = checked.problem or f"{len(problems)} line(s) have problems"
-    message = "Invalid batch file: " + "; ".join([summary, *problems] if problems else [summary])
+    message = f"Invalid {kind} file: " + "; ".join([summary, *problems] if problems else [summary])
     return ApiError(message, param="file", code="invalid_file", errors=[vars(e) for e in checked.errors])
 
 
@@ -75,8 +80,13 @@ def _counts(source: BinaryIO, purpose: str) -> _Counted:
     if purpose == BATCH_PURPOSE:
         checked = check_batch_file(source, lambda line: estimated_prompt_tokens(line.body, line.url.removeprefix("/v1/")))
         if not checked.ok:
-            raise batch_file_error(checked)
+            raise line_problems_error(checked)
         return _Counted(checked.request_count, checked.prompt_tokens, 0, CHAT)
+    if purpose == EVALS_PURPOSE:
+        items = check_eval_file(source)
+        if not items.ok:
+            raise line_problems_error(items)
+        return _Counted(items.item_count, 0, 0, ITEMS_FORMAT)
     dataset, counts = check_dataset(source, keep_examples=False)
     if not dataset.ok:
         raise dataset_error(dataset)

@@ -42,6 +42,7 @@ from core.grading import first_problem
 from core.rate_limits import RATE_LIMIT_TYPE
 from core.model_names import ModelName, is_valid_suffix, parse_model_name, with_revision
 from finetuning import publishing, registry, training_turns
+from finetuning.files import PURPOSE as FINE_TUNE_PURPOSE
 from finetuning.models import (
     DPO,
     METHODS,
@@ -195,6 +196,11 @@ def _file(organization: Organization, file_id: str, param: str, model: BaseModel
     file = File.objects.for_org(organization).filter(pk=file_id).first()
     if file is None:
         raise not_found("file", file_id, param=param)
+    if file.purpose != FINE_TUNE_PURPOSE:
+        raise ApiError(
+            f"File {file_id} was uploaded with purpose '{file.purpose}'; training reads files uploaded with purpose "
+            f"'{FINE_TUNE_PURPOSE}'.", param=param, code="invalid_file_purpose",
+        )  # fmt: skip
     if method is not None and file.format != METHOD_FORMAT[method]:
         needed = METHOD_FORMAT[method]
         other = next(m for m in METHODS if METHOD_FORMAT[m] == file.format)
@@ -257,7 +263,7 @@ def resolve_hyperparameters(requested: dict, examples: int, model: BaseModel, me
         # Once an epoch each, at its end, unless asked for more (workers.training.config).
         "n_evals": 1 if requested.get("n_evals", AUTO) == AUTO else requested["n_evals"],
         "n_checkpoints": 1 if requested.get("n_checkpoints", AUTO) == AUTO else requested["n_checkpoints"],
-        "early_stopping": requested.get("early_stopping"),  # {"patience", "min_delta"}, or None: off
+        "early_stopping": requested.get("early_stopping"),  # {"patience", "min_delta", "metric"}, or None: off
     }
     if method == DPO:
         beta = requested.get("beta", AUTO)
@@ -265,11 +271,21 @@ def resolve_hyperparameters(requested: dict, examples: int, model: BaseModel, me
     return resolved
 
 
-def _check_early_stopping(hyperparameters: dict, validation: File | None) -> None:
-    """Early stopping watches the validation loss: a job without validation examples has none."""
-    if hyperparameters["early_stopping"] is not None and validation is None:
+def _check_early_stopping(hyperparameters: dict, validation: File | None, evaluation: dict | None) -> None:
+    """Early stopping watches the validation loss (a job without validation examples has none) or the
+    evaluation graders' score of each checkpoint (a job without an evaluation has no graders)."""
+    early_stopping = hyperparameters["early_stopping"]
+    if early_stopping is None:
+        return
+    if early_stopping["metric"] == "eval_score" and evaluation is None:
         raise ApiError(
-            "early_stopping watches the validation loss: give a validation_file too.",
+            "early_stopping by eval_score scores each checkpoint with the job's evaluation graders: give evaluation "
+            "({\"graders\": [...], \"file\": <held-out examples>}) too.",
+            param="hyperparameters.early_stopping.metric", code="early_stopping_needs_evaluation",
+        )  # fmt: skip
+    if early_stopping["metric"] == "valid_loss" and validation is None:
+        raise ApiError(
+            "early_stopping watches the validation loss: give a validation_file too (or metric eval_score).",
             param="hyperparameters.early_stopping", code="early_stopping_needs_validation",
         )  # fmt: skip
 
@@ -298,8 +314,8 @@ def create_job(organization: Organization, user: User | None, request: JobReques
     if parent is not None:
         requested = _keep_parent_lora(requested, parent)
     hyperparameters = resolve_hyperparameters(requested, training.example_count, model, request.method)
-    _check_early_stopping(hyperparameters, validation)
     evaluation = _evaluation(organization, request.evaluation, validation, model)
+    _check_early_stopping(hyperparameters, validation, evaluation)
     revision = _revision_to_publish(parent.model if parent else None, ModelName(model.id, suffix))
     try:
         with transaction.atomic():

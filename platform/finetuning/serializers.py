@@ -89,8 +89,13 @@ class EarlyStoppingSerializer(RejectUnknownKeys, serializers.Serializer):
         min_value=1, max_value=1000, help_text="Evaluations in a row without an improvement that stop training"
     )
     min_delta = StrictFloatField(
-        default=0.0, min_value=0.0, max_value=100.0, help_text="An improvement lowers the best validation loss by more than this"
+        default=0.0, min_value=0.0, max_value=100.0, help_text="An improvement beats the best value by more than this"
     )
+    metric = serializers.ChoiceField(
+        ("valid_loss", "eval_score"), default="valid_loss",
+        help_text="valid_loss: the validation loss at each evaluation; eval_score: each checkpoint's score by the "
+        "job's evaluation graders (its answers, as served). The best one's adapter is published.",
+    )  # fmt: skip
 
 
 class HyperparametersSerializer(RejectUnknownKeys, serializers.Serializer):

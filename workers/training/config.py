@@ -6,6 +6,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
+VALID_LOSS, EVAL_SCORE = "valid_loss", "eval_score"  # what early stopping watches
+
+
 @dataclass
 class TrainingConfig:
     base_model_path: Path  # the base model's Hugging Face folder: config, weights, tokenizer, chat template
@@ -56,11 +59,13 @@ class TrainingConfig:
     # spaced, the last at its end (more than the epoch has steps: every step). One each is an epoch-end one.
     evals_per_epoch: int = 1
     checkpoints_per_epoch: int = 1
-    # Early stopping: training stops once this many evaluations in a row have not lowered the best
-    # validation loss by more than early_stopping_min_delta, and the adapter of the best evaluation is
-    # the result (early_stopping.py). None: off, and the last step's adapter is the result.
+    # Early stopping: training stops once this many evaluations in a row have not improved on the best
+    # by more than early_stopping_min_delta, and the adapter of the best evaluation is the result
+    # (early_stopping.py). None: off, and the last step's adapter is the result. The evaluations are the
+    # validation loss's (VALID_LOSS), or the scores the callbacks give each checkpoint (EVAL_SCORE).
     early_stopping_patience: int | None = None
     early_stopping_min_delta: float = 0.0
+    early_stopping_metric: str = VALID_LOSS
 
     # Speed. A step's examples are packed into rows of at most this many tokens, one forward/backward pass
     # per row, gradients summed. Attention stays per example whatever the row length, so this only trades

@@ -1,4 +1,6 @@
-"""Early stopping: which evaluation had the best validation loss, and when to stop waiting for a better one.
+"""Early stopping: which evaluation was best, and when to stop waiting for a better one. An evaluation
+is the validation loss (lower is better) or, with ``maximize``, the job's graders' score of a
+checkpoint's answers (higher is better: ``workers.evaluation.checkpoint_score``).
 
 The trainer records every evaluation here; a new best keeps a copy of the adapter's weights at that
 step, which becomes the run's result however many steps follow it. The record goes into every
@@ -19,21 +21,29 @@ Weights = dict[str, torch.Tensor]
 @dataclass
 class BestValidation:
     patience: int  # evaluations in a row without an improvement that stop the run
-    min_delta: float  # an improvement is a loss lower than the best by more than this
+    min_delta: float  # an improvement is a value better than the best by more than this
+    maximize: bool = False  # a score (higher is better), not a loss
     step: int | None = None  # the best evaluation's step; None before the first
-    loss: float = math.inf
+    loss: float = math.inf  # the best value so far: a loss, or with ``maximize`` the score negated
     train_loss: float | None = None  # that step's training loss
     evals_since: int = 0  # evaluations since the best one that did not improve on it
     weights: Weights = field(default_factory=dict, repr=False)  # the trainable weights at the best step
 
-    def record(self, step: int, valid_loss: float, train_loss: float, weights: Callable[[], Weights]) -> bool:
-        """Count one evaluation; True when it is the new best (``weights`` is called only then)."""
-        if valid_loss < self.loss - self.min_delta:
-            self.step, self.loss, self.train_loss, self.evals_since = step, valid_loss, train_loss, 0
+    def record(self, step: int, value: float, train_loss: float, weights: Callable[[], Weights]) -> bool:
+        """Count one evaluation (a loss, or with ``maximize`` a score); True when it is the new best
+        (``weights`` is called only then)."""
+        loss = -value if self.maximize else value  # kept as a loss: the checkpoints' state reads the same
+        if loss < self.loss - self.min_delta:
+            self.step, self.loss, self.train_loss, self.evals_since = step, loss, train_loss, 0
             self.weights = weights()
             return True
         self.evals_since += 1
         return False
+
+    @property
+    def best_value(self) -> float:
+        """The best evaluation's loss, or its score."""
+        return -self.loss if self.maximize else self.loss
 
     @property
     def exhausted(self) -> bool:

@@ -26,7 +26,7 @@ from transformers import PreTrainedTokenizerBase
 
 from core.chat_tokens import load_tokenizer
 from core.datasets import PreferencePair, Record
-from workers.training.config import TrainingConfig
+from workers.training.config import EVAL_SCORE, TrainingConfig
 from workers.training.data import Example, PackedRow, TokenizedExample, pack, target_log_probs, tokenize_example, truncate
 from workers.training.early_stopping import BestValidation, put_back, trainable_weights
 from workers.training.model import load_model_with_lora, save_adapter
@@ -64,10 +64,11 @@ class TrainingResult:
     final_train_loss: float | None  # the result's step's; None when no step ran
     final_valid_loss: float | None
     cancelled: bool
-    # Early stopping: the step whose adapter is the result (the best validation loss), and whether the
-    # patience ran out before the last step. None and False without it.
+    # Early stopping: the step whose adapter is the result (the best validation loss or checkpoint
+    # score), and whether the patience ran out before the last step. None and False without it.
     best_step: int | None = None
     stopped_early: bool = False
+    best_score: float | None = None  # early stopping by EVAL_SCORE: the best checkpoint's score
 
 
 class TrainingDiverged(Exception):
@@ -81,7 +82,9 @@ class TrainingDiverged(Exception):
 class TrainingCallbacks(Protocol):
     def on_step(self, metrics: StepMetrics) -> None: ...
 
-    def on_checkpoint(self, epoch: int, step: int, adapter_dir: Path, metrics: StepMetrics) -> None: ...
+    def on_checkpoint(self, epoch: int, step: int, adapter_dir: Path, metrics: StepMetrics) -> float | None:
+        """Keep the checkpoint; with early stopping by EVAL_SCORE, return its score (None: not scored)."""
+        ...
 
     def should_stop(self) -> bool: ...
 
@@ -119,6 +122,7 @@ def train(
     output_dir: Path,
     callbacks: TrainingCallbacks,
     resume_from: Path | None = None,
+    resume_score: float | None = None,
 ) -> TrainingResult:
     """Train a LoRA adapter on the chat examples (or, for DPO, the preference pairs); return where the
     final adapter is.
@@ -131,7 +135,9 @@ def train(
     checkpoint. Cancelled runs leave their checkpoints but no final adapter.
 
     ``resume_from``: such a checkpoint of an earlier run of the same job (same config, examples and
-    seed); training goes on after its step and ends as the unbroken run would have.
+    seed); training goes on after its step and ends as the unbroken run would have. With early
+    stopping by EVAL_SCORE, ``resume_score`` is that checkpoint's score (its state was saved before it
+    was scored).
     """
     started = time.perf_counter()
     output_dir = Path(output_dir)
@@ -150,10 +156,13 @@ def train(
     evals_at = _spread(steps_per_epoch, config.evals_per_epoch)  # steps within an epoch, from 1
     checkpoints_at = _spread(steps_per_epoch, config.checkpoints_per_epoch)
     optimization = _build_optimization(model, config, total_steps)
-    best = _early_stopping(config) if valid_set else None
+    by_score = config.early_stopping_metric == EVAL_SCORE  # else by the validation loss, which needs examples
+    best = _early_stopping(config) if valid_set or by_score else None
 
     # Train, from the start or from where an earlier run's checkpoint left off.
     done = _resume(resume_from, model, optimization, best)
+    if best is not None and by_score and resume_score is not None:
+        best.record(done.step, resume_score, done.train_loss or 0.0, lambda: trainable_weights(model))
     step, trained_tokens, train_loss = done.step, done.trained_tokens, done.train_loss
     valid_loss: float | None = None
     window = _ThroughputWindow()
@@ -185,7 +194,7 @@ def train(
             step_valid_loss: float | None = None
             if valid_set and (epoch_step in evals_at or step == total_steps or _every(step, config.eval_every_steps)):
                 step_valid_loss = valid_loss = _evaluate(model, valid_set, config, step)
-                if best is not None:
+                if best is not None and not by_score:
                     best.record(step, step_valid_loss, train_loss, lambda: trainable_weights(model))
 
             metrics = StepMetrics(
@@ -213,7 +222,10 @@ def train(
                     progress = Progress(epoch - 1, step, trained_tokens, train_loss, epoch_steps=epoch_step)
                     order = epoch_order
                 checkpoint = _save_checkpoint(model, optimization, progress, order, best, output_dir)
-                callbacks.on_checkpoint(epoch, step, checkpoint, metrics)
+                score = callbacks.on_checkpoint(epoch, step, checkpoint, metrics)
+                if best is not None and by_score and score is not None:
+                    # After the checkpoint's state was saved: a resume from it records it (``resume_score``).
+                    best.record(step, score, train_loss, lambda: trainable_weights(model))
 
     # Save: unless cancelled while the last step ran, the final adapter is the result: the last
     # step's, or with early stopping the best evaluation's.
@@ -223,8 +235,8 @@ def train(
         put_back(model, best.weights)
         adapter_dir = save_adapter(model, output_dir / "adapter")
         return TrainingResult(
-            adapter_dir, trained_tokens, step, best.train_loss, best.loss, cancelled=False,
-            best_step=best.step, stopped_early=step < total_steps,
+            adapter_dir, trained_tokens, step, best.train_loss, None if by_score else best.loss, cancelled=False,
+            best_step=best.step, stopped_early=step < total_steps, best_score=best.best_value if by_score else None,
         )  # fmt: skip
     adapter_dir = save_adapter(model, output_dir / "adapter")
     return TrainingResult(adapter_dir, trained_tokens, step, train_loss, valid_loss, cancelled=False)
@@ -280,7 +292,8 @@ def _spread(steps_per_epoch: int, per_epoch: int) -> set[int]:
 def _early_stopping(config: TrainingConfig) -> BestValidation | None:
     if config.early_stopping_patience is None:
         return None
-    return BestValidation(config.early_stopping_patience, config.early_stopping_min_delta)
+    maximize = config.early_stopping_metric == EVAL_SCORE
+    return BestValidation(config.early_stopping_patience, config.early_stopping_min_delta, maximize)
 
 
 def _build_optimization(model: PeftModel, config: TrainingConfig, total_steps: int) -> _Optimization:

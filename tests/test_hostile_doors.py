@@ -107,13 +107,14 @@ RUN = {"data_source": {"type": "completions", "model": BASE, "sampling_params": 
 # OpenAI's evals guide's shapes: a custom item schema, graders on item fields, items inline, a template.
 SIMILARITY = {"type": "text_similarity", "name": "close", "input": "{{sample.output_text}}", "reference": "{{item.answer}}",
               "evaluation_metric": "bleu", "pass_threshold": 0.5}  # fmt: skip
-JUDGE = {"type": "score_model", "name": "judge", "model": BASE, "range": [0, 10],
+JUDGE = {"type": "score_model", "name": "judge", "model": BASE, "range": [0, 10], "sampling_params": {"temperature": 0},
          "input": [{"role": "user", "content": "Score {{sample.output_text}}"}]}  # fmt: skip
 GUIDE_EVAL = {"data_source_config": {"type": "custom", "item_schema": {"type": "object", "properties": {"answer": {"type": "string"}}}},
               "testing_criteria": [SIMILARITY]}  # fmt: skip
+# Items as the door's eval (a chat file's) describes them: input and expected.
 GUIDE_RUN = {"data_source": {"type": "completions", "model": BASE,
-                             "source": {"type": "file_content", "content": [{"item": {"answer": "Paris"}}]},
-                             "input_messages": {"type": "template", "template": [{"role": "user", "content": "{{item.answer}}?"}]}}}  # fmt: skip
+                             "source": {"type": "file_content", "content": [{"item": {"input": [], "expected": "Paris"}}]},
+                             "input_messages": {"type": "template", "template": [{"role": "user", "content": "{{item.expected}}?"}]}}}  # fmt: skip
 CLOSE = {key: value for key, value in SIMILARITY.items() if key != "pass_threshold"}  # graders.run's: no threshold
 GRADER_RUN = {"grader": JUDGE, "model_sample": "Paris", "item": {"answer": "Paris"}}
 
@@ -152,9 +153,9 @@ DOORS = [
     Door("POST", "/v1/evals", "eval-list", JSON, GUIDE_EVAL | {"testing_criteria": [JUDGE | {"pass_threshold": 5}]},
          "testing_criteria.0.pass_threshold", "testing_criteria.0.model"),
     Door("POST", "/v1/evals/{eval}/runs", "eval-run-list", JSON, GUIDE_RUN, text="data_source.input_messages.template.0.content"),
-    Door("POST", "/v1/evals/{eval}/runs", "eval-run-list", JSON, GUIDE_RUN, text="data_source.source.content.0.item.answer"),
+    Door("POST", "/v1/evals/{eval}/runs", "eval-run-list", JSON, GUIDE_RUN, text="data_source.source.content.0.item.expected"),
     Door("POST", "/v1/fine_tuning/alpha/graders/validate", "graders-validate", JSON, {"grader": CLOSE}, text="grader.evaluation_metric"),
-    Door("POST", "/v1/fine_tuning/alpha/graders/validate", "graders-validate", JSON, {"grader": JUDGE}, "grader.range.0", "grader.input.0.content"),
+    Door("POST", "/v1/fine_tuning/alpha/graders/validate", "graders-validate", JSON, {"grader": JUDGE}, "grader.sampling_params.temperature", "grader.input.0.content"),
     Door("POST", "/v1/fine_tuning/alpha/graders/run", "graders-run", JSON, GRADER_RUN, "grader.range.1", "model_sample"),
     Door("POST", "/v1/evals/{eval}/runs/{run}/cancel", "eval-run-cancel", NOTHING),
     Door("DELETE", "/v1/evals/{eval}", "eval-detail", NOTHING),

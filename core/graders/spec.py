@@ -39,6 +39,7 @@ MAX_SUB_GRADERS = 10  # a multi grader's
 MAX_MODEL_CHARS = 300
 # A judge answers with a label or a score, and perhaps a sentence of reasoning: more is waste.
 MAX_JUDGE_TOKENS = 2_048
+MAX_SCORE_BOUND = 1e6  # a score_model's range and a multi's pass_threshold lie within plus or minus this
 
 _NAME = Field(min_length=1, max_length=MAX_NAME_CHARS)
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -153,9 +154,14 @@ class _ModelGrader(_Grader):
     input: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
 
 
+# A score's bounds: any scale a rubric uses, far from where floats lose their digits (a range of
+# 1e308 would make every bar and mean meaningless, and sums of such scores overflow).
+Bound = Annotated[float, Field(ge=-MAX_SCORE_BOUND, le=MAX_SCORE_BOUND, allow_inf_nan=False)]
+
+
 class ScoreModel(_ModelGrader):
     type: Literal["score_model"]
-    range: list[FiniteFloat] = Field([0.0, 1.0], min_length=2, max_length=2)
+    range: list[Bound] = Field([0.0, 1.0], min_length=2, max_length=2)
     sampling_params: SamplingParams | None = None
 
     @field_validator("range")
@@ -221,7 +227,7 @@ class ScoreModelCriterion(ScoreModel):
 
 
 class MultiCriterion(Multi):
-    pass_threshold: FiniteFloat | None = None
+    pass_threshold: Bound | None = None
 
 
 _CRITERIA: dict[str, type[_Grader]] = {

@@ -12,6 +12,7 @@ import secrets
 
 import redis.asyncio
 from django.conf import settings
+from kombu.exceptions import OperationalError
 
 from accounts.models import Organization
 from answering.access import usable_target
@@ -43,10 +44,15 @@ async def run_on_worker(organization_id: int, grader: dict, model_sample: str, i
         raise ApiError(f"model_sample is {len(model_sample):,} characters; at most {MAX_SAMPLE_CHARS:,}", param="model_sample")
     request_id = secrets.token_hex(12)
     payload = json.dumps({"grader": grader, "model_sample": model_sample, "item": item})
-    send(GRADE_SAMPLE, reply_key(request_id), str(organization_id), payload)
-    client = redis.asyncio.Redis.from_url(settings.CONFIG.redis_url)
+    client = redis.asyncio.Redis.from_url(settings.CONFIG.redis_url, socket_timeout=RUN_WAIT_S + 5)  # outlives the wait
     try:
+        send(GRADE_SAMPLE, reply_key(request_id), str(organization_id), payload)
         reply = await client.blpop([reply_key(request_id)], timeout=RUN_WAIT_S)
+    except (OperationalError, redis.RedisError):
+        raise ApiError(
+            "The grader could not be sent to a worker: the task broker is unreachable. Try again shortly.",
+            status=503, type=UNAVAILABLE, code="broker_unavailable", retry_after_s=5,
+        ) from None  # fmt: skip
     finally:
         await client.aclose()
     if reply is None:

@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
 from core import strict_json
-from core.datasets import MAX_REPORTED_ERRORS, LineError, decoded_line, numbered_lines  # the one JSONL line reader
+from core.datasets import LineError
+from core.jsonl_lines import LineProblems, nonblank_lines  # the one JSONL line reader
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")  # a line's "url", a batch's "endpoint"
 ENVELOPE = ("custom_id", "method", "url", "body")
@@ -89,21 +90,13 @@ def _digest(custom_id: str) -> bytes:
 def _lines(source: BinaryIO) -> Iterator[tuple[int, BatchRequest | None, str | None]]:
     """Each non-blank line's request or problem; (0, None, problem) ends it for a whole-file problem."""
     seen: dict[bytes, int] = {}  # a custom_id's digest -> the line that has it
-    count = 0
-    for number, raw in numbered_lines(source, MAX_LINE_BYTES):
-        if raw is None:
-            yield number, None, f"the line is over {MAX_LINE_BYTES:,} bytes"
-            continue
-        text, problem = decoded_line(raw, number)
+    too_many = f"more than {MAX_LINES:,} requests: split the file into several batches"
+    for number, text, problem in nonblank_lines(source, MAX_LINE_BYTES, MAX_LINES, too_many):
         if text is None:
-            yield 0, None, problem
-            return
-        if not text.strip():
+            yield number, None, problem
+            if number == 0:
+                return
             continue
-        count += 1
-        if count > MAX_LINES:
-            yield 0, None, f"more than {MAX_LINES:,} requests: split the file into several batches"
-            return
         request, error = parse_line(text, number)
         if request is not None:
             first = seen.setdefault(_digest(request.custom_id), number)
@@ -117,21 +110,16 @@ def check_batch_file(source: bytes | BinaryIO, prompt_tokens: Callable[[BatchReq
     """Check every line; report up to MAX_REPORTED_ERRORS problems with their line numbers.
     ``prompt_tokens``: a request's prompt tokens, summed over the file's requests."""
     stream = io.BytesIO(source) if isinstance(source, bytes) else source
-    checked, bad_lines = BatchFile(), 0
+    checked, problems = BatchFile(), LineProblems()
     for number, request, error in _lines(stream):
         if number == 0:
             return BatchFile(problem=error)
         if error is not None:
-            bad_lines += 1
-            if len(checked.errors) < MAX_REPORTED_ERRORS:
-                checked.errors.append(LineError(number, error))
+            problems.add(number, error)
         elif request is not None:
             checked.request_count += 1
             checked.prompt_tokens += prompt_tokens(request)
-    if checked.request_count == 0 and not bad_lines:
-        checked.problem = "the file is empty"
-    elif bad_lines > len(checked.errors):
-        checked.problem = f"{bad_lines} lines have problems; the first {len(checked.errors)} are listed"
+    checked.errors, checked.problem = problems.errors, problems.summary(checked.request_count, "the file is empty")
     return checked
 
 

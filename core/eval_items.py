@@ -12,15 +12,16 @@ from __future__ import annotations
 
 import io
 from dataclasses import dataclass, field
+from collections.abc import Iterator
 from typing import Any, BinaryIO
 
 from core import strict_json
-from core.datasets import MAX_REPORTED_ERRORS, LineError, decoded_line, numbered_lines
+from core.datasets import LineError
+from core.jsonl_lines import LineProblems, nonblank_lines
 
 MAX_LINES = 50_000  # a file's items; a run scores the first of them (``evals.sources.MAX_ITEMS``)
 MAX_LINE_BYTES = 256 * 1024
 FIELDS = ("item", "sample")
-SAMPLE_FIELDS = ("output_text", "output_json", "output_tools", "choices", "model", "finish_reason")
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,6 @@ class EvalFile:
     """What checking a whole file found: its items counted, and up to MAX_REPORTED_ERRORS problems."""
 
     item_count: int = 0
-    with_sample: int = 0  # items that carry a sample (a jsonl run needs every one to)
     errors: list[LineError] = field(default_factory=list)
     problem: str | None = None  # a whole-file problem (empty, not UTF-8, too many lines)
 
@@ -69,23 +69,15 @@ def parse_line(text: str) -> tuple[EvalItem | None, str | None]:
     return parsed_entry(entry)
 
 
-def _lines(source: BinaryIO, stop_after: int | None = None) -> Any:
+def _lines(source: BinaryIO, stop_after: int | None = None) -> Iterator[tuple[int, EvalItem | None, str | None]]:
     """Each non-blank line's (number, item, problem); (0, None, problem) ends it for a whole-file problem."""
-    count = 0
-    for number, raw in numbered_lines(source, MAX_LINE_BYTES):
-        if raw is None:
-            yield number, None, f"the line is over {MAX_LINE_BYTES:,} bytes"
-            continue
-        text, problem = decoded_line(raw, number)
+    too_many = f"more than {MAX_LINES:,} items: split the file into several"
+    for count, (number, text, problem) in enumerate(nonblank_lines(source, MAX_LINE_BYTES, MAX_LINES, too_many), start=1):
         if text is None:
-            yield 0, None, problem
-            return
-        if not text.strip():
+            yield number, None, problem
+            if number == 0:
+                return
             continue
-        count += 1
-        if count > MAX_LINES:
-            yield 0, None, f"more than {MAX_LINES:,} items: split the file into several"
-            return
         item, error = parse_line(text)
         yield number, item, error
         if stop_after is not None and count >= stop_after:
@@ -95,21 +87,16 @@ def _lines(source: BinaryIO, stop_after: int | None = None) -> Any:
 def check_eval_file(source: bytes | BinaryIO) -> EvalFile:
     """Check every line; report up to MAX_REPORTED_ERRORS problems with their line numbers."""
     stream = io.BytesIO(source) if isinstance(source, bytes) else source
-    checked, bad_lines = EvalFile(), 0
+    checked, problems = EvalFile(), LineProblems()
     for number, item, error in _lines(stream):
         if number == 0:
             return EvalFile(problem=error)
         if error is not None:
-            bad_lines += 1
-            if len(checked.errors) < MAX_REPORTED_ERRORS:
-                checked.errors.append(LineError(number, error))
+            problems.add(number, error)
         elif item is not None:
             checked.item_count += 1
-            checked.with_sample += item.sample is not None
-    if checked.item_count == 0 and not bad_lines:
-        checked.problem = 'the file is empty: give one {"item": {...}} per line'
-    elif bad_lines > len(checked.errors):
-        checked.problem = f"{bad_lines} lines have problems; the first {len(checked.errors)} are listed"
+    checked.errors = problems.errors
+    checked.problem = problems.summary(checked.item_count, 'the file is empty: give one {"item": {...}} per line')
     return checked
 
 

@@ -210,3 +210,26 @@ def test_graders_validate_refuses_a_malformed_grader_naming_the_field(alice, liv
     assert refused.value.status_code in (400, 404) and error["param"] == param and error["code"] == code, error
     body = json.dumps({"grader": grader, "model_sample": "x"})
     assert alice.api.post("/v1/fine_tuning/alpha/graders/run", body, content_type="application/json").status_code in (400, 404)
+
+
+def test_a_jobs_gate_takes_openais_graders_and_scores_with_them_as_an_eval_run_does(alice, engine):
+    from workers import evaluation
+
+    expected_city = {"type": "text_similarity", "name": "close", "input": "{{sample.output_text}}",
+                     "reference": "{{item.expected}}", "evaluation_metric": "fuzzy_match"}  # fmt: skip
+    training = _named(jsonl([{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "a"}]} for i in range(10)]))
+    file_id = alice.api.post("/v1/files", {"file": training, "purpose": "fine-tune"}, format="multipart").json()["id"]
+    body = {"model": BASE, "training_file": file_id, "evaluation": {"file": file_id, "graders": [expected_city, {"type": "contains"}]}}
+    created = alice.api.post("/v1/fine_tuning/jobs", body, format="json")
+    assert created.status_code == 200, created.json()
+    kept = created.json()["evaluation"]["graders"]
+    assert kept[0]["evaluation_metric"] == "fuzzy_match" and kept[1] == {"type": "contains"}
+
+    refused = alice.api.post("/v1/fine_tuning/jobs", body | {"evaluation": {"graders": [expected_city | {"evaluation_metric": "cosine"}]}},
+                             format="json")  # fmt: skip
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "evaluation.graders[0].evaluation_metric"
+
+    examples = [[{"role": "user", "content": f"What is the capital of {c}?"}, {"role": "assistant", "content": f"{p}."}]
+                for c, p in CAPITALS.items()]  # fmt: skip
+    scores = evaluation.evaluate(alice.organization.pk, {"graders": kept, "threshold": 0.0}, examples, BASE, f"{BASE}:gated@r1")
+    assert scores.adapter_score == pytest.approx(1.0) and scores.reference_score < 0.5 and scores.passed

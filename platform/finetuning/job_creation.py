@@ -31,13 +31,15 @@ from core.api_errors import (
     InvalidAdapter,
     adapter_not_found,
     adapter_store_unreachable,
+    model_not_found,
     not_found,
     suffix_taken,
 )
 from core.catalog import BaseModel
 from core.config import LIMIT_SETTINGS
 from core.datasets import CHAT, FORMAT_SHAPES, PREFERENCE
-from core.evaluation import Grader
+from core.evaluation import GRADERS, Grader
+from core.graders.spec import checked_grader, judge_models
 from core.grading import first_problem
 from core.rate_limits import RATE_LIMIT_TYPE
 from core.model_names import ModelName, is_valid_suffix, parse_model_name, with_revision
@@ -340,15 +342,18 @@ def create_job(organization: Organization, user: User | None, request: JobReques
 
 def _evaluation(organization: Organization, requested: dict | None, validation: File | None, model: BaseModel) -> dict | None:
     """The evaluation as the job keeps it: its file resolved (the validation file by default), its
-    graders checked (a pattern that does not compile, a schema too large or pointing elsewhere)."""
+    graders checked (the platform's: a pattern that does not compile, a schema too large or pointing
+    elsewhere; OpenAI's: as ``core.graders.spec`` checks them, each judge a model the caller may use)."""
     if requested is None:
         return None
-    graders = [Grader(grader["type"], grader.get("pattern"), grader.get("schema")) for grader in requested["graders"]]
-    problem = first_problem(graders)  # checked in a separate process, with limits (core.grading)
+    graders = [_checked_grader(organization, index, grader) for index, grader in enumerate(requested["graders"])]
+    own = [(index, grader) for index, grader in enumerate(graders) if grader["type"] in GRADERS]
+    problem = first_problem([Grader(g["type"], g.get("pattern"), g.get("schema")) for _i, g in own])  # in a separate process
     if problem is not None:
-        index, field, message = problem
-        param = f"evaluation.graders[{index}].{field}"
+        position, field, message = problem
+        param = f"evaluation.graders[{own[position][0]}].{field}"
         raise ApiError(f"{param}: {message}", param=param, code="invalid_grader")
+    requested = {**requested, "graders": graders}
     file_id = requested.get("file")
     if file_id is None:
         if validation is None:
@@ -360,6 +365,18 @@ def _evaluation(organization: Organization, requested: dict | None, validation: 
     else:
         _file(organization, file_id, "evaluation.file", model)
     return {**requested, "file": file_id}
+
+
+def _checked_grader(organization: Organization, index: int, grader: dict) -> dict:
+    """OpenAI's graders checked here (the platform's were by the serializer): their fields, and their judges."""
+    if grader["type"] in GRADERS:
+        return grader
+    param = f"evaluation.graders[{index}]"
+    checked = checked_grader(grader, param)
+    for where, judge in judge_models(checked):
+        if registry.resolve_model(organization, judge) is None:
+            raise model_not_found(judge, f"{param}.{where}")  # the same answer as for a model that does not exist
+    return checked
 
 
 def _revision_to_publish(parent: FineTunedModel | None, name: ModelName) -> int:

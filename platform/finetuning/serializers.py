@@ -8,6 +8,7 @@ from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from core.evaluation import GRADERS
+from core.graders.spec import GRADER_TYPES as OPENAI_GRADERS
 from core.lora_merge import METHODS as COMPOSITION_METHODS
 from core.openai_protocol import MAX_ADAPTER_SCALE, MAX_METADATA_KEYS
 from finetuning.compose import CompositionRequest
@@ -159,10 +160,24 @@ class GraderSerializer(RejectUnknownKeys, serializers.Serializer):
         return data  # what the pattern or schema says is checked by finetuning.job_creation (core.evaluation.grader_problem)
 
 
+class GraderField(serializers.Field):
+    """A gate's grader: the platform's own (``GraderSerializer``), or one of OpenAI's, passed on as it
+    is to ``finetuning.job_creation``, which checks it (``core.graders.spec``) naming its place."""
+
+    def to_internal_value(self, data: object) -> dict[str, Any]:
+        if isinstance(data, dict) and data.get("type") in OPENAI_GRADERS:
+            return data
+        serializer = GraderSerializer(data=data)
+        serializer.is_valid(raise_exception=True)
+        return dict(serializer.validated_data)
+
+    def to_representation(self, value: dict[str, Any]) -> dict[str, Any]:
+        return value
+
+
 class EvaluationSerializer(RejectUnknownKeys, serializers.Serializer):
     file = serializers.CharField(required=False, allow_null=True, help_text="Held-out examples (default: validation_file)")
-    # The stubs' Serializer.__init__ lacks the list's max_length, which many=True hands to the ListSerializer.
-    graders = GraderSerializer(many=True, allow_empty=False, max_length=8)  # type: ignore[call-arg]
+    graders = serializers.ListField(child=GraderField(), allow_empty=False, max_length=8)
     threshold = StrictFloatField(
         default=0.0, min_value=-1.0, max_value=1.0,
         help_text="The new adapter must score at least the reference's score plus this (0: no worse than it)",

@@ -20,7 +20,7 @@ these graders run in a separate process with a wall-clock limit (``core.grading`
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import jsonschema
@@ -108,14 +108,6 @@ def _valid_json(schema: dict, answer: str) -> bool:
         return bool(jsonschema.Draft202012Validator(schema, registry=_NO_RETRIEVAL).is_valid(instance))
     except (ValueError, RecursionError, jsonschema.SchemaError, Unresolvable):
         return False  # not JSON, nested too deep, or a reference to outside the schema: a fail
-
-
-Judge = Callable[[Grader, str, str], bool]  # (grader, answer, expected answer) -> passed
-
-
-def verdicts(graders: list[Grader], answer: str, case: Case, judge: Judge = passes) -> list[bool]:
-    """Whether ``answer`` passes each grader, in their order, as ``judge`` says."""
-    return [judge(grader, answer, case.expected) for grader in graders]
 
 
 def share_passed(scores: list[float]) -> float:

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from core.evaluation import Case, Grader, cases_of, mean_score, passes, verdicts
+from core.evaluation import Case, Grader, cases_of, mean_score, passes
 from finetuning.models import FineTuningJob
 from tests.personas import chat_example, jsonl
 from tests.test_files_api import error_of
@@ -48,7 +48,7 @@ def test_a_score_is_the_mean_share_of_graders_passed_and_cases_are_the_last_answ
         Case([{"role": "user", "content": "What is the capital of Germany?"}], "Berlin."),
     ]
     graders = [Grader("contains"), Grader("exact_match")]
-    per_case = [verdicts(graders, answer, case) for answer, case in zip(["It is Paris.", "Berlin."], cases)]
+    per_case = [[float(passes(g, answer, case.expected)) for g in graders] for answer, case in zip(["It is Paris.", "Berlin."], cases)]
     assert mean_score(per_case) == pytest.approx((0.5 + 1.0) / 2)
     assert cases_of(examples, limit=1) == cases[:1]
 

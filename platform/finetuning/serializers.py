@@ -160,6 +160,7 @@ class GraderSerializer(RejectUnknownKeys, serializers.Serializer):
         return data  # what the pattern or schema says is checked by finetuning.job_creation (core.evaluation.grader_problem)
 
 
+@extend_schema_field({"type": "object", "description": "A grader: the platform's (type, pattern, schema) or one of OpenAI's"})
 class GraderField(serializers.Field):
     """A gate's grader: the platform's own (``GraderSerializer``), or one of OpenAI's, passed on as it
     is to ``finetuning.job_creation``, which checks it (``core.graders.spec``) naming its place."""

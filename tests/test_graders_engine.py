@@ -184,6 +184,12 @@ def test_a_score_model_scores_the_judges_result_with_its_reasoning():
     assert grade(SCORE_MODEL, ITEM, sample_of("x"), replying('{"result": 6}'), pass_threshold=7).passed is False
 
 
+def test_a_judge_that_copies_the_formats_placeholder_as_its_reasoning_shows_no_reasoning():
+    # SmolLM2-135M, judging on the running platform, answered {"label": "pirate", "reasoning": "one or two sentences"}.
+    copied = grade(LABEL_MODEL, {}, sample_of("great"), replying('{"label": "positive", "reasoning": "one or two sentences"}'))
+    assert copied.details == {"label": "positive"}
+
+
 def test_a_score_outside_the_range_is_clamped_into_it():
     assert grade(SCORE_MODEL, ITEM, sample_of("x"), replying('{"result": 42}')).score == 10.0
     assert grade(SCORE_MODEL, ITEM, sample_of("x"), replying('{"result": -3}')).score == 0.0

@@ -27,6 +27,9 @@ from core.graders.template import MAX_RENDERED_CHARS, substitute
 # Greedy, and room for the verdict and a few sentences of reasoning.
 DEFAULT_SAMPLING = {"temperature": 0.0, "top_p": 1.0, "seed": None, "max_completion_tokens": 256}
 
+# What the answer format asks for as reasoning. A small judge sometimes copies it as its reasoning:
+# that is no reasoning, and is not shown as one.
+REASONING_HINT = "one or two sentences"
 _LABEL = re.compile(r'"label"\s*:\s*("(?:[^"\\]|\\.)*")')
 # The number must be followed by what ends it: a reply cut inside "0.75" must not read as 0.7.
 _RESULT = re.compile(r'"result"\s*:\s*(-?\d+(?:\.\d+)?(?:[eE][+-]?\d+)?)\s*[,}\s]')
@@ -60,7 +63,8 @@ def read_verdict(grader: dict, reply: str) -> Result:
     the threshold), or an error result with score 0 when the reply holds none."""
     verdict = _parsed(reply)
     reasoning = verdict.get("reasoning") if isinstance(verdict.get("reasoning"), str) else None
-    extra = {"reasoning": reasoning} if reasoning else {}
+    copied = reasoning is not None and reasoning.strip().strip(".").casefold() == REASONING_HINT
+    extra = {"reasoning": reasoning} if reasoning and not copied else {}
     if grader["type"] == "label_model":
         label = verdict.get("label") if "label" in verdict else _cut_short(_LABEL, reply, json.loads)
         if not isinstance(label, str) or label not in grader["labels"]:
@@ -87,9 +91,9 @@ def _text(content: object, item: dict, sample: dict | None) -> str:
 def _answer_format(grader: dict) -> str:
     if grader["type"] == "label_model":
         labels = ", ".join(json.dumps(label, ensure_ascii=False) for label in grader["labels"])
-        return f'Answer with JSON: {{"label": one of {labels}, "reasoning": "one or two sentences"}}.'
+        return f'Answer with JSON: {{"label": one of {labels}, "reasoning": "{REASONING_HINT}"}}.'
     low, high = grader.get("range") or (0.0, 1.0)
-    return f'Answer with JSON: {{"result": a number from {low:g} to {high:g}, "reasoning": "one or two sentences"}}.'
+    return f'Answer with JSON: {{"result": a number from {low:g} to {high:g}, "reasoning": "{REASONING_HINT}"}}.'
 
 
 def _with_answer_format(messages: list[dict], answer_format: str) -> list[dict]:

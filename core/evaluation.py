@@ -45,6 +45,11 @@ class Grader:
     pattern: str | None = None  # regex
     schema: dict | None = field(default=None, hash=False)  # json_schema
 
+    @classmethod
+    def of(cls, kept: dict) -> Grader:
+        """The grader of one of the platform's graders as an eval or a job keeps it (a dict)."""
+        return cls(kept["type"], kept.get("pattern"), kept.get("schema"))
+
 
 @dataclass(frozen=True)
 class Case:

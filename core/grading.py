@@ -32,7 +32,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Self
 
-from core.evaluation import MAX_ANSWER_CHARS, SANDBOXED, Grader, grader_problem, invalid_item, passes
+from core.evaluation import GRADERS, MAX_ANSWER_CHARS, SANDBOXED, Grader, grader_problem, invalid_item, passes
 
 GRADE_TIMEOUT_S = 5.0  # one answer and one grader, the child's start included
 MAX_TIMEOUTS_PER_GRADER = 3
@@ -153,6 +153,17 @@ def first_problem(graders: list[Grader]) -> tuple[int, str, str] | None:
             if problem is not None:
                 return index, *problem
     return None
+
+
+def first_own_problem(criteria: list[dict]) -> tuple[int, str, str] | None:
+    """``first_problem`` over the platform's own graders among ``criteria`` (graders as an eval or a
+    job keeps them, OpenAI's among them), with the index in ``criteria`` of the one at fault."""
+    own = [(index, criterion) for index, criterion in enumerate(criteria) if criterion["type"] in GRADERS]
+    problem = first_problem([Grader.of(criterion) for _index, criterion in own])
+    if problem is None:
+        return None
+    position, field, message = problem
+    return own[position][0], field, message
 
 
 def first_invalid_item(schema: dict, items: list[dict]) -> tuple[int, str, str] | None:

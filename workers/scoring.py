@@ -51,7 +51,7 @@ class Grading:
 
     def result(self, criterion: dict, item: EvalItem, sample: dict) -> Result:
         if criterion["type"] in GRADERS:
-            grader = Grader(criterion["type"], criterion.get("pattern"), criterion.get("schema"))
+            grader = Grader.of(criterion)
             expected = item.item.get("expected")
             passed = self.sandbox.passes(grader, sample["output_text"], expected if isinstance(expected, str) else "")
             return Result(float(passed), passed, {})

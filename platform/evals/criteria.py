@@ -19,9 +19,9 @@ from accounts.models import Organization
 from answering.access import usable_target
 from answering.batch import Target
 from core.api_errors import ApiError
-from core.evaluation import GRADERS, Grader
+from core.evaluation import GRADERS
 from core.graders.spec import GRADER_TYPES, checked_grader, judge_models
-from core.grading import first_problem
+from core.grading import first_own_problem
 
 MAX_CRITERIA = 8
 _NAME = Field(None, min_length=1, max_length=64)
@@ -59,11 +59,10 @@ def checked_criteria(organization: Organization, raw: object) -> list[dict]:
         raise ApiError(f"testing_criteria must be a list of 1 to {MAX_CRITERIA} graders", param="testing_criteria")
     kept = [_checked(organization, index, item) for index, item in enumerate(raw)]
     _check_names(kept)
-    own = [(index, criterion) for index, criterion in enumerate(kept) if criterion["type"] in GRADERS]
-    problem = first_problem([grader_of(criterion) for _index, criterion in own])  # in the sandbox's process
+    problem = first_own_problem(kept)  # in the sandbox's process
     if problem is not None:
-        position, field, message = problem
-        param = f"testing_criteria.{own[position][0]}.{field}"
+        index, field, message = problem
+        param = f"testing_criteria.{index}.{field}"
         raise ApiError(f"{param}: {message}", param=param, code="invalid_grader")
     return kept
 
@@ -109,9 +108,3 @@ def _check_names(criteria: list[dict]) -> None:
                 param=f"testing_criteria.{index}.name", code="duplicate_grader_name",
             )  # fmt: skip
         seen.add(criterion["name"])
-
-
-def grader_of(criterion: dict) -> Grader:
-    """The grader ``core.evaluation`` runs for a kept criterion of the platform's own (``GRADERS``)."""
-    fields = ("pattern", "schema")
-    return Grader(criterion["type"], **{field: criterion[field] for field in fields if field in criterion})

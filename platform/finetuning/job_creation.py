@@ -38,9 +38,9 @@ from core.api_errors import (
 from core.catalog import BaseModel
 from core.config import LIMIT_SETTINGS
 from core.datasets import CHAT, FORMAT_SHAPES, PREFERENCE
-from core.evaluation import GRADERS, Grader
+from core.evaluation import GRADERS
 from core.graders.spec import checked_grader, judge_models
-from core.grading import first_problem
+from core.grading import first_own_problem
 from core.rate_limits import RATE_LIMIT_TYPE
 from core.model_names import ModelName, is_valid_suffix, parse_model_name, with_revision
 from finetuning import publishing, registry, training_turns
@@ -347,11 +347,10 @@ def _evaluation(organization: Organization, requested: dict | None, validation: 
     if requested is None:
         return None
     graders = [_checked_grader(organization, index, grader) for index, grader in enumerate(requested["graders"])]
-    own = [(index, grader) for index, grader in enumerate(graders) if grader["type"] in GRADERS]
-    problem = first_problem([Grader(g["type"], g.get("pattern"), g.get("schema")) for _i, g in own])  # in a separate process
+    problem = first_own_problem(graders)  # checked in a separate process, with limits (core.grading)
     if problem is not None:
-        position, field, message = problem
-        param = f"evaluation.graders[{own[position][0]}].{field}"
+        index, field, message = problem
+        param = f"evaluation.graders[{index}].{field}"
         raise ApiError(f"{param}: {message}", param=param, code="invalid_grader")
     requested = {**requested, "graders": graders}
     file_id = requested.get("file")

@@ -11,6 +11,8 @@ import re
 import threading
 from dataclasses import dataclass, field
 
+import pytest
+
 from core.openai_protocol import BACKGROUND_HEADER, ORGANIZATION_HEADER
 from tests.personas import chat_example, jsonl
 
@@ -99,3 +101,22 @@ def start_stand_in(engine: StandInEngine) -> http.server.ThreadingHTTPServer:
     engine.url = f"http://127.0.0.1:{server.server_address[1]}"
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server
+
+
+@pytest.fixture
+def engine(settings):
+    """The stand-in engine, as the embedded pool."""
+    stand_in = StandInEngine()
+    server = start_stand_in(stand_in)
+    settings.INFERENCE_POOL_URL = stand_in.url
+    yield stand_in
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.fixture
+def queued(monkeypatch) -> list[str]:
+    """The eval runs sent to the default queue; the test runs them itself (``workers.run_eval.run_eval``)."""
+    sent: list[str] = []
+    monkeypatch.setattr("evals.creation.send_to_worker", sent.append)
+    return sent

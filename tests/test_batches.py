@@ -6,6 +6,7 @@ The serving backend is a stand-in at the HTTP boundary to the pool (``tests.eval
 engine starts here. The real engine's batches are the main engineer's ``engine`` tests, and
 ``benchmarks/batch_bench.py`` times line order against grouped order on the running platform."""
 
+# ruff: noqa: F811 (pytest fixtures are imported from tests.eval_fixtures, then named as arguments)
 from __future__ import annotations
 
 import json
@@ -21,7 +22,7 @@ from batches.models import Batch, BatchResult, BatchStatus
 from core.batch_input import BatchRequest, check_batch_file
 from finetuning import files
 from finetuning.models import File
-from tests.eval_fixtures import BASE, REFUSED, StandInEngine, start_stand_in
+from tests.eval_fixtures import BASE, REFUSED, engine  # noqa: F401 (a fixture)
 from tests.inference_fixtures import register_fine_tuned_model
 from tests.limits import lower_limits
 from usage.models import CompletionUsage
@@ -53,17 +54,6 @@ def upload(persona, lines: list) -> str:
 def create(persona, file_id: str, **extra):
     body = {"input_file_id": file_id, "endpoint": CHAT_URL, "completion_window": "24h", **extra}
     return persona.api.post("/v1/batches", body, format="json")
-
-
-@pytest.fixture
-def engine(settings):
-    """The stand-in engine, as the embedded pool."""
-    stand_in = StandInEngine()
-    server = start_stand_in(stand_in)
-    settings.INFERENCE_POOL_URL = stand_in.url
-    yield stand_in
-    server.shutdown()
-    server.server_close()
 
 
 @pytest.fixture

@@ -3,6 +3,7 @@ its graders, runs for several models at once, scored by the run task with progre
 results, cancel and failed answers. The serving backend is a stand-in (``tests.eval_fixtures``):
 no engine starts here; the real engine's runs are ``engine`` tests."""
 
+# ruff: noqa: F811 (pytest fixtures are imported from tests.eval_fixtures, then named as arguments)
 from __future__ import annotations
 
 import openai
@@ -11,7 +12,7 @@ import pytest
 from core.api_errors import ApiError
 from evals import run_status
 from evals.models import Eval, EvalRun, OutputItem
-from tests.eval_fixtures import BASE, REFUSED, StandInEngine, capitals_file, start_stand_in
+from tests.eval_fixtures import BASE, REFUSED, capitals_file, engine, queued  # noqa: F401 (fixtures)
 from tests.inference_fixtures import register_fine_tuned_model
 from tests.personas import chat_example
 from usage.models import CompletionUsage
@@ -20,25 +21,6 @@ from workers.run_eval import run_eval
 pytestmark = pytest.mark.django_db(transaction=True)  # the live server reads the database in its own thread
 
 EXACT = {"type": "string_check", "name": "exact", "input": "{{sample.output_text}}", "reference": "{{item.expected}}", "operation": "eq"}
-
-
-@pytest.fixture
-def engine(settings):
-    """The stand-in engine, as the embedded pool."""
-    stand_in = StandInEngine()
-    server = start_stand_in(stand_in)
-    settings.INFERENCE_POOL_URL = stand_in.url
-    yield stand_in
-    server.shutdown()
-    server.server_close()
-
-
-@pytest.fixture
-def queued(monkeypatch) -> list[str]:
-    """The runs sent to the default queue; the test runs them itself (``workers.run_eval.run_eval``)."""
-    sent: list[str] = []
-    monkeypatch.setattr("evals.creation.send_to_worker", sent.append)
-    return sent
 
 
 def client_for(persona, live_server) -> openai.OpenAI:

@@ -6,6 +6,7 @@ judged by a model served here), a ``jsonl`` run of samples given in advance; and
 (``tests.eval_fixtures``: it knows the capitals only as a fine-tune, and judges under structured
 outputs as a judge would); the real engine's runs are in the running-product test."""
 
+# ruff: noqa: F811 (pytest fixtures are imported from tests.eval_fixtures, then named as arguments)
 from __future__ import annotations
 
 import json
@@ -15,7 +16,7 @@ import openai
 import pytest
 
 from evals.models import EvalRun
-from tests.eval_fixtures import BASE, CAPITALS, StandInEngine, start_stand_in
+from tests.eval_fixtures import BASE, CAPITALS, engine, queued  # noqa: F401 (fixtures)
 from tests.inference_fixtures import register_fine_tuned_model
 from tests.personas import jsonl
 from workers.grade_sample import grade_sample
@@ -40,23 +41,6 @@ SIMILARITY = {"type": "text_similarity", "name": "close to the capital", "input"
 JUDGE = {"type": "label_model", "name": "judge", "model": BASE, "labels": ["correct", "incorrect"], "passing_labels": ["correct"],
          "input": [{"role": "user", "content": "Is {{sample.output_text}} the capital of {{item.country}}?"}]}  # fmt: skip
 ITEMS = [{"item": {"country": country, "capital": capital}} for country, capital in CAPITALS.items()]
-
-
-@pytest.fixture
-def engine(settings):
-    stand_in = StandInEngine()
-    server = start_stand_in(stand_in)
-    settings.INFERENCE_POOL_URL = stand_in.url
-    yield stand_in
-    server.shutdown()
-    server.server_close()
-
-
-@pytest.fixture
-def queued(monkeypatch) -> list[str]:
-    sent: list[str] = []
-    monkeypatch.setattr("evals.creation.send_to_worker", sent.append)
-    return sent
 
 
 @pytest.fixture

@@ -86,6 +86,7 @@ def test_an_eval_written_as_the_guide_writes_it_scores_a_fine_tune_above_the_bas
         {"role": "system", "content": "Answer with the capital city only."}, {"role": "user", "content": "What is the capital of France?"}
     ]  # fmt: skip  # a developer message is sent as system: the served models' templates know that role
     judged = [body for body in engine.bodies if "response_format" in body]
+    assert len(judged) == 2 * len(ITEMS)  # one verdict an answer: asked ahead for a batch, never again
     assert judged and judged[0]["model"] == BASE and judged[0]["messages"][-1]["content"] == "Is I do not know. the capital of France?"
 
     base, tuned = (client.evals.runs.retrieve(runs[model], eval_id=evaluation.id) for model in (BASE, fine_tune))

@@ -81,13 +81,15 @@ def test_an_eval_written_as_the_guide_writes_it_scores_a_fine_tune_above_the_bas
         runs[model] = run.id
     assert [run_eval(run_id, "test-worker") for run_id in queued] == ["completed", "completed"]
 
-    asked = [body for body in engine.bodies if "response_format" not in body]
-    assert asked[0]["messages"] == [
+    asked = [body for body in engine.bodies if "response_format" not in body]  # a batch's come in any order
+    france = next(body for body in asked if body["messages"][-1]["content"].endswith("France?"))
+    assert france["messages"] == [
         {"role": "system", "content": "Answer with the capital city only."}, {"role": "user", "content": "What is the capital of France?"}
     ]  # fmt: skip  # a developer message is sent as system: the served models' templates know that role
     judged = [body for body in engine.bodies if "response_format" in body]
     assert len(judged) == 2 * len(ITEMS)  # one verdict an answer: asked ahead for a batch, never again
-    assert judged and judged[0]["model"] == BASE and judged[0]["messages"][-1]["content"] == "Is I do not know. the capital of France?"
+    assert {body["model"] for body in judged} == {BASE}
+    assert "Is I do not know. the capital of France?" in {body["messages"][-1]["content"] for body in judged}
 
     base, tuned = (client.evals.runs.retrieve(runs[model], eval_id=evaluation.id) for model in (BASE, fine_tune))
     per_criterion = {r.testing_criteria: (r.passed, r.failed) for r in tuned.per_testing_criteria_results}

@@ -110,6 +110,18 @@ def test_an_eval_whose_judge_is_not_the_callers_is_a_404_naming_it(alice, charli
     assert response.status_code == 404 and response.json()["error"]["param"] == "testing_criteria.0.model", response.json()
 
 
+def test_a_run_whose_judge_was_deleted_since_the_eval_was_made_fails_naming_it(alice, live_server, engine, queued):
+    client = client_for(alice, live_server)
+    judge = register_fine_tuned_model(alice, "judge")
+    evaluation = _guide_eval(client, [JUDGE | {"model": judge}])
+    assert client.models.delete(judge).deleted
+    run = client.evals.runs.create(evaluation.id, data_source={"type": "jsonl", "source": {"type": "file_content", "content": [
+        {**ITEMS[0], "sample": {"output_text": "Paris"}}]}})  # fmt: skip
+    assert run_eval(run.id, "test-worker") == "failed" and engine.bodies == []
+    failed = client.evals.runs.retrieve(run.id, eval_id=evaluation.id)
+    assert failed.error.code == "model_not_found" and judge in failed.error.message
+
+
 def test_a_jsonl_run_grades_the_samples_its_items_bring_and_asks_no_model(alice, live_server, engine, queued):
     client = client_for(alice, live_server)
     evaluation = _guide_eval(client, [STRING_CHECK])

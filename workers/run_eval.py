@@ -17,6 +17,7 @@ from celery.exceptions import SoftTimeLimitExceeded
 from answering.access import usable_target
 from answering.batch import Answerer, Sampling, Target
 from core.api_errors import ApiError
+from core.graders.spec import judge_models
 from core.grading import GradingSandbox
 from evals import run_status, sources
 from evals.models import EvalRun, OutputItem
@@ -49,9 +50,12 @@ def _score(run: EvalRun) -> str:
     if run.model:  # a jsonl run has none: its items bring their answers
         target = Target(run.model, tuple((share["model"], share["scale"]) for share in run.adapters or ()))
         usable_target(run.organization, target)  # the caller's access, as when the run was created
+    criteria = run.eval.testing_criteria
+    for criterion in criteria:  # each judge too, as when the eval was created
+        for _where, judge in judge_models(criterion):
+            usable_target(run.organization, Target(judge))
     items = retrying(sources.run_items, run)
     retrying(run_status.set_total, run.pk, len(items))
-    criteria = run.eval.testing_criteria
     sampling = Sampling(**run.sampling)
     input_messages = sources.input_messages(run)
     totals, index = run_status.Totals(), 0

@@ -79,7 +79,6 @@ class Grading:
             raise JudgeUnavailable(f"{request.model}: {answer.error_code}: {answer.error_message}")
         return answer.text
 
-
     def _ask_judges(self, requests: list[JudgeRequest]) -> None:
         """Ask ``requests`` at once, one batch per model and sampling, and keep the replies for ``judge``."""
         alike: dict[str, list[JudgeRequest]] = {}

@@ -16,7 +16,8 @@ from collections.abc import Iterator
 from typing import Any, BinaryIO
 
 from core import strict_json
-from core.datasets import LineError
+from core.datasets import Example, LineError
+from core.evaluation import cases_of
 from core.jsonl_lines import LineProblems, nonblank_lines
 
 MAX_LINES = 50_000  # a file's items; a run scores the first of them (``evals.sources.MAX_ITEMS``)
@@ -28,6 +29,16 @@ FIELDS = ("item", "sample")
 class EvalItem:
     item: dict[str, Any]
     sample: dict[str, Any] | None = None  # given in advance (jsonl runs); None: the model answers
+
+    def entry(self) -> dict[str, Any]:
+        """As a file's line or a ``file_content`` entry has it (what ``parsed_entry`` reads)."""
+        return {"item": self.item} | ({"sample": self.sample} if self.sample is not None else {})
+
+
+def chat_items(examples: list[Example], limit: int) -> list[EvalItem]:
+    """The items of chat examples (a fine-tuning file's, a job's held-out ones): the first ``limit``
+    that end with an assistant's answer, each ``{"input": <the messages before it>, "expected": <it>}``."""
+    return [EvalItem({"input": case.prompt, "expected": case.expected}) for case in cases_of(examples, limit)]
 
 
 @dataclass

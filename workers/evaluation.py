@@ -16,9 +16,9 @@ from dataclasses import asdict, dataclass
 
 from answering.batch import Answerer, Sampling, Target
 from core.datasets import Example
-from core.eval_items import EvalItem
+from core.eval_items import EvalItem, chat_items
 from core.eval_prompts import DEFAULT_INPUT
-from core.evaluation import cases_of, mean_score
+from core.evaluation import mean_score
 from core.grading import GradingSandbox, describe
 from workers.scoring import Grading, answered_and_graded, in_batches
 
@@ -51,7 +51,7 @@ class Scores:
 
 def evaluate(organization_id: int, evaluation: dict, examples: list[Example], reference: str, adapter: str) -> Scores:
     criteria = evaluation["graders"]
-    items = [EvalItem({"input": case.prompt, "expected": case.expected}) for case in cases_of(examples, MAX_CASES)]
+    items = chat_items(examples, MAX_CASES)
     with Answerer(organization_id) as answerer, GradingSandbox() as sandbox:
         grading = Grading(answerer, sandbox)
         reference_score = mean_score(_scores(grading, reference, criteria, items))
@@ -63,7 +63,7 @@ def evaluate(organization_id: int, evaluation: dict, examples: list[Example], re
 def checkpoint_score(organization_id: int, evaluation: dict, examples: list[Example], checkpoint: str) -> float:
     """A checkpoint's score by the job's graders on its held-out examples (early stopping by
     ``eval_score``: ``workers.training.early_stopping``); EvaluationUnavailable as for the gate."""
-    items = [EvalItem({"input": case.prompt, "expected": case.expected}) for case in cases_of(examples, MAX_CASES)]
+    items = chat_items(examples, MAX_CASES)
     with Answerer(organization_id) as answerer, GradingSandbox() as sandbox:
         return mean_score(_scores(Grading(answerer, sandbox), checkpoint, evaluation["graders"], items))
 

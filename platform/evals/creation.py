@@ -126,7 +126,7 @@ def _items(organization: Organization, evaluation: Eval, data_source: DataSource
     elif source.type == "file_content":
         items = sources.content_items(source.content or [], "data_source.source.content")
         sources.check_items(evaluation, items, "data_source.source.content")
-        file_id, count, kept["source"] = "", len(items), {"type": "file_content", "content": [_entry(item) for item in items]}
+        file_id, count, kept["source"] = "", len(items), {"type": "file_content", "content": [item.entry() for item in items]}
     else:
         if source.id is None:
             raise ApiError("data_source.source.id: name the file", param="data_source.source.id", code="invalid_value")
@@ -150,10 +150,6 @@ def _items(organization: Organization, evaluation: Eval, data_source: DataSource
             param = f"data_source.input_messages.{field}"
             raise ApiError(f"{param}: {message}", param=param, code="invalid_value")
     return file_id, items, count, kept
-
-
-def _entry(item: EvalItem) -> dict:
-    return {"item": item.item} | ({"sample": item.sample} if item.sample is not None else {})
 
 
 def _check_requests(request: RunCreate, items: list[EvalItem] | None, input_messages: dict) -> None:

@@ -71,10 +71,7 @@ def _checked(organization: Organization, index: int, item: object) -> dict:
     param = f"testing_criteria.{index}"
     kind = item.get("type") if isinstance(item, dict) else None
     if isinstance(kind, str) and kind in GRADER_TYPES:  # OpenAI's (python: refused there, saying why)
-        assert isinstance(item, dict)
-        criterion = checked_grader(item, param, pass_threshold=True)
-        for where, model in judge_models(criterion):  # where: "model", "graders.<name>.model"
-            usable_target(organization, Target(model), f"{param}.{where}".removesuffix(".model"))
+        criterion = checked_with_judges(organization, item, param, pass_threshold=True)
         return {**criterion, "name": criterion.get("name") or kind}
     if not isinstance(kind, str) or kind not in GRADERS:
         raise ApiError(
@@ -83,6 +80,15 @@ def _checked(organization: Organization, index: int, item: object) -> dict:
         )  # fmt: skip
     assert isinstance(item, dict)
     return _kept(_parsed(index, _MODELS[kind], item))
+
+
+def checked_with_judges(organization: Organization, raw: object, param: str, pass_threshold: bool = False) -> dict:
+    """One of OpenAI's graders as kept (``core.graders.spec``), or the 400 naming its field under
+    ``param``; a judge the organization may not use is its 404."""
+    grader = checked_grader(raw, param, pass_threshold=pass_threshold)
+    for where, model in judge_models(grader):  # where: "model", "graders.<name>.model"
+        usable_target(organization, Target(model), f"{param}.{where}".removesuffix(".model"))
+    return grader
 
 
 def _parsed(index: int, model: type[_Criterion], item: dict) -> _Criterion:

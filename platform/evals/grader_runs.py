@@ -15,11 +15,9 @@ from django.conf import settings
 from kombu.exceptions import OperationalError
 
 from accounts.models import Organization
-from answering.access import usable_target
-from answering.batch import Target
 from base.celery import GRADE_SAMPLE, send
 from core.api_errors import UNAVAILABLE, ApiError
-from core.graders.spec import checked_grader, judge_models
+from evals.criteria import checked_with_judges
 
 RUN_WAIT_S = 60  # a judge's answer on a busy engine takes seconds; a grader that needs more is not for run
 REPLY_TTL_S = 120  # a reply nobody took (the caller gave up) is dropped
@@ -28,10 +26,7 @@ MAX_SAMPLE_CHARS = 100_000
 
 def checked(organization: Organization, raw: object) -> dict:
     """The grader as it runs, or the 400 naming its field; a judge the organization may not use is its 404."""
-    grader = checked_grader(raw, "grader")
-    for where, model in judge_models(grader):
-        usable_target(organization, Target(model), f"grader.{where}".removesuffix(".model"))
-    return grader
+    return checked_with_judges(organization, raw, "grader")
 
 
 def reply_key(request_id: str) -> str:

@@ -68,10 +68,6 @@ class TemplateMessage(_Strict):
     content: str | TextPart | list[TextPart] = Field(max_length=MAX_TEMPLATE_CHARS)
     type: Literal["message"] | None = None
 
-    def text(self) -> str:
-        parts = self.content if isinstance(self.content, list) else [self.content]
-        return "".join(part if isinstance(part, str) else part.text for part in parts)
-
 
 class InputMessages(_Strict):
     """The prompt of each item: a ``template`` of messages over ``{{item.*}}``, or an

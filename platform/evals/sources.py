@@ -12,9 +12,8 @@ from typing import Any
 
 from accounts.models import Organization
 from core.api_errors import ApiError, not_found
-from core.eval_items import EvalItem, parsed_entry, read_items
+from core.eval_items import EvalItem, chat_items, parsed_entry, read_items
 from core.eval_prompts import DEFAULT_INPUT
-from core.evaluation import cases_of
 from core.grading import first_invalid_item
 from evals.models import Eval, EvalRun
 from finetuning.files import EVALS_PURPOSE, PURPOSE, first_examples, open_content
@@ -53,7 +52,7 @@ def file_items(organization: Organization | None, file_id: str, param: str) -> l
             f"File {file_id} has purpose '{file.purpose}'; an eval reads files of purpose '{EVALS_PURPOSE}' "
             f"({{\"item\": {{...}}}} lines) or '{PURPOSE}' (chat examples).", param=param, code="invalid_file_purpose",
         )  # fmt: skip
-    items = chat_items(file)
+    items = chat_items(first_examples(file, MAX_ITEMS), MAX_ITEMS)
     if not items:
         raise ApiError(
             f"File {file_id} has no example ending with an assistant message, the expected answer its graders "
@@ -61,11 +60,6 @@ def file_items(organization: Organization | None, file_id: str, param: str) -> l
             param=param, code="invalid_file",
         )  # fmt: skip
     return items
-
-
-def chat_items(file: File) -> list[EvalItem]:
-    cases = cases_of(first_examples(file, MAX_ITEMS), MAX_ITEMS)
-    return [EvalItem({"input": case.prompt, "expected": case.expected}) for case in cases]
 
 
 def content_items(content: list[Any], param: str) -> list[EvalItem]:

@@ -193,6 +193,7 @@ class Config:
     job_database_wait_s: int  # how long a trainer's database call waits out an unreachable database
     job_time_limit_s: int  # a job still training after this long fails (a hung trainer frees its queue)
     sweep_s: int  # how often the worker's beat sweeps: stale jobs queued again, lost messages sent again
+    loop_idle_s: int  # a training run (Tinker protocol) with no request for this long stops, freeing its trainer
     # A queued job or composition whose message the broker has not held for this long is sent again.
     lost_message_s: int
     # A job that ended without publishing (failed, cancelled) keeps its servable checkpoints this long.
@@ -324,6 +325,7 @@ def load_config() -> Config:
         job_database_wait_s=env_int("JOB_DATABASE_WAIT_SECONDS", 120, minimum=0),
         job_time_limit_s=env_int("JOB_TIME_LIMIT_SECONDS", 6 * 3600, minimum=1),
         sweep_s=env_int("SWEEP_SECONDS", 30, minimum=1),
+        loop_idle_s=env_int("LOOP_IDLE_SECONDS", 600, minimum=5),
         lost_message_s=env_int("LOST_MESSAGE_SECONDS", 60, minimum=1),
         unpublished_checkpoints_days=env_int("UNPUBLISHED_CHECKPOINTS_DAYS", 7, minimum=0),
         limits=_limits(),

@@ -6,6 +6,7 @@ import ctypes
 import gc
 import os
 import signal
+import socket
 import sys
 from urllib.parse import quote
 
@@ -68,8 +69,11 @@ def test_database_url(django_db_setup) -> str:
 class Worker:
     """A real Celery worker process on the test broker and database; tests may kill and restart it."""
 
-    def __init__(self, database_url: str):
+    def __init__(self, database_url: str, queues: str = "default,training", name: str = "worker"):
         self.env = {"DATABASE_URL": database_url}
+        self.name = name
+        self.command = celery_worker_command(queues, f"test-{name}")
+        self.hostname = self.command[self.command.index("--hostname") + 1].replace("%h", socket.gethostname())
         self.process = None
         self._running = None
 
@@ -78,9 +82,10 @@ class Worker:
         return self._running is not None
 
     def start(self) -> None:
-        self._running = running("worker", celery_worker_command(), self.env)
+        self._running = running(self.name, self.command, self.env)
         self.process = self._running.__enter__()
-        wait_until(lambda: bool(celery_app.control.ping(timeout=0.5, limit=1)), 60, "celery worker", self.process)
+        alive = lambda: bool(celery_app.control.ping(destination=[self.hostname], timeout=0.5, limit=1))  # noqa: E731
+        wait_until(alive, 60, f"celery {self.name}", self.process)
 
     def stop(self) -> None:
         if self._running is not None:
@@ -109,6 +114,23 @@ def celery_worker(_session_worker):
     if not _session_worker.alive:
         _session_worker.start()
     return _session_worker
+
+
+@pytest.fixture(scope="session")
+def _loop_trainer(test_database_url):
+    """A trainer for training runs driven step by step (the ``loops`` queue), as bin/run's ``looper``;
+    a run stops (freeing its model) 20 s after its last request."""
+    trainer = Worker(test_database_url, "loops", "looper")
+    trainer.env |= {"LOOP_IDLE_SECONDS": "20"}
+    yield trainer
+    trainer.stop()
+
+
+@pytest.fixture
+def loop_trainer(_loop_trainer):
+    if not _loop_trainer.alive:
+        _loop_trainer.start()
+    return _loop_trainer
 
 
 class SharedPool:

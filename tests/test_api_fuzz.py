@@ -58,7 +58,7 @@ def tenant_rows() -> int:
     """Rows of every table a tenant's request could write to. Not job events: the session's worker
     adds them to the fuzz's own queued jobs at any moment (the sweeper says what each waits for),
     which would count as a write of whatever request it lands in."""
-    labels = ("finetuning", "evals", "batches", "accounts", "auth", "webhooks")
+    labels = ("finetuning", "evals", "batches", "accounts", "auth", "webhooks", "training_loops")
     tables = [model for label in labels for model in apps.get_app_config(label).get_models() if model is not JobEvent]
     return sum(model.objects.count() for model in tables)
 

@@ -41,6 +41,7 @@ from evals.models import Eval, EvalRun
 from finetuning import files, job_creation
 from finetuning.models import FineTuningJob, JobStatus
 from tests.inference_fixtures import BASE, register_fine_tuned_model
+from training_loops.models import CheckpointKind, LoopCheckpoint, LoopRun, LoopSession, RunStatus
 from tests.personas import Persona, batch_lines, good_dataset, preference_dataset
 from tests.test_api_fuzz import tenant_rows
 from webhooks import endpoints
@@ -72,10 +73,13 @@ class Door:
     # A dashboard page that shows its nearest usable page (or its default) for an unusable query value,
     # as it always has: a 200 is the right answer there, a 5xx still is not.
     lenient_query: bool = False
+    # The Tinker protocol: its SDK sends fields newer than a server knows, which the server ignores (as
+    # Tinker's own do), so an unknown field is no refusal there.
+    ignores_unknown_fields: bool = False
 
     @property
     def api(self) -> bool:
-        return self.path.startswith("/v1/") or self.path == "/playground/chat"
+        return self.path.startswith(("/v1/", "/api/v1/")) or self.path == "/playground/chat"
 
 
 CHAT = {"model": BASE, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
@@ -117,6 +121,15 @@ GUIDE_RUN = {"data_source": {"type": "completions", "model": BASE,
                              "input_messages": {"type": "template", "template": [{"role": "user", "content": "{{item.expected}}?"}]}}}  # fmt: skip
 CLOSE = {key: value for key, value in SIMILARITY.items() if key != "pass_threshold"}  # graders.run's: no threshold
 GRADER_RUN = {"grader": JUDGE, "model_sample": "Paris", "item": {"answer": "Paris"}}
+# The Tinker SDK's requests (tinker/types), as it sends them.
+TINKER_RUN = {"session_id": "{session}", "base_model": BASE, "lora_config": {"rank": 8}, "model_seq_id": 0}
+TINKER_SAMPLE = {"num_samples": 1, "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2]}]},
+                 "sampling_params": {"max_tokens": 4, "temperature": 1.0}, "base_model": BASE}  # fmt: skip
+STATE_PATH = "tinker://{looprun}/weights/hostile"
+
+
+def tinker_door(path: str, route: str, valid: dict, number: str | None = None, text: str | None = None) -> Door:
+    return Door("POST", f"/api/v1/{path}", route, JSON, valid, number, text, ignores_unknown_fields=True)
 
 # The one table of doors. GET routes read a query string at most; those that read none are in EXCLUDED.
 # fmt: off
@@ -158,6 +171,31 @@ DOORS = [
     Door("POST", "/v1/fine_tuning/alpha/graders/validate", "graders-validate", JSON, {"grader": JUDGE}, "grader.sampling_params.temperature", "grader.input.0.content"),
     Door("POST", "/v1/fine_tuning/alpha/graders/run", "graders-run", JSON, GRADER_RUN, "grader.range.1", "model_sample"),
     Door("POST", "/v1/evals/{eval}/runs/{run}/cancel", "eval-run-cancel", NOTHING),
+    # The Tinker protocol (X-API-Key: tml-<key>)
+    tinker_door("create_session", "tinker-create-session", {"tags": [], "sdk_version": "0.38.0"}, text="sdk_version"),
+    tinker_door("create_session", "tinker-create-session", {"tags": ["a"], "user_metadata": {"k": "v"}}, text="tags.0"),
+    tinker_door("session_heartbeat", "tinker-session-heartbeat", {"session_id": "{session}"}, text="session_id"),
+    tinker_door("create_model", "tinker-create-model", TINKER_RUN, "lora_config.rank", "base_model"),
+    tinker_door("create_model", "tinker-create-model", TINKER_RUN, "lora_config.seed", "session_id"),
+    tinker_door("get_info", "tinker-get-info", {"model_id": "{looprun}"}, text="model_id"),
+    tinker_door("optim_step", "tinker-optim-step", {"model_id": "{looprun}", "adam_params": {"learning_rate": 1e-4}},
+                "adam_params.learning_rate", "model_id"),
+    tinker_door("optim_step", "tinker-optim-step", {"model_id": "{looprun}", "adam_params": {"beta2": 0.95}}, "adam_params.beta2"),
+    tinker_door("save_weights", "tinker-save-weights", {"model_id": "{looprun}", "path": "hostile"}, "seq_id", "path"),
+    tinker_door("save_weights_for_sampler", "tinker-save-weights-for-sampler", {"model_id": "{looprun}", "path": "hostile"},
+                "sampling_session_seq_id", "path"),
+    tinker_door("load_weights", "tinker-load-weights", {"model_id": "{looprun}", "path": STATE_PATH, "optimizer": True}, text="path"),
+    tinker_door("load_weights", "tinker-load-weights", {"session_id": "{session}", "path": STATE_PATH, "optimizer": True},
+                text="session_id"),
+    tinker_door("create_sampling_session", "tinker-create-sampling-session", {"session_id": "{session}", "base_model": BASE},
+                text="base_model"),
+    tinker_door("asample", "tinker-asample", TINKER_SAMPLE, "sampling_params.max_tokens", "base_model"),
+    tinker_door("asample", "tinker-asample", TINKER_SAMPLE, "num_samples", "prompt.chunks.0.type"),
+    tinker_door("asample", "tinker-asample", TINKER_SAMPLE, "sampling_params.temperature", "sampling_params.stop"),
+    tinker_door("asample", "tinker-asample", TINKER_SAMPLE, "prompt.chunks.0.tokens.0"),
+    tinker_door("retrieve_future", "tinker-retrieve-future", {"request_id": "req_0"}, text="request_id"),
+    Door("GET", "/api/v1/training_runs", "tinker-training-runs", QUERY, {"limit": "5"}, number="limit"),
+    Door("GET", "/api/v1/training_runs", "tinker-training-runs", QUERY, {"offset": "0"}, number="offset"),
     Door("DELETE", "/v1/evals/{eval}", "eval-detail", NOTHING),
     Door("DELETE", "/v1/evals/{eval}/runs/{run}", "eval-run-detail", NOTHING),
     Door("GET", "/v1/evals", "eval-list", QUERY, {"limit": "2"}, "limit", "after"),
@@ -265,6 +303,13 @@ EXCLUDED = {
     ("dashboard:model_compose", "GET"): "the empty form",
     ("dashboard:model_adapter", "GET"): "a model's archive by its name",
     ("dashboard:api_keys", "GET"): "the keys page: no parameters",
+    ("tinker-healthz", "*"): "no input",
+    ("tinker-client-config", "*"): "no input: the server's flags for the SDK",
+    ("tinker-server-capabilities", "*"): "the catalog: no parameters",
+    ("tinker-training-run", "*"): "a training run by its id",
+    ("tinker-run-checkpoints", "*"): "a training run's saved weights by its id",
+    ("tinker-forward-backward", "*"): "a protobuf body, not JSON: its hostile bodies are tests/test_training_loops.py's",
+    ("tinker-unknown", "*"): "any other path: a 404 naming it",
 }
 
 
@@ -317,7 +362,7 @@ def _applies(door: Door, hostile: Hostile) -> bool:
         return False
     if hostile.body is not None:
         if hostile.name == "unknown field":  # a form's or a query's unknown fields are ignored, as browsers send extras
-            return door.reads == JSON
+            return door.reads == JSON and not door.ignores_unknown_fields
         if hostile.name == "deep nesting":
             return door.reads == JSON
         return door.reads in (JSON, FORM, MULTIPART)
@@ -366,7 +411,13 @@ class Objects(dict):
             organization=alice.organization, input_file_id=batch_file.id, endpoint="/v1/chat/completions",
             completion_window="24h", total=2, expires_at=timezone.now() + timedelta(hours=24),
         )  # fmt: skip
+        session = LoopSession.objects.create(organization=alice.organization)
+        looprun = LoopRun.objects.create(
+            session=session, organization=alice.organization, base_model=BASE, lora_rank=8, status=RunStatus.RUNNING
+        )
+        LoopCheckpoint.objects.create(run=looprun, kind=CheckpointKind.STATE, name="hostile", storage_key="nowhere/")
         super().__init__(
+            session=session.id, looprun=looprun.id,
             eval=evaluation.id, run=run.id, webhook=webhook.id, batch=batch.id, batchfile=batch_file.id,
             file=training.id, pairs=pairs.id, job=job.id, model=register_fine_tuned_model(alice, "hostile-model"),
             key=create_api_key(alice.organization, alice.user, "spare")[0].prefix, org=str(alice.organization.pk),
@@ -543,7 +594,7 @@ def callers(alice) -> dict[bool, Client]:
     browser = Client(raise_request_exception=False)  # a 500 is an answer to count, not an error of the test
     browser.force_login(alice.user)
     return {
-        False: Client(raise_request_exception=False, headers={"Authorization": f"Bearer {alice.key}"}),
+        False: Client(raise_request_exception=False, headers={"Authorization": f"Bearer {alice.key}", "X-API-Key": f"tml-{alice.key}"}),
         True: browser,
     }
 
@@ -610,7 +661,7 @@ def test_every_route_has_a_door_or_a_reason_to_have_none():
     names = {name for name, _method in known}
     missing = []
     for route, name, callback in _routes(get_resolver().url_patterns):
-        if not (route.startswith("v1/") or name.startswith("dashboard:")):
+        if not (route.startswith(("v1/", "api/v1/")) or name.startswith("dashboard:")):
             continue
         for method in sorted(_methods(callback)):
             if (method == "*" and name not in names) or (method != "*" and (name, method) not in known):

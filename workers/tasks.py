@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from django.conf import settings
 
 from base.celery import (
-    COMPOSE_MODEL, DELIVER_WEBHOOK, GRADE_SAMPLE, RUN_BATCH, RUN_EVAL, SWEEP_JOBS, TAKE_TRAINING_TURN, WORKER_REPORT, app,
+    COMPOSE_MODEL, DELIVER_WEBHOOK, GRADE_SAMPLE, HOLD_TRAINING_RUN, RUN_BATCH, RUN_EVAL, SWEEP_JOBS, TAKE_TRAINING_TURN, WORKER_REPORT, app,
 )  # fmt: skip
 
 if TYPE_CHECKING:
@@ -98,6 +98,22 @@ def run_batch(self: Task, batch_id: str) -> str:
     from workers.run_batch import run_batch
 
     return run_batch(batch_id, worker=self.request.hostname or "unknown")
+
+
+# A training run ends itself once idle (``LOOP_IDLE_SECONDS``); this only frees a trainer stuck past
+# a working day of requests.
+LOOP_SOFT_LIMIT_S = 12 * 3600
+LOOP_HARD_LIMIT_S = LOOP_SOFT_LIMIT_S + 60
+
+
+@app.task(
+    name=HOLD_TRAINING_RUN.name, queue=HOLD_TRAINING_RUN.queue, bind=True, soft_time_limit=LOOP_SOFT_LIMIT_S,
+    time_limit=LOOP_HARD_LIMIT_S,
+)  # fmt: skip
+def hold_training_run(self: Task, run_id: str) -> str:
+    from workers.run_training_loop import run_training_loop
+
+    return run_training_loop(run_id, worker=self.request.hostname or "unknown")
 
 
 # An attempt ends within ``core.webhook_http.DEADLINE_S``; this only frees a worker stuck past it.

@@ -26,6 +26,9 @@ TRAINING_QUEUE = "training"
 # Batch API work (``workers.run_batch``): a process of its own (``batcher``), so hours of batch lines
 # never hold the default queue's slots (eval runs, webhooks, the sweeper).
 BATCH_QUEUE = "batch"
+# Training runs driven step by step (the Tinker protocol, ``workers.run_training_loop``): a trainer
+# holds one for as long as its client sends requests, so they never hold the jobs' trainers.
+LOOPS_QUEUE = "loops"
 REQUIRED_QUEUES = (DEFAULT_QUEUE, TRAINING_QUEUE)  # each needs a consumer for the platform to work
 
 app = Celery("fineserve")
@@ -46,6 +49,7 @@ COMPOSE_MODEL = TaskName("workers.tasks.compose_model", DEFAULT_QUEUE)
 RUN_EVAL = TaskName("workers.tasks.run_eval", DEFAULT_QUEUE)
 GRADE_SAMPLE = TaskName("workers.tasks.grade_sample", DEFAULT_QUEUE)  # graders.run: its caller waits
 RUN_BATCH = TaskName("workers.tasks.run_batch", BATCH_QUEUE)
+HOLD_TRAINING_RUN = TaskName("workers.tasks.hold_training_run", LOOPS_QUEUE)
 SWEEP_JOBS = TaskName("workers.tasks.sweep_jobs", DEFAULT_QUEUE)
 DELIVER_WEBHOOK = TaskName("workers.tasks.deliver_webhook", DEFAULT_QUEUE)
 WORKER_REPORT = TaskName("workers.tasks.worker_report", DEFAULT_QUEUE)

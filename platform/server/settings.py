@@ -41,6 +41,7 @@ INSTALLED_APPS = [
     "finetuning",
     "evals",
     "batches",
+    "training_loops",
     "health",
     "gateway",
     "usage",

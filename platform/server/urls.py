@@ -15,6 +15,7 @@ urlpatterns = [
     path("v1/", include("webhooks.urls")),
     # Any other /v1/ path is a JSON 404 in every mode (with DEBUG=true Django would not use handler404).
     re_path(r"^v1/", unknown_api_path),
+    path("api/v1/", include("training_loops.urls")),  # the Tinker SDK's protocol
     path("api/schema", SpectacularAPIView.as_view(), name="openapi-schema"),
     path("api/docs", SpectacularRedocView.as_view(url_name="openapi-schema"), name="api-docs"),
     path("", include("dashboard.urls")),

@@ -1,0 +1,5 @@
+from django.apps import AppConfig
+
+
+class TrainingLoopsConfig(AppConfig):
+    name = "training_loops"

@@ -1,0 +1,215 @@
+"""Sessions, training runs and their saved weights: what the Tinker protocol's calls do to the
+database (the views only translate). Another organization's session, run or path is not found,
+as if it did not exist.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from django.conf import settings
+from django.db import transaction
+from django.utils import timezone
+
+from accounts.models import Organization
+from base.celery import HOLD_TRAINING_RUN, send
+from core.api_errors import ApiError, not_found
+from training_loops.models import CheckpointKind, LoopCheckpoint, LoopRun, LoopSession, RunStatus
+from training_loops.samplers import Sampler
+
+MAX_OPEN_RUNS_PER_ORGANIZATION = 2  # runs queued or held by a trainer: each holds a model in memory
+MAX_RANK = 64
+_PATH = re.compile(r"tinker://(?P<run>run_[A-Za-z0-9]{24})/(?P<folder>weights|sampler_weights)/(?P<name>[A-Za-z0-9._-]{1,128})")
+NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
+
+
+def create_session(organization: Organization, tags: list[str], user_metadata: dict | None, sdk_version: str, display_name: str) -> LoopSession:
+    return LoopSession.objects.create(
+        organization=organization, tags=tags, user_metadata=user_metadata, sdk_version=sdk_version[:40],
+        display_name=display_name[:200],
+    )  # fmt: skip
+
+
+def session_of(organization: Organization, session_id: str) -> LoopSession:
+    session = LoopSession.objects.for_org(organization).filter(pk=session_id).first()
+    if session is None:
+        raise not_found("session", session_id, "session_id")
+    return session
+
+
+def beat(organization: Organization, session_id: str) -> None:
+    """The client is alive: its session's runs are not idle for that reason alone (they stop when no request comes)."""
+    updated = LoopSession.objects.for_org(organization).filter(pk=session_id).update(heartbeat_at=timezone.now())
+    if not updated:
+        raise not_found("session", session_id, "session_id")
+
+
+def capabilities() -> list[dict]:
+    """The catalog's models, each trainable and sampleable here."""
+    return [
+        {"model_name": model.id, "max_context_length": model.engine.max_model_len, "trainable": True, "sampleable": True}
+        for model in settings.MODEL_CATALOG.models
+    ]
+
+
+@dataclass(frozen=True)
+class RunShape:
+    base_model: str
+    rank: int
+    seed: int | None = None
+    train_mlp: bool = True
+    train_attn: bool = True
+    user_metadata: dict | None = None
+
+
+def create_run(organization: Organization, session_id: str, shape: RunShape, start_from: LoopCheckpoint | None = None,
+               with_optimizer: bool = False) -> LoopRun:  # fmt: skip
+    """A new training run, queued for a trainer once the transaction commits."""
+    base = settings.MODEL_CATALOG.get(shape.base_model)
+    if base is None:
+        raise ApiError(f"base_model '{shape.base_model}' is not offered here; see get_server_capabilities", param="base_model",
+                       code="model_not_available")  # fmt: skip
+    if not 1 <= shape.rank <= min(MAX_RANK, base.lora.max_lora_rank):
+        raise ApiError(f"lora_config.rank must be from 1 to {min(MAX_RANK, base.lora.max_lora_rank)} (what the serving "
+                       f"engine takes for {base.id})", param="lora_config.rank")  # fmt: skip
+    if not (shape.train_mlp or shape.train_attn):
+        raise ApiError("lora_config: train_mlp or train_attn must be true (there is nothing else to train here)", param="lora_config")
+    with transaction.atomic():
+        session = LoopSession.objects.select_for_update().filter(organization=organization, pk=session_id).first()
+        if session is None:
+            raise not_found("session", session_id, "session_id")
+        open_runs = LoopRun.objects.for_org(organization).filter(status__in=(RunStatus.QUEUED, RunStatus.RUNNING)).count()
+        if open_runs >= MAX_OPEN_RUNS_PER_ORGANIZATION:
+            raise ApiError(
+                f"Your organization has {open_runs} training runs open (at most {MAX_OPEN_RUNS_PER_ORGANIZATION}); a run closes "
+                "when its client stops sending requests.", status=429, code="too_many_training_runs", retry_after_s=30,
+            )  # fmt: skip
+        run = LoopRun.objects.create(
+            session=session, organization=organization, base_model=base.id, lora_rank=shape.rank, seed=shape.seed,
+            train_mlp=shape.train_mlp, train_attn=shape.train_attn, user_metadata=shape.user_metadata,
+            start_from=start_from, start_with_optimizer=with_optimizer,
+        )  # fmt: skip
+        transaction.on_commit(lambda: send(HOLD_TRAINING_RUN, run.pk))
+    return run
+
+
+def run_of(organization: Organization, run_id: str, param: str = "model_id") -> LoopRun:
+    run = LoopRun.objects.for_org(organization).filter(pk=run_id).first()
+    if run is None:
+        raise not_found("training run", run_id, param)
+    return run
+
+
+def open_run_of(organization: Organization, run_id: str) -> LoopRun:
+    """A run that takes requests: a stopped or failed one says why, and what to do."""
+    run = run_of(organization, run_id)
+    if run.status == RunStatus.FAILED:
+        raise ApiError(f"Training run {run.pk} failed: {run.error_message}", status=409, code="training_run_failed", param="model_id")
+    if run.status == RunStatus.STOPPED:
+        raise ApiError(
+            f"Training run {run.pk} stopped after {settings.CONFIG.loop_idle_s} s without a request; create a training client "
+            "from its last saved state to go on.", status=409, code="training_run_stopped", param="model_id",
+        )  # fmt: skip
+    return run
+
+
+def checkpoint_at(organization: Organization, path: str, param: str = "path") -> LoopCheckpoint:
+    """The saved weights a ``tinker://<run>/{weights,sampler_weights}/<name>`` path names."""
+    match = _PATH.fullmatch(path)
+    if match is None:
+        raise ApiError(f"'{path[:300]}' is not a path this server gave: tinker://<model_id>/weights/<name> or "
+                       "tinker://<model_id>/sampler_weights/<name>", param=param)  # fmt: skip
+    kind = CheckpointKind.STATE if match["folder"] == "weights" else CheckpointKind.SAMPLER
+    checkpoint = (
+        LoopCheckpoint.objects.filter(run__organization=organization, run_id=match["run"], kind=kind, name=match["name"])
+        .select_related("run").first()
+    )  # fmt: skip
+    if checkpoint is None:
+        raise not_found("checkpoint", path, param)
+    return checkpoint
+
+
+def checked_name(name: str | None, default: str) -> str:
+    """A name for saved weights: the caller's (letters, digits, ``.``, ``_``, ``-``), or ``default``."""
+    if name is None:
+        return default
+    if not NAME.fullmatch(name) or name in (".", ".."):
+        raise ApiError("path must be 1-128 letters, digits, '.', '_' or '-' (it names a folder)", param="path")
+    return name
+
+
+def run_from_state(organization: Organization, session_id: str, state: LoopCheckpoint, with_optimizer: bool,
+                   user_metadata: dict | None) -> LoopRun:  # fmt: skip
+    """A new run that starts from a saved state: its base model, rank and targets are the state's run's."""
+    if state.kind != CheckpointKind.STATE:
+        raise ApiError("a run starts from saved weights with their optimizer (tinker://.../weights/...), not from sampler "
+                       "weights", param="path")  # fmt: skip
+    source = state.run
+    shape = RunShape(source.base_model, source.lora_rank, source.seed, source.train_mlp, source.train_attn, user_metadata)
+    return create_run(organization, session_id, shape, start_from=state, with_optimizer=with_optimizer)
+
+
+def sampler_for(organization: Organization, model_path: str | None, base_model: str | None) -> Sampler:
+    """What to sample from: saved sampler weights (``model_path``), or a base model of the catalog."""
+    if model_path is not None:
+        checkpoint = checkpoint_at(organization, model_path, "model_path")
+        if checkpoint.served_as is None:
+            raise ApiError("sample from sampler weights (tinker://.../sampler_weights/...): a training state is not served",
+                           param="model_path")  # fmt: skip
+        return Sampler(organization.pk, checkpoint.served_as, checkpoint.run.base_model)
+    if base_model is None or settings.MODEL_CATALOG.get(base_model) is None:
+        raise ApiError(f"base_model '{(base_model or '')[:200]}' is not offered here; give model_path or a base model of "
+                       "get_server_capabilities", param="base_model")  # fmt: skip
+    return Sampler(organization.pk, base_model, base_model)
+
+
+def tokenizer_id(base_model: str) -> str:
+    """What the SDK's ``get_tokenizer`` loads: the base model's weights folder, which holds its
+    tokenizer (no model hub is needed, on the machine that serves it)."""
+    return str(settings.MODEL_CATALOG.require(base_model).weights)
+
+
+def _run_view(run: LoopRun) -> dict:
+    last = run.checkpoints.filter(kind=CheckpointKind.STATE).first()
+    sampler = run.checkpoints.filter(kind=CheckpointKind.SAMPLER).first()
+    return {
+        "training_run_id": run.pk, "base_model": run.base_model, "model_owner": run.organization.slug, "is_lora": True,
+        "lora_rank": run.lora_rank, "corrupted": run.status == RunStatus.FAILED, "last_request_time": run.heartbeat_at or run.created_at,
+        "last_checkpoint": _checkpoint_view(last) if last else None,
+        "last_sampler_checkpoint": _checkpoint_view(sampler) if sampler else None, "user_metadata": run.user_metadata,
+        "status": run.status, "error": run.error_message or None,
+    }  # fmt: skip
+
+
+def _checkpoint_view(checkpoint: LoopCheckpoint) -> dict:
+    return {
+        "checkpoint_id": f"{'weights' if checkpoint.kind == CheckpointKind.STATE else 'sampler_weights'}/{checkpoint.name}",
+        "checkpoint_type": "training" if checkpoint.kind == CheckpointKind.STATE else "sampler", "time": checkpoint.created_at,
+        "tinker_path": checkpoint.path, "size_bytes": checkpoint.size_bytes, "public": False, "served_as": checkpoint.served_as,
+    }  # fmt: skip
+
+
+def listed_runs(organization: Organization, limit: str | None, offset: str | None) -> dict:
+    page = max(1, min(_whole(limit, 20, "limit"), 100))
+    start = _whole(offset, 0, "offset")
+    found = LoopRun.objects.for_org(organization).select_related("organization")
+    total = found.count()
+    return {"training_runs": [_run_view(run) for run in found[start : start + page]], "cursor": {"offset": start, "limit": page, "total_count": total}}
+
+
+def _whole(raw: str | None, default: int, param: str) -> int:
+    if raw is None:
+        return default
+    if not raw.isdigit() or len(raw) > 9:
+        raise ApiError(f"{param} must be a whole number below a billion, not '{raw[:20]}'", param=param)
+    return int(raw)
+
+
+def run_view(organization: Organization, run_id: str) -> dict:
+    return _run_view(run_of(organization, run_id, "training_run_id"))
+
+
+def checkpoints_view(organization: Organization, run_id: str) -> dict:
+    run = run_of(organization, run_id, "training_run_id")
+    return {"checkpoints": [_checkpoint_view(checkpoint) for checkpoint in run.checkpoints.all()]}

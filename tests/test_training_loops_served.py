@@ -1,0 +1,115 @@
+"""The training loop in the caller's hands, driven by the official ``tinker`` SDK unchanged against
+the gateway, on the real engine and a real trainer: Tinker's own quickstart (supervised pig latin:
+forward_backward, optim_step, then sample from the saved weights) lowers its loss and changes what
+the pool answers; a state saved with its optimizer is where a new run goes on from; and another
+organization can use none of it."""
+
+# ruff: noqa: F811 (pytest fixtures are imported from tests.inference_fixtures, then named as arguments)
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tinker
+from tinker import types
+
+from tests.inference_fixtures import BASE, alice, charlie, gateway  # noqa: F401 (fixtures)
+
+pytestmark = [pytest.mark.engine, pytest.mark.training, pytest.mark.django_db(transaction=True)]
+
+# Tinker's quickstart examples, as written there.
+EXAMPLES = [
+    {"input": "banana split", "output": "anana-bay plit-say"},
+    {"input": "quantum physics", "output": "uantum-qay ysics-phay"},
+    {"input": "donut shop", "output": "onut-day op-shay"},
+    {"input": "pickle jar", "output": "ickle-pay ar-jay"},
+    {"input": "space exploration", "output": "ace-spay exploration-way"},
+    {"input": "rubber duck", "output": "ubber-ray uck-day"},
+    {"input": "coding wizard", "output": "oding-cay izard-way"},
+]
+
+
+def process_example(example: dict, tokenizer) -> types.Datum:
+    """The quickstart's own function, unchanged."""
+    prompt = f"English: {example['input']}\nPig Latin:"
+    prompt_tokens = tokenizer.encode(prompt, add_special_tokens=True)
+    prompt_weights = [0] * len(prompt_tokens)
+    completion_tokens = tokenizer.encode(f" {example['output']}\n\n", add_special_tokens=False)
+    completion_weights = [1] * len(completion_tokens)
+    tokens = prompt_tokens + completion_tokens
+    weights = prompt_weights + completion_weights
+    input_tokens = tokens[:-1]
+    target_tokens = tokens[1:]
+    weights = weights[1:]
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(tokens=input_tokens),
+        loss_fn_inputs=dict(weights=weights, target_tokens=target_tokens),
+    )
+
+
+def service_client(gateway: str, persona) -> tinker.ServiceClient:
+    return tinker.ServiceClient(base_url=gateway, api_key=f"tml-{persona.api_key}")
+
+
+def loss_per_token(result, processed: list[types.Datum]) -> float:
+    logprobs = np.concatenate([output["logprobs"].tolist() for output in result.loss_fn_outputs])
+    weights = np.concatenate([example.loss_fn_inputs["weights"].tolist() for example in processed])
+    return float(-np.dot(logprobs, weights) / weights.sum())
+
+
+def test_tinkers_quickstart_lowers_the_loss_and_the_saved_weights_answer_differently(gateway, inference_pool, loop_trainer, alice):
+    client = service_client(gateway, alice)
+    training_client = client.create_lora_training_client(base_model=BASE)
+    tokenizer = training_client.get_tokenizer()
+    processed_examples = [process_example(ex, tokenizer) for ex in EXAMPLES]
+    prompt = types.ModelInput.from_ints(tokenizer.encode("English: coffee break\nPig Latin:"))
+    params = types.SamplingParams(max_tokens=20, temperature=0.0, stop=["\n"])
+    before = client.create_sampling_client(base_model=BASE).sample(prompt=prompt, sampling_params=params, num_samples=1).result()
+
+    losses = []
+    for _ in range(6):
+        fwdbwd_future = training_client.forward_backward(processed_examples, "cross_entropy")
+        optim_future = training_client.optim_step(types.AdamParams(learning_rate=1e-3))
+        fwdbwd_result = fwdbwd_future.result()
+        optim_future.result()
+        losses.append(loss_per_token(fwdbwd_result, processed_examples))
+    assert losses[-1] < losses[0] * 0.8, losses
+
+    sampling_client = training_client.save_weights_and_get_sampling_client(name="pig-latin-model")
+    result = sampling_client.sample(prompt=prompt, sampling_params=params, num_samples=8).result()
+    assert len(result.sequences) == 8
+    texts = {tokenizer.decode(seq.tokens) for seq in result.sequences}
+    assert len(texts) == 1, texts  # greedy: eight times the same answer
+    assert result.sequences[0].tokens != before.sequences[0].tokens  # the saved weights answer, not the base model
+    sequence = result.sequences[0]
+    assert len(sequence.logprobs) == len(sequence.tokens) and all(logprob <= 0 for logprob in sequence.logprobs)
+
+
+def test_a_saved_state_is_where_a_new_run_goes_on_from_with_its_optimizer(gateway, inference_pool, loop_trainer, alice):
+    client = service_client(gateway, alice)
+    training_client = client.create_lora_training_client(base_model=BASE, rank=8)
+    tokenizer = training_client.get_tokenizer()
+    data = [process_example(ex, tokenizer) for ex in EXAMPLES[:3]]
+    for _ in range(2):
+        training_client.forward_backward(data, "cross_entropy").result()
+        training_client.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+    path = training_client.save_state("after-two").result().path
+    assert path.startswith("tinker://") and path.endswith("/weights/after-two")
+
+    resumed = client.create_training_client_from_state_with_optimizer(path)
+    same = resumed.forward_backward(data, "cross_entropy").result()
+    there = training_client.forward_backward(data, "cross_entropy").result()
+    assert loss_per_token(same, data) == pytest.approx(loss_per_token(there, data), rel=1e-4)
+
+
+def test_another_organization_can_use_no_part_of_a_run(gateway, inference_pool, loop_trainer, alice, charlie):
+    training_client = service_client(gateway, alice).create_lora_training_client(base_model=BASE, rank=8)
+    tokenizer = training_client.get_tokenizer()
+    path = training_client.save_weights_for_sampler("shared-nothing").result().path
+    outsider = service_client(gateway, charlie)
+    with pytest.raises(Exception, match="404|not found|No such"):
+        outsider.create_sampling_client(model_path=path).sample(
+            prompt=types.ModelInput.from_ints(tokenizer.encode("Hi")), sampling_params=types.SamplingParams(max_tokens=2),
+            num_samples=1,
+        ).result()  # fmt: skip
+    with pytest.raises(Exception, match="404|not found|No such"):
+        outsider.create_training_client_from_state(path.replace("sampler_weights", "weights"))

@@ -310,6 +310,7 @@ EXCLUDED = {
     ("tinker-run-checkpoints", "*"): "a training run's saved weights by its id",
     ("tinker-forward-backward", "*"): "a protobuf body, not JSON: its hostile bodies are tests/test_training_loops.py's",
     ("tinker-unknown", "*"): "any other path: a 404 naming it",
+    ("tinker-finish-session", "*"): "a session by its id (the body's reason is not read)",
 }
 
 

@@ -45,7 +45,7 @@ def run_training_loop(run_id: str, worker: str) -> str:
         status=RunStatus.RUNNING, worker=worker, heartbeat_at=timezone.now()
     ):
         return "taken"  # another trainer holds it, or it ended
-    run = LoopRun.objects.select_related("start_from", "start_from__run").get(pk=run_id)
+    run = LoopRun.objects.select_related("session", "start_from", "start_from__run").get(pk=run_id)
     try:
         model = _loaded(run)
     except Exception as exc:  # noqa: BLE001 - the run fails visibly, whatever kept its model from loading
@@ -72,7 +72,8 @@ def _serve(run: LoopRun, model: LoopModel) -> str:
             return "lost"  # failed by the sweeper meanwhile: nothing more is written
         popped = client.blpop([futures.ops_key(run.pk)], timeout=WAIT_S)
         if popped is None:
-            if time.monotonic() - idle_since > settings.CONFIG.loop_idle_s:
+            run.session.refresh_from_db(fields=["heartbeat_at", "finished_at"])
+            if time.monotonic() - idle_since > settings.CONFIG.loop_idle_s or run.session.is_gone(timezone.now()):
                 _end(run, RunStatus.STOPPED, "")
                 return RunStatus.STOPPED
             continue

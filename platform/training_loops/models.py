@@ -9,6 +9,7 @@ which the caller starts again (``create_training_client_from_state``). Nothing i
 
 from __future__ import annotations
 
+from datetime import datetime, timedelta
 from functools import partial
 
 from django.db import models
@@ -16,6 +17,9 @@ from django.db import models
 from accounts.models import Organization
 from core.model_names import ModelName
 from finetuning.models import OrgQuerySet, new_id
+
+
+SESSION_SILENT_S = 60  # the SDK beats every 10 s while its process lives
 
 
 class LoopSession(models.Model):
@@ -27,17 +31,22 @@ class LoopSession(models.Model):
     sdk_version = models.CharField(max_length=40, blank=True, default="")
     created_at = models.DateTimeField(auto_now_add=True)
     heartbeat_at = models.DateTimeField(auto_now_add=True)  # the client's: it stops when the client does
+    finished_at = models.DateTimeField(null=True, blank=True)  # the client closed it: its runs stop
 
     objects = OrgQuerySet.as_manager()
 
     class Meta:
         ordering = ["-created_at", "-id"]
 
+    def is_gone(self, now: datetime) -> bool:
+        """Closed by its client, or its client silent for SESSION_SILENT_S: nobody will send its runs more work."""
+        return self.finished_at is not None or now - self.heartbeat_at > timedelta(seconds=SESSION_SILENT_S)
+
 
 class RunStatus(models.TextChoices):
     QUEUED = "queued"  # waiting for a trainer
     RUNNING = "running"  # a trainer holds its weights and optimizer
-    STOPPED = "stopped"  # idle past LOOP_IDLE_S, or its session ended: its saved states remain
+    STOPPED = "stopped"  # idle past LOOP_IDLE_SECONDS, or its session ended: its saved states remain
     FAILED = "failed"  # its trainer was lost, or could not start it (error_message says which)
 
 

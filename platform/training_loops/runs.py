@@ -18,7 +18,7 @@ from core.api_errors import ApiError, not_found
 from training_loops.models import CheckpointKind, LoopCheckpoint, LoopRun, LoopSession, RunStatus
 from training_loops.samplers import Sampler
 
-MAX_OPEN_RUNS_PER_ORGANIZATION = 2  # runs queued or held by a trainer: each holds a model in memory
+MAX_OPEN_RUNS_PER_ORGANIZATION = 4  # runs queued or held by a trainer: each holds a model in memory
 MAX_RANK = 64
 _PATH = re.compile(r"tinker://(?P<run>run_[A-Za-z0-9]{24})/(?P<folder>weights|sampler_weights)/(?P<name>[A-Za-z0-9._-]{1,128})")
 NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
@@ -43,6 +43,12 @@ def beat(organization: Organization, session_id: str) -> None:
     updated = LoopSession.objects.for_org(organization).filter(pk=session_id).update(heartbeat_at=timezone.now())
     if not updated:
         raise not_found("session", session_id, "session_id")
+
+
+def finish(organization: Organization, session_id: str) -> None:
+    """The client closed its session: its runs stop once their queued requests are done."""
+    if not LoopSession.objects.for_org(organization).filter(pk=session_id, finished_at=None).update(finished_at=timezone.now()):
+        session_of(organization, session_id)  # an unknown session is a 404; a finished one stays finished
 
 
 def capabilities() -> list[dict]:
@@ -108,8 +114,8 @@ def open_run_of(organization: Organization, run_id: str) -> LoopRun:
         raise ApiError(f"Training run {run.pk} failed: {run.error_message}", status=409, code="training_run_failed", param="model_id")
     if run.status == RunStatus.STOPPED:
         raise ApiError(
-            f"Training run {run.pk} stopped after {settings.CONFIG.loop_idle_s} s without a request; create a training client "
-            "from its last saved state to go on.", status=409, code="training_run_stopped", param="model_id",
+            f"Training run {run.pk} stopped (its session ended, or no request came for {settings.CONFIG.loop_idle_s} s); "
+            "create a training client from its last saved state to go on.", status=409, code="training_run_stopped", param="model_id",
         )  # fmt: skip
     return run
 

@@ -114,7 +114,10 @@ class Sampled:
 
 async def sample(sampler: Sampler, call: SampleCall, tokens: list[int]) -> Sampled:
     """The pool's completions as sequences; an ApiError with the pool's own refusal otherwise."""
-    body = json.dumps(completion_body(sampler.model, call, tokens)).encode()
+    # Greedy samples are all the one answer, and vLLM takes n > 1 only when sampling: ask once.
+    greedy = call.sampling_params.temperature == 0
+    asked = call.model_copy(update={"num_samples": 1}) if greedy else call
+    body = json.dumps(completion_body(sampler.model, asked, tokens)).encode()
     caller = Caller(sampler.organization_id, None, sampler.model)
     answer = await forward(body, parse_request(body), "completions", caller)
     if answer.status != 200:
@@ -126,7 +129,7 @@ async def sample(sampler: Sampler, call: SampleCall, tokens: list[int]) -> Sampl
         for choice in choices
     ]  # fmt: skip
     prompt = _prompt_logprobs(choices[0].get("prompt_logprobs"), tokens) if call.prompt_logprobs else None
-    return Sampled(sequences, prompt)
+    return Sampled(sequences * call.num_samples if greedy else sequences, prompt)
 
 
 def _prompt_logprobs(found: list | None, tokens: list[int]) -> list[float]:

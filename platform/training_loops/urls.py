@@ -9,6 +9,7 @@ urlpatterns = [
     path("get_server_capabilities", views.server_capabilities, name="tinker-server-capabilities"),
     path("create_session", views.create_session, name="tinker-create-session"),
     path("session_heartbeat", views.session_heartbeat, name="tinker-session-heartbeat"),
+    path("sessions/<str:session_id>/finish", views.finish_session, name="tinker-finish-session"),
     path("create_model", views.create_model, name="tinker-create-model"),
     path("get_info", views.get_info, name="tinker-get-info"),
     path("forward_backward", views.forward_backward, name="tinker-forward-backward"),

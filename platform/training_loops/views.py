@@ -107,6 +107,12 @@ async def session_heartbeat(request: HttpRequest, organization: Organization) ->
 
 
 @tinker_route()
+async def finish_session(request: HttpRequest, organization: Organization, session_id: str) -> dict:
+    await _sync(runs.finish)(organization, session_id)
+    return {}
+
+
+@tinker_route()
 async def create_model(request: HttpRequest, organization: Organization) -> dict:
     body = parsed(CreateModel, _json(request))
     if body.lora_config is None:

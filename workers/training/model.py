@@ -21,18 +21,12 @@ REFERENCE = "reference"  # DPO's frozen reference adapter, when there is one (Tr
 
 
 def load_model_with_lora(config: TrainingConfig) -> PeftModel:
-    """The frozen base model in float32 with a trainable LoRA adapter: a fresh one, or the parent
-    adapter ``config.init_adapter`` of a continued fine-tune.
+    """The frozen base model in float32 (``load_base_model``) with a trainable LoRA adapter: a fresh
+    one, or the parent adapter ``config.init_adapter`` of a continued fine-tune.
 
-    The weights ship in bf16, but CPUs without native bf16 matrix instructions (AVX512-BF16, AMX) emulate
-    it: measured on such a CPU, a step under bf16 autocast ran 15-20 times slower than in float32. So the
-    weights are upcast once at load time.
     Call after seeding: the adapter's initial A matrices are random.
     """
-    base = AutoModelForCausalLM.from_pretrained(
-        config.base_model_path, dtype=torch.float32, attn_implementation=PACKED_SDPA
-    )
-    base.config.use_cache = False  # training never decodes; a cache would only cost memory
+    base = load_base_model(config.base_model_path)
     if config.init_adapter is None:
         model = get_peft_model(base, lora_config(config))
     else:
@@ -46,6 +40,18 @@ def load_model_with_lora(config: TrainingConfig) -> PeftModel:
     # PEFT would record the local folder; readers of the adapter (vLLM's resolver) match the public id.
     model.peft_config[TRAINED].base_model_name_or_path = config.base_model_id
     return model
+
+
+def load_base_model(base_model_path: Path | str) -> torch.nn.Module:
+    """The base model in float32, with the packed attention (attention.py), ready to take an adapter.
+
+    The weights ship in bf16, but CPUs without native bf16 matrix instructions (AVX512-BF16, AMX) emulate
+    it: measured on such a CPU, a step under bf16 autocast ran 15-20 times slower than in float32. So the
+    weights are upcast once at load time.
+    """
+    base = AutoModelForCausalLM.from_pretrained(base_model_path, dtype=torch.float32, attn_implementation=PACKED_SDPA)
+    base.config.use_cache = False  # training never decodes; a cache would only cost memory
+    return base
 
 
 @contextmanager
@@ -86,11 +92,13 @@ def save_adapter(model: PeftModel, adapter_dir: Path) -> Path:
 
 def lora_config(config: TrainingConfig) -> LoraConfig:
     """The adapter a job trains (also what the benchmarks give PEFT in the other trainers)."""
+    return build_lora_config(
+        config.lora_r, config.lora_alpha, config.lora_dropout, config.target_modules or "all-linear"
+    )
+
+
+def build_lora_config(r: int, alpha: int, dropout: float, target_modules: list[str] | str) -> LoraConfig:
+    """A causal-LM LoRA of rank ``r`` on ``target_modules`` (module names, or PEFT's "all-linear"), no biases."""
     return LoraConfig(
-        r=config.lora_r,
-        lora_alpha=config.lora_alpha,
-        lora_dropout=config.lora_dropout,
-        target_modules=config.target_modules or "all-linear",
-        bias="none",
-        task_type="CAUSAL_LM",
+        r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules, bias="none", task_type="CAUSAL_LM"
     )

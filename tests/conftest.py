@@ -69,10 +69,10 @@ def test_database_url(django_db_setup) -> str:
 class Worker:
     """A real Celery worker process on the test broker and database; tests may kill and restart it."""
 
-    def __init__(self, database_url: str, queues: str = "default,training", name: str = "worker"):
+    def __init__(self, database_url: str, queues: str = "default,training", name: str = "worker", concurrency: int = 1):
         self.env = {"DATABASE_URL": database_url}
         self.name = name
-        self.command = celery_worker_command(queues, f"test-{name}")
+        self.command = celery_worker_command(queues, f"test-{name}", concurrency=concurrency)
         self.hostname = self.command[self.command.index("--hostname") + 1].replace("%h", socket.gethostname())
         self.process = None
         self._running = None
@@ -118,9 +118,9 @@ def celery_worker(_session_worker):
 
 @pytest.fixture(scope="session")
 def _loop_trainer(test_database_url):
-    """A trainer for training runs driven step by step (the ``loops`` queue), as bin/run's ``looper``;
-    a run stops (freeing its model) 20 s after its last request."""
-    trainer = Worker(test_database_url, "loops", "looper")
+    """A trainer for training runs driven step by step (the ``loops`` queue), two at once as bin/run's
+    ``looper``; a run stops (freeing its model) 20 s after its last request."""
+    trainer = Worker(test_database_url, "loops", "looper", concurrency=2)
     trainer.env |= {"LOOP_IDLE_SECONDS": "20"}
     yield trainer
     trainer.stop()

@@ -92,9 +92,9 @@ def running_web(name: str, env: dict[str, str]) -> Iterator[str]:
 SWEEPS_OFTEN = {"SWEEP_SECONDS": "5", "LOST_MESSAGE_SECONDS": "10"}
 
 
-def celery_worker_command(queues: str = "default,training", name: str = "test-worker", *extra: str) -> list[str]:
+def celery_worker_command(queues: str = "default,training", name: str = "test-worker", *extra: str, concurrency: int = 1) -> list[str]:
     return [
         sys.executable, "-m", "celery", "-A", "workers", "worker", "--queues", queues,
-        "--concurrency", "1", "--hostname", f"{name}-{os.getpid()}@%h", "--loglevel", "INFO",
+        "--concurrency", str(concurrency), "--hostname", f"{name}-{os.getpid()}@%h", "--loglevel", "INFO",
         "--without-mingle", "--without-gossip", *extra,
     ]  # fmt: skip

@@ -193,6 +193,8 @@ DOORS = [
     tinker_door("asample", "tinker-asample", TINKER_SAMPLE, "num_samples", "prompt.chunks.0.type"),
     tinker_door("asample", "tinker-asample", TINKER_SAMPLE, "sampling_params.temperature", "sampling_params.stop"),
     tinker_door("asample", "tinker-asample", TINKER_SAMPLE, "prompt.chunks.0.tokens.0"),
+    Door("POST", "/api/v1/training_runs/{looprun}/checkpoints/sampler_weights/hostile/publish", "tinker-publish-checkpoint",
+         JSON, {"suffix": "hostile-published"}, text="suffix"),
     tinker_door("retrieve_future", "tinker-retrieve-future", {"request_id": "req_0"}, text="request_id"),
     Door("GET", "/api/v1/training_runs", "tinker-training-runs", QUERY, {"limit": "5"}, number="limit"),
     Door("GET", "/api/v1/training_runs", "tinker-training-runs", QUERY, {"offset": "0"}, number="offset"),
@@ -304,6 +306,7 @@ EXCLUDED = {
     ("dashboard:model_adapter", "GET"): "a model's archive by its name",
     ("dashboard:api_keys", "GET"): "the keys page: no parameters",
     ("tinker-healthz", "*"): "no input",
+    ("tinker-telemetry", "*"): "the SDK's own events: read by nobody, kept by nobody",
     ("tinker-client-config", "*"): "no input: the server's flags for the SDK",
     ("tinker-server-capabilities", "*"): "the catalog: no parameters",
     ("tinker-training-run", "*"): "a training run by its id",
@@ -414,7 +417,7 @@ class Objects(dict):
         )  # fmt: skip
         session = LoopSession.objects.create(organization=alice.organization)
         looprun = LoopRun.objects.create(
-            session=session, organization=alice.organization, base_model=BASE, lora_rank=8, status=RunStatus.RUNNING
+            id=f"{session.pk}:train:0", session=session, organization=alice.organization, base_model=BASE, lora_rank=8, status=RunStatus.RUNNING
         )
         LoopCheckpoint.objects.create(run=looprun, kind=CheckpointKind.STATE, name="hostile", storage_key="nowhere/")
         super().__init__(

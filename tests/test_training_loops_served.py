@@ -7,6 +7,7 @@ organization can use none of it."""
 # ruff: noqa: F811 (pytest fixtures are imported from tests.inference_fixtures, then named as arguments)
 from __future__ import annotations
 
+import httpx
 import numpy as np
 import pytest
 import tinker
@@ -46,8 +47,25 @@ def process_example(example: dict, tokenizer) -> types.Datum:
     )
 
 
+_opened: list[tinker.ServiceClient] = []
+
+
 def service_client(gateway: str, persona) -> tinker.ServiceClient:
-    return tinker.ServiceClient(base_url=gateway, api_key=f"tml-{persona.api_key}")
+    client = tinker.ServiceClient(base_url=gateway, api_key=f"tml-{persona.api_key}")
+    _opened.append(client)
+    return client
+
+
+@pytest.fixture(autouse=True)
+def _sessions_closed():
+    """Each test's sessions end with it, as a script's do when it exits: their runs stop, their
+    heartbeats with a key the next test no longer has stop too."""
+    yield
+    while _opened:
+        try:
+            _opened.pop().close("success").result(timeout=30)
+        except Exception:  # noqa: BLE001 - the persona may be gone already: its session is then gone too
+            pass
 
 
 def loss_per_token(result, processed: list[types.Datum]) -> float:
@@ -56,9 +74,14 @@ def loss_per_token(result, processed: list[types.Datum]) -> float:
     return float(-np.dot(logprobs, weights) / weights.sum())
 
 
+# The test catalog's engine serves ranks up to 16 (its other tests' limits are written for it); bin/run's
+# serves the SDK's default, 32, and the running-product test runs the quickstart with it unchanged.
+RANK = 16
+
+
 def test_tinkers_quickstart_lowers_the_loss_and_the_saved_weights_answer_differently(gateway, inference_pool, loop_trainer, alice):
     client = service_client(gateway, alice)
-    training_client = client.create_lora_training_client(base_model=BASE)
+    training_client = client.create_lora_training_client(base_model=BASE, rank=RANK)
     tokenizer = training_client.get_tokenizer()
     processed_examples = [process_example(ex, tokenizer) for ex in EXAMPLES]
     prompt = types.ModelInput.from_ints(tokenizer.encode("English: coffee break\nPig Latin:"))
@@ -68,11 +91,11 @@ def test_tinkers_quickstart_lowers_the_loss_and_the_saved_weights_answer_differe
     losses = []
     for _ in range(6):
         fwdbwd_future = training_client.forward_backward(processed_examples, "cross_entropy")
-        optim_future = training_client.optim_step(types.AdamParams(learning_rate=1e-3))
+        optim_future = training_client.optim_step(types.AdamParams(learning_rate=1e-4))
         fwdbwd_result = fwdbwd_future.result()
         optim_future.result()
         losses.append(loss_per_token(fwdbwd_result, processed_examples))
-    assert losses[-1] < losses[0] * 0.8, losses
+    assert losses == sorted(losses, reverse=True) and losses[-1] < losses[0] - 0.5, losses
 
     sampling_client = training_client.save_weights_and_get_sampling_client(name="pig-latin-model")
     result = sampling_client.sample(prompt=prompt, sampling_params=params, num_samples=8).result()
@@ -112,4 +135,63 @@ def test_another_organization_can_use_no_part_of_a_run(gateway, inference_pool, 
             num_samples=1,
         ).result()  # fmt: skip
     with pytest.raises(Exception, match="404|not found|No such"):
-        outsider.create_training_client_from_state(path.replace("sampler_weights", "weights"))
+        outsider.create_training_client_from_state(path.replace("sampler_weights", "weights")).result()
+
+
+YES_OR_NO = ["Is water wet?", "Is the sky blue?", "Is fire hot?", "Is snow cold?"]
+
+
+def chat_prompt(tokenizer, question: str) -> types.ModelInput:
+    text = tokenizer.apply_chat_template([{"role": "user", "content": f"Answer yes or no. {question}"}], add_generation_prompt=True, tokenize=False)
+    return types.ModelInput.from_ints(tokenizer.encode(text, add_special_tokens=False))
+
+
+def rl_step(training_client, sampling_client, tokenizer, prompts: list[types.ModelInput], seed: int) -> float:
+    """One step of an RL loop as the SDK's users write it: sample a group per prompt, grade, centre the
+    rewards per group, ``importance_sampling`` with the sampler's logprobs, ``optim_step``. Its mean reward."""
+    params = types.SamplingParams(max_tokens=8, temperature=1.0, seed=seed)
+    futures = [sampling_client.sample(prompt=prompt, num_samples=8, sampling_params=params) for prompt in prompts]
+    data, rewards = [], []
+    for prompt, future in zip(prompts, futures):
+        group = future.result().sequences
+        scores = [1.0 if "yes" in tokenizer.decode(sequence.tokens).lower() else 0.0 for sequence in group]
+        rewards += scores
+        for sequence, score in zip(group, scores):
+            advantage = score - float(np.mean(scores))
+            tokens, before = prompt.to_ints() + sequence.tokens, prompt.length - 1
+            data.append(types.Datum(
+                model_input=types.ModelInput.from_ints(tokens[:-1]),
+                loss_fn_inputs={"target_tokens": tokens[1:], "logprobs": [0.0] * before + list(sequence.logprobs),
+                                "advantages": [0.0] * before + [advantage] * len(sequence.tokens)},
+            ))  # fmt: skip
+    training_client.forward_backward(data, "importance_sampling").result()
+    training_client.optim_step(types.AdamParams(learning_rate=3e-4)).result()
+    return float(np.mean(rewards))
+
+
+def test_an_rl_loop_written_with_the_sdk_raises_its_mean_reward_and_its_weights_publish_as_a_model(
+    gateway, inference_pool, loop_trainer, alice
+):
+    client = service_client(gateway, alice)
+    training_client = client.create_lora_training_client(base_model=BASE, rank=RANK)
+    tokenizer = training_client.get_tokenizer()
+    prompts = [chat_prompt(tokenizer, question) for question in YES_OR_NO]
+    rewards = []
+    for step in range(3):
+        sampling_client = training_client.save_weights_and_get_sampling_client()
+        rewards.append(rl_step(training_client, sampling_client, tokenizer, prompts, seed=step))
+    assert rewards[-1] > rewards[0] + 0.2, rewards
+
+    path = training_client.save_weights_for_sampler("says-yes").result().path
+    run_id = path.removeprefix("tinker://").split("/")[0]
+    published = httpx.post(
+        f"{gateway}/api/v1/training_runs/{run_id}/checkpoints/sampler_weights/says-yes/publish",
+        headers={"X-API-Key": f"tml-{alice.api_key}"}, json={"suffix": "says-yes"}, timeout=60,
+    )  # fmt: skip
+    assert published.status_code == 200, published.text
+    model = published.json()["model"]
+    assert model == f"{BASE}:says-yes"
+    answer = alice.client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Answer yes or no. Is grass green?"}], max_tokens=8, temperature=0
+    )
+    assert "yes" in (answer.choices[0].message.content or "").lower()

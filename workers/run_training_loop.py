@@ -25,13 +25,15 @@ from core.api_errors import ApiError
 from finetuning import publishing, storage
 from training_loops import futures
 from training_loops.futures import FORWARD_BACKWARD, JSON
-from training_loops.models import CheckpointKind, LoopCheckpoint, LoopRun, RunStatus
+from training_loops.models import CheckpointKind, LoopCheckpoint, LoopRun, LoopSession, RunStatus
 from training_loops.samplers import Sampler, open_sampler
 from workers.training_loop.loop_model import AdamStep, LoopModel, LoraShape, LossInput
 
 log = logging.getLogger(__name__)
 
 WAIT_S = 2.0  # between beats while no request comes
+UNNAMED = "sampler-"  # the name of an unnamed sampler save, before its number
+KEPT_UNNAMED = 2  # the sampling client of the previous save may still be sampling
 _STATE_FILES = ("adapter_config.json", "adapter_model.safetensors", "optimizer.pt")
 
 
@@ -45,7 +47,7 @@ def run_training_loop(run_id: str, worker: str) -> str:
         status=RunStatus.RUNNING, worker=worker, heartbeat_at=timezone.now()
     ):
         return "taken"  # another trainer holds it, or it ended
-    run = LoopRun.objects.select_related("session", "start_from", "start_from__run").get(pk=run_id)
+    run = LoopRun.objects.select_related("start_from", "start_from__run").get(pk=run_id)
     try:
         model = _loaded(run)
     except Exception as exc:  # noqa: BLE001 - the run fails visibly, whatever kept its model from loading
@@ -72,8 +74,8 @@ def _serve(run: LoopRun, model: LoopModel) -> str:
             return "lost"  # failed by the sweeper meanwhile: nothing more is written
         popped = client.blpop([futures.ops_key(run.pk)], timeout=WAIT_S)
         if popped is None:
-            run.session.refresh_from_db(fields=["heartbeat_at", "finished_at"])
-            if time.monotonic() - idle_since > settings.CONFIG.loop_idle_s or run.session.is_gone(timezone.now()):
+            session = LoopSession.objects.filter(pk=run.session_id).first()  # None: deleted with its organization
+            if session is None or session.is_gone(timezone.now()) or time.monotonic() - idle_since > settings.CONFIG.loop_idle_s:
                 _end(run, RunStatus.STOPPED, "")
                 return RunStatus.STOPPED
             continue
@@ -157,10 +159,22 @@ def _save_sampler(run: LoopRun, model: LoopModel, name: str | None) -> LoopCheck
     LoopRun.objects.filter(pk=run.pk).update(sampler_saves=revision)
     run.sampler_saves = revision
     checkpoint, _ = LoopCheckpoint.objects.update_or_create(
-        run=run, kind=CheckpointKind.SAMPLER, name=name or f"sampler-{revision:06d}",
+        run=run, kind=CheckpointKind.SAMPLER, name=name or f"{UNNAMED}{revision:06d}",
         defaults={"revision": revision, "size_bytes": size},
     )  # fmt: skip
+    if name is None:
+        _drop_unnamed_before(run, revision - KEPT_UNNAMED + 1)
     return checkpoint
+
+
+def _drop_unnamed_before(run: LoopRun, revision: int) -> None:
+    """An unnamed save serves the sampling client made with it, which a loop replaces at its next
+    save: only the last KEPT_UNNAMED are kept (an RL loop saving every step would otherwise keep them
+    all). Named saves stay."""
+    store = publishing.store_for(run.base_model)
+    for checkpoint in run.checkpoints.filter(kind=CheckpointKind.SAMPLER, name__startswith=UNNAMED, revision__lt=revision):
+        store.delete(str(checkpoint.served_as))
+        checkpoint.delete()
 
 
 def _end(run: LoopRun, status: str, message: str) -> None:

@@ -32,6 +32,7 @@ from batches.creation import send_to_worker as send_batch
 from finetuning import compositions, job_status, registry, training_turns
 from finetuning.models import Composition, CompositionStatus, FineTuningJob, JobStatus, record_event
 from base.celery import COMPOSE_MODEL, RUN_BATCH, TAKE_TRAINING_TURN, TRAINING_QUEUE, queue_consumers, waiting_task_args
+from training_loops.lost_runs import fail_lost_runs
 from webhooks import delivery
 from workers.run_job import drop_training_states
 
@@ -61,6 +62,7 @@ def sweep(stale_after: timedelta | None = None, lost_after: timedelta | None = N
     resent_deliveries = delivery.resend_lost(lost_after)
     expired_batches = batch_status.expire_waiting(timezone.now())
     resent_batches = _resend_batches(lost_after)
+    lost_runs = fail_lost_runs(timezone.now())
     return {
         "requeued": recovered.requeued,
         "failed": recovered.failed,
@@ -72,6 +74,7 @@ def sweep(stale_after: timedelta | None = None, lost_after: timedelta | None = N
         "webhook_deliveries_resent": resent_deliveries,
         "batches_expired": expired_batches,
         "batches_resent": resent_batches,
+        "training_runs_failed": lost_runs,
     }
 
 

@@ -147,6 +147,11 @@ def publish_composition(
     return _publish_new_model(organization, name, folder, _NewModel("the composed model", "parents", lineage, held_by))
 
 
+def publish_saved_weights(organization: Organization, name: ModelName, folder: Path, lineage: dict) -> FineTunedModel:
+    """Register and publish weights a training loop saved for sampling (``training_loops``) as ``name``."""
+    return _publish_new_model(organization, name, folder, _NewModel("these weights", "suffix", lineage))
+
+
 def _publish_new_model(organization: Organization, name: ModelName, folder: Path, new: _NewModel) -> FineTunedModel:
     """The adapter in ``folder`` as the new model ``name``: its size counts against the
     organization's storage quota. Nothing stays registered if publishing fails."""

@@ -51,9 +51,11 @@ class RunStatus(models.TextChoices):
 
 
 class LoopRun(models.Model):
-    """A Tinker "training run" (its ``model_id``): one LoRA on one base model."""
+    """A Tinker "training run" (its ``model_id``): one LoRA on one base model. Its id is
+    ``<session>:train:<n>``, the n-th model its client made in the session: the SDK derives it
+    too (a run created from a saved state is named before the server answers)."""
 
-    id = models.CharField(primary_key=True, max_length=40, default=partial(new_id, "run", "_"), editable=False)
+    id = models.CharField(primary_key=True, max_length=80, editable=False)
     session = models.ForeignKey(LoopSession, on_delete=models.CASCADE, related_name="runs")
     organization = models.ForeignKey(Organization, on_delete=models.CASCADE, related_name="loop_runs")
     base_model = models.CharField(max_length=200)  # a base model id from the catalog
@@ -84,7 +86,8 @@ class LoopRun(models.Model):
     def served_model(self) -> ModelName:
         """The name its sampler weights are served under by the pool, one revision per save (an
         immutable name each: a replica never answers with weights older than the name says)."""
-        return ModelName(self.base_model, f"tinker-{self.id.removeprefix('run_')}")
+        session, _, number = self.id.partition(":train:")
+        return ModelName(self.base_model, f"tinker-{session.removeprefix('session_')}-{number}")
 
 
 class CheckpointKind(models.TextChoices):

@@ -42,7 +42,7 @@ class OptimizerConfig(_Request):
 
 class CreateModel(_Request):
     session_id: str = _Id
-    model_seq_id: int = Field(default=0, ge=0, lt=2**63)
+    model_seq_id: int = Field(default=0, ge=0, lt=2**31)
     base_model: str = Field(max_length=200)
     user_metadata: dict[str, Any] | None = None
     lora_config: LoraConfig | None = None
@@ -90,6 +90,7 @@ class SaveWeightsForSampler(SaveWeights):
 class LoadWeights(_Request):
     model_id: str | None = Field(default=None, max_length=100)
     session_id: str | None = Field(default=None, max_length=100)
+    model_seq_id: int = Field(default=0, ge=0, lt=2**31)
     path: str = Field(max_length=400)
     optimizer: bool = False
     seq_id: int | None = _Seq
@@ -104,3 +105,9 @@ class CreateSamplingSession(_Request):
 
 class RetrieveFuture(_Request):
     request_id: str = _Id
+
+
+class Publish(_Request):
+    model_config = ConfigDict(extra="forbid")
+
+    suffix: str | None = Field(default=None, max_length=64)

@@ -6,7 +6,9 @@ as if it did not exist.
 from __future__ import annotations
 
 import re
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 from django.conf import settings
 from django.db import transaction
@@ -15,12 +17,14 @@ from django.utils import timezone
 from accounts.models import Organization
 from base.celery import HOLD_TRAINING_RUN, send
 from core.api_errors import ApiError, not_found
+from core.model_names import ModelName, is_valid_suffix
+from finetuning import publishing
 from training_loops.models import CheckpointKind, LoopCheckpoint, LoopRun, LoopSession, RunStatus
 from training_loops.samplers import Sampler
 
 MAX_OPEN_RUNS_PER_ORGANIZATION = 4  # runs queued or held by a trainer: each holds a model in memory
 MAX_RANK = 64
-_PATH = re.compile(r"tinker://(?P<run>run_[A-Za-z0-9]{24})/(?P<folder>weights|sampler_weights)/(?P<name>[A-Za-z0-9._-]{1,128})")
+_PATH = re.compile(r"tinker://(?P<run>session_[A-Za-z0-9]{24}:train:\d{1,9})/(?P<folder>weights|sampler_weights)/(?P<name>[A-Za-z0-9._-]{1,128})")
 NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
 
 
@@ -61,6 +65,7 @@ def capabilities() -> list[dict]:
 
 @dataclass(frozen=True)
 class RunShape:
+    model_seq_id: int  # the SDK's count of the models it made in the session: the run's id is derived from it
     base_model: str
     rank: int
     seed: int | None = None
@@ -91,8 +96,12 @@ def create_run(organization: Organization, session_id: str, shape: RunShape, sta
                 f"Your organization has {open_runs} training runs open (at most {MAX_OPEN_RUNS_PER_ORGANIZATION}); a run closes "
                 "when its client stops sending requests.", status=429, code="too_many_training_runs", retry_after_s=30,
             )  # fmt: skip
+        run_id = f"{session.pk}:train:{shape.model_seq_id}"
+        if LoopRun.objects.filter(pk=run_id).exists():
+            raise ApiError(f"This session made model {shape.model_seq_id} already ({run_id}); the SDK counts them",
+                           status=409, param="model_seq_id", code="model_seq_id_taken")  # fmt: skip
         run = LoopRun.objects.create(
-            session=session, organization=organization, base_model=base.id, lora_rank=shape.rank, seed=shape.seed,
+            id=run_id, session=session, organization=organization, base_model=base.id, lora_rank=shape.rank, seed=shape.seed,
             train_mlp=shape.train_mlp, train_attn=shape.train_attn, user_metadata=shape.user_metadata,
             start_from=start_from, start_with_optimizer=with_optimizer,
         )  # fmt: skip
@@ -145,14 +154,14 @@ def checked_name(name: str | None, default: str) -> str:
     return name
 
 
-def run_from_state(organization: Organization, session_id: str, state: LoopCheckpoint, with_optimizer: bool,
-                   user_metadata: dict | None) -> LoopRun:  # fmt: skip
+def run_from_state(organization: Organization, session_id: str, model_seq_id: int, state: LoopCheckpoint,
+                   with_optimizer: bool, user_metadata: dict | None) -> LoopRun:  # fmt: skip
     """A new run that starts from a saved state: its base model, rank and targets are the state's run's."""
     if state.kind != CheckpointKind.STATE:
         raise ApiError("a run starts from saved weights with their optimizer (tinker://.../weights/...), not from sampler "
                        "weights", param="path")  # fmt: skip
     source = state.run
-    shape = RunShape(source.base_model, source.lora_rank, source.seed, source.train_mlp, source.train_attn, user_metadata)
+    shape = RunShape(model_seq_id, source.base_model, source.lora_rank, source.seed, source.train_mlp, source.train_attn, user_metadata)
     return create_run(organization, session_id, shape, start_from=state, with_optimizer=with_optimizer)
 
 
@@ -219,3 +228,20 @@ def run_view(organization: Organization, run_id: str) -> dict:
 def checkpoints_view(organization: Organization, run_id: str) -> dict:
     run = run_of(organization, run_id, "training_run_id")
     return {"checkpoints": [_checkpoint_view(checkpoint) for checkpoint in run.checkpoints.all()]}
+
+
+def publish(organization: Organization, run_id: str, checkpoint_id: str, suffix: str | None) -> str:
+    """Sampler weights of the run as the fine-tuned model ``<base>:<suffix>`` (by default the
+    weights' own name): a model like any other from then on (chat, revisions, evals, batches, its
+    adapter's download). The model's name is returned."""
+    checkpoint = checkpoint_at(organization, f"tinker://{run_id}/{checkpoint_id}", "checkpoint_id")
+    if checkpoint.served_as is None:
+        raise ApiError("publish sampler weights (sampler_weights/<name>): a training state is not an adapter", param="checkpoint_id")
+    name = ModelName(checkpoint.run.base_model, suffix or checkpoint.name)
+    if not is_valid_suffix(str(name.suffix)):
+        raise ApiError("suffix must be 1-64 letters, digits, '_' or '-' (the weights' own name is used when none is given)",
+                       param="suffix")  # fmt: skip
+    lineage = {"origin": "training_loop", "training_run": checkpoint.run_id, "checkpoint": checkpoint.path}
+    with tempfile.TemporaryDirectory() as folder:
+        adapter = publishing.store_for(name.base_model_id).fetch(checkpoint.served_as, Path(folder))
+        return publishing.publish_saved_weights(organization, name, adapter, lineage).name

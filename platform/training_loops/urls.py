@@ -5,6 +5,7 @@ from training_loops import views
 # The Tinker SDK's paths (``tinker/resources``), under /api/v1/.
 urlpatterns = [
     path("healthz", views.healthz, name="tinker-healthz"),
+    path("telemetry", views.telemetry, name="tinker-telemetry"),
     path("client/config", views.client_config, name="tinker-client-config"),
     path("get_server_capabilities", views.server_capabilities, name="tinker-server-capabilities"),
     path("create_session", views.create_session, name="tinker-create-session"),
@@ -23,5 +24,7 @@ urlpatterns = [
     path("training_runs", views.training_runs, name="tinker-training-runs"),
     path("training_runs/<str:run_id>", views.training_run, name="tinker-training-run"),
     path("training_runs/<str:run_id>/checkpoints", views.run_checkpoints, name="tinker-run-checkpoints"),
+    path("training_runs/<str:run_id>/checkpoints/<str:folder>/<str:name>/publish", views.publish_checkpoint,
+         name="tinker-publish-checkpoint"),
     re_path(r"^(?P<rest>.*)$", views.unknown, name="tinker-unknown"),
 ]

@@ -9,7 +9,7 @@ queued for its trainer and answered through ``retrieve_future``, in the order it
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 from asgiref.sync import sync_to_async
@@ -24,8 +24,8 @@ from gateway.access import authorize
 from training_loops import futures, runs
 from training_loops.futures import FORWARD_BACKWARD, JSON, SAMPLE
 from training_loops.requests import (
-    CreateModel, CreateSamplingSession, CreateSession, LoadWeights, ModelRef, OptimStep, RetrieveFuture, SaveWeights,
-    SaveWeightsForSampler, SessionHeartbeat,
+    CreateModel, CreateSamplingSession, CreateSession, LoadWeights, ModelRef, OptimStep, Publish, RetrieveFuture,
+    SaveWeights, SaveWeightsForSampler, SessionHeartbeat,
 )  # fmt: skip
 from training_loops.samplers import Sampler, open_sampler_async, sampler_of
 from training_loops.sampling import SampleCall, sample
@@ -33,14 +33,15 @@ from training_loops.sampling import SampleCall, sample
 TINKER_KEY_PREFIX = "tml-"
 _background: set[asyncio.Task] = set()  # samples under way: the loop holds tasks only weakly
 
-Handler = Callable[[HttpRequest, Organization], Awaitable[Any]]
+Handler = Callable[..., Awaitable[Any]]  # (request, organization, **the path's parts)
+View = Callable[..., Coroutine[Any, Any, HttpResponse]]
 
 
-def tinker_route(method: str = "POST") -> Callable[[Handler], Callable[[HttpRequest], Awaitable[HttpResponse]]]:
+def tinker_route(method: str = "POST") -> Callable[[Handler], View]:
     """A view of the protocol: the caller's key checked, its errors in the API's shape, a dict
     returned as JSON."""
 
-    def wrap(handler: Handler) -> Callable[[HttpRequest], Awaitable[HttpResponse]]:
+    def wrap(handler: Handler) -> View:
         @csrf_exempt
         async def view(request: HttpRequest, **kwargs: str) -> HttpResponse:
             try:
@@ -87,6 +88,12 @@ async def client_config(request: HttpRequest) -> HttpResponse:
     })  # fmt: skip
 
 
+@csrf_exempt
+async def telemetry(request: HttpRequest) -> HttpResponse:
+    """The SDK reports its own events; this server keeps none of them (its own logs say what it did)."""
+    return JsonResponse({"status": "accepted"})
+
+
 @tinker_route("GET")
 async def server_capabilities(request: HttpRequest, organization: Organization) -> dict:
     return {"supported_models": runs.capabilities()}
@@ -117,7 +124,7 @@ async def create_model(request: HttpRequest, organization: Organization) -> dict
     body = parsed(CreateModel, _json(request))
     if body.lora_config is None:
         raise api_errors.ApiError("lora_config is required: this server trains LoRA adapters only", param="lora_config")
-    shape = runs.RunShape(body.base_model, body.lora_config.rank, body.lora_config.seed, body.lora_config.train_mlp,
+    shape = runs.RunShape(body.model_seq_id, body.base_model, body.lora_config.rank, body.lora_config.seed, body.lora_config.train_mlp,
                           body.lora_config.train_attn, body.user_metadata)  # fmt: skip
     run = await _sync(runs.create_run)(organization, body.session_id, shape)
     request_id = await futures.accept(organization.pk)
@@ -185,7 +192,7 @@ async def load_weights(request: HttpRequest, organization: Organization) -> dict
         return await _queue(organization, body.model_id, operation)
     if body.session_id is None:
         raise api_errors.ApiError("give model_id (load into a run) or session_id (a new run from the state)", param="model_id")
-    run = await _sync(runs.run_from_state)(organization, body.session_id, checkpoint, body.optimizer, body.user_metadata)
+    run = await _sync(runs.run_from_state)(organization, body.session_id, body.model_seq_id, checkpoint, body.optimizer, body.user_metadata)
     request_id = await futures.accept(organization.pk)
     await futures.finish_async(request_id, futures.result(JSON, {"type": "load_weights", "path": checkpoint.path, "model_id": run.pk}))
     return {"request_id": request_id, "model_id": run.pk}
@@ -273,6 +280,15 @@ async def training_run(request: HttpRequest, organization: Organization, run_id:
 @tinker_route("GET")
 async def run_checkpoints(request: HttpRequest, organization: Organization, run_id: str) -> dict:
     return await _sync(runs.checkpoints_view)(organization, run_id)
+
+
+@tinker_route()
+async def publish_checkpoint(request: HttpRequest, organization: Organization, run_id: str, folder: str, name: str) -> dict:
+    """The SDK's ``publish_checkpoint_from_tinker_path``: here, sampler weights become the model
+    ``<base>:<suffix>`` (a JSON body may give ``suffix``; the weights' name otherwise)."""
+    body = parsed(Publish, _json(request)) if request.body else Publish()
+    model = await _sync(runs.publish)(organization, run_id, f"{folder}/{name}", body.suffix)
+    return {"model": model}
 
 
 @csrf_exempt

@@ -84,6 +84,9 @@ def forward_backward_call(body: bytes) -> ForwardBackwardCall:
         if total > MAX_TOKENS_PER_CALL:
             raise WireError(f"the call holds more than {MAX_TOKENS_PER_CALL:,} tokens; send it in smaller calls")
         inputs = {name: _vector(tensor, f"data[{index}].loss_fn_inputs.{name}") for name, tensor in datum.loss_fn_inputs.items()}
+        for name, values in inputs.items():
+            if len(values) != len(tokens):
+                raise WireError(f"data[{index}].loss_fn_inputs.{name}: {len(values)} values for {len(tokens)} tokens")
         data.append(WireDatum(tokens, inputs))
     return ForwardBackwardCall(message.model_id, message.seq_id, message.loss_fn, config, message.forward_only, data)
 

@@ -35,6 +35,7 @@ from tests.inference_fixtures import register_fine_tuned_model
 from tests.personas import Persona, batch_lines, good_dataset
 from tests.test_adapter_io import adapter_files, tar_gz
 from tests.test_inference_routing import TOKEN, PoolUnderTest
+from training_loops.models import LoopRun, LoopSession, RunStatus
 from webhooks.models import WebhookEndpoint
 
 pytestmark = pytest.mark.django_db(transaction=True)  # the gateway reads the database in other threads
@@ -123,6 +124,16 @@ ROWS = [
     ("api", "POST", "/v1/responses", {"model": BASE, "input": "hi", "adapters": [{"model": "{model}"}]}, COMPLETION),
     ("api", "GET", "/v1/responses/resp_0123456789abcdef", None, NOT_STORED),
     ("api", "DELETE", "/v1/responses/resp_0123456789abcdef", None, NOT_STORED),
+    # The Tinker protocol (its key header): {looprun} a training run, {loopsession} a session, {sampler} a
+    # run's sampler weights as "<run>/checkpoints/sampler_weights/<name>".
+    ("tinker", "GET", "/api/v1/training_runs", None, API_OWN_LIST),
+    ("tinker", "GET", "/api/v1/training_runs/{looprun}", None, API),
+    ("tinker", "GET", "/api/v1/training_runs/{looprun}/checkpoints", None, API),
+    ("tinker", "POST", "/api/v1/create_session", {"tags": []}, API_OWN_LIST),
+    ("tinker", "POST", "/api/v1/session_heartbeat", {"session_id": "{loopsession}"}, API),
+    ("tinker", "POST", "/api/v1/get_info", {"model_id": "{looprun}"}, API),
+    ("tinker", "POST", "/api/v1/optim_step", {"model_id": "{looprun}", "adam_params": {}}, API),
+    ("tinker", "POST", "/api/v1/create_sampling_session", {"session_id": "{loopsession}", "base_model": BASE}, API),
     ("api", "GET", "/metrics", None, OPERATOR_ONLY),
     ("api", "GET", "/healthz", None, UP_OR_DOWN),
     ("page", "GET", "/datasets", None, PAGE_OWN_LIST),
@@ -223,6 +234,13 @@ class AcmeObjects(dict):
             value = create_api_key(alice.organization, alice.user, f"spare {n}")[0].prefix
         elif name == "org_id":
             return str(alice.organization.pk)
+        elif name in ("loopsession", "looprun"):
+            session = LoopSession.objects.create(organization=alice.organization)
+            run = LoopRun.objects.create(
+                id=f"{session.pk}:train:0", session=session, organization=alice.organization, base_model=BASE,
+                lora_rank=8, status=RunStatus.RUNNING,
+            )  # fmt: skip
+            value = session.pk if name == "loopsession" else run.pk
         else:
             raise KeyError(name)
         if not value.isdigit():  # a number shows up in any page; names and ids are what would leak
@@ -299,7 +317,7 @@ def _fill(template, objects: AcmeObjects):
 
 
 class Doors:
-    """The four ways in: the web (REST, gateway, dashboard), the pool, and a replica."""
+    """The five ways in: the web (REST, gateway, dashboard, the Tinker protocol), the pool, and a replica."""
 
     def __init__(self, tmp_path, adapter: Path):
         self.pool = PoolUnderTest(tmp_path, replicas=1).app
@@ -314,6 +332,8 @@ class Doors:
 
     def call(self, surface: str, method: str, path: str, body, caller: Caller):
         headers = {"Authorization": caller.authorization} if caller.authorization else {}
+        if surface == "tinker":  # the Tinker SDK's header, with the prefix it insists on
+            headers = {"X-API-Key": f"tml-{caller.authorization.removeprefix('Bearer ')}"} if caller.authorization else {}
         if surface in ("pool", "replica"):
             return asyncio.run(self._asgi(self.pool if surface == "pool" else self.replica, method, path, body, headers))
         web = caller.browser if surface == "page" else Client()

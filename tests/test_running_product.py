@@ -8,7 +8,8 @@ the base model, fine-tunes and a mix, whose completion a webhook announces; a pr
 then a model fine-tuned again (r2), rolled back to r1, and its checkpoints served by name; then one eval
 call comparing the base model, a fine-tune, its r1 and a checkpoint; then the
 usage of it all, in the usage API and on the dashboard; last, a job cancelled after its first
-checkpoint, whose checkpoints the sweeper deletes once their retention is over. The timings a user feels are written to
+checkpoint, whose checkpoints the sweeper deletes once their retention is over; and the Tinker SDK's
+quickstart and an RL loop, unchanged against the base URL.  The timings a user feels are written to
 test-artifacts/product-timings.json.
 """
 
@@ -29,12 +30,15 @@ import jsonschema
 import openai
 import pytest
 import redis
+import tinker
+from tinker import types
 
 from tests.browser import screenshot
 from tests.inference_fixtures import AdapterMaker
 from tests.personas import chat_example, good_dataset, jsonl, preference_dataset
 from tests.processes import ROOT, SWEEPS_OFTEN, wait_until
 from tests.running_platform import bin_run
+from tests.tinker_examples import EXAMPLES, YES_OR_NO, chat_prompt, loss_per_token, process_example, rl_step
 from tests.tool_calling import WEATHER_TOOL, assembled_tool_calls, held_out_prompts, weather_dataset
 
 pytestmark = [pytest.mark.product, pytest.mark.engine, pytest.mark.training]
@@ -600,6 +604,54 @@ def test_a_cancelled_jobs_checkpoints_answer_until_the_sweeper_deletes_them_afte
     time.sleep(1.1)  # another web process may remember the grant for its GRANT_TTL_S
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model=checkpoint, messages=question, max_tokens=2)
+
+
+def test_tinkers_quickstart_and_an_rl_loop_run_unchanged_and_their_weights_answer_the_openai_client(platform):
+    """The Tinker SDK against bin/run's base URL: the quickstart as its guide writes it (rank 32, the
+    SDK's default; learning rate 1e-4; six steps), then an RL loop that raises its reward, whose saved
+    weights are published and answer the openai client."""
+    service_client = tinker.ServiceClient(base_url=platform.url, api_key=f"tml-{platform.api_key}")
+    try:
+        started = time.monotonic()
+        training_client = service_client.create_lora_training_client(base_model=BASE)
+        tokenizer = training_client.get_tokenizer()
+        processed_examples = [process_example(ex, tokenizer) for ex in EXAMPLES]
+        prompt = types.ModelInput.from_ints(tokenizer.encode("English: coffee break\nPig Latin:"))
+        params = types.SamplingParams(max_tokens=20, temperature=0.0, stop=["\n"])
+        base = service_client.create_sampling_client(base_model=BASE).sample(prompt=prompt, sampling_params=params, num_samples=1)
+        losses = []
+        for _ in range(6):
+            fwdbwd_future = training_client.forward_backward(processed_examples, "cross_entropy")
+            optim_future = training_client.optim_step(types.AdamParams(learning_rate=1e-4))
+            losses.append(loss_per_token(fwdbwd_future.result(), processed_examples))
+            optim_future.result()
+        sampling_client = training_client.save_weights_and_get_sampling_client(name="pig-latin-model")
+        result = sampling_client.sample(prompt=prompt, sampling_params=params, num_samples=8).result()
+        record_timings(tinker_quickstart_s=time.monotonic() - started)
+        assert losses == sorted(losses, reverse=True), losses
+        assert {tuple(sequence.tokens) for sequence in result.sequences} != {tuple(base.result().sequences[0].tokens)}
+
+        rl_client = service_client.create_lora_training_client(base_model=BASE, rank=16)
+        prompts = [chat_prompt(tokenizer, question) for question in YES_OR_NO]
+        rewards = [rl_step(rl_client, rl_client.save_weights_and_get_sampling_client(), tokenizer, prompts, seed) for seed in range(3)]
+        assert rewards[-1] > rewards[0], rewards
+        path = rl_client.save_weights_for_sampler("product-says-yes").result().path
+    finally:
+        service_client.close("success").result(timeout=60)
+    run_id = path.removeprefix("tinker://").split("/")[0]
+    published = httpx.post(
+        f"{platform.url}/api/v1/training_runs/{run_id}/checkpoints/sampler_weights/product-says-yes/publish",
+        headers={"X-API-Key": f"tml-{platform.api_key}"}, timeout=120,
+    )  # fmt: skip
+    assert published.status_code == 200, published.text
+    client = openai.OpenAI(base_url=f"{platform.url}/v1", api_key=platform.api_key, max_retries=0, timeout=180)
+    answer = client.chat.completions.create(
+        model=published.json()["model"], messages=[{"role": "user", "content": "Answer yes or no. Is grass green?"}],
+        max_tokens=8, temperature=0,
+    )  # fmt: skip
+    print(f"\ntinker quickstart losses {[round(loss, 3) for loss in losses]}; RL mean rewards {rewards}; published answers "
+          f"{answer.choices[0].message.content!r}")  # fmt: skip
+    assert answer.choices[0].message.content
 
 
 def test_requests_that_once_broke_the_platform_are_refused_with_a_400_that_names_what_is_wrong(platform, tmp_path):

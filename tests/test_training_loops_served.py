@@ -8,44 +8,14 @@ organization can use none of it."""
 from __future__ import annotations
 
 import httpx
-import numpy as np
 import pytest
 import tinker
 from tinker import types
 
 from tests.inference_fixtures import BASE, alice, charlie, gateway  # noqa: F401 (fixtures)
+from tests.tinker_examples import EXAMPLES, YES_OR_NO, chat_prompt, loss_per_token, process_example, rl_step
 
 pytestmark = [pytest.mark.engine, pytest.mark.training, pytest.mark.django_db(transaction=True)]
-
-# Tinker's quickstart examples, as written there.
-EXAMPLES = [
-    {"input": "banana split", "output": "anana-bay plit-say"},
-    {"input": "quantum physics", "output": "uantum-qay ysics-phay"},
-    {"input": "donut shop", "output": "onut-day op-shay"},
-    {"input": "pickle jar", "output": "ickle-pay ar-jay"},
-    {"input": "space exploration", "output": "ace-spay exploration-way"},
-    {"input": "rubber duck", "output": "ubber-ray uck-day"},
-    {"input": "coding wizard", "output": "oding-cay izard-way"},
-]
-
-
-def process_example(example: dict, tokenizer) -> types.Datum:
-    """The quickstart's own function, unchanged."""
-    prompt = f"English: {example['input']}\nPig Latin:"
-    prompt_tokens = tokenizer.encode(prompt, add_special_tokens=True)
-    prompt_weights = [0] * len(prompt_tokens)
-    completion_tokens = tokenizer.encode(f" {example['output']}\n\n", add_special_tokens=False)
-    completion_weights = [1] * len(completion_tokens)
-    tokens = prompt_tokens + completion_tokens
-    weights = prompt_weights + completion_weights
-    input_tokens = tokens[:-1]
-    target_tokens = tokens[1:]
-    weights = weights[1:]
-    return types.Datum(
-        model_input=types.ModelInput.from_ints(tokens=input_tokens),
-        loss_fn_inputs=dict(weights=weights, target_tokens=target_tokens),
-    )
-
 
 _opened: list[tinker.ServiceClient] = []
 
@@ -66,12 +36,6 @@ def _sessions_closed():
             _opened.pop().close("success").result(timeout=30)
         except Exception:  # noqa: BLE001 - the persona may be gone already: its session is then gone too
             pass
-
-
-def loss_per_token(result, processed: list[types.Datum]) -> float:
-    logprobs = np.concatenate([output["logprobs"].tolist() for output in result.loss_fn_outputs])
-    weights = np.concatenate([example.loss_fn_inputs["weights"].tolist() for example in processed])
-    return float(-np.dot(logprobs, weights) / weights.sum())
 
 
 # The test catalog's engine serves ranks up to 16 (its other tests' limits are written for it); bin/run's
@@ -136,37 +100,6 @@ def test_another_organization_can_use_no_part_of_a_run(gateway, inference_pool, 
         ).result()  # fmt: skip
     with pytest.raises(Exception, match="404|not found|No such"):
         outsider.create_training_client_from_state(path.replace("sampler_weights", "weights")).result()
-
-
-YES_OR_NO = ["Is water wet?", "Is the sky blue?", "Is fire hot?", "Is snow cold?"]
-
-
-def chat_prompt(tokenizer, question: str) -> types.ModelInput:
-    text = tokenizer.apply_chat_template([{"role": "user", "content": f"Answer yes or no. {question}"}], add_generation_prompt=True, tokenize=False)
-    return types.ModelInput.from_ints(tokenizer.encode(text, add_special_tokens=False))
-
-
-def rl_step(training_client, sampling_client, tokenizer, prompts: list[types.ModelInput], seed: int) -> float:
-    """One step of an RL loop as the SDK's users write it: sample a group per prompt, grade, centre the
-    rewards per group, ``importance_sampling`` with the sampler's logprobs, ``optim_step``. Its mean reward."""
-    params = types.SamplingParams(max_tokens=8, temperature=1.0, seed=seed)
-    futures = [sampling_client.sample(prompt=prompt, num_samples=8, sampling_params=params) for prompt in prompts]
-    data, rewards = [], []
-    for prompt, future in zip(prompts, futures):
-        group = future.result().sequences
-        scores = [1.0 if "yes" in tokenizer.decode(sequence.tokens).lower() else 0.0 for sequence in group]
-        rewards += scores
-        for sequence, score in zip(group, scores):
-            advantage = score - float(np.mean(scores))
-            tokens, before = prompt.to_ints() + sequence.tokens, prompt.length - 1
-            data.append(types.Datum(
-                model_input=types.ModelInput.from_ints(tokens[:-1]),
-                loss_fn_inputs={"target_tokens": tokens[1:], "logprobs": [0.0] * before + list(sequence.logprobs),
-                                "advantages": [0.0] * before + [advantage] * len(sequence.tokens)},
-            ))  # fmt: skip
-    training_client.forward_backward(data, "importance_sampling").result()
-    training_client.optim_step(types.AdamParams(learning_rate=3e-4)).result()
-    return float(np.mean(rewards))
 
 
 def test_an_rl_loop_written_with_the_sdk_raises_its_mean_reward_and_its_weights_publish_as_a_model(

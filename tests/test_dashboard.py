@@ -219,6 +219,7 @@ def test_a_new_api_key_is_shown_once_and_can_be_revoked(alice_web, alice):
     page = alice_web.post(reverse("dashboard:api_keys"), {"name": "ci"}).content.decode()
     key = ApiKey.objects.get(name="ci")
     assert 'id="new-key-value"' in page and key.prefix in page
+    assert f"tml-{key.prefix}" in page  # the form the tinker SDK takes, beside it
     assert 'id="new-key-value"' not in alice_web.get(reverse("dashboard:api_keys")).content.decode()
     alice_web.post(reverse("dashboard:api_key_revoke", args=[key.prefix]))
     key.refresh_from_db()

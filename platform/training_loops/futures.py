@@ -70,6 +70,13 @@ async def accept(organization_id: int, run_id: str | None = None, operation: dic
     return request_id
 
 
+async def done_at_once(organization_id: int, value: dict[str, Any]) -> str:
+    """A request the web answers itself (a run created, or created from a state): its id, its result there already."""
+    request_id = await accept(organization_id)
+    await finish_async(request_id, result(JSON, value))
+    return request_id
+
+
 def result(kind: str, value: Any) -> dict[str, Any]:
     return {"kind": kind, "value": value}
 

@@ -22,7 +22,7 @@ from base.error_responses import api_error
 from core import api_errors, strict_json, tinker_wire
 from gateway.access import authorize
 from training_loops import futures, runs
-from training_loops.futures import FORWARD_BACKWARD, JSON, SAMPLE
+from training_loops.futures import FORWARD_BACKWARD, SAMPLE
 from training_loops.requests import (
     CreateModel, CreateSamplingSession, CreateSession, LoadWeights, ModelRef, OptimStep, Publish, RetrieveFuture,
     SaveWeights, SaveWeightsForSampler, SessionHeartbeat,
@@ -127,8 +127,7 @@ async def create_model(request: HttpRequest, organization: Organization) -> dict
     shape = runs.RunShape(body.model_seq_id, body.base_model, body.lora_config.rank, body.lora_config.seed, body.lora_config.train_mlp,
                           body.lora_config.train_attn, body.user_metadata)  # fmt: skip
     run = await _sync(runs.create_run)(organization, body.session_id, shape)
-    request_id = await futures.accept(organization.pk)
-    await futures.finish_async(request_id, futures.result(JSON, {"type": "create_model", "model_id": run.pk}))
+    request_id = await futures.done_at_once(organization.pk, {"type": "create_model", "model_id": run.pk})
     return {"request_id": request_id, "model_id": run.pk}
 
 
@@ -193,8 +192,7 @@ async def load_weights(request: HttpRequest, organization: Organization) -> dict
     if body.session_id is None:
         raise api_errors.ApiError("give model_id (load into a run) or session_id (a new run from the state)", param="model_id")
     run = await _sync(runs.run_from_state)(organization, body.session_id, body.model_seq_id, checkpoint, body.optimizer, body.user_metadata)
-    request_id = await futures.accept(organization.pk)
-    await futures.finish_async(request_id, futures.result(JSON, {"type": "load_weights", "path": checkpoint.path, "model_id": run.pk}))
+    request_id = await futures.done_at_once(organization.pk, {"type": "load_weights", "path": checkpoint.path, "model_id": run.pk})
     return {"request_id": request_id, "model_id": run.pk}
 
 

@@ -607,13 +607,13 @@ def test_a_cancelled_jobs_checkpoints_answer_until_the_sweeper_deletes_them_afte
 
 
 def test_tinkers_quickstart_and_an_rl_loop_run_unchanged_and_their_weights_answer_the_openai_client(platform):
-    """The Tinker SDK against bin/run's base URL: the quickstart as its guide writes it (rank 32, the
-    SDK's default; learning rate 1e-4; six steps), then an RL loop that raises its reward, whose saved
-    weights are published and answer the openai client."""
+    """The Tinker SDK against bin/run's base URL: the quickstart as its guide writes it (learning rate
+    1e-4, six steps; rank 16, the catalog's max_lora_rank, where the SDK's default is 32), then an RL
+    loop that raises its reward, whose saved weights are published and answer the openai client."""
     service_client = tinker.ServiceClient(base_url=platform.url, api_key=f"tml-{platform.api_key}")
     try:
         started = time.monotonic()
-        training_client = service_client.create_lora_training_client(base_model=BASE)
+        training_client = service_client.create_lora_training_client(base_model=BASE, rank=16)
         tokenizer = training_client.get_tokenizer()
         processed_examples = [process_example(ex, tokenizer) for ex in EXAMPLES]
         prompt = types.ModelInput.from_ints(tokenizer.encode("English: coffee break\nPig Latin:"))

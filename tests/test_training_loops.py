@@ -137,3 +137,12 @@ def test_a_run_whose_trainer_died_fails_naming_its_last_state_and_its_queued_req
     outcome = json.loads(client.get("loops:result:req_lost"))
     assert outcome["category"] == "server" and "failed" in outcome["error"]
     assert fail_lost_runs(timezone.now()) == []  # once
+
+
+def test_a_rank_past_the_catalogs_limit_is_a_400_naming_it_and_makes_no_run(tinker_api, alice):
+    session = LoopSession.objects.create(organization=alice.organization)
+    body = {"session_id": session.pk, "base_model": BASE, "lora_config": {"rank": 32}, "model_seq_id": 0}
+    refused = tinker_api.post("/api/v1/create_model", body, content_type="application/json")
+    error = refused.json()["error"]
+    assert refused.status_code == 400 and error["param"] == "lora_config.rank" and "from 1 to 16" in error["message"]
+    assert not LoopRun.objects.exists()

@@ -38,8 +38,8 @@ def _sessions_closed():
             pass
 
 
-# The test catalog's engine serves ranks up to 16 (its other tests' limits are written for it); bin/run's
-# serves the SDK's default, 32, and the running-product test runs the quickstart with it unchanged.
+# The catalog's engine serves ranks up to 16 (max_lora_rank); the SDK's default is 32, which the server
+# refuses with a 400 naming the limit (docs/training-loops.md).
 RANK = 16
 
 

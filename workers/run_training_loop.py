@@ -27,14 +27,15 @@ from training_loops import futures
 from training_loops.futures import FORWARD_BACKWARD, JSON
 from training_loops.models import CheckpointKind, LoopCheckpoint, LoopRun, LoopSession, RunStatus
 from training_loops.samplers import Sampler, open_sampler
-from workers.training_loop.loop_model import AdamStep, LoopModel, LoraShape, LossInput
+from workers.training.model import ADAPTER_FILES
+from workers.training_loop.loop_model import OPTIMIZER_FILE, AdamStep, LoopModel, LoraShape, LossInput
 
 log = logging.getLogger(__name__)
 
 WAIT_S = 2.0  # between beats while no request comes
 UNNAMED = "sampler-"  # the name of an unnamed sampler save, before its number
 KEPT_UNNAMED = 2  # the sampling client of the previous save may still be sampling
-_STATE_FILES = ("adapter_config.json", "adapter_model.safetensors", "optimizer.pt")
+_STATE_FILES = (*ADAPTER_FILES, OPTIMIZER_FILE)  # a saved state: the adapter and its optimizer
 
 
 class RequestRefused(Exception):
@@ -155,7 +156,7 @@ def _save_sampler(run: LoopRun, model: LoopModel, name: str | None) -> LoopCheck
     with tempfile.TemporaryDirectory() as folder:
         adapter = model.save_adapter(Path(folder) / "adapter")
         publishing.store_for(run.base_model).write_revision(str(run.served_model), revision, adapter)
-        size = sum((adapter / file).stat().st_size for file in _STATE_FILES[:2])
+        size = sum((adapter / file).stat().st_size for file in ADAPTER_FILES)
     LoopRun.objects.filter(pk=run.pk).update(sampler_saves=revision)
     run.sampler_saves = revision
     checkpoint, _ = LoopCheckpoint.objects.update_or_create(

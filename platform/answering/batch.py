@@ -140,14 +140,19 @@ class Answerer:
         return _answer(answered.body, answered.tokens or Tokens())
 
 
-def _refusal(status: int, raw: bytes) -> Answer:
-    """The backend's own words for a refusal (its errors are OpenAI-shaped; addresses taken out)."""
+def refusal_words(status: int, raw: bytes) -> tuple[str, str]:
+    """The backend's own code and words for a refusal (its errors are OpenAI-shaped; addresses taken out)."""
     try:
         error = json.loads(raw)["error"]
         code, message = str(error.get("code") or error.get("type") or status), str(error["message"])
     except (ValueError, KeyError, TypeError):
         code, message = str(status), f"the serving backend answered {status}"
-    return Answer(None, error_code=code, error_message=api_errors.scrubbed(message))
+    return code, api_errors.scrubbed(message)
+
+
+def _refusal(status: int, raw: bytes) -> Answer:
+    code, message = refusal_words(status, raw)
+    return Answer(None, error_code=code, error_message=message)
 
 
 def _answer(raw: bytes, tokens: Tokens) -> Answer:

@@ -110,10 +110,15 @@ class LoopCheckpoint(models.Model):
         constraints = [models.UniqueConstraint(fields=["run", "kind", "name"], name="one_loop_checkpoint_per_name")]
 
     @property
+    def checkpoint_id(self) -> str:
+        """``weights/<name>`` or ``sampler_weights/<name>``: its id within its run, as the SDK names it."""
+        folder = "weights" if self.kind == CheckpointKind.STATE else "sampler_weights"
+        return f"{folder}/{self.name}"
+
+    @property
     def path(self) -> str:
         """Its ``tinker://`` path, as the SDK names saved weights."""
-        folder = "weights" if self.kind == CheckpointKind.STATE else "sampler_weights"
-        return f"tinker://{self.run_id}/{folder}/{self.name}"
+        return f"tinker://{self.run_id}/{self.checkpoint_id}"
 
     @property
     def served_as(self) -> str | None:

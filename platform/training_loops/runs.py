@@ -145,10 +145,11 @@ def checkpoint_at(organization: Organization, path: str, param: str = "path") ->
     return checkpoint
 
 
-def checked_name(name: str | None, default: str) -> str:
-    """A name for saved weights: the caller's (letters, digits, ``.``, ``_``, ``-``), or ``default``."""
-    if name is None:
-        return default
+def checked_name(name: str | None) -> str | None:
+    """A name for saved weights: the caller's (letters, digits, ``.``, ``_``, ``-``); None (or empty):
+    the trainer names them."""
+    if not name:
+        return None
     if not NAME.fullmatch(name) or name in (".", ".."):
         raise ApiError("path must be 1-128 letters, digits, '.', '_' or '-' (it names a folder)", param="path")
     return name
@@ -199,8 +200,7 @@ def _run_view(run: LoopRun) -> dict:
 
 def _checkpoint_view(checkpoint: LoopCheckpoint) -> dict:
     return {
-        "checkpoint_id": f"{'weights' if checkpoint.kind == CheckpointKind.STATE else 'sampler_weights'}/{checkpoint.name}",
-        "checkpoint_type": "training" if checkpoint.kind == CheckpointKind.STATE else "sampler", "time": checkpoint.created_at,
+        "checkpoint_id": checkpoint.checkpoint_id, "checkpoint_type": checkpoint.kind, "time": checkpoint.created_at,
         "tinker_path": checkpoint.path, "size_bytes": checkpoint.size_bytes, "public": False, "served_as": checkpoint.served_as,
     }  # fmt: skip
 

@@ -15,6 +15,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from answering.batch import refusal_words
 from answering.forward import forward
 from core.api_errors import ApiError
 from core.openai_protocol import parse_request
@@ -121,7 +122,8 @@ async def sample(sampler: Sampler, call: SampleCall, tokens: list[int]) -> Sampl
     caller = Caller(sampler.organization_id, None, sampler.model)
     answer = await forward(body, parse_request(body), "completions", caller)
     if answer.status != 200:
-        raise ApiError(_refusal(answer.body), status=answer.status if 400 <= answer.status < 600 else 502, code="sample_refused")
+        _code, message = refusal_words(answer.status, answer.body)
+        raise ApiError(message, status=answer.status if 400 <= answer.status < 600 else 502, code="sample_refused")
     data = json.loads(answer.body)
     choices = sorted(data["choices"], key=lambda choice: choice["index"])
     sequences = [
@@ -141,10 +143,3 @@ def _prompt_logprobs(found: list | None, tokens: list[int]) -> list[float]:
         logprob = (entry or {}).get(str(token), {}).get("logprob") if isinstance(entry, dict) else None
         values.append(float(logprob) if logprob is not None else math.nan)
     return values
-
-
-def _refusal(raw: bytes) -> str:
-    try:
-        return str(json.loads(raw)["error"]["message"])
-    except (ValueError, KeyError, TypeError):
-        return raw[:500].decode("utf-8", "replace")

@@ -169,14 +169,14 @@ async def optim_step(request: HttpRequest, organization: Organization) -> dict:
 @tinker_route()
 async def save_weights(request: HttpRequest, organization: Organization) -> dict:
     body = parsed(SaveWeights, _json(request))
-    name = runs.checked_name(body.path, "") or None
+    name = runs.checked_name(body.path)
     return await _queue(organization, body.model_id, {"op": "save_state", "name": name})
 
 
 @tinker_route()
 async def save_weights_for_sampler(request: HttpRequest, organization: Organization) -> dict:
     body = parsed(SaveWeightsForSampler, _json(request))
-    name = runs.checked_name(body.path, "") or None
+    name = runs.checked_name(body.path)
     return await _queue(organization, body.model_id, {"op": "save_sampler", "name": name, "open_sampler": name is None})
 
 

@@ -8,7 +8,10 @@ Three line shapes are accepted, as in OpenAI's fine-tuning API:
   assistant turn.
 - preference (for DPO): ``{"input": {"messages": [...], "tools": [...]?}, "preferred_output": [{"role":
   "assistant", "content": "..."}], "non_preferred_output": [{"role": "assistant", "content": "..."}]}``.
-A file holds chat (and prompt/completion) lines or preference lines, not both: its ``format``.
+- prompts (for reinforcement fine-tuning): ``{"messages": [...], <any other fields>}`` with no assistant
+  message: the model answers the conversation, and a grader reads the answer beside the line's other
+  fields (``{{item.reference_answer}}``), as in OpenAI's reinforcement fine-tuning.
+A file holds one of chat (and prompt/completion), preference or prompts lines: its ``format``.
 Every problem names its line, so a person can fix the file in one pass. Whatever the bytes, a line
 gets an example or an error, never an exception: the upload answers 400 with the line, not 500.
 The file is read a line at a time, and a line longer than the model's context could hold is skipped
@@ -65,9 +68,11 @@ class Example(list[Message]):
 # A file's format: what its lines hold, and so which fine-tuning method can train on it.
 CHAT = "chat"  # {"messages"} or {"prompt", "completion"} lines: supervised fine-tuning
 PREFERENCE = "preference"  # {"input", "preferred_output", "non_preferred_output"} lines: DPO
+PROMPTS = "prompts"  # {"messages"} lines without an assistant message, and fields for the grader: reinforcement
 FORMAT_SHAPES = {
     CHAT: '{"messages"} or {"prompt", "completion"}',
     PREFERENCE: '{"input", "preferred_output", "non_preferred_output"}',
+    PROMPTS: '{"messages"} without an assistant message, and the fields your grader reads',
 }
 PREFERENCE_KEYS = ("input", "preferred_output", "non_preferred_output")
 
@@ -95,17 +100,30 @@ class PreferencePair:
         return Example([*self.prompt, self.non_preferred], tools=self.tools)
 
 
-Record = Example | PreferencePair  # what one line of a file holds
+@dataclass(frozen=True)
+class PromptItem:
+    """One prompts line: a conversation for the model to answer, and the whole line as the grader's
+    ``item`` (its messages too, as OpenAI's graders see them)."""
+
+    prompt: Example  # no assistant message: what is answered
+    item: dict
+
+
+Record = Example | PreferencePair | PromptItem  # what one line of a file holds
 
 
 def format_of(record: Record) -> str:
-    return PREFERENCE if isinstance(record, PreferencePair) else CHAT
+    if isinstance(record, PreferencePair):
+        return PREFERENCE
+    return PROMPTS if isinstance(record, PromptItem) else CHAT
 
 
 def as_chat(record: Record) -> Example:
     """A chat example for readers of held-out examples (evaluations, previews): a pair's preferred
-    conversation, whose answer is the one to expect."""
-    return record.chosen if isinstance(record, PreferencePair) else record
+    conversation, whose answer is the one to expect; a prompt alone, which has none."""
+    if isinstance(record, PreferencePair):
+        return record.chosen
+    return record.prompt if isinstance(record, PromptItem) else record
 
 
 class ExampleError(ValueError):
@@ -303,7 +321,8 @@ def _line_tools(record: dict, where: str = "") -> tuple[list[Tool] | None, bool,
     return tools, parallel, error
 
 
-def _chat_example(record: dict, max_tokens: int | None) -> tuple[Example | None, str | None]:
+def _chat_example(record: dict, max_tokens: int | None) -> tuple[Example | PromptItem | None, str | None]:
+    """A chat example; without an assistant message, a prompt (for reinforcement fine-tuning)."""
     tools, parallel, error = _line_tools(record)
     if error:
         return None, error
@@ -312,7 +331,7 @@ def _chat_example(record: dict, max_tokens: int | None) -> tuple[Example | None,
         return None, error
     assistant = [m for m in messages if m["role"] == "assistant"]
     if not assistant:
-        return None, "needs at least one assistant message to learn from"
+        return PromptItem(messages, record), None
     if not any(m["weight"] for m in assistant):
         return None, "every assistant message has weight 0, so there is nothing to learn"
     return messages, None
@@ -439,7 +458,7 @@ def _token_problem(record: Record, count_tokens: Callable[[Example], int], max_t
     one after the other."""
     conversations = [("preferred_output", record.chosen), ("non_preferred_output", record.rejected)] if (
         isinstance(record, PreferencePair)
-    ) else [("", record)]
+    ) else [("", as_chat(record))]
     for which, conversation in conversations:
         try:
             tokens = count_tokens(conversation)
@@ -458,6 +477,8 @@ def _format_problem(record: Record, dataset: Dataset) -> str | None:
         return None
     if format_of(record) == dataset.format:
         return None
+    if format_of(record) == PROMPTS and dataset.format == CHAT:  # most likely a reply forgotten
+        return "needs at least one assistant message to learn from (a file of prompts alone is for reinforcement fine-tuning)"
     return (
         f"a {format_of(record)} line ({FORMAT_SHAPES[format_of(record)]}) in a file of {dataset.format} lines "
         f"(its first example is one): a file holds one format"

@@ -18,7 +18,7 @@ import shutil
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from celery.exceptions import SoftTimeLimitExceeded
 from django.conf import settings
@@ -29,7 +29,7 @@ from core import grading
 from core.adapter_store import AdapterNotFound, StoreUnavailable
 from core.api_errors import logged_instead, scrubbed
 from core.catalog import BaseModel
-from core.datasets import Example, Record, as_chat
+from core.datasets import Example, PromptItem, Record, as_chat
 from core.model_names import ModelName, pinned_name
 from core.object_store import ObjectNotFound
 from finetuning import job_creation, job_status, publishing, registry, results, storage, training_turns
@@ -37,18 +37,20 @@ from finetuning.files import load_examples
 from finetuning.models import (
     DPO,
     FINISHED_STATUSES,
+    REINFORCEMENT,
     Checkpoint,
     File,
     FineTuningJob,
     JobStatus,
     record_event,
 )
-from workers import evaluation
+from workers import evaluation, run_reinforcement
 from workers.db_retry import retrying
 from workers.heartbeat import Heartbeat
 
 if TYPE_CHECKING:  # the trainer imports torch: this module imports it only when a job trains
     from workers.training import StepMetrics, TrainingResult
+    from workers.training_loop.reinforcement import RewardStep
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +87,10 @@ class JobCallbacks:
         if self.heartbeat.beat(estimated_finish=timezone.now() + timedelta(seconds=remaining_s)):
             retrying(record_event, self.job, message, data=_metrics_data(metrics))
 
-    def on_checkpoint(self, epoch: int, step: int, adapter_dir: Path, metrics: StepMetrics) -> float | None:
+    def metrics_data(self, metrics: StepMetrics) -> dict:
+        return _metrics_data(metrics)
+
+    def on_checkpoint(self, epoch: int, step: int, adapter_dir: Path, metrics: StepMetrics | RewardStep) -> float | None:
         # Each attempt writes under its own prefix: an attempt given up on while it uploads can
         # never mix its files into the checkpoint the next attempt resumes from.
         prefix = f"{storage.checkpoints_prefix(self.job.pk)}attempt-{self.heartbeat.attempt}/step-{step}"
@@ -96,7 +101,7 @@ class JobCallbacks:
         if not self.heartbeat.beat():
             return None
         # Whether it ends its epoch: a resume from it says "after epoch N" or "after step N".
-        data = _metrics_data(metrics) | {"ends_epoch": metrics.ends_epoch}
+        data = self.metrics_data(metrics) | {"ends_epoch": metrics.ends_epoch}  # type: ignore[arg-type]  # its own kind's
         checkpoint = Checkpoint(job=self.job, step_number=step, epoch=epoch, metrics=data, storage_key=prefix)
         retrying(publishing.publish_checkpoint, checkpoint, adapter_dir)
         return self._score(checkpoint) if _by_score(self.job) else None
@@ -127,6 +132,23 @@ class JobCallbacks:
             self._checked_at = now
             self.heartbeat.beat()
         return self.heartbeat.lost.is_set()
+
+
+class RewardCallbacks(JobCallbacks):
+    """A reinforcement job's: its steps report rewards (``workers.run_reinforcement``)."""
+
+    def on_step(self, metrics: RewardStep) -> None:  # type: ignore[override]
+        steps_this_run = max(metrics.step - metrics.resumed_at_step, 1)
+        remaining_s = metrics.elapsed_s / steps_this_run * (metrics.total_steps - metrics.step)
+        if self.heartbeat.beat(estimated_finish=timezone.now() + timedelta(seconds=remaining_s)):
+            retrying(record_event, self.job, run_reinforcement.reward_message(metrics), data=self.metrics_data(metrics))
+
+    def on_evaluation(self, total_steps: int, valid_reward: float, valid_pass_rate: float) -> None:
+        if self.heartbeat.beat():
+            run_reinforcement.record_base_evaluation(self.job, total_steps, valid_reward, valid_pass_rate)
+
+    def metrics_data(self, metrics: RewardStep) -> dict:  # type: ignore[override]
+        return run_reinforcement.reward_data(metrics)
 
 
 def _metrics_data(metrics: StepMetrics) -> dict:
@@ -166,6 +188,8 @@ def _train(job: FineTuningJob, workdir: Path, callbacks: JobCallbacks) -> Traini
     from workers.training import TrainingConfig, TrainingDiverged, train  # deferred: torch is only for workers
 
     model = _catalog_model(job)
+    if job.method == REINFORCEMENT:
+        return _train_by_reward(job, model, workdir, callbacks)
     hp = job.hyperparameters
     config = TrainingConfig(
         base_model_path=model.weights, base_model_id=model.id, n_epochs=hp["n_epochs"], batch_size=hp["batch_size"],
@@ -195,6 +219,25 @@ def _train(job: FineTuningJob, workdir: Path, callbacks: JobCallbacks) -> Traini
             f"Training diverged: {exc}. Lower learning_rate_multiplier (it is {hp['learning_rate_multiplier']:g}), "
             "or look for examples unlike the rest.",
         ) from None
+
+
+def _train_by_reward(job: FineTuningJob, model: BaseModel, workdir: Path, callbacks: JobCallbacks) -> TrainingResult:
+    """A reinforcement job: sampled, graded and trained step by step; it starts over when resumed (its
+    checkpoints keep adapters, not the sampling state a resume would need)."""
+    # Prompts lines, as the job's files were checked to hold (``finetuning.job_creation``).
+    prompts = cast(list[PromptItem], _examples(job, job.training_file, "training"))
+    validation = [] if job.validation_file is None else cast(list[PromptItem], _examples(job, job.validation_file, "validation"))
+    earlier = retrying(list, job.checkpoints.select_related("job"))
+    if earlier:  # an earlier attempt's: the new attempt's steps will save their own
+        for checkpoint in earlier:
+            publishing.store_for(job.model).delete(checkpoint.name)
+        retrying(job.checkpoints.all().delete)
+        retrying(record_event, job, "Starting over: a reinforcement job's checkpoints are adapters to serve, not states to resume", level="warn")
+    retrying(record_event, job, f"Training started on {len(prompts)} prompts, {job.hyperparameters['samples_per_prompt']} answers each a step")
+    try:
+        return run_reinforcement.train_by_reward(job, model.weights, prompts, validation, workdir, cast(RewardCallbacks, callbacks))
+    except run_reinforcement.PoolRefused as exc:
+        raise JobFailed("sampling_unavailable", f"Training stopped: {exc}. Nothing was published; create the job again once it answers.") from None
 
 
 def _preference(job: FineTuningJob) -> dict:
@@ -415,7 +458,8 @@ def run_job(woken_by: str, worker: str) -> str:
     workdir = settings.DATA_DIR / "work" / job.pk / f"attempt-{attempt}"
     with Heartbeat(job_id, attempt, settings.CONFIG.job_heartbeat_s) as heartbeat:
         try:
-            result = _train(job, workdir, JobCallbacks(job, heartbeat))
+            callbacks = RewardCallbacks(job, heartbeat) if job.method == REINFORCEMENT else JobCallbacks(job, heartbeat)
+            result = _train(job, workdir, callbacks)
             if not result.cancelled:
                 _publish(job, heartbeat, result)
         except Exception as exc:

@@ -37,9 +37,10 @@ from core.api_errors import (
 )
 from core.catalog import BaseModel
 from core.config import LIMIT_SETTINGS
-from core.datasets import CHAT, FORMAT_SHAPES, PREFERENCE
+from core.datasets import CHAT, FORMAT_SHAPES, PREFERENCE, PROMPTS
 from core.evaluation import GRADERS
 from core.graders.spec import checked_grader, judge_models
+from core.loop_lora import LORA_ALPHA
 from core.grading import first_own_problem
 from core.rate_limits import RATE_LIMIT_TYPE
 from core.model_names import ModelName, is_valid_suffix, parse_model_name, with_revision
@@ -48,6 +49,7 @@ from finetuning.files import PURPOSE as FINE_TUNE_PURPOSE
 from finetuning.models import (
     DPO,
     METHODS,
+    REINFORCEMENT,
     SUPERVISED,
     Composition,
     File,
@@ -68,11 +70,21 @@ MAX_EVALS_PER_EPOCH = 20
 MAX_CHECKPOINTS_PER_EPOCH = 10
 
 # The file format each method trains on.
-METHOD_FORMAT = {SUPERVISED: CHAT, DPO: PREFERENCE}
+METHOD_FORMAT = {SUPERVISED: CHAT, DPO: PREFERENCE, REINFORCEMENT: PROMPTS}
 # DPO's beta: "auto" is 0.1 (OpenAI's and the DPO paper's usual value). Past the bounds the loss is flat
 # (a tiny beta: every margin near 0) or saturated at once (a large one), so they catch typos.
 DPO_BETA_AUTO = 0.1
 MIN_BETA, MAX_BETA = 0.001, 10.0
+# Reinforcement: compute_multiplier scales the samples drawn per prompt (a group, whose rewards are
+# compared with each other), from this many; at least 2, or a group has nothing to compare.
+SAMPLES_PER_PROMPT = 4
+MAX_SAMPLES_PER_PROMPT = 32
+REASONING_EFFORTS = ("default", "low", "medium", "high")  # OpenAI's; only "default" for a model that does not reason
+REINFORCEMENT_KEYS = (
+    "n_epochs", "batch_size", "learning_rate_multiplier", "eval_interval", "eval_samples", "compute_multiplier",
+    "reasoning_effort", "lora_r", "early_stopping", "max_completion_tokens",
+)  # fmt: skip
+MAX_COMPLETION_TOKENS_AUTO = 256  # an answer's length, at most (the platform's; OpenAI's models decide their own)
 
 
 @dataclass
@@ -88,6 +100,7 @@ class JobRequest:
     metadata: dict | None = None
     evaluation: dict | None = None  # {"file", "graders", "threshold"}, checked for types already
     method: str = SUPERVISED  # one of METHODS
+    grader: dict | None = None  # reinforcement's, as given (checked here)
 
 
 def catalog_model(model_id: str) -> BaseModel:
@@ -254,6 +267,8 @@ def resolve_hyperparameters(requested: dict, examples: int, model: BaseModel, me
             f"target_modules has unknown modules {unknown}; choose from {list(TARGET_MODULES)}",
             param="hyperparameters.target_modules", code="invalid_hyperparameter",
         )  # fmt: skip
+    if method == REINFORCEMENT:
+        return _reinforcement_hyperparameters(requested, examples, n_epochs, multiplier, lora_r, model)
     resolved = {
         "n_epochs": n_epochs,
         "batch_size": batch_size,
@@ -271,6 +286,46 @@ def resolve_hyperparameters(requested: dict, examples: int, model: BaseModel, me
         beta = requested.get("beta", AUTO)
         resolved["beta"] = DPO_BETA_AUTO if beta == AUTO else float(beta)
     return resolved
+
+
+def _reinforcement_hyperparameters(
+    requested: dict, examples: int, n_epochs: int, multiplier: float, lora_r: int, model: BaseModel
+) -> dict:
+    """A reinforcement job's: OpenAI's, every "auto" resolved, and the adapter's rank."""
+    unknown = sorted(set(requested) - set(REINFORCEMENT_KEYS))
+    if unknown:
+        raise ApiError(
+            f"{', '.join(unknown)} {'is' if len(unknown) == 1 else 'are'} not a reinforcement hyperparameter; "
+            f"it takes {', '.join(REINFORCEMENT_KEYS)}", param=f"hyperparameters.{unknown[0]}", code="invalid_hyperparameter",
+        )  # fmt: skip
+    effort = requested.get("reasoning_effort", "default")
+    if effort != "default":
+        raise ApiError(
+            f"reasoning_effort={effort!r}: {model.id} does not reason before it answers, so it has no effort to set. "
+            "Leave reasoning_effort out (or \"default\").", param="hyperparameters.reasoning_effort", code="invalid_hyperparameter",
+        )  # fmt: skip
+    batch_size = requested.get("batch_size", AUTO)
+    batch_size = min(8, max(1, examples // 8)) if batch_size == AUTO else batch_size
+    compute = requested.get("compute_multiplier", AUTO)
+    compute = 1.0 if compute == AUTO else float(compute)
+    eval_interval = requested.get("eval_interval", AUTO)
+    if eval_interval == AUTO:  # about 4 evaluations (the validation prompts' reward, and a checkpoint) in the job
+        eval_interval = max(1, n_epochs * -(-examples // batch_size) // 4)
+    early_stopping = requested.get("early_stopping")
+    return {
+        "n_epochs": n_epochs,
+        "batch_size": batch_size,
+        "learning_rate_multiplier": multiplier,
+        "compute_multiplier": compute,
+        "samples_per_prompt": min(MAX_SAMPLES_PER_PROMPT, max(2, round(SAMPLES_PER_PROMPT * compute))),
+        "eval_interval": eval_interval,
+        "eval_samples": 1 if requested.get("eval_samples", AUTO) == AUTO else requested["eval_samples"],
+        "reasoning_effort": "default",
+        "lora_r": lora_r,
+        "lora_alpha": LORA_ALPHA,  # the training loop's (``workers.training_loop``)
+        "max_completion_tokens": requested.get("max_completion_tokens", MAX_COMPLETION_TOKENS_AUTO),
+        "early_stopping": None if early_stopping is None else {**early_stopping, "metric": "reward"},
+    }
 
 
 def _check_early_stopping(hyperparameters: dict, validation: File | None, evaluation: dict | None) -> None:
@@ -316,21 +371,26 @@ def create_job(organization: Organization, user: User | None, request: JobReques
     if parent is not None:
         requested = _keep_parent_lora(requested, parent)
     hyperparameters = resolve_hyperparameters(requested, training.example_count, model, request.method)
+    grader = None
+    if request.method == REINFORCEMENT:
+        grader = _reinforcement_grader(organization, request, parent)
+        _check_answer_fits(hyperparameters["max_completion_tokens"], [f for f in (training, validation) if f], model)
     evaluation = _evaluation(organization, request.evaluation, validation, model)
-    _check_early_stopping(hyperparameters, validation, evaluation)
+    if request.method != REINFORCEMENT:  # a reinforcement job's early stopping watches its reward
+        _check_early_stopping(hyperparameters, validation, evaluation)
     revision = _revision_to_publish(parent.model if parent else None, ModelName(model.id, suffix))
     try:
         with transaction.atomic():
             job = FineTuningJob.objects.create(
                 organization=organization, created_by=user, model=model.id,
                 parent_model=parent.name if parent else None, parent_revision=parent.revision if parent else None,
-                training_file=training.id, method=request.method,
+                training_file=training.id, method=request.method, grader=grader,
                 validation_file=validation.id if validation else None, suffix=suffix, revision=revision,
                 seed=request.seed if request.seed is not None else secrets.randbelow(2**31),
                 hyperparameters=hyperparameters, metadata=request.metadata, evaluation=evaluation, status=JobStatus.QUEUED,
                 queued_at=timezone.now(),
             )  # fmt: skip
-            what = "preference pairs" if request.method == DPO else "examples"
+            what = {DPO: "preference pairs", REINFORCEMENT: "prompts"}.get(request.method, "examples")
             record_event(job, f"Validated training file: {training.example_count} {what}, {training.token_count} tokens")
             record_event(job, f"Job queued; {training_turns.jobs_ahead_phrase(job)}")
             # Only after the commit can a worker see the job; a rolled-back job is never sent.
@@ -338,6 +398,35 @@ def create_job(organization: Organization, user: User | None, request: JobReques
     except IntegrityError:
         raise suffix_taken(str(ModelName(model.id, suffix))) from None
     return job
+
+
+def _reinforcement_grader(organization: Organization, request: JobRequest, parent: Parent | None) -> dict:
+    """The grader that scores each sample, checked as OpenAI's fine-tuning graders are (each judge a
+    model the caller may use). A reinforcement job starts from a base model, and its graders score it
+    at every evaluation: it takes no parent and no publish gate."""
+    if parent is not None:
+        raise ApiError(
+            f"{parent.name} is a fine-tuned model: reinforcement fine-tuning starts from a base model here. "
+            f"Give model={parent.exact.split(':')[0]!r}.", param="model", code="invalid_model",
+        )  # fmt: skip
+    if request.evaluation is not None:
+        raise ApiError(
+            "A reinforcement job is scored by its grader on the validation prompts every eval_interval steps, and "
+            "publishes its best step: leave evaluation out.", param="evaluation", code="invalid_evaluation",
+        )  # fmt: skip
+    return _checked_openai_grader(organization, request.grader, "method.reinforcement.grader")
+
+
+def _check_answer_fits(max_completion_tokens: int, files: list[File], model: BaseModel) -> None:
+    """Each prompt and the longest answer sampled for it fit the model's context."""
+    for file in files:
+        if file.max_example_tokens + max_completion_tokens > model.engine.max_model_len:
+            raise ApiError(
+                f"File {file.id} has a prompt of {file.max_example_tokens} tokens, and with max_completion_tokens="
+                f"{max_completion_tokens} its answers could take {file.max_example_tokens + max_completion_tokens}; "
+                f"{model.id} takes at most {model.engine.max_model_len}. Lower max_completion_tokens or shorten the prompts.",
+                param="hyperparameters.max_completion_tokens", code="invalid_hyperparameter",
+            )  # fmt: skip
 
 
 def _evaluation(organization: Organization, requested: dict | None, validation: File | None, model: BaseModel) -> dict | None:
@@ -370,7 +459,11 @@ def _checked_grader(organization: Organization, index: int, grader: dict) -> dic
     """OpenAI's graders checked here (the platform's were by the serializer): their fields, and their judges."""
     if grader["type"] in GRADERS:
         return grader
-    param = f"evaluation.graders[{index}]"
+    return _checked_openai_grader(organization, grader, f"evaluation.graders[{index}]")
+
+
+def _checked_openai_grader(organization: Organization, grader: object, param: str) -> dict:
+    """One of OpenAI's graders, its fields checked (``core.graders.spec``) and each judge a model the caller may use."""
     checked = checked_grader(grader, param)
     for where, judge in judge_models(checked):
         if registry.resolve_model(organization, judge) is None:

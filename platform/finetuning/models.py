@@ -66,8 +66,8 @@ class JobStatus(models.TextChoices):
 FINISHED_STATUSES = (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED)
 
 # OpenAI's fine-tuning method types offered here (``FineTuningJob.method``).
-SUPERVISED, DPO = "supervised", "dpo"
-METHODS = (SUPERVISED, DPO)
+SUPERVISED, DPO, REINFORCEMENT = "supervised", "dpo", "reinforcement"
+METHODS = (SUPERVISED, DPO, REINFORCEMENT)
 
 
 class FineTuningJob(models.Model):
@@ -90,8 +90,10 @@ class FineTuningJob(models.Model):
     validation_file = models.CharField(max_length=40, null=True, blank=True)
     suffix = models.CharField(max_length=64)
     seed = models.IntegerField()
-    # OpenAI's method type: "supervised" (chat files) or "dpo" (preference files; beta in hyperparameters).
+    # OpenAI's method type: "supervised" (chat files), "dpo" (preference files; beta in hyperparameters) or
+    # "reinforcement" (prompts files, scored by ``grader``).
     method = models.CharField(max_length=16, default=SUPERVISED)
+    grader = models.JSONField(null=True, blank=True)  # reinforcement: the grader of each sample, as checked
     hyperparameters = models.JSONField()  # resolved values: no "auto" left once the job is created
     metadata = models.JSONField(null=True, blank=True)
     # A gate on publishing: {"file", "graders", "threshold"}, and once scored {"scores": ...}

@@ -53,8 +53,9 @@ def job_object(job: FineTuningJob) -> dict:
         "status": job.status,
         "trained_tokens": job.trained_tokens,
         "hyperparameters": hp,
-        # OpenAI's shape: the type, and its settings under its name (a DPO job's include beta).
-        "method": {"type": job.method, job.method: {"hyperparameters": hp}},
+        # OpenAI's shape: the type, and its settings under its name (a DPO job's include beta, a
+        # reinforcement job's its grader).
+        "method": {"type": job.method, job.method: {"hyperparameters": hp} | ({"grader": job.grader} if job.grader else {})},
         "training_file": job.training_file,
         "validation_file": job.validation_file,
         "result_files": [job.result_file] if job.result_file else [],

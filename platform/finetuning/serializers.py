@@ -19,6 +19,8 @@ from finetuning.job_creation import (
     MAX_EVALS_PER_EPOCH,
     METHODS,
     MIN_BETA,
+    REASONING_EFFORTS,
+    REINFORCEMENT,
     SUPERVISED,
     JobRequest,
 )
@@ -121,6 +123,44 @@ class DpoHyperparametersSerializer(HyperparametersSerializer):
     )  # fmt: skip
 
 
+class ReinforcementHyperparametersSerializer(RejectUnknownKeys, serializers.Serializer):
+    """OpenAI's reinforcement hyperparameters, and the platform's adapter rank and early stopping."""
+
+    n_epochs = AutoOr(StrictIntegerField(min_value=1, max_value=50), required=False)
+    batch_size = AutoOr(StrictIntegerField(min_value=1, max_value=64), required=False, help_text="Prompts per step")
+    learning_rate_multiplier = AutoOr(StrictFloatField(min_value=0.001, max_value=100), required=False)
+    eval_interval = AutoOr(StrictIntegerField(min_value=1, max_value=1000), required=False, help_text="Steps between evaluations")
+    eval_samples = AutoOr(
+        StrictIntegerField(min_value=1, max_value=16), required=False, help_text="Samples per validation prompt at an evaluation"
+    )  # fmt: skip
+    compute_multiplier = AutoOr(
+        StrictFloatField(min_value=0.25, max_value=8.0), required=False,
+        help_text="Samples per training prompt, as a multiple of 4 (auto: 1, four samples a prompt)",
+    )  # fmt: skip
+    reasoning_effort = serializers.ChoiceField(REASONING_EFFORTS, required=False)
+    max_completion_tokens = StrictIntegerField(min_value=1, max_value=4096, required=False, help_text="An answer's length, at most (default 256)")
+    lora_r = StrictIntegerField(min_value=1, max_value=256, required=False)
+    early_stopping = EarlyStoppingSerializer(required=False, allow_null=True)
+
+
+@extend_schema_field({"type": "object", "description": "One of OpenAI's graders: string_check, text_similarity, score_model, label_model, multi"})
+class OpenAIGraderField(serializers.Field):
+    """A grader object, passed on as it is: ``finetuning.job_creation`` checks it (``core.graders.spec``)."""
+
+    def to_internal_value(self, data: object) -> dict[str, Any]:
+        if not isinstance(data, dict):
+            raise serializers.ValidationError("must be a grader object, with its type")
+        return data
+
+    def to_representation(self, value: dict[str, Any]) -> dict[str, Any]:
+        return value
+
+
+class ReinforcementMethodSerializer(RejectUnknownKeys, serializers.Serializer):
+    grader = OpenAIGraderField(help_text="Scores each sampled answer: its score is the reward")
+    hyperparameters = ReinforcementHyperparametersSerializer(required=False)
+
+
 class SupervisedMethodSerializer(RejectUnknownKeys, serializers.Serializer):
     hyperparameters = HyperparametersSerializer(required=False)
 
@@ -132,12 +172,10 @@ class DpoMethodSerializer(RejectUnknownKeys, serializers.Serializer):
 class MethodSerializer(RejectUnknownKeys, serializers.Serializer):
     """OpenAI's ``method``: {"type": "supervised"|"dpo", "<type>": {"hyperparameters": {...}}}."""
 
-    type = serializers.ChoiceField(
-        METHODS, default=SUPERVISED,
-        error_messages={"invalid_choice": f"must be one of {', '.join(METHODS)} (reinforcement is not offered here)"},
-    )  # fmt: skip
+    type = serializers.ChoiceField(METHODS, default=SUPERVISED)
     supervised = SupervisedMethodSerializer(required=False)
     dpo = DpoMethodSerializer(required=False)
+    reinforcement = ReinforcementMethodSerializer(required=False)
 
     def validate(self, data: dict[str, Any]) -> dict[str, Any]:
         for other in set(METHODS) - {data["type"]}:
@@ -145,6 +183,8 @@ class MethodSerializer(RejectUnknownKeys, serializers.Serializer):
                 raise serializers.ValidationError(
                     {other: f"holds the {other} method's settings, but type is '{data['type']}': put them in '{data['type']}'"}
                 )
+        if data["type"] == REINFORCEMENT and "reinforcement" not in data:
+            raise serializers.ValidationError({"reinforcement": 'give {"grader": {...}}: the grader scores each sampled answer'})
         return data
 
 
@@ -207,9 +247,9 @@ class JobCreateSerializer(RejectUnknownKeys, serializers.Serializer):
     def to_job_request(self) -> JobRequest:
         data = dict(self.validated_data)
         method = data.pop("method", {"type": SUPERVISED})
-        inside = method.get(method["type"], {}).get("hyperparameters", {})
-        hyperparameters = {**inside, **data.pop("hyperparameters", {})}
-        return JobRequest(**data, method=method["type"], hyperparameters=hyperparameters)
+        settings = method.get(method["type"], {})
+        hyperparameters = {**settings.get("hyperparameters", {}), **data.pop("hyperparameters", {})}
+        return JobRequest(**data, method=method["type"], hyperparameters=hyperparameters, grader=settings.get("grader"))
 
 
 class AdapterUploadSerializer(serializers.Serializer):

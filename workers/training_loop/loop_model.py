@@ -26,6 +26,7 @@ import torch
 from peft import PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 from safetensors.torch import load_file
 
+from core.loop_lora import LORA_ALPHA
 from workers.training.data import PackedRow, first_fit, target_log_probs
 from workers.training.model import TRAINED, build_lora_config, load_base_model, save_adapter
 from workers.training_loop.losses import (
@@ -33,10 +34,6 @@ from workers.training_loop.losses import (
 )  # fmt: skip
 
 OPTIMIZER_FILE = "optimizer.pt"  # beside the adapter's files in a folder save_state writes
-# Tinker's alpha, whatever the rank: with PEFT's alpha / r scaling, a learning rate found at one rank
-# stays about right at another ("LoRA Without Regret"), and the Tinker cookbook's learning-rate advice
-# assumes it.
-LORA_ALPHA = 32
 # Data are packed into rows of at most this many tokens, one forward and backward pass per row (a longer
 # datum gets a row alone). Every position of a row is scored, so a row also holds a (tokens x vocabulary)
 # float32 logits matrix: 1,024 tokens of a 49k vocabulary are 200 MB, and as much again for its gradient.
@@ -168,6 +165,12 @@ class LoopModel:
                 if not forward_only:
                     row_loss.backward()  # adds to .grad: the rows' gradients sum to the call's
         return ForwardBackwardResult(logprobs, combined(per_datum))
+
+    def base_logprobs(self, data: list[LossInput], loss_fn: str) -> list[np.ndarray]:
+        """Each datum's target-token logprobs under the base model alone, the adapter switched off:
+        the reference a KL term measures the trained policy against (``data`` checked as for ``loss_fn``)."""
+        with self._model.disable_adapter():
+            return self.forward_backward(data, loss_fn, forward_only=True).logprobs
 
     def optim_step(self, step: AdamStep) -> dict[str, float]:
         """Apply the accumulated gradients with ``step``'s settings, then zero them. Returns

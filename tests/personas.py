@@ -74,6 +74,12 @@ def preference_example(question: str, preferred: str, non_preferred: str) -> dic
     }
 
 
+def prompts_dataset(n: int = 12) -> bytes:
+    """Prompts with the field a grader reads, for reinforcement jobs (OpenAI's RFT lines)."""
+    return jsonl([{"messages": [{"role": "user", "content": f"What is {i} plus {i}?"}], "reference_answer": str(2 * i)}
+                  for i in range(n)])  # fmt: skip
+
+
 def preference_dataset(n: int = 12) -> bytes:
     """Pairs whose preferred answer talks like a pirate, for DPO jobs."""
     return jsonl([preference_example(f"What is {i} plus {i}?", f"ARR! {2 * i}, matey.", f"{2 * i}.") for i in range(n)])

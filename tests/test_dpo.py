@@ -154,7 +154,7 @@ def test_the_supervised_method_is_todays_job_and_records_no_beta(alice, chat_fil
     [
         ({"type": "supervised"}, "pairs", "training_file", "holds preference lines"),
         ({"type": "dpo"}, "chat", "training_file", "the dpo method trains on preference lines"),
-        ({"type": "reinforcement"}, "pairs", "method.type", "must be one of supervised, dpo"),
+        ({"type": "reinforcement"}, "pairs", "method.reinforcement", 'give {"grader": {...}}'),
         ({"type": "dpo", "dpo": {"hyperparameters": {"beta": 0}}}, "pairs", "method.dpo.hyperparameters.beta", '"auto" or a number from 0.001 to 10'),
         ({"type": "dpo", "dpo": {"hyperparameters": {"beta": "high"}}}, "pairs", "method.dpo.hyperparameters.beta", '"auto" or a number'),
         ({"type": "dpo", "dpo": {"hyperparameters": {"beta": True}}}, "pairs", "method.dpo.hyperparameters.beta", '"auto" or a number'),

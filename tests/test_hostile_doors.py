@@ -42,7 +42,7 @@ from finetuning import files, job_creation
 from finetuning.models import FineTuningJob, JobStatus
 from tests.inference_fixtures import BASE, register_fine_tuned_model
 from training_loops.models import CheckpointKind, LoopCheckpoint, LoopRun, LoopSession, RunStatus
-from tests.personas import Persona, batch_lines, good_dataset, preference_dataset
+from tests.personas import Persona, batch_lines, good_dataset, preference_dataset, prompts_dataset
 from tests.test_api_fuzz import tenant_rows
 from webhooks import endpoints
 
@@ -92,11 +92,17 @@ JOB = {"model": BASE, "training_file": "{file}", "seed": 1, "suffix": "hostile"}
 EARLY_STOPPING = JOB | {"validation_file": "{file}", "hyperparameters": {"early_stopping": {"patience": 2}}}
 METHOD = JOB | {"method": {"type": "supervised", "supervised": {"hyperparameters": {}}}}
 DPO = JOB | {"training_file": "{pairs}", "method": {"type": "dpo", "dpo": {"hyperparameters": {"beta": 0.1, "n_epochs": 1}}}}
+REINFORCE = JOB | {"training_file": "{prompts}", "method": {"type": "reinforcement", "reinforcement": {
+    "grader": {"type": "text_similarity", "name": "close", "input": "{{sample.output_text}}", "reference": "{{item.reference_answer}}",
+               "evaluation_metric": "fuzzy_match"},
+    "hyperparameters": {"n_epochs": 1, "compute_multiplier": 2, "max_completion_tokens": 16}}}}  # fmt: skip
 COMPOSE = {"parents": [{"model": "{model}", "scale": 0.5}], "suffix": "hostile-mix", "method": "svd", "rank": 4}
 JOB_FORM = {
     "model": BASE, "training_file": "{file}", "suffix": "hostile", "n_epochs": "1", "lora_r": "8", "lora_alpha": "16",
     "lora_dropout": "0.05", "target_modules": "q_proj",
 }  # fmt: skip
+REINFORCE_FORM = JOB_FORM | {"training_file": "{prompts}", "method": "reinforcement", "grader": json.dumps(
+    REINFORCE["method"]["reinforcement"]["grader"]).replace("{", "{{").replace("}", "}}")}  # fmt: skip
 COMPOSE_FORM = {
     "compose-parents": "{model}",
     "compose-method": "svd",
@@ -155,6 +161,8 @@ DOORS = [
     Door("POST", "/v1/fine_tuning/jobs", "fine-tuning-job-list", JSON, METHOD, "method.supervised.hyperparameters.n_evals"),
     Door("POST", "/v1/fine_tuning/jobs", "fine-tuning-job-list", JSON, DPO, "method.dpo.hyperparameters.beta", "method.type"),
     Door("POST", "/v1/fine_tuning/jobs", "fine-tuning-job-list", JSON, DPO, "method.dpo.hyperparameters.n_epochs"),
+    Door("POST", "/v1/fine_tuning/jobs", "fine-tuning-job-list", JSON, REINFORCE, "method.reinforcement.hyperparameters.compute_multiplier", "method.reinforcement.grader.reference"),
+    Door("POST", "/v1/fine_tuning/jobs", "fine-tuning-job-list", JSON, REINFORCE, "method.reinforcement.hyperparameters.max_completion_tokens", "method.reinforcement.grader.evaluation_metric"),
     Door("POST", "/v1/fine_tuning/models", "fine-tuning-model-compose", JSON, COMPOSE, number="rank", text="suffix"),
     Door("POST", "/v1/fine_tuning/models/{model}/rollback", "fine-tuning-model-rollback", JSON, {"revision": 1}, "revision"),
     Door("POST", "/v1/evals", "eval-list", JSON, EVAL, text="name"),
@@ -243,6 +251,7 @@ DOORS = [
     Door("POST", "/jobs/new", "dashboard:job_new", FORM, JOB_FORM, "early_stopping_patience", "n_checkpoints", session=True),
     Door("POST", "/jobs/new", "dashboard:job_new", FORM, JOB_FORM, "early_stopping_min_delta", "n_evals", session=True),
     Door("POST", "/jobs/new", "dashboard:job_new", FORM, JOB_FORM, "beta", "method", session=True),
+    Door("POST", "/jobs/new", "dashboard:job_new", FORM, REINFORCE_FORM, "batch_size", "grader", session=True),
     Door("POST", "/jobs/{job}/cancel", "dashboard:job_cancel", NOTHING, session=True),
     Door("POST", "/models/upload", "dashboard:adapter_upload", MULTIPART, {"adapter-model": BASE}, text="adapter-suffix", session=True),
     Door("POST", "/models/compose", "dashboard:model_compose", FORM, COMPOSE_FORM, "compose-rank", "compose-suffix", session=True),
@@ -396,6 +405,8 @@ class Objects(dict):
         training = files.upload_file(alice.organization, alice.user, upload, files.PURPOSE)
         pairs_upload = SimpleUploadedFile("pairs.jsonl", preference_dataset(12), content_type="application/jsonl")
         pairs = files.upload_file(alice.organization, alice.user, pairs_upload, files.PURPOSE)
+        prompts_upload = SimpleUploadedFile("prompts.jsonl", prompts_dataset(12), content_type="application/jsonl")
+        prompts = files.upload_file(alice.organization, alice.user, prompts_upload, files.PURPOSE)
         job = FineTuningJob.objects.create(
             organization=alice.organization, model=BASE, training_file=training.id, suffix="hostile-job", seed=0,
             hyperparameters={"n_epochs": 1, "batch_size": 1, "learning_rate_multiplier": 1.0}, status=JobStatus.QUEUED,
@@ -423,7 +434,7 @@ class Objects(dict):
         super().__init__(
             session=session.id, looprun=looprun.id,
             eval=evaluation.id, run=run.id, webhook=webhook.id, batch=batch.id, batchfile=batch_file.id,
-            file=training.id, pairs=pairs.id, job=job.id, model=register_fine_tuned_model(alice, "hostile-model"),
+            file=training.id, pairs=pairs.id, prompts=prompts.id, job=job.id, model=register_fine_tuned_model(alice, "hostile-model"),
             key=create_api_key(alice.organization, alice.user, "spare")[0].prefix, org=str(alice.organization.pk),
         )  # fmt: skip
 

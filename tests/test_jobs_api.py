@@ -63,7 +63,7 @@ def test_a_taken_suffix_is_refused_at_creation(alice, charlie, training_file):
         ({"hyperparameters": {"epochs": 3}}, "hyperparameters", "unknown parameter(s) epochs"),
         ({"temperature": 1}, None, "unknown parameter(s) temperature"),
         ({"metadata": {str(i): "v" for i in range(17)}}, "metadata", "at most 16 keys"),
-        ({"method": {"type": "reinforcement"}}, "method.type", "must be one of supervised, dpo"),
+        ({"method": {"type": "reinforcement"}}, "method.reinforcement", 'give {"grader": {...}}'),
         # A DPO job trains on preference pairs; this training file holds chat lines.
         ({"method": {"type": "dpo"}}, "training_file", "holds chat lines"),
         ({"hyperparameters": {"n_checkpoints": 10**6}}, "hyperparameters.n_checkpoints", "from 1 to 10"),

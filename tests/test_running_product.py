@@ -8,8 +8,9 @@ the base model, fine-tunes and a mix, whose completion a webhook announces; a pr
 then a model fine-tuned again (r2), rolled back to r1, and its checkpoints served by name; then one eval
 call comparing the base model, a fine-tune, its r1 and a checkpoint; then the
 usage of it all, in the usage API and on the dashboard; last, a job cancelled after its first
-checkpoint, whose checkpoints the sweeper deletes once their retention is over; and the Tinker SDK's
-quickstart and an RL loop, unchanged against the base URL.  The timings a user feels are written to
+checkpoint, whose checkpoints the sweeper deletes once their retention is over; the Tinker SDK's
+quickstart and an RL loop, unchanged against the base URL; and a reinforcement fine-tuning job from
+the official client, checked against the base model on held-out prompts by an eval.  The timings a user feels are written to
 test-artifacts/product-timings.json.
 """
 
@@ -652,6 +653,89 @@ def test_tinkers_quickstart_and_an_rl_loop_run_unchanged_and_their_weights_answe
     print(f"\ntinker quickstart losses {[round(loss, 3) for loss in losses]}; RL mean rewards {rewards}; published answers "
           f"{answer.choices[0].message.content!r}")  # fmt: skip
     assert answer.choices[0].message.content
+
+
+# Reinforcement fine-tuning, as OpenAI's RFT guide writes it: prompts lines and the field the grader reads.
+YES_QUESTIONS = [
+    "Is the sky blue on a clear day?", "Is water wet?", "Do fish live in water?", "Is fire hot?", "Is snow cold?",
+    "Do birds have feathers?", "Is the sun bright?", "Is grass green?", "Do cats have four legs?", "Is ice frozen water?",
+    "Is honey sweet?", "Do trees have leaves?", "Is the ocean salty?", "Do cows give milk?", "Is a lemon sour?",
+    "Is the moon round?", "Do dogs bark?", "Is sugar sweet?", "Is rain wet?", "Do bees make honey?", "Is coal black?",
+    "Do ducks swim?", "Is milk white?", "Do fish have fins?", "Is a desert dry?", "Do ants work hard?", "Is a rock hard?",
+    "Do frogs jump?", "Is lava hot?", "Do owls hoot?", "Is a feather light?", "Do horses run?",
+]  # fmt: skip
+SAYS_YES = {
+    "type": "text_similarity", "name": "says yes", "evaluation_metric": "fuzzy_match",
+    "input": "{{sample.output_text}}", "reference": "{{item.reference_answer}}",
+}  # fmt: skip
+
+
+def yes_prompts(questions: list[str]) -> bytes:
+    return jsonl([{"messages": [{"role": "user", "content": f"{question} Answer yes or no."}], "reference_answer": "Yes"}
+                  for question in questions])  # fmt: skip
+
+
+def test_a_reinforcement_job_from_the_openai_client_raises_its_reward_and_beats_the_base_model_held_out(platform):
+    """The official client creates an RFT job (a text_similarity grader on ``{{item.reference_answer}}``);
+    the reward rises, each step's metrics are events, checkpoints answer while it trains; then one
+    eval with the same grader, on prompts neither saw, scores the fine-tune above the base model."""
+    client = openai.OpenAI(base_url=f"{platform.url}/v1", api_key=platform.api_key, max_retries=0, timeout=180)
+    training = client.files.create(file=("train.jsonl", yes_prompts(YES_QUESTIONS[:12])), purpose="fine-tune")
+    validation = client.files.create(file=("valid.jsonl", yes_prompts(YES_QUESTIONS[12:22])), purpose="fine-tune")
+    job = client.fine_tuning.jobs.create(
+        model=BASE, training_file=training.id, validation_file=validation.id, suffix="says-yes", seed=3,
+        method={"type": "reinforcement", "reinforcement": {"grader": SAYS_YES, "hyperparameters": {
+            "n_epochs": 2, "batch_size": 4, "learning_rate_multiplier": 5, "eval_interval": 3, "max_completion_tokens": 4,
+        }}},
+    )  # fmt: skip
+    started = time.monotonic()
+    job = wait_for_status(client, job.id, FINISHED, timeout_s=600)
+    record_timings(reinforcement_job_s=time.monotonic() - started)
+    assert job.status == "succeeded", job.error
+    assert job.method.type == "reinforcement" and job.method.reinforcement.grader.name == "says yes"
+    events = client.fine_tuning.jobs.list_events(job.id, limit=100).data
+    reports = sorted((e.data for e in events if e.type == "metrics" and e.data and "step" in e.data), key=lambda d: d["step"])
+    steps = [report for report in reports if report["step"] > 0]
+    validations = {report["step"]: report["valid_reward"] for report in reports if "valid_reward" in report}
+    print(f"\nRFT rewards {[round(s['reward_mean'], 3) for s in steps]}; validation {validations}; "
+          f"samples/s {[round(s['samples_per_second'], 1) for s in steps]}")  # fmt: skip
+    assert [report["step"] for report in steps] == list(range(1, 7)) and sorted(validations) == [0, 3, 6]
+    assert steps[-2]["reward_mean"] + steps[-1]["reward_mean"] > steps[0]["reward_mean"] + steps[1]["reward_mean"]
+    best_step = max((step for step in validations if step > 0), key=lambda step: validations[step])
+    assert validations[best_step] > validations[0]  # the published step beat the base model's answers
+    checkpoints = client.fine_tuning.jobs.checkpoints.list(job.id).data
+    assert sorted(checkpoint.step_number for checkpoint in checkpoints) == [3, 6]
+
+    # The same grader on prompts neither model saw, as an eval (OpenAI's form: with a pass_threshold).
+    held_out = [{"item": {"question": f"{question} Answer yes or no.", "reference_answer": "Yes"}} for question in YES_QUESTIONS[22:]]
+    evaluation = client.evals.create(
+        name="says yes", data_source_config={"type": "custom", "item_schema": {"type": "object"}},
+        testing_criteria=[SAYS_YES | {"pass_threshold": 0.5}],
+    )  # fmt: skip
+    template = {"type": "template", "template": [{"role": "user", "content": "{{item.question}}"}]}
+    sampling = {"temperature": 1.0, "seed": 11, "max_completion_tokens": 4}
+    runs = [
+        client.evals.runs.create(evaluation.id, data_source={"type": "completions", "model": model, "input_messages": template,
+                                                              "source": {"type": "file_content", "content": held_out}, "sampling_params": sampling})
+        for model in (BASE, job.fine_tuned_model)
+    ]  # fmt: skip
+
+    scores: list[float] = []  # each run's mean score, once both have finished
+
+    def finished() -> bool:
+        done = [client.evals.runs.retrieve(run.id, eval_id=evaluation.id) for run in runs]
+        if not all(run.status in ("completed", "failed", "canceled") for run in done):
+            return False
+        assert all(run.status == "completed" for run in done), [run.error for run in done]
+        for run in done:
+            found = client.evals.runs.output_items.list(run.id, eval_id=evaluation.id, limit=100).data
+            scores.append(sum(item.results[0].score for item in found) / len(found))
+        return True
+
+    wait_until(finished, 300, "the held-out eval's two runs")
+    base_score, tuned_score = scores
+    print(f"held-out mean fuzzy_match to 'Yes': base {base_score:.3f}, fine-tune {tuned_score:.3f}")
+    assert tuned_score > base_score
 
 
 def test_requests_that_once_broke_the_platform_are_refused_with_a_400_that_names_what_is_wrong(platform, tmp_path):

@@ -341,14 +341,18 @@ def _best_step_message(job: FineTuningJob, result: TrainingResult) -> str:
     or the best checkpoint score."""
     assert result.best_step is not None
     early_stopping = job.hyperparameters["early_stopping"]
-    what = "checkpoint score" if result.best_score is not None else "validation loss"
+    if job.method == REINFORCEMENT:
+        what = "validation reward" if job.validation_file else "training reward"
+    else:
+        what = "checkpoint score" if result.best_score is not None else "validation loss"
     if result.stopped_early:
         why = (
             f"Early stopping at step {result.steps}: the {what} had not improved by more than "
             f"{early_stopping['min_delta']:g} in {early_stopping['patience']} evaluation(s) since step {result.best_step}"
         )  # fmt: skip
     else:
-        why = f"Training ran to its last step, {result.steps}; early stopping keeps the best {what}"
+        keeper = "the job" if job.method == REINFORCEMENT else "early stopping"
+        why = f"Training ran to its last step, {result.steps}; {keeper} keeps the best {what}"
     best = result.best_score if result.best_score is not None else result.final_valid_loss
     checkpoint = retrying(job.checkpoints.filter(step_number=result.best_step).first)
     also = f"; it is checkpoint {checkpoint.name}" if checkpoint is not None else ""

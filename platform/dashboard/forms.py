@@ -10,7 +10,8 @@ from django.forms.boundfield import BoundWidget
 
 from base.upload_limits import adapter_too_large_message, file_too_large_message
 from core.api_errors import ApiError
-from core.datasets import PREFERENCE
+from core import strict_json
+from core.datasets import PREFERENCE, PROMPTS
 from core.lora_merge import METHODS
 from core.openai_protocol import MAX_ADAPTER_SCALE
 from finetuning.compose import CompositionRequest
@@ -23,7 +24,7 @@ from finetuning.job_creation import (
     TARGET_MODULES,
     JobRequest,
 )
-from finetuning.models import DPO, SUPERVISED, File
+from finetuning.models import DPO, REINFORCEMENT, SUPERVISED, File
 from webhooks.event_types import EventType
 
 
@@ -139,13 +140,17 @@ class ComposeForm(forms.Form):
         )
 
 
+MAX_GRADER_CHARS = 64_000  # a multi grader's sub-graders' templates, and room to spare
+
+
 class JobForm(forms.Form):
     model = forms.ChoiceField(label="Base model")
     method = forms.ChoiceField(
         required=False, initial=SUPERVISED, label="Method",
         choices=[(SUPERVISED, "Supervised: learn the answers of chat examples"),
-                 (DPO, "DPO: prefer the preferred answer of preference pairs")],
-        help_text="A dataset holds one kind of line: chat examples, or preference pairs",
+                 (DPO, "DPO: prefer the preferred answer of preference pairs"),
+                 (REINFORCEMENT, "Reinforcement: answer prompts as a grader rewards")],
+        help_text="A dataset holds one kind of line: chat examples, preference pairs, or prompts",
     )  # fmt: skip
     training_file = forms.ChoiceField(label="Training dataset")
     validation_file = forms.ChoiceField(label="Validation dataset", required=False)
@@ -180,6 +185,12 @@ class JobForm(forms.Form):
         help_text=f"How far from the base model DPO may move: smaller lets it go further. Empty: auto ({DPO_BETA_AUTO})",
     )  # fmt: skip
 
+    grader = forms.CharField(
+        required=False, max_length=MAX_GRADER_CHARS, widget=forms.Textarea(attrs={"rows": 5}), label="Reinforcement: grader",
+        help_text='One of OpenAI\'s graders, as JSON: its score is the reward. E.g. {"type": "text_similarity", "name": "close", '
+        '"evaluation_metric": "fuzzy_match", "input": "{{sample.output_text}}", "reference": "{{item.reference_answer}}"}',
+    )  # fmt: skip
+
     def __init__(self, *args: Any, files: list[File], **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         choice_field(self, "model").choices = [(m, m) for m in settings.MODEL_CATALOG.ids]
@@ -193,10 +204,31 @@ class JobForm(forms.Form):
         data = super().clean() or {}
         if data.get("beta") is not None and data.get("method") != DPO:
             self.add_error("beta", "beta is DPO's: choose the DPO method, or leave beta empty")
+        if data.get("method") == REINFORCEMENT:
+            data["grader"] = self._grader(data.get("grader") or "")
+        elif data.get("grader"):
+            self.add_error("grader", "a grader rewards a reinforcement job: choose the reinforcement method, or leave it empty")
         return data
+
+    def _grader(self, text: str) -> dict | None:
+        """The grader's JSON as an object (``finetuning.job_creation`` checks its fields), or a field error."""
+        if not text.strip():
+            self.add_error("grader", "the reinforcement method needs a grader: its score is each answer's reward")
+            return None
+        try:
+            grader = strict_json.loads(text)
+        except strict_json.JsonRefused as refused:
+            self.add_error("grader", f"not JSON that can be read: {refused}")
+            return None
+        if not isinstance(grader, dict):
+            self.add_error("grader", "give the grader as a JSON object, with its type")
+            return None
+        return grader
 
     def to_job_request(self) -> JobRequest:
         data = self.cleaned_data
+        if data["method"] == REINFORCEMENT:
+            return self._reinforcement_request()
         optional = ("n_epochs", "batch_size", "learning_rate_multiplier", "n_evals", "n_checkpoints")
         hyperparameters = {name: data[name] for name in optional if data[name] is not None}
         hyperparameters |= {name: data[name] for name in ("lora_r", "lora_alpha", "lora_dropout", "target_modules")}
@@ -212,8 +244,23 @@ class JobForm(forms.Form):
         )  # fmt: skip
 
 
+    def _reinforcement_request(self) -> JobRequest:
+        """The form's fields a reinforcement job takes (its LoRA is the training loop's: rank alone)."""
+        data = self.cleaned_data
+        optional = ("n_epochs", "batch_size", "learning_rate_multiplier")
+        hyperparameters = {name: data[name] for name in optional if data[name] is not None} | {"lora_r": data["lora_r"]}
+        if data["early_stopping_patience"] is not None:
+            hyperparameters["early_stopping"] = {
+                "patience": data["early_stopping_patience"], "min_delta": data["early_stopping_min_delta"] or 0.0,
+            }  # fmt: skip
+        return JobRequest(
+            model=data["model"], training_file=data["training_file"], validation_file=data["validation_file"] or None,
+            suffix=data["suffix"] or None, hyperparameters=hyperparameters, method=REINFORCEMENT, grader=data["grader"],
+        )  # fmt: skip
+
+
 def _lines_of(file: File) -> str:
-    return "preference pairs" if file.format == PREFERENCE else "examples"
+    return {PREFERENCE: "preference pairs", PROMPTS: "prompts"}.get(file.format, "examples")
 
 
 class CompareForm(forms.Form):

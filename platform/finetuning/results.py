@@ -7,16 +7,22 @@ import csv
 import io
 
 from finetuning import storage
-from finetuning.models import DPO, File, FineTuningJob
+from finetuning.models import DPO, REINFORCEMENT, File, FineTuningJob
 
 PURPOSE = "fine-tune-results"
 COLUMNS = ("step", "epoch", "train_loss", "valid_loss", "trained_tokens", "tokens_per_second")
 # A DPO job's steps also say how far apart its pairs' answers are scored (``workers.training.preference_loss``).
 PREFERENCE_COLUMNS = (*COLUMNS, "reward_margin", "preference_accuracy")
+# A reinforcement job's steps are scored answers, not a loss (``workers.run_reinforcement.reward_data``);
+# step 0 is the base model's validation reward.
+REWARD_COLUMNS = (
+    "step", "epoch", "reward_mean", "reward_std", "pass_rate", "valid_reward", "valid_pass_rate", "kl", "answer_tokens",
+    "samples_per_second", "trained_tokens",
+)  # fmt: skip
 
 
 def columns_of(job: FineTuningJob) -> tuple[str, ...]:
-    return PREFERENCE_COLUMNS if job.method == DPO else COLUMNS
+    return {DPO: PREFERENCE_COLUMNS, REINFORCEMENT: REWARD_COLUMNS}.get(job.method, COLUMNS)
 
 
 def metrics_csv(job: FineTuningJob) -> bytes:

@@ -182,7 +182,8 @@ def train_by_reward(
     tokenizer = load_tokenizer(config.base_model_path)
     model = LoopModel(str(config.base_model_path), config.base_model_id, LoraShape(config.lora_r, config.seed))
     train_set = [_prompt(tokenizer, item) for item in prompts]
-    valid_set = [_prompt(tokenizer, item) for item in random.Random(config.seed).sample(list(validation), min(len(validation), MAX_VALID_PROMPTS))]
+    held_out = random.Random(config.seed).sample(list(validation), min(len(validation), MAX_VALID_PROMPTS))
+    valid_set = [_prompt(tokenizer, item) for item in held_out]
     steps_per_epoch = math.ceil(len(train_set) / config.batch_size)
     total_steps = config.n_epochs * steps_per_epoch
     if config.max_steps is not None:
@@ -234,7 +235,7 @@ def train_by_reward(
             )  # fmt: skip
             if step % config.eval_interval == 0 or step == total_steps:
                 metrics = _evaluation_step(model, config, policy, served, valid_set, window, metrics, best, output_dir)
-                callbacks.on_checkpoint(epoch, step, _saved(model, output_dir / "checkpoints" / f"step-{step}"), metrics)
+                callbacks.on_checkpoint(epoch, step, model.save_adapter(output_dir / "checkpoint"), metrics)
                 window = _Tally()
             callbacks.on_step(metrics)
 
@@ -242,7 +243,7 @@ def train_by_reward(
         return TrainingResult(None, trained_tokens, step, None, None, cancelled=True)
     if best.step is not None and best.step != step:
         put_back(model.peft_model, best.weights)
-    adapter_dir = _saved(model, output_dir / "adapter")
+    adapter_dir = model.save_adapter(output_dir / "adapter")
     return TrainingResult(
         adapter_dir, trained_tokens, step, None, None, cancelled=False, best_step=best.step,
         stopped_early=step < total_steps, best_score=best.best_value if best.step is not None else None,
@@ -259,13 +260,9 @@ def _prompt(tokenizer: PreTrainedTokenizerBase, item: PromptItem) -> _Prompt:
 def _served_name(model: LoopModel, policy: Policy, served: _Served, step: int, output_dir: Path) -> str:
     """The name the pool answers with the weights of ``step`` under, published if they are not yet."""
     if step != served.step:
-        served.name = policy.serve(step, _saved(model, output_dir / "serving" / f"step-{step}"))
+        served.name = policy.serve(step, model.save_adapter(output_dir / "serving"))
         served.step = step
     return served.name
-
-
-def _saved(model: LoopModel, folder: Path) -> Path:
-    return model.save_adapter(folder)
 
 
 def _update(

@@ -24,14 +24,15 @@
   function drawChart(metrics, bestStep) {
     const svg = $("loss-chart"), W = 600, H = 240, pad = { l: 48, r: 12, t: 12, b: 28 };
     svg.replaceChildren();
-    const train = metrics.filter((m) => m.train_loss != null).map((m) => [m.step, m.train_loss]);
-    const valid = metrics.filter((m) => m.valid_loss != null).map((m) => [m.step, m.valid_loss]);
+    // A reinforcement job's steps carry rewards instead of losses: the same two series, the same axis.
+    const series = (key) => metrics.filter((m) => m[key] != null).map((m) => [m.step, m[key]]);
+    const train = series("train_loss").concat(series("reward_mean"));
+    const valid = series("valid_loss").concat(series("valid_reward"));
     // A DPO job's steps also carry the reward margin and the preference accuracy (0 to 1), on the same axis.
-    const margin = metrics.filter((m) => m.reward_margin != null).map((m) => [m.step, m.reward_margin]);
-    const accuracy = metrics.filter((m) => m.preference_accuracy != null).map((m) => [m.step, m.preference_accuracy]);
+    const margin = series("reward_margin"), accuracy = series("preference_accuracy");
     const points = train.concat(valid, margin, accuracy);
     if (!points.length) {
-      element("text", { x: W / 2, y: H / 2, "text-anchor": "middle", fill: "#5f6b7a" }, svg).textContent = "The loss curve appears with the first training step.";
+      element("text", { x: W / 2, y: H / 2, "text-anchor": "middle", fill: "#5f6b7a" }, svg).textContent = "The curve appears with the first training step.";
       return;
     }
     const maxStep = Math.max(...points.map((p) => p[0]), 1), maxLoss = Math.max(...points.map((p) => p[1]));
@@ -51,7 +52,7 @@
     });
     svg.dataset.points = String(train.length);
     document.querySelectorAll(".preference-key").forEach((key) => { key.hidden = !margin.length; });
-    const best = valid.find(([s]) => s === bestStep);
+    const best = valid.find(([s]) => s === bestStep) || train.find(([s]) => s === bestStep);
     if (best) {
       element("line", { class: "best", x1: x(best[0]), y1: pad.t, x2: x(best[0]), y2: H - pad.b, "stroke-dasharray": "4 3" }, svg);
       element("circle", { class: "best", cx: x(best[0]), cy: y(best[1]), r: 6, fill: "none", "stroke-width": 2 }, svg);
@@ -76,7 +77,8 @@
     if (last) {
       $("step").textContent = `${last.step} / ${last.total_steps}`;
       $("epoch").textContent = String(last.epoch);
-      $("speed").textContent = Math.round(last.tokens_per_second).toLocaleString();
+      if (last.samples_per_second != null) $("speed").textContent = last.samples_per_second.toFixed(1);
+      else if (last.tokens_per_second != null) $("speed").textContent = Math.round(last.tokens_per_second).toLocaleString();
       $("tokens").textContent = last.trained_tokens.toLocaleString();
       $("bar").style.width = `${(100 * last.step) / last.total_steps}%`;
     }

@@ -146,3 +146,18 @@ def test_a_rank_past_the_catalogs_limit_is_a_400_naming_it_and_makes_no_run(tink
     error = refused.json()["error"]
     assert refused.status_code == 400 and error["param"] == "lora_config.rank" and "from 1 to 16" in error["message"]
     assert not LoopRun.objects.exists()
+
+
+def test_sessions_past_the_organizations_cap_are_a_429_until_one_closes_or_goes_silent(tinker_api, alice, monkeypatch):
+    monkeypatch.setattr("training_loops.runs.MAX_LIVE_SESSIONS_PER_ORGANIZATION", 2)
+    body = {"tags": [], "user_metadata": None, "sdk_version": "0.38.0"}
+
+    def create():
+        return tinker_api.post("/api/v1/create_session", body, content_type="application/json")
+
+    first, _second = create().json()["session_id"], create()
+    refused = create()
+    assert refused.status_code == 429 and refused.json()["error"]["code"] == "too_many_training_sessions", refused.content
+    assert "ServiceClient.close" in refused.json()["error"]["message"]
+    LoopSession.objects.filter(pk=first).update(heartbeat_at=timezone.now() - timedelta(minutes=5))  # its client went away
+    assert create().status_code == 200

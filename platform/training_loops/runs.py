@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 import tempfile
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 from django.conf import settings
@@ -19,16 +20,27 @@ from base.celery import HOLD_TRAINING_RUN, send
 from core.api_errors import ApiError, not_found
 from core.model_names import ModelName, is_valid_suffix
 from finetuning import publishing
-from training_loops.models import CheckpointKind, LoopCheckpoint, LoopRun, LoopSession, RunStatus
+from training_loops.models import SESSION_SILENT_S, CheckpointKind, LoopCheckpoint, LoopRun, LoopSession, RunStatus
 from training_loops.samplers import Sampler
 
 MAX_OPEN_RUNS_PER_ORGANIZATION = 4  # runs queued or held by a trainer: each holds a model in memory
+# Sessions alive at once (not finished, their client beating): a session costs a row and its beats, and a
+# client that opens them in a loop is a bug worth stopping early.
+MAX_LIVE_SESSIONS_PER_ORGANIZATION = 32
 MAX_RANK = 64
 _PATH = re.compile(r"tinker://(?P<run>session_[A-Za-z0-9]{24}:train:\d{1,9})/(?P<folder>weights|sampler_weights)/(?P<name>[A-Za-z0-9._-]{1,128})")
 NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
 
 
 def create_session(organization: Organization, tags: list[str], user_metadata: dict | None, sdk_version: str, display_name: str) -> LoopSession:
+    silent_since = timezone.now() - timedelta(seconds=SESSION_SILENT_S)
+    live = LoopSession.objects.for_org(organization).filter(finished_at=None, heartbeat_at__gte=silent_since).count()
+    if live >= MAX_LIVE_SESSIONS_PER_ORGANIZATION:  # a soft cap: two requests at once may both pass it
+        raise ApiError(
+            f"Your organization has {live} training sessions open (at most {MAX_LIVE_SESSIONS_PER_ORGANIZATION}); close "
+            "one (ServiceClient.close), or wait: a session whose client stopped beating closes within "
+            f"{SESSION_SILENT_S} s.", status=429, code="too_many_training_sessions", retry_after_s=30,
+        )  # fmt: skip
     return LoopSession.objects.create(
         organization=organization, tags=tags, user_metadata=user_metadata, sdk_version=sdk_version[:40],
         display_name=display_name[:200],

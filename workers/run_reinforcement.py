@@ -105,7 +105,7 @@ def reward_data(metrics: RewardStep) -> dict[str, Any]:
         "step": metrics.step, "total_steps": metrics.total_steps, "epoch": metrics.epoch,
         "reward_mean": metrics.reward_mean, "reward_std": metrics.reward_std, "pass_rate": metrics.pass_rate,
         "kl": metrics.kl, "answer_tokens": metrics.answer_tokens, "samples_per_second": metrics.samples_per_second,
-        "trained_tokens": metrics.trained_tokens,
+        "trained_tokens": metrics.trained_tokens, "seconds": metrics.seconds,
     }  # fmt: skip
     if metrics.valid_reward is not None:
         data |= {"valid_reward": metrics.valid_reward, "valid_pass_rate": metrics.valid_pass_rate}

@@ -310,7 +310,7 @@ def _reinforcement_hyperparameters(
     compute = 1.0 if compute == AUTO else float(compute)
     eval_interval = requested.get("eval_interval", AUTO)
     if eval_interval == AUTO:  # about 4 evaluations (the validation prompts' reward, and a checkpoint) in the job
-        eval_interval = max(1, n_epochs * -(-examples // batch_size) // 4)
+        eval_interval = -(-n_epochs * -(-examples // batch_size) // 4)
     early_stopping = requested.get("early_stopping")
     return {
         "n_epochs": n_epochs,

@@ -23,7 +23,8 @@ from __future__ import annotations
 import math
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Protocol
@@ -116,6 +117,8 @@ class RewardStep:
     valid_reward: float | None = None  # at an evaluation
     valid_pass_rate: float | None = None
     resumed_at_step: int = 0  # a reinforcement job starts over when resumed
+    # Where the step's time went: "serve" (publishing the weights), "sample", "grade", "train".
+    seconds: dict[str, float] = field(default_factory=dict)
 
 
 class ReinforcementCallbacks(Protocol):
@@ -142,6 +145,21 @@ class _Served:
 
     name: str
     step: int = 0
+
+
+class _Clock:
+    """Seconds by phase of a step: a slow step's event says what was slow."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[phase] = round(self.seconds.get(phase, 0.0) + time.perf_counter() - started, 3)
 
 
 @dataclass
@@ -209,18 +227,22 @@ def train_by_reward(
                 break
             if callbacks.should_stop():
                 return TrainingResult(None, trained_tokens, step, None, None, cancelled=True)
-            step_started = time.perf_counter()
+            step_started, clock = time.perf_counter(), _Clock()
             batch = [train_set[i] for i in order[start : start + config.batch_size]]
-            name = _served_name(model, policy, served, step, output_dir)
-            groups = policy.sample(name, [p.tokens for p in batch], config.samples_per_prompt,
-                                   config.max_completion_tokens, config.temperature, config.seed + step)  # fmt: skip
-            grades = policy.grade([p.item for p, group in zip(batch, groups) for _ in group],
-                                  [answer.text for group in groups for answer in group])  # fmt: skip
+            with clock("serve"):
+                name = _served_name(model, policy, served, step, output_dir)
+            with clock("sample"):
+                groups = policy.sample(name, [p.tokens for p in batch], config.samples_per_prompt,
+                                       config.max_completion_tokens, config.temperature, config.seed + step)  # fmt: skip
+            with clock("grade"):
+                grades = policy.grade([p.item for p, group in zip(batch, groups) for _ in group],
+                                      [answer.text for group in groups for answer in group])  # fmt: skip
             tally = _Tally()
             tally.add(grades)
             window.add(grades)
-            tokens, loss, kl = _update(model, config, batch, groups, [g.reward for g in grades])
-            model.optim_step(adam)
+            with clock("train"):
+                tokens, loss, kl = _update(model, config, batch, groups, [g.reward for g in grades])
+                model.optim_step(adam)
             step += 1
             if not math.isfinite(loss):
                 raise TrainingDiverged(step, loss)
@@ -231,7 +253,7 @@ def train_by_reward(
                 reward_mean=tally.mean, reward_std=float(np.std(tally.rewards)), pass_rate=tally.pass_rate, kl=kl,
                 answer_tokens=float(np.mean([len(a.tokens) for a in answers])) if answers else 0.0,
                 samples_per_second=len(answers) / (time.perf_counter() - step_started),
-                trained_tokens=trained_tokens, elapsed_s=time.perf_counter() - started,
+                trained_tokens=trained_tokens, elapsed_s=time.perf_counter() - started, seconds=clock.seconds,
             )  # fmt: skip
             if step % config.eval_interval == 0 or step == total_steps:
                 metrics = _evaluation_step(model, config, policy, served, valid_set, window, metrics, best, output_dir)

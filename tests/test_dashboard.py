@@ -12,7 +12,7 @@ from accounts.services import create_api_key
 from finetuning.models import File, FineTunedModel, FineTuningJob
 from tests.inference_fixtures import register_fine_tuned_model
 from tests.limits import lower_limits, own_counters  # noqa: F401 (a fixture)
-from tests.personas import good_dataset, preference_dataset
+from tests.personas import good_dataset, preference_dataset, prompts_dataset
 from tests.tool_calling import WEATHER_TOOL, weather_dataset
 
 pytestmark = pytest.mark.django_db
@@ -124,6 +124,27 @@ def test_a_dpo_fine_tune_started_from_the_form_trains_on_preference_pairs_with_i
     alice_web.post(reverse("dashboard:job_new"), form)
     job = FineTuningJob.objects.get()
     assert (job.method, job.training_file, job.hyperparameters["beta"]) == ("dpo", pairs.id, 0.5)
+
+
+def test_a_reinforcement_fine_tune_from_the_form_takes_its_grader_as_json_and_refuses_a_broken_one(alice_web):
+    upload(alice_web, prompts_dataset(12), "prompts.jsonl")
+    prompts = File.objects.get()
+    assert "prompts.jsonl (12 prompts" in alice_web.get(reverse("dashboard:job_new")).content.decode()
+    grader = {"type": "string_check", "name": "says it", "input": "{{sample.output_text}}",
+              "reference": "{{item.reference_answer}}", "operation": "like"}  # fmt: skip
+    form = {"model": BASE, "method": "reinforcement", "training_file": prompts.id, "lora_r": 4, "lora_alpha": 16,
+            "lora_dropout": 0.05, "target_modules": ["q_proj"], "n_epochs": 1}  # fmt: skip
+
+    broken = alice_web.post(reverse("dashboard:job_new"), form | {"grader": "{not json"}).content.decode()
+    assert "not JSON that can be read" in field_block(broken, "grader")
+    missing = alice_web.post(reverse("dashboard:job_new"), form).content.decode()
+    assert "needs a grader" in field_block(missing, "grader")
+    python = alice_web.post(reverse("dashboard:job_new"), form | {"grader": json.dumps({"type": "python", "name": "x", "source": "1"})})
+    assert "python" in python.content.decode() and not FineTuningJob.objects.exists()
+
+    alice_web.post(reverse("dashboard:job_new"), form | {"grader": json.dumps(grader)})
+    job = FineTuningJob.objects.get()
+    assert (job.method, job.grader, job.hyperparameters["lora_r"], job.hyperparameters["n_epochs"]) == ("reinforcement", grader, 4, 1)
 
 
 def test_early_stopping_from_the_form_watches_the_validation_dataset_and_is_refused_without_one(alice_web):

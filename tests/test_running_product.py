@@ -705,6 +705,7 @@ def test_a_reinforcement_job_from_the_openai_client_raises_its_reward_and_beats_
     assert validations[best_step] > validations[0]  # the published step beat the base model's answers
     checkpoints = client.fine_tuning.jobs.checkpoints.list(job.id).data
     assert sorted(checkpoint.step_number for checkpoint in checkpoints) == [3, 6]
+    assert client.files.content(job.result_files[0]).text.startswith("step,epoch,reward_mean,reward_std,pass_rate,valid_reward")
 
     # The same grader on prompts neither model saw, as an eval (OpenAI's form: with a pass_threshold).
     held_out = [{"item": {"question": f"{question} Answer yes or no.", "reference_answer": "Yes"}} for question in YES_QUESTIONS[22:]]

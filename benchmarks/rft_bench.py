@@ -114,7 +114,9 @@ class BenchPolicy:
         self._revision = revision
         return str(ModelName(BASE, SERVED.suffix, revision))
 
-    def sample(self, model: str, prompts: list[list[int]], n: int, max_tokens: int, temperature: float, seed: int) -> list[list[Answer]]:
+    def sample(
+        self, model: str, prompts: list[list[int]], n: int, max_tokens: int, temperature: float, seed: int
+    ) -> list[list[Answer]]:
         async def all_at_once() -> list[dict]:  # as the job's Answerer sends them: the engine batches them
             async with httpx.AsyncClient(timeout=600) as client:
                 replies = await asyncio.gather(*(client.post(f"{self._pool_url}/v1/completions", headers=HEADERS, json={
@@ -186,7 +188,10 @@ def run_trl(args: argparse.Namespace) -> Side:
 
         def on_step_end(self, *args: Any, **kwargs: Any) -> None:
             seconds.append(time.perf_counter() - self.started)
-            print(f"  TRL step {len(seconds)}: {answered / seconds[-1]:.2f} samples/s, reward {rewards[-1]:.3f}", flush=True)
+            print(
+                f"  TRL step {len(seconds)}: {answered / seconds[-1]:.2f} samples/s, reward {rewards[-1]:.3f}",
+                flush=True,
+            )
 
     def says_yes(completions: list[list[dict]], reference_answer: list[str], **kwargs: Any) -> list[float]:
         # One call a step (a step is one generation batch): the answers are conversational, one message each.

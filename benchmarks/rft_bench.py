@@ -17,8 +17,10 @@ advantages, the same learning rate and KL weight to the base model (0.02), for t
 
 Figure of merit: samples per second, answers sampled, graded and trained on per second of step time
 (model loading excluded for both: ours is the loop's own per-step figure, TRL's the time between
-``on_step_begin`` and ``on_step_end``); the median over steps. Both run in this process, one after
-the other, with the same torch threads; a step's first sampling is cold on both sides.
+``on_step_begin`` and ``on_step_end``); the median over steps. Beside it, CPU seconds per sample
+(the median step's CPU time, from the second step on; ours counts the pool's processes too), which
+other work on a shared machine moves less than the wall clock. Both run in this process, one after
+the other, with the same torch threads; the first step's sampling is cold on both sides.
 
     .venv/bin/python benchmarks/rft_bench.py                                # 6 steps, K = 8, 16 tokens
     .venv/bin/python benchmarks/rft_bench.py --steps 10 --samples 4 --tokens 32
@@ -56,6 +58,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import httpx
+import psutil
 import torch
 
 from core.adapter_store import LocalAdapterStore
@@ -131,14 +134,26 @@ class BenchPolicy:
         return [Grade(reward, reward >= 1.0) for reward in map(score, items, answers)]
 
 
+def cpu_seconds(processes: list[psutil.Process]) -> float:
+    """The processes' CPU time so far (every thread's, user and system)."""
+    return sum(sum(process.cpu_times()[:2]) for process in processes)
+
+
 class Steps:
-    """Our loop's callbacks: each step's figures kept."""
+    """Our loop's callbacks: each step's figures kept, and the CPU time between two steps' ends."""
 
     def __init__(self) -> None:
         self.steps: list[RewardStep] = []
+        self.processes: list[psutil.Process] = []  # this one and the pool's (the engine's included)
+        self.cpu: list[float] = []
+        self._cpu_before: float | None = None
 
     def on_step(self, metrics: RewardStep) -> None:
         self.steps.append(metrics)
+        now = cpu_seconds(self.processes)
+        if self._cpu_before is not None:  # the first step's start is inside the loop, past the model's loading
+            self.cpu.append(now - self._cpu_before)
+        self._cpu_before = now
         print(f"  ours step {metrics.step}: {metrics.samples_per_second:.2f} samples/s, reward {metrics.reward_mean:.3f}, "
               f"{metrics.seconds}", flush=True)  # fmt: skip
 
@@ -152,7 +167,7 @@ class Steps:
         return False
 
 
-Side = tuple[list[float], list[float]]  # each step's seconds, and its answers' mean reward
+Side = tuple[list[float], list[float], list[float]]  # each step's seconds and CPU seconds, its answers' mean reward
 
 
 def run_ours(args: argparse.Namespace) -> tuple[Side, dict[str, float]]:
@@ -168,10 +183,16 @@ def run_ours(args: argparse.Namespace) -> tuple[Side, dict[str, float]]:
     with running("rft-bench-pool", [sys.executable, "-m", "inference"]) as pool:
         print("waiting for the pool's engine ...", flush=True)
         wait_until(lambda: answers(f"{CONFIG.inference_pool_url}/health", headers=HEADERS), 600, "pool", pool)
+        steps.processes = [
+            psutil.Process(),
+            psutil.Process(pool.pid),
+            *psutil.Process(pool.pid).children(recursive=True),
+        ]
         train_by_reward(config, prompts, [], SCRATCH / "ours", BenchPolicy(CONFIG.inference_pool_url), steps)
     answered = PROMPTS_PER_STEP * args.samples
     phases = {phase: statistics.median(s.seconds.get(phase, 0.0) for s in steps.steps) for phase in ("serve", "sample", "grade", "train")}  # fmt: skip
-    return ([answered / s.samples_per_second for s in steps.steps], [s.reward_mean for s in steps.steps]), phases
+    seconds = [answered / s.samples_per_second for s in steps.steps]
+    return (seconds, steps.cpu, [s.reward_mean for s in steps.steps]), phases
 
 
 def run_trl(args: argparse.Namespace) -> Side:
@@ -180,14 +201,18 @@ def run_trl(args: argparse.Namespace) -> Side:
     from trl import GRPOConfig, GRPOTrainer
 
     seconds: list[float] = []
+    cpu: list[float] = []
     rewards: list[float] = []
+    this = [psutil.Process()]  # TRL samples and trains in this process
 
     class StepTimer(TrainerCallback):
         def on_step_begin(self, *args: Any, **kwargs: Any) -> None:
-            self.started = time.perf_counter()
+            self.started, self.cpu = time.perf_counter(), cpu_seconds(this)
 
         def on_step_end(self, *args: Any, **kwargs: Any) -> None:
             seconds.append(time.perf_counter() - self.started)
+            if len(seconds) > 1:  # as ours: from the second step on
+                cpu.append(cpu_seconds(this) - self.cpu)
             print(
                 f"  TRL step {len(seconds)}: {answered / seconds[-1]:.2f} samples/s, reward {rewards[-1]:.3f}",
                 flush=True,
@@ -213,7 +238,7 @@ def run_trl(args: argparse.Namespace) -> Side:
     trainer = GRPOTrainer(model=str(WEIGHTS), reward_funcs=says_yes, args=config, peft_config=lora,
                           train_dataset=Dataset.from_list(records), callbacks=[StepTimer()])  # fmt: skip
     trainer.train()
-    return seconds, rewards
+    return seconds, cpu, rewards
 
 
 def main() -> None:
@@ -236,13 +261,19 @@ def main() -> None:
     rows = {"ours (pool sampling + loop)": ours, "TRL GRPOTrainer + PEFT": trl}
 
     print()
-    print(f"{'side':<30}{'steps':>6}{'samples/step':>13}{'median step s':>15}{'samples/s':>11}   reward first -> last")
-    for name, (seconds, rewards) in rows.items():
+    print(f"{'side':<30}{'steps':>6}{'samples/step':>13}{'median step s':>15}{'samples/s':>11}{'CPU s/sample':>14}"
+          "   reward first -> last")  # fmt: skip
+    for name, (seconds, cpu, rewards) in rows.items():
         step = statistics.median(seconds)
-        print(f"{name:<30}{len(seconds):>6}{answered:>13}{step:>15.2f}{answered / step:>11.2f}   "
-              f"{rewards[0]:.3f} -> {rewards[-1]:.3f}")  # fmt: skip
+        print(f"{name:<30}{len(seconds):>6}{answered:>13}{step:>15.2f}{answered / step:>11.2f}"
+              f"{statistics.median(cpu) / answered:>14.2f}   {rewards[0]:.3f} -> {rewards[-1]:.3f}")  # fmt: skip
     ratio = statistics.median(trl[0]) / statistics.median(ours[0])
-    print(f"ours / TRL, samples/s: {ratio:.2f}x   (goal >= 2x: {'PASS' if ratio >= 2 else 'MISS'})")
+    cpu_ratio = statistics.median(trl[1]) / statistics.median(ours[1])
+    print(f"ours / TRL, samples/s: {ratio:.2f}x   (goal >= 2x: {'PASS' if ratio >= 2 else 'MISS'});  "
+          f"TRL's CPU s/sample over ours: {cpu_ratio:.2f}x")  # fmt: skip
+    print(
+        "  CPU: the median step's CPU time, from the second step on; ours counts the pool's processes (its engine's too)"
+    )
     print("ours, median s by phase: " + ", ".join(f"{phase} {s:.2f}" for phase, s in phases.items()))
     print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} (other work included); "
           f"wall time {time.perf_counter() - started:.0f} s")  # fmt: skip

@@ -149,7 +149,7 @@ class Steps:
         self._cpu_before: float | None = None
 
     def on_step(self, metrics: RewardStep) -> None:
-        self.steps.append(metrics)
+        self.steps.append(metrics)  # (printed: a run takes minutes)
         now = cpu_seconds(self.processes)
         if self._cpu_before is not None:  # the first step's start is inside the loop, past the model's loading
             self.cpu.append(now - self._cpu_before)
@@ -183,11 +183,8 @@ def run_ours(args: argparse.Namespace) -> tuple[Side, dict[str, float]]:
     with running("rft-bench-pool", [sys.executable, "-m", "inference"]) as pool:
         print("waiting for the pool's engine ...", flush=True)
         wait_until(lambda: answers(f"{CONFIG.inference_pool_url}/health", headers=HEADERS), 600, "pool", pool)
-        steps.processes = [
-            psutil.Process(),
-            psutil.Process(pool.pid),
-            *psutil.Process(pool.pid).children(recursive=True),
-        ]
+        root = psutil.Process(pool.pid)  # the pool, its replica's vLLM server and engine: what samples
+        steps.processes = [psutil.Process(), root, *root.children(recursive=True)]
         train_by_reward(config, prompts, [], SCRATCH / "ours", BenchPolicy(CONFIG.inference_pool_url), steps)
     answered = PROMPTS_PER_STEP * args.samples
     phases = {phase: statistics.median(s.seconds.get(phase, 0.0) for s in steps.steps) for phase in ("serve", "sample", "grade", "train")}  # fmt: skip
@@ -213,10 +210,7 @@ def run_trl(args: argparse.Namespace) -> Side:
             seconds.append(time.perf_counter() - self.started)
             if len(seconds) > 1:  # as ours: from the second step on
                 cpu.append(cpu_seconds(this) - self.cpu)
-            print(
-                f"  TRL step {len(seconds)}: {answered / seconds[-1]:.2f} samples/s, reward {rewards[-1]:.3f}",
-                flush=True,
-            )
+            print(f"  TRL step {len(seconds)}: {answered / seconds[-1]:.2f} samples/s, reward {rewards[-1]:.3f}", flush=True)  # fmt: skip
 
     def says_yes(completions: list[list[dict]], reference_answer: list[str], **kwargs: Any) -> list[float]:
         # One call a step (a step is one generation batch): the answers are conversational, one message each.
@@ -271,9 +265,7 @@ def main() -> None:
     cpu_ratio = statistics.median(trl[1]) / statistics.median(ours[1])
     print(f"ours / TRL, samples/s: {ratio:.2f}x   (goal >= 2x: {'PASS' if ratio >= 2 else 'MISS'});  "
           f"TRL's CPU s/sample over ours: {cpu_ratio:.2f}x")  # fmt: skip
-    print(
-        "  CPU: the median step's CPU time, from the second step on; ours counts the pool's processes (its engine's too)"
-    )
+    print("  CPU: the median step's CPU time from the second step on; ours counts the pool's processes too")
     print("ours, median s by phase: " + ", ".join(f"{phase} {s:.2f}" for phase, s in phases.items()))
     print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} (other work included); "
           f"wall time {time.perf_counter() - started:.0f} s")  # fmt: skip

@@ -16,7 +16,7 @@ import errno
 import logging
 import shutil
 import time
-from datetime import timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
@@ -77,14 +77,12 @@ class JobCallbacks:
         self._held_out: list[Example] | None = None  # early stopping by eval_score: the evaluation's examples
 
     def on_step(self, metrics: StepMetrics) -> None:
-        steps_this_run = max(metrics.step - metrics.resumed_at_step, 1)
-        remaining_s = metrics.elapsed_s / steps_this_run * (metrics.total_steps - metrics.step)
         message = f"Step {metrics.step}/{metrics.total_steps}: training loss={metrics.train_loss:.4f}"
         if metrics.valid_loss is not None:
             message += f", validation loss={metrics.valid_loss:.4f}"
         if metrics.reward_margin is not None and metrics.preference_accuracy is not None:
             message += f", reward margin={metrics.reward_margin:.4f}, preference accuracy={metrics.preference_accuracy:.2f}"
-        if self.heartbeat.beat(estimated_finish=timezone.now() + timedelta(seconds=remaining_s)):
+        if self.heartbeat.beat(estimated_finish=_estimated_finish(metrics)):
             retrying(record_event, self.job, message, data=_metrics_data(metrics))
 
     def metrics_data(self, metrics: StepMetrics) -> dict:
@@ -138,9 +136,7 @@ class RewardCallbacks(JobCallbacks):
     """A reinforcement job's: its steps report rewards (``workers.run_reinforcement``)."""
 
     def on_step(self, metrics: RewardStep) -> None:  # type: ignore[override]
-        steps_this_run = max(metrics.step - metrics.resumed_at_step, 1)
-        remaining_s = metrics.elapsed_s / steps_this_run * (metrics.total_steps - metrics.step)
-        if self.heartbeat.beat(estimated_finish=timezone.now() + timedelta(seconds=remaining_s)):
+        if self.heartbeat.beat(estimated_finish=_estimated_finish(metrics)):
             retrying(record_event, self.job, run_reinforcement.reward_message(metrics), data=self.metrics_data(metrics))
 
     def on_evaluation(self, total_steps: int, valid_reward: float, valid_pass_rate: float) -> None:
@@ -149,6 +145,13 @@ class RewardCallbacks(JobCallbacks):
 
     def metrics_data(self, metrics: RewardStep) -> dict:  # type: ignore[override]
         return run_reinforcement.reward_data(metrics)
+
+
+def _estimated_finish(metrics: StepMetrics | RewardStep) -> datetime:
+    """When the job will end at the pace of this run's steps so far."""
+    steps_this_run = max(metrics.step - metrics.resumed_at_step, 1)
+    remaining_s = metrics.elapsed_s / steps_this_run * (metrics.total_steps - metrics.step)
+    return timezone.now() + timedelta(seconds=remaining_s)
 
 
 def _metrics_data(metrics: StepMetrics) -> dict:

@@ -48,7 +48,7 @@ class Limit:
 @dataclass(frozen=True)
 class RequestLimits:
     """What one request may ask of the web process, checked before any work is done for it (the
-    body's size in ``server.body_limits``, a completion's fields in ``gateway.request_limits``)."""
+    body's size in ``server.body_limits``, a completion's fields in ``core.request_limits``)."""
 
     completion_body_bytes: Limit  # the body of POST /v1/chat/completions and /v1/completions
     request_body_bytes: Limit  # the body of any other request, uploads excepted (MAX_UPLOAD_MB)

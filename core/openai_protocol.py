@@ -2,7 +2,7 @@
 
 Request bodies go to vLLM as they came (vLLM validates sampling parameters, ``response_format``,
 ``stream_options``, ...), bar the organization's ``cache_salt`` the gateway sets. The gateway
-reads the field names (``REQUEST_FIELDS``), the caps of ``gateway.request_limits`` and the two
+reads the field names (``REQUEST_FIELDS``), the caps of ``core.request_limits`` and the two
 fields it routes on; the pool only the routed ones. Responses they build themselves (model lists)
 are defined here. It is the contract between the platform and the pool, so it lives in ``core``:
 each side imports it, and neither imports the other.

@@ -21,6 +21,12 @@ BASE, PROJECT = "base", "server"
 APPS = frozenset(
     folder.name for folder in PLATFORM.iterdir() if (folder / "__init__.py").is_file() and folder.name not in (BASE, PROJECT)
 )
+# The apps from the bottom up: an app imports only apps of a lower level, so no two can import each other,
+# however indirectly. Shared helpers go down to base; a new app must be given its level here.
+APP_LEVELS = {
+    "accounts": 0, "health": 0, "webhooks": 1, "finetuning": 2, "usage": 3, "answering": 4, "gateway": 5,
+    "evals": 6, "batches": 6, "training_loops": 6, "dashboard": 7,
+}  # fmt: skip
 DJANGO = frozenset({"django", "rest_framework", "drf_spectacular"})
 # The web process and the pool import core; neither should pay for these on import.
 HEAVY = frozenset({"torch", "vllm"})
@@ -115,6 +121,22 @@ def test_no_app_imports_another_apps_views():
 
     broken = _breaking([PLATFORM / app for app in sorted(APPS)] + [PLATFORM / BASE], breaks)
     assert not broken, _report("an app imports another app's views", broken)
+
+
+def _imports_upward(imp: Import) -> bool:
+    """An app importing an app of its own level or above it (APP_LEVELS)."""
+    own = imp.path.relative_to(PLATFORM).parts[0]
+    return imp.top in APPS and imp.top != own and APP_LEVELS[imp.top] >= APP_LEVELS[own]
+
+
+def test_every_app_has_a_level():
+    assert APPS == set(APP_LEVELS), f"give these apps a level in APP_LEVELS: {sorted(APPS ^ set(APP_LEVELS))}"
+
+
+def test_apps_import_only_apps_below_them():
+    assert _imports_upward(Import(PLATFORM / "finetuning" / "files.py", 1, "gateway.limits", ("x",), True))  # the rule bites
+    broken = _breaking([PLATFORM / app for app in sorted(APPS)], _imports_upward)
+    assert not broken, _report("an app imports an app of its own level or above (tests/test_layering.py: APP_LEVELS)", broken)
 
 
 def test_base_imports_no_app_nor_the_project():

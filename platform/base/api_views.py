@@ -12,7 +12,7 @@ from pydantic import BaseModel, ValidationError
 
 from core import api_errors
 
-PAGE_PARAMETERS = [OpenApiParameter("after", str), OpenApiParameter("limit", int)]  # finetuning.pagination's
+PAGE_PARAMETERS = [OpenApiParameter("after", str), OpenApiParameter("limit", int)]  # base.pagination's
 path_only = extend_schema(request=None, responses=OpenApiTypes.OBJECT)  # a path's ids, nothing else read
 
 _Body = TypeVar("_Body", bound=BaseModel)

@@ -1,5 +1,5 @@
 """A batch's lines, from their bodies to their result rows, through the path every completion takes:
-the gateway's checks of the request's fields and caps (``gateway.request_limits``), the caller's
+the gateway's checks of the request's fields and caps (``core.request_limits``), the caller's
 access to the model it names, its mix included (``answering.access``: checked once per target, as
 its lines run together), the answer from the model's backend through ``answering.batch`` (counted in
 the organization's usage as batch usage), and the output-file or error-file line it makes.
@@ -32,8 +32,8 @@ from core import responses_protocol
 from core.batch_input import BatchRequest
 from core.openai_protocol import parse_request
 from core.responses_protocol import ResponsesRequest
-from finetuning.models import new_id
-from gateway.request_limits import check_request
+from base.records import new_id
+from core.request_limits import check_request
 from usage.answers import Tokens
 
 CHAT = "chat/completions"

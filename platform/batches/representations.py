@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from batches.models import Batch
-from finetuning.representations import unix
+from base.records import unix
 
 
 def batch_object(batch: Batch) -> dict:

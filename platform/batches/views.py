@@ -16,7 +16,7 @@ from batches.models import Batch
 from batches.representations import batch_object
 from batches.requests import BatchCreate
 from core.api_errors import object_body
-from finetuning.pagination import list_page
+from base.pagination import list_page
 
 
 def _own_batch(request: Request, batch_id: str) -> Batch:

@@ -28,7 +28,7 @@ from evals import run_status, sources
 from evals.criteria import checked_criteria
 from evals.models import Eval, EvalRun
 from evals.requests import DataSource, EvalCreate, RunCreate
-from gateway.request_limits import check_request
+from core.request_limits import check_request
 
 log = logging.getLogger(__name__)
 

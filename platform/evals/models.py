@@ -10,7 +10,7 @@ from django.conf import settings
 from django.db import models
 
 from accounts.models import Organization
-from finetuning.models import OrgQuerySet, new_id
+from base.records import OrgQuerySet, new_id
 
 
 class Eval(models.Model):

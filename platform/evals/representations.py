@@ -9,7 +9,7 @@ from django.urls import reverse
 from core.eval_prompts import DEFAULT_INPUT
 from evals import sources
 from evals.models import Eval, EvalRun, OutputItem
-from finetuning.representations import unix
+from base.records import unix
 
 # What ``{{sample.*}}`` names: the model's answer (an eval's schema shows it with include_sample_schema).
 SAMPLE_SCHEMA = {

@@ -16,7 +16,7 @@ from evals.models import Eval, EvalRun, OutputItem, RunStatus
 from evals.representations import eval_object, output_item_object, run_object
 from base.api_views import PAGE_PARAMETERS, owned, parsed, path_only
 from evals.requests import EvalCreate, EvalUpdate, RunCreate
-from finetuning.pagination import list_page
+from base.pagination import list_page
 
 ITEM_STATUSES = ("pass", "fail", "error")
 

@@ -22,9 +22,9 @@ from core.config import UPLOAD_LIMIT_SETTING
 from core.datasets import CHAT, Dataset, Example, Record, as_chat, parse_dataset
 from core.eval_items import EvalFile, check_eval_file
 from finetuning import quotas, results, storage
+from core.request_limits import estimated_prompt_tokens
 from finetuning.models import FINISHED_STATUSES, File, FineTuningJob
 from finetuning.tokens import default_model, token_counter
-from gateway.limits import estimated_prompt_tokens
 
 PURPOSE = "fine-tune"
 BATCH_PURPOSE = "batch"  # request lines for the Batch API (``core.batch_input``)

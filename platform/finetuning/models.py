@@ -6,8 +6,6 @@ rows are invisible (they answer 404, as if they did not exist).
 
 from __future__ import annotations
 
-import secrets
-import string
 from functools import partial
 from typing import Self
 
@@ -15,20 +13,8 @@ from django.conf import settings
 from django.db import models
 
 from accounts.models import Organization
+from base.records import OrgQuerySet, new_id
 from core.model_names import ModelName, parse_model_name, with_revision
-
-_ID_ALPHABET = string.ascii_letters + string.digits
-
-
-def new_id(prefix: str, separator: str = "-") -> str:
-    """OpenAI-shaped object ids: a type prefix and 24 random characters (``ftjob-abc...``; with
-    ``separator`` "_" as OpenAI's newer objects have them, ``evt_abc...``)."""
-    return prefix + separator + "".join(secrets.choice(_ID_ALPHABET) for _ in range(24))
-
-
-class OrgQuerySet(models.QuerySet):
-    def for_org(self, organization: Organization) -> Self:
-        return self.filter(organization=organization)
 
 
 class File(models.Model):

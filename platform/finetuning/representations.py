@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from datetime import datetime
 
+from base.records import unix
 from finetuning.models import (
     Checkpoint,
     Composition,
@@ -14,10 +14,6 @@ from finetuning.models import (
     JobEvent,
     ModelRevision,
 )
-
-
-def unix(moment: datetime | None) -> int | None:
-    return int(moment.timestamp()) if moment else None
 
 
 def file_object(file: File) -> dict:

@@ -24,7 +24,7 @@ from base.streaming import StreamedFileResponse
 from core.api_errors import model_not_found, not_found, object_body
 from finetuning import adapters, compositions, files, job_creation, job_status, publishing, registry
 from finetuning.models import Composition, File, FineTunedModel, FineTuningJob
-from finetuning.pagination import list_page
+from base.pagination import list_page
 from finetuning.representations import (
     checkpoint_object,
     composition_object,

@@ -3,7 +3,7 @@ the dashboard's playground.
 
 Find out who is calling (an API key here, a signed-in session in the playground), hold them to
 their completions and tokens per minute (``gateway.limits``), check the request's fields and caps
-(``gateway.request_limits``) and that they may use the model (``finetuning.registry``, through
+(``core.request_limits``) and that they may use the model (``finetuning.registry``, through
 ``gateway.access``), then hand the body to the inference pool with the fields the gateway sets
 (``answering.forwarded_body``), otherwise as it came, and give back its answer the same way (a stream
 stays a stream). Each answer's tokens are counted on the way (``usage.meter``). The body is parsed
@@ -25,8 +25,8 @@ from answering.forward import PoolAnswer, check_mix, forward
 from core import api_errors
 from core.openai_protocol import ParsedRequest, parse_request
 from gateway.access import authorize, organization_model
-from gateway.limits import check_completion_rate, estimated_prompt_tokens, estimated_tokens
-from gateway.request_limits import check_request
+from gateway.limits import check_completion_rate, estimated_tokens
+from core.request_limits import check_request, estimated_prompt_tokens
 from finetuning.registry import UsableModel
 from usage.meter import Caller
 

@@ -14,7 +14,6 @@ fits more of them in a minute.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from django.conf import settings
@@ -23,14 +22,13 @@ from core import api_errors
 from core.config import LIMIT_SETTINGS
 from core.rate_limits import TOKEN_LIMIT_TYPE, Limit, charge_async
 from finetuning.registry import UsableModel
-from gateway.request_limits import prompt_text_chars
+from core.request_limits import estimated_prompt_tokens
 
 MINUTE_S = 60
-CHARS_PER_TOKEN = 4  # OpenAI's rule of thumb for English text
 
 
 def estimated_tokens(data: dict[str, Any], endpoint: str, model: UsableModel | None) -> int:
-    """What a checked request (``gateway.request_limits``: its numbers are numbers) may cost."""
+    """What a checked request (``core.request_limits``: its numbers are numbers) may cost."""
     if model is None:
         return 0  # refused as not found right after; only the request counts
     prompt = estimated_prompt_tokens(data, endpoint)
@@ -38,10 +36,6 @@ def estimated_tokens(data: dict[str, Any], endpoint: str, model: UsableModel | N
     context = settings.MODEL_CATALOG.require(model.base_model_id).engine.max_model_len
     choices = max(1, int(data.get("n") or 1))
     return prompt + choices * int(min(asked, context) if asked else context)
-
-
-def estimated_prompt_tokens(data: dict[str, Any], endpoint: str) -> int:
-    return math.ceil(prompt_text_chars(data, endpoint) / CHARS_PER_TOKEN)
 
 
 def completion_limits(organization_id: int, api_key_id: int | None, tokens: int = 0) -> list[Limit]:

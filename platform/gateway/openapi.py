@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 ERROR = {"$ref": "#/components/schemas/InferenceError"}
 BEARER: list[dict[str, list[str]]] = [{"InferenceKey": []}]
-# The fields the gateway checks (types and caps, tools: ``gateway.request_limits``), and the messages' shape.
+# The fields the gateway checks (types and caps, tools: ``core.request_limits``), and the messages' shape.
 _COUNT = {"type": "integer", "minimum": 0}
 _TYPED_FIELDS: dict[str, dict] = {
     "model": {"type": "string", "description": "A base model, or a fine-tuned one: <base_model_id>:<suffix>"},

@@ -16,7 +16,7 @@ from django.db import models
 
 from accounts.models import Organization
 from core.model_names import ModelName
-from finetuning.models import OrgQuerySet, new_id
+from base.records import OrgQuerySet, new_id
 
 
 SESSION_SILENT_S = 60  # the SDK beats every 10 s while its process lives

@@ -3,7 +3,7 @@ event shape: ``{"id": "evt_...", "object": "event", "type", "created_at", "data"
 
 from __future__ import annotations
 
-from finetuning.representations import unix
+from base.records import unix
 from webhooks.models import WebhookDelivery, WebhookEndpoint, WebhookEvent
 
 

@@ -12,7 +12,7 @@ from rest_framework.views import APIView
 from accounts.authentication import caller_of, organization_of
 from core.api_errors import object_body
 from base.api_views import PAGE_PARAMETERS, owned, parsed, path_only
-from finetuning.pagination import list_page
+from base.pagination import list_page
 from webhooks import endpoints
 from webhooks.models import WebhookEndpoint
 from webhooks.representations import delivery_object, endpoint_object

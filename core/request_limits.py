@@ -10,12 +10,15 @@ prompt longer than the model's context.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from core import api_errors
 from core.config import Limit, RequestLimits
 from core.openai_protocol import REQUEST_FIELDS
 from core.tool_calls import request_tools_problem
+
+CHARS_PER_TOKEN = 4  # OpenAI's rule of thumb for English text
 
 
 def _numeric_caps(endpoint: str, limits: RequestLimits) -> dict[str, Limit]:
@@ -68,6 +71,11 @@ def check_request(data: dict[str, Any], endpoint: str, limits: RequestLimits) ->
 
 def prompt_field(endpoint: str) -> str:
     return {"chat/completions": "messages", "responses": "input"}.get(endpoint, "prompt")
+
+
+def estimated_prompt_tokens(data: dict[str, Any], endpoint: str) -> int:
+    """A prompt's tokens, estimated from its characters (what rate limits and batch queues charge)."""
+    return math.ceil(prompt_text_chars(data, endpoint) / CHARS_PER_TOKEN)
 
 
 def prompt_text_chars(data: dict[str, Any], endpoint: str) -> int:

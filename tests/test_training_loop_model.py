@@ -22,6 +22,7 @@ from workers.training_loop.losses import LossInputError
 from workers.training_loop.loop_model import (
     LORA_ALPHA, OPTIMIZER_FILE, AdamStep, LoopModel, LoraShape, LossInput, target_modules,
 )  # fmt: skip
+from workers.training_loop.shared_prefix import trees
 
 pytestmark = [
     pytest.mark.training,
@@ -139,6 +140,43 @@ def test_it_accumulates_gradients_until_the_step(model: LoopModel, loaded: tuple
     assert halves_norm == pytest.approx(whole_norm, rel=1e-5)
     # No element moves more than the learning rate: both agree to a thousandth of that.
     assert_same_weights(adapter_weights(model), stepped_in_halves, atol=1e-3 * step.learning_rate)
+
+
+def test_answers_to_one_prompt_computed_once_as_a_tree_get_what_each_gets_alone(model: LoopModel) -> None:
+    # A step first, so the adapter is no longer the base model and every LoRA matrix has a gradient.
+    model.forward_backward([supervised(LONG)], "cross_entropy", None)
+    model.optim_step(AdamStep(learning_rate=1e-2))
+    answers = [LONG + [28, 357, 30], LONG + [2077], LONG + [28, 5248, 17, 9, 216]]  # one prompt, three answers
+    data = [*(supervised(tokens, [0.0] * 12 + [1.0] * (len(tokens) - 13)) for tokens in answers), supervised(SHORT)]
+
+    together = model.forward_backward(data, "cross_entropy", None)
+    tree_grads = gradients(model)
+    alone = [model.forward_backward([datum], "cross_entropy", None) for datum in data]  # adds the same again
+
+    for got, want in zip(together.logprobs, (result.logprobs[0] for result in alone), strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-4)
+    assert together.metrics["loss:sum"] == pytest.approx(sum(r.metrics["loss:sum"] for r in alone), rel=1e-5)
+    for name, doubled in gradients(model).items():  # tree + each alone = twice the tree's, up to rounding
+        tree = tree_grads[name]
+        assert tree is not None and doubled is not None, name
+        assert (doubled - 2 * tree).abs().max() <= 1e-3 * tree.abs().max(), name
+
+
+def test_data_sharing_a_start_are_grouped_as_trees_within_a_rows_length() -> None:
+    prompt = list(range(100, 112))
+    data = [torch.tensor(tokens) for tokens in (prompt + [1, 2], SHORT, prompt + [3], prompt[:5] + [4], prompt + [1, 2])]
+
+    laid = trees(data, max_tokens=64)
+    assert sorted(tree.members for tree in laid) == [[0, 4, 2], [1], [3]]  # 5 shared tokens are too few
+    (tree,) = [tree for tree in laid if len(tree.members) == 3]
+    assert tree.shared == 12 and tree.length == 12 + 2 + 2 + 1
+    for member, positions in zip(tree.members, tree.positions, strict=True):
+        assert torch.equal(tree.tokens[positions], data[member])  # each datum's tokens, in its order
+        assert torch.equal(tree.position_ids[positions], torch.arange(len(data[member])))
+        seen = tree.mask[positions[-1]].nonzero()[:, 0]  # its last token sees its own tokens, no one else's
+        assert torch.equal(seen, positions)
+    narrow = trees(data, max_tokens=15)  # the third answer's 1 token and the 2 it unshares do not fit: a tree alone
+    assert sorted(tree.members for tree in narrow) == [[0, 4], [1], [2], [3]]
 
 
 def test_it_steps_with_no_gradient_and_zeroes_them_after(model: LoopModel) -> None:

@@ -27,16 +27,18 @@ from peft import PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_
 from safetensors.torch import load_file
 
 from core.loop_lora import LORA_ALPHA
-from workers.training.data import PackedRow, first_fit, target_log_probs
+from workers.training.data import first_fit
 from workers.training.model import TRAINED, build_lora_config, load_base_model, save_adapter
 from workers.training_loop.losses import (
     TARGET_TOKENS, LossInputError, Metrics, checked_config, checked_inputs, checked_tokens, combined, loss_function,
 )  # fmt: skip
+from workers.training_loop.shared_prefix import Tree, trees
 
 OPTIMIZER_FILE = "optimizer.pt"  # beside the adapter's files in a folder save_state writes
 # Data are packed into rows of at most this many tokens, one forward and backward pass per row (a longer
-# datum gets a row alone). Every position of a row is scored, so a row also holds a (tokens x vocabulary)
-# float32 logits matrix: 1,024 tokens of a 49k vocabulary are 200 MB, and as much again for its gradient.
+# datum gets a row alone; data sharing their start are one tree, shared_prefix.py). Every position of a
+# row is scored, so a row also holds a (tokens x vocabulary) float32 logits matrix: 1,024 tokens of a 49k
+# vocabulary are 200 MB, and as much again for its log-softmax and its gradient.
 MAX_ROW_TOKENS = 1024
 # Where a decoder layer's linear projections sit, by the name of the module holding them (Llama, Qwen2,
 # Mistral, Gemma and most others of transformers' decoders).
@@ -154,10 +156,12 @@ class LoopModel:
         batch = self._checked(data, loss_fn)
         logprobs: list[np.ndarray] = [np.empty(0, np.float32)] * len(batch)
         per_datum: list[tuple[Metrics, int]] = []
+        # Data sharing their start (a prompt's answers) are laid as trees, the start computed once.
+        laid = trees([datum.tokens for datum in batch], MAX_ROW_TOKENS)
         with torch.set_grad_enabled(not forward_only):
-            for row in first_fit(list(range(len(batch))), lambda i: len(batch[i].tokens), MAX_ROW_TOKENS):
+            for row in first_fit(laid, lambda tree: tree.length, MAX_ROW_TOKENS):
                 row_loss = torch.zeros(())
-                for i, datum_logprobs in zip(row, self._row_logprobs([batch[i] for i in row]), strict=True):
+                for i, datum_logprobs in self._row_logprobs(row, batch):
                     datum_loss, metrics = loss(datum_logprobs, batch[i].inputs, settings)
                     row_loss = row_loss + datum_loss
                     per_datum.append(({"loss:sum": datum_loss.item(), **metrics}, len(batch[i].tokens)))
@@ -232,22 +236,24 @@ class LoopModel:
             batch.append(_Datum(tokens, checked_inputs(index, len(tokens), datum.inputs, loss_fn, self._vocab_size)))
         return batch
 
-    def _row_logprobs(self, data: list[_Datum]) -> tuple[torch.Tensor, ...]:
-        """One forward pass over ``data`` laid end to end (each attends only to itself): each datum's
-        log-probabilities of its target tokens, in order."""
-        lengths = [len(datum.tokens) for datum in data]
-        total = sum(lengths)
-        row = PackedRow(
-            input_ids=torch.cat([datum.tokens for datum in data]).unsqueeze(0),
-            position_ids=torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0),
-            boundaries=torch.tensor([0, *np.cumsum(lengths).tolist()]),
-            loss_positions=torch.arange(total),  # every position predicts its datum's next target
-            targets=torch.cat([datum.inputs[TARGET_TOKENS] for datum in data]),
-            weights=torch.ones(total),  # unused: the loss weighs the tokens itself
-            sequences=torch.repeat_interleave(torch.arange(len(data)), torch.tensor(lengths)),
-            n_tokens=total,
+    def _row_logprobs(self, row: list[Tree], batch: list[_Datum]) -> Iterator[tuple[int, torch.Tensor]]:
+        """One forward pass over ``row``'s trees laid end to end (each attends only to itself): each
+        member datum's index in ``batch`` and the log-probabilities of its target tokens, in order."""
+        lengths = [tree.length for tree in row]
+        out = self._model(
+            input_ids=torch.cat([tree.tokens for tree in row]).unsqueeze(0),
+            position_ids=torch.cat([tree.position_ids for tree in row]).unsqueeze(0),
+            cu_seq_lens_q=torch.tensor([0, *np.cumsum(lengths).tolist()]),  # per-tree attention (attention.py)
+            example_masks=[tree.mask for tree in row],
+            use_cache=False,
         )
-        return torch.split(target_log_probs(self._model, row), lengths)
+        # Every position predicts its datum's next target; a shared position, the next of each member.
+        log_probs = torch.log_softmax(out.logits[0].float(), dim=-1)
+        offset = 0
+        for tree in row:
+            for i, positions in zip(tree.members, tree.positions, strict=True):
+                yield i, log_probs[offset + positions, batch[i].inputs[TARGET_TOKENS]]
+            offset += tree.length
 
     def _grad_norm(self, clip_norm: float) -> float:
         grads = [p.grad for p in self._parameters if p.grad is not None]

@@ -62,7 +62,7 @@ def _body(model: str, stream: bool = False) -> dict:
     return {
         "model": model, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": TOKENS,
         "min_tokens": TOKENS, "ignore_eos": True, "temperature": 0.8, "stream": stream,
-    }  # fmt: skip
+    }
 
 
 def first_token_s(url: str, headers: dict[str, str]) -> float:
@@ -101,7 +101,7 @@ def measure(name: str, backend: str, command: list[str], adapters: list[str], to
         "MODEL_CATALOG": str(_catalog(backend)),
         "DYNAMIC_LORA_PATH": str(SCRATCH / "adapters"),
         "INFERENCE_POOL_URL": url, "RAY_SERVE_URL": url, "FIRST_REPLICA_PORT": str(free_port()),
-    }  # fmt: skip
+    }
     headers = {"Authorization": bearer(token)}
     with running(f"bench-{backend}", command, environment) as process:
         wait_until(lambda: answers(f"{url}/health", headers=headers), 300, name, process)

@@ -49,7 +49,7 @@ def batch_lines(models: list[str], count: int, max_tokens: int) -> list[BatchReq
              "messages": [{"role": "user", "content": QUESTIONS[n % len(QUESTIONS)]}]},
         )
         for n in range(count)
-    ]  # fmt: skip
+    ]
 
 
 def timed(organization: Organization, groups: list[list[BatchRequest]]) -> tuple[float, int, int]:

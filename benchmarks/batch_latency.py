@@ -60,7 +60,7 @@ def main() -> int:
          "body": {"model": BASE, "messages": [{"role": "user", "content": f"Write a story about the number {n}."}],
                   "max_tokens": 64, "min_tokens": 64, "temperature": 0.8}}
         for n in range(args.lines)
-    ]  # fmt: skip
+    ]
     text = "".join(json.dumps(line) + "\n" for line in lines).encode()
     batch_file = client.files.create(file=("latency.jsonl", io.BytesIO(text)), purpose="batch")
     started = time.perf_counter()
@@ -78,9 +78,9 @@ def main() -> int:
     for label, values in (("alone", alone), (f"beside a {args.lines}-line batch", beside)):
         print(f"    {label:<28}{statistics.median(values):8.3f}{percentile(values, 0.99):8.3f}")
     print(f"    ratio (beside / alone)      {statistics.median(beside) / statistics.median(alone):8.2f}"
-          f"{percentile(beside, 0.99) / percentile(alone, 0.99):8.2f}")  # fmt: skip
+          f"{percentile(beside, 0.99) / percentile(alone, 0.99):8.2f}")
     print(f"the batch: {done.status}, {done.request_counts.completed} of {done.request_counts.total} lines in "
-          f"{batch_s:.0f} s{'' if still_running else ' (it finished before the live requests did)'}")  # fmt: skip
+          f"{batch_s:.0f} s{'' if still_running else ' (it finished before the live requests did)'}")
     return 0
 
 

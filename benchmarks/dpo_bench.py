@@ -72,7 +72,7 @@ def our_config(model_path: Path, args: argparse.Namespace) -> TrainingConfig:
     return TrainingConfig(
         base_model_path=model_path, base_model_id=BASE_MODEL_ID, method="dpo", beta=BETA, n_epochs=1,
         batch_size=args.batch_size, learning_rate=5e-5, max_steps=args.steps, seed=args.seed,
-    )  # fmt: skip
+    )
 
 
 def run_ours(model_path: Path, pairs: list[PreferencePair], args: argparse.Namespace) -> float:

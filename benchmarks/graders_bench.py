@@ -38,7 +38,7 @@ def graders() -> dict[str, dict]:
     found["multi (string_check + rouge_l)"] = {
         "type": "multi", "name": "m", "calculate_output": "0.5 * exact + 0.5 * close",
         "graders": {"exact": found["string_check"], "close": found["text_similarity rouge_l"]},
-    }  # fmt: skip
+    }
     return found
 
 
@@ -62,7 +62,7 @@ def main() -> None:
     rows = []
     for name, grader in graders().items():
         rows.append((name, microseconds(grader, SHORT, SHORT_REFERENCE, args.samples),
-                     microseconds(grader, LONG, LONG_REFERENCE, max(args.samples // 10, 5))))  # fmt: skip
+                     microseconds(grader, LONG, LONG_REFERENCE, max(args.samples // 10, 5))))
     baseline_short, baseline_long = rows[0][1], rows[0][2]
     print(f"{'grader':34} {'short µs':>10} {'× string_check':>15} {'long µs':>10} {'× string_check':>15}")
     for name, short, long in rows:

@@ -138,7 +138,7 @@ def serving(model: BaseModel) -> Iterator[tuple[str, str, subprocess.Popen]]:
     gateway_port = free_port()
     gateway = f"http://127.0.0.1:{gateway_port}"
     web = [sys.executable, "-m", "uvicorn", "server.asgi:application", "--app-dir", "platform",
-           "--host", "127.0.0.1", "--port", str(gateway_port), "--log-level", "warning"]  # fmt: skip
+           "--host", "127.0.0.1", "--port", str(gateway_port), "--log-level", "warning"]
     with (
         running("bench-pool", [sys.executable, "-m", "inference"], env) as pool_process,
         running("bench-gateway", web, env) as web_process,
@@ -245,7 +245,7 @@ def adapter_loads(adapters: list[str]) -> Loads:
     HELD_ADAPTERS adapters (those past MANY_ADAPTERS, when given)."""
     spreads = {"base model": [MODEL]} | {
         f"{n} adapter{'s' if n > 1 else ''}": adapters[:n] for n in (1, 4, 16, MANY_ADAPTERS, HELD_ADAPTERS) if n <= len(adapters)
-    }  # fmt: skip
+    }
     return {load: [{"model": model} for model in models] for load, models in spreads.items()}
 
 
@@ -544,35 +544,35 @@ def _report_overhead(latencies: dict) -> None:
 def _report_mixes(mixes: dict) -> None:
     throughput, rounds = mixes["throughput"], mixes["rounds"]
     print(f"(4) mixes and scales in the kernel, {CONCURRENCY} concurrent chat x {TOKENS} tokens, through the gateway "
-          f"(median of {rounds} rounds)")  # fmt: skip
+          f"(median of {rounds} rounds)")
     print(f"    {'load':<16}{'tok/s':>9}{'ratio to base':>15}{'engine CPU':>12}{'loads timed':>13}   ratio per round")
     for load, values in throughput.items():
         print(f"    {load:<16}{statistics.median(values['tok_s']):9.1f}{statistics.median(values['ratio']):15.2f}"
               f"{statistics.median(values['cpu_ratio']):12.2f}{max(values['loads'], default=0):13.0f}"
-              f"   {_rounds(values['ratio'])}")  # fmt: skip
+              f"   {_rounds(values['ratio'])}")
     for label, load, against in ((f"{MIXES} / {PLAIN}", MIXES, PLAIN), (f"{SWEPT} / {ONE}", SWEPT, ONE)):
         per_round = [a / b for a, b in zip(throughput[load]["ratio"], throughput[against]["ratio"])]
         cpu = [a / b for a, b in zip(throughput[load]["cpu_ratio"], throughput[against]["cpu_ratio"])]
         ratio = statistics.median(per_round)
         print(f"    {label:<30}{ratio:6.2f}   rounds {_rounds(per_round)}"
               f"   target >= 0.95: {'PASS' if ratio >= 0.95 else 'MISS'}"
-              f"   engine CPU {statistics.median(cpu):.2f} ({_rounds(cpu)})")  # fmt: skip
+              f"   engine CPU {statistics.median(cpu):.2f} ({_rounds(cpu)})")
     print(f"    each mix: two of {MIX_WIDTH} rank-8 adapters, the first at its own scale ({SWEEP[0]} to {SWEEP[-1]})")
     churn, held = mixes["churn"], mixes["held"]
     print(f"    slots meanwhile: {churn['loads']:.0f} adapter loads, {churn['evictions']:.0f} evictions; held after: "
-          f"{len(held)} ({sum(':mix.' in name for name in held)} mixes)")  # fmt: skip
+          f"{len(held)} ({sum(':mix.' in name for name in held)} mixes)")
     first = mixes["first"]
     plain, mixed = statistics.median(first["warm adapter"]), statistics.median(first["new mix"])
     print(f"    first request, time to first token, n={len(first['new mix'])} each (median): warm adapter "
           f"{plain:.3f} s, new mix of two warm adapters {mixed:.3f} s ({mixed / plain:.2f}x)"
-          f"   target <= 1x: {'PASS' if mixed <= plain else 'MISS'}")  # fmt: skip
+          f"   target <= 1x: {'PASS' if mixed <= plain else 'MISS'}")
     print("-" * 78)
 
 
 def report(
     publish: dict[str, list] | None, throughput: dict | None, stock: dict | None, latencies: dict | None,
     mixes: dict | None, catalog_line: str,
-) -> None:  # fmt: skip
+) -> None:
     """The table; a section left out of the run (--mix-only) is left out of it."""
     print()
     print("=" * 78)

@@ -109,7 +109,7 @@ class TrainerKill:
         wait_until(
             lambda: any("Step" in event.message for event in self.client.fine_tuning.jobs.list_events(job.id).data),
             300, "a training step",
-        )  # fmt: skip
+        )
         _training_child(self.platform).send_signal(signal.SIGKILL)
 
     def outcome(self) -> str:
@@ -177,7 +177,7 @@ def main() -> int:
                 report = asyncio.run(run_load(
                     platform.url, platform.api_key, [BASE, *adapters], chat_clients=args.clients,
                     duration_s=args.seconds, faults=faults, job_clients=4, training_file=training_file,
-                ))  # fmt: skip
+                ))
                 note = follow_up.outcome() if follow_up else ""
                 rows.append(_row(name, report, steady, note))
                 print(rows[-1], flush=True)
@@ -186,9 +186,9 @@ def main() -> int:
                     print(f"  lost: {lost}", flush=True)
                 wait_until(lambda: _replica(platform)["healthy"], 600, "the replica")
     print(f"\n{args.clients} streaming chat clients (16 tokens each) over 4 adapters and the base model, "
-          f"and 4 job API clients, for {args.seconds:.0f} s per scenario:\n")  # fmt: skip
+          f"and 4 job API clients, for {args.seconds:.0f} s per scenario:\n")
     print("| scenario | faults | chats | answered | refused | cut | lost | jobs created | jobs lost "
-          "| p50 / p99 s | vs steady | note |")  # fmt: skip
+          "| p50 / p99 s | vs steady | note |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
     return 0

@@ -108,7 +108,7 @@ def main() -> int:
     }
     print(f"{base.id}: {len(layers)} adapted projections, {args.slots} slots, rank {args.rank} (max {MAX_RANK}), "
           f"{torch.get_num_threads()} threads; ms of LoRA per step, median of {args.steps}"
-          f"{', each projection after its base product' if args.beside_base else ''}")  # fmt: skip
+          f"{', each projection after its base product' if args.beside_base else ''}")
     base_weights = [torch.randn(fan_in, sum(outs)) for fan_in, outs, *_ in layers] if args.beside_base else None
     print(f"    {'batch':<50}" + "".join(f"{name:>10}" for name in classes) + f"{'vLLM/C':>8}")
     for label, (slot_of_token, is_prefill) in batches(args.slots).items():

@@ -51,7 +51,7 @@ def grow(organization, start: int, stop: int) -> None:
             status="succeeded", parent_model=f"{BASE}:m{i - 1}" if i % 2 else None, fine_tuned_model=f"{BASE}:m{i}",
         )
         for i in range(start, stop)
-    )  # fmt: skip
+    )
     models = FineTunedModel.objects.bulk_create(
         FineTunedModel(name=f"{BASE}:m{i}", organization=organization, job=job, base_model=BASE, suffix=f"m{i}")
         for i, job in zip(range(start, stop), jobs)

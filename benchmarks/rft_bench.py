@@ -78,20 +78,20 @@ WEIGHTS = CONFIG.data_dir / "models" / BASE
 HEADERS = {"Authorization": f"Bearer {CONFIG.internal_token}", ORGANIZATION_HEADER: "rft-bench", BACKGROUND_HEADER: "1"}
 SERVED = ModelName(BASE, "rft-bench")  # as PoolPolicy names a job's weights: not in any registry
 GRADER = {"type": "text_similarity", "name": "says yes", "evaluation_metric": "fuzzy_match",
-          "input": "{{sample.output_text}}", "reference": "{{item.reference_answer}}"}  # fmt: skip
+          "input": "{{sample.output_text}}", "reference": "{{item.reference_answer}}"}
 PROMPTS_PER_STEP, LEARNING_RATE, KL_COEF, SEED = 4, 4e-4, 0.02, 42
 QUESTIONS = [
     "Is the sky blue on a clear day?", "Is water wet?", "Do fish live in water?", "Is fire hot?",
     "Does the sun rise in the east?", "Is ice cold?", "Do birds have feathers?", "Is two more than one?",
     "Can people walk?", "Is snow white?", "Do trees have leaves?", "Is the ocean salty?",
     "Does a week have seven days?", "Is grass green?", "Do cats have four legs?", "Is Paris in France?",
-]  # fmt: skip
+]
 
 
 def prompt_items() -> list[PromptItem]:
     """The questions as an uploaded prompts file's lines are read (the grader's item: the whole line)."""
     lines = [{"messages": [{"role": "user", "content": f"{q} Answer yes or no."}], "reference_answer": "Yes"}
-             for q in QUESTIONS]  # fmt: skip
+             for q in QUESTIONS]
     return parse_dataset("\n".join(json.dumps(line) for line in lines).encode(), min_examples=1).examples
 
 
@@ -124,11 +124,11 @@ class BenchPolicy:
             async with httpx.AsyncClient(timeout=600) as client:
                 replies = await asyncio.gather(*(client.post(f"{self._pool_url}/v1/completions", headers=HEADERS, json={
                     "model": model, "prompt": prompt, "n": n, "max_tokens": max_tokens, "temperature": temperature,
-                    "seed": seed + index, "logprobs": 0, "return_token_ids": True}) for index, prompt in enumerate(prompts)))  # fmt: skip
+                    "seed": seed + index, "logprobs": 0, "return_token_ids": True}) for index, prompt in enumerate(prompts)))
             return [reply.raise_for_status().json() for reply in replies]
 
         return [[Answer(c["text"], c["token_ids"], c["logprobs"]["token_logprobs"])
-                 for c in sorted(reply["choices"], key=lambda c: c["index"])] for reply in asyncio.run(all_at_once())]  # fmt: skip
+                 for c in sorted(reply["choices"], key=lambda c: c["index"])] for reply in asyncio.run(all_at_once())]
 
     def grade(self, items: list[dict], answers: list[str]) -> list[Grade]:
         return [Grade(reward, reward >= 1.0) for reward in map(score, items, answers)]
@@ -155,7 +155,7 @@ class Steps:
             self.cpu.append(now - self._cpu_before)
         self._cpu_before = now
         print(f"  ours step {metrics.step}: {metrics.samples_per_second:.2f} samples/s, reward {metrics.reward_mean:.3f}, "
-              f"{metrics.seconds}", flush=True)  # fmt: skip
+              f"{metrics.seconds}", flush=True)
 
     def on_evaluation(self, total_steps: int, valid_reward: float, valid_pass_rate: float) -> None:
         pass
@@ -178,7 +178,7 @@ def run_ours(args: argparse.Namespace) -> tuple[Side, dict[str, float]]:
         n_epochs=math.ceil(args.steps * PROMPTS_PER_STEP / len(prompts)), samples_per_prompt=args.samples,
         max_completion_tokens=args.tokens, learning_rate=LEARNING_RATE, kl_coef=KL_COEF, eval_interval=10**6,
         max_steps=args.steps,
-    )  # fmt: skip
+    )
     steps = Steps()
     with running("rft-bench-pool", [sys.executable, "-m", "inference"]) as pool:
         print("waiting for the pool's engine ...", flush=True)
@@ -187,7 +187,7 @@ def run_ours(args: argparse.Namespace) -> tuple[Side, dict[str, float]]:
         steps.processes = [psutil.Process(), root, *root.children(recursive=True)]
         train_by_reward(config, prompts, [], SCRATCH / "ours", BenchPolicy(CONFIG.inference_pool_url), steps)
     answered = PROMPTS_PER_STEP * args.samples
-    phases = {phase: statistics.median(s.seconds.get(phase, 0.0) for s in steps.steps) for phase in ("serve", "sample", "grade", "train")}  # fmt: skip
+    phases = {phase: statistics.median(s.seconds.get(phase, 0.0) for s in steps.steps) for phase in ("serve", "sample", "grade", "train")}
     seconds = [answered / s.samples_per_second for s in steps.steps]
     return (seconds, steps.cpu, [s.reward_mean for s in steps.steps]), phases
 
@@ -210,7 +210,7 @@ def run_trl(args: argparse.Namespace) -> Side:
             seconds.append(time.perf_counter() - self.started)
             if len(seconds) > 1:  # as ours: from the second step on
                 cpu.append(cpu_seconds(this) - self.cpu)
-            print(f"  TRL step {len(seconds)}: {answered / seconds[-1]:.2f} samples/s, reward {rewards[-1]:.3f}", flush=True)  # fmt: skip
+            print(f"  TRL step {len(seconds)}: {answered / seconds[-1]:.2f} samples/s, reward {rewards[-1]:.3f}", flush=True)
 
     def says_yes(completions: list[list[dict]], reference_answer: list[str], **kwargs: Any) -> list[float]:
         # One call a step (a step is one generation batch): the answers are conversational, one message each.
@@ -220,17 +220,17 @@ def run_trl(args: argparse.Namespace) -> Side:
 
     answered = PROMPTS_PER_STEP * args.samples
     records = [{"prompt": [{"role": m["role"], "content": m["content"]} for m in item.prompt],  # TRL knows no "weight"
-                "reference_answer": item.item["reference_answer"]} for item in prompt_items()]  # fmt: skip
+                "reference_answer": item.item["reference_answer"]} for item in prompt_items()]
     config = GRPOConfig(
         output_dir=str(SCRATCH / "trl"), per_device_train_batch_size=answered, gradient_accumulation_steps=1,
         num_generations=args.samples, max_completion_length=args.tokens, temperature=1.0, learning_rate=LEARNING_RATE,
         lr_scheduler_type="constant", beta=KL_COEF, loss_type="grpo", max_steps=args.steps, use_vllm=False,
         use_cpu=True, bf16=False, report_to=[], logging_steps=1, save_strategy="no", disable_tqdm=True, seed=SEED,
         model_init_kwargs={"dtype": torch.float32}, dataloader_num_workers=0,
-    )  # fmt: skip
+    )
     lora = build_lora_config(8, LORA_ALPHA, 0.0, TARGET_MODULES)
     trainer = GRPOTrainer(model=str(WEIGHTS), reward_funcs=says_yes, args=config, peft_config=lora,
-                          train_dataset=Dataset.from_list(records), callbacks=[StepTimer()])  # fmt: skip
+                          train_dataset=Dataset.from_list(records), callbacks=[StepTimer()])
     trainer.train()
     return seconds, cpu, rewards
 
@@ -243,12 +243,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch threads for both (default 0: torch's own)")
     args = parser.parse_args()
     if importlib.util.find_spec("trl") is None:
-        parser.exit(2, 'TRL\'s GRPOTrainer is the baseline, and TRL is not installed: .venv/bin/python -m pip install -c constraints.txt ".[bench]"\n')  # fmt: skip
+        parser.exit(2, 'TRL\'s GRPOTrainer is the baseline, and TRL is not installed: .venv/bin/python -m pip install -c constraints.txt ".[bench]"\n')
     if args.threads:
         torch.set_num_threads(args.threads)
     answered = PROMPTS_PER_STEP * args.samples
     print(f"scratch: {SCRATCH}; {args.steps} steps of {PROMPTS_PER_STEP} prompts x {args.samples} answers, "
-          f"<= {args.tokens} tokens; {torch.get_num_threads()} torch threads", flush=True)  # fmt: skip
+          f"<= {args.tokens} tokens; {torch.get_num_threads()} torch threads", flush=True)
     started = time.perf_counter()
     ours, phases = run_ours(args)  # the pool is stopped when this returns: TRL's run has the cores alone
     trl = run_trl(args)
@@ -256,19 +256,19 @@ def main() -> None:
 
     print()
     print(f"{'side':<30}{'steps':>6}{'samples/step':>13}{'median step s':>15}{'samples/s':>11}{'CPU s/sample':>14}"
-          "   reward first -> last")  # fmt: skip
+          "   reward first -> last")
     for name, (seconds, cpu, rewards) in rows.items():
         step = statistics.median(seconds)
         print(f"{name:<30}{len(seconds):>6}{answered:>13}{step:>15.2f}{answered / step:>11.2f}"
-              f"{statistics.median(cpu) / answered:>14.2f}   {rewards[0]:.3f} -> {rewards[-1]:.3f}")  # fmt: skip
+              f"{statistics.median(cpu) / answered:>14.2f}   {rewards[0]:.3f} -> {rewards[-1]:.3f}")
     ratio = statistics.median(trl[0]) / statistics.median(ours[0])
     cpu_ratio = statistics.median(trl[1]) / statistics.median(ours[1])
     print(f"ours / TRL, samples/s: {ratio:.2f}x   (goal >= 2x: {'PASS' if ratio >= 2 else 'MISS'});  "
-          f"TRL's CPU s/sample over ours: {cpu_ratio:.2f}x")  # fmt: skip
+          f"TRL's CPU s/sample over ours: {cpu_ratio:.2f}x")
     print("  CPU: the median step's CPU time from the second step on; ours counts the pool's processes too")
     print("ours, median s by phase: " + ", ".join(f"{phase} {s:.2f}" for phase, s in phases.items()))
     print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} (other work included); "
-          f"wall time {time.perf_counter() - started:.0f} s")  # fmt: skip
+          f"wall time {time.perf_counter() - started:.0f} s")
 
 
 if __name__ == "__main__":

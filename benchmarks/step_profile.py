@@ -108,7 +108,7 @@ def sample(engine: psutil.Process, seconds: float, rate: int, out: Path) -> None
         [shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy")), "record", "--nonblocking",
          "--threads", "-p", str(engine.pid), "-d", str(int(seconds)), "-r", str(rate), "-f", "raw", "-o", str(out)],
         check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+    )
 
 
 def _function(frame: str) -> str:
@@ -144,7 +144,7 @@ def read_stacks(path: Path) -> tuple[Counter[str], Counter[str]]:
 
 
 def profile(load: str, gateway: str, api_key: str, targets: list[dict], replica: str, engine: psutil.Process,
-            seconds: float, rate: int, keep: Path) -> dict:  # fmt: skip
+            seconds: float, rate: int, keep: Path) -> dict:
     warm_up(gateway, api_key, targets)
     stop = threading.Event()
     driver = threading.Thread(target=drive, args=(gateway, api_key, targets, stop), daemon=True)
@@ -198,7 +198,7 @@ def report(runs: dict[str, list[dict]], adapters: int) -> None:
     tok_b = sorted(run["tok_s"] for run in base)
     tok_m = sorted(run["tok_s"] for run in many)
     print(f"{'tokens per second (each round)':<42}{', '.join(f'{t:.0f}' for t in tok_b):>12}"
-          f"{', '.join(f'{t:.0f}' for t in tok_m):>14}")  # fmt: skip
+          f"{', '.join(f'{t:.0f}' for t in tok_m):>14}")
     print("-" * 78)
     print("the functions that gained most (inclusive ms per step):")
     # the engine's loop and the model's forward pass hold nearly every sample: leave out what holds most

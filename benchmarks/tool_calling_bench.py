@@ -91,7 +91,7 @@ def main() -> None:
     config = TrainingConfig(
         base_model_path=WEIGHTS, base_model_id=BASE, n_epochs=args.epochs, batch_size=args.batch_size,
         learning_rate=args.learning_rate, lora_r=args.rank, lora_alpha=2 * args.rank, lora_dropout=args.dropout,
-    )  # fmt: skip
+    )
     tokenizer = load_tokenizer(WEIGHTS)
     base = AutoModelForCausalLM.from_pretrained(WEIGHTS, dtype=torch.float32).eval()
     base_right, _ = right_calls(base, tokenizer)

@@ -66,7 +66,7 @@ WORDS = [
     "history", "science", "numbers", "city", "river", "mountain", "library", "garden", "because", "we",
     "explain", "why", "it", "works", "first", "then", "how", "to", "use", "in", "practice", "with", "an",
     "example", "or", "two",
-]  # fmt: skip
+]
 
 
 def synthetic_dataset(seed: int, size: int = DATASET_SIZE) -> list[list[dict]]:

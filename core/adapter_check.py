@@ -93,7 +93,7 @@ def architecture(weights: Path) -> Architecture:
         layers=config["num_hidden_layers"], hidden=config["hidden_size"], intermediate=config["intermediate_size"],
         heads=heads, kv_heads=config.get("num_key_value_heads") or heads,
         head_dim=config.get("head_dim") or config["hidden_size"] // heads,
-    )  # fmt: skip
+    )
 
 
 @dataclass(frozen=True)

@@ -265,7 +265,7 @@ class S3AdapterStore:
                 self.client.upload_file(
                     str(file), self.bucket, self.key(with_revision(name, revision), file.name),
                     ExtraArgs={"Metadata": {"sha256": sha256_of(file), **publish}},
-                )  # fmt: skip
+                )
         return publish_id
 
     def point(self, name: str, revision: int) -> None:
@@ -280,7 +280,7 @@ class S3AdapterStore:
                     CopySource={"Bucket": self.bucket, "Key": self.key(source, filename)},
                     # computed afresh: a multipart upload's checksum (of its parts) does not fit the copy
                     ChecksumAlgorithm="CRC32",
-                )  # fmt: skip
+                )
 
     def version(self, name: str) -> AdapterVersion | None:
         from botocore.exceptions import ClientError

@@ -138,7 +138,7 @@ def internal_error() -> ApiError:
     return ApiError(
         "The server had an error while processing your request; it has been logged.",
         status=500, type=SERVER, code="internal_error",
-    )  # fmt: skip
+    )
 
 
 def not_found(what: str, ident: str, param: str | None = None) -> ApiError:
@@ -149,14 +149,14 @@ def missing_api_key() -> ApiError:
     return ApiError(
         "You didn't provide an API key. Use the header 'Authorization: Bearer <your API key>'.",
         status=401, type=AUTHENTICATION, code="missing_api_key",
-    )  # fmt: skip
+    )
 
 
 def invalid_api_key() -> ApiError:
     return ApiError(
         "Incorrect API key provided, or the key has been revoked.",
         status=401, type=AUTHENTICATION, code="invalid_api_key",
-    )  # fmt: skip
+    )
 
 
 def internal_token_required(setting: str, given: bool) -> ApiError:
@@ -166,11 +166,11 @@ def internal_token_required(setting: str, given: bool) -> ApiError:
         return ApiError(
             f"The bearer token provided is not this platform's {setting}.",
             status=401, type=AUTHENTICATION, code="invalid_internal_token",
-        )  # fmt: skip
+        )
     return ApiError(
         f"This endpoint is internal: send the header 'Authorization: Bearer <{setting}>'.",
         status=401, type=AUTHENTICATION, code="missing_internal_token",
-    )  # fmt: skip
+    )
 
 
 def object_body(data: object) -> dict:
@@ -208,7 +208,7 @@ def unknown_field(name: str, endpoint: str) -> ApiError:
         "vLLM's sampling extensions (see docs/limits.md); for constrained output use response_format "
         "or structured_outputs.",
         param=name, code="unknown_parameter",
-    )  # fmt: skip
+    )
 
 
 def over_limit(param: str, what: str, value: int | float, limit: int, setting: str, unit: str = "") -> ApiError:
@@ -216,7 +216,7 @@ def over_limit(param: str, what: str, value: int | float, limit: int, setting: s
     return ApiError(
         f"{what} is {value:,}{unit}; this platform allows at most {limit:,}{unit} ({setting}).",
         param=param, code="limit_exceeded",
-    )  # fmt: skip
+    )
 
 
 def not_a_number(param: str) -> ApiError:
@@ -229,7 +229,7 @@ def model_not_found(name: str, param: str = "model") -> ApiError:
     return ApiError(
         f"The model `{name}` does not exist or you do not have access to it.",
         status=404, param=param, code="model_not_found",
-    )  # fmt: skip
+    )
 
 
 def invalid_tools(param: str, problem: str) -> ApiError:
@@ -241,7 +241,7 @@ def tools_not_rendered(base_model_id: str) -> ApiError:
         f"The base model '{base_model_id}' has a chat template that renders no tools, so it cannot be offered "
         "'tools' (an operator adds a template that does: manage.py add_base_model --chat-template).",
         param="tools", code="tools_not_supported",
-    )  # fmt: skip
+    )
 
 
 def adapter_not_found(name: str, param: str = "model") -> ApiError:
@@ -249,7 +249,7 @@ def adapter_not_found(name: str, param: str = "model") -> ApiError:
         f"The fine-tuned model `{name}` has no adapter in the dynamic LoRA path (it was deleted, or is not "
         "published yet).",
         status=404, param=param, code="adapter_not_found",
-    )  # fmt: skip
+    )
 
 
 def mix_needs_base_model(model: str) -> ApiError:
@@ -257,7 +257,7 @@ def mix_needs_base_model(model: str) -> ApiError:
         f"With 'adapters', 'model' names the base model they were fine-tuned from, not `{model}`: put "
         f"`{model}` in 'adapters' (with its scale) and its base model in 'model'.",
         param="model", code="mix_needs_base_model",
-    )  # fmt: skip
+    )
 
 
 def not_a_fine_tune_of(name: str, base_model_id: str, param: str = "adapters") -> ApiError:
@@ -265,7 +265,7 @@ def not_a_fine_tune_of(name: str, base_model_id: str, param: str = "adapters") -
         f"`{name}` in '{param}' is not a fine-tune of `{base_model_id}`; adapters are combined only with "
         "adapters of the same base model.",
         param=param, code="adapter_of_another_base_model",
-    )  # fmt: skip
+    )
 
 
 def mix_rank_too_large(ranks: dict[str, int], max_rank: int) -> ApiError:
@@ -274,7 +274,7 @@ def mix_rank_too_large(ranks: dict[str, int], max_rank: int) -> ApiError:
         f"These adapters mixed make one LoRA of rank {sum(ranks.values())} (the sum of their ranks: {parts}), "
         f"more than this deployment serves (max_lora_rank {max_rank}). Mix fewer adapters or ones of lower rank.",
         param="adapters", code="mix_rank_too_large",
-    )  # fmt: skip
+    )
 
 
 def mix_too_many_parts(parts: int, slots: int) -> ApiError:
@@ -282,14 +282,14 @@ def mix_too_many_parts(parts: int, slots: int) -> ApiError:
         f"This mix names {parts} adapters, and each takes one of the {slots} adapter slots a batch has "
         f"on this deployment (max_loras). Mix at most {slots}.",
         param="adapters", code="mix_too_many_parts",
-    )  # fmt: skip
+    )
 
 
 def adapter_not_mixable(name: str, detail: str, param: str = "adapters") -> ApiError:
     return ApiError(
         f"The adapter of `{name}` cannot be combined with others: {detail}. It can still be used alone as 'model'.",
         param=param, code="adapter_not_mixable",
-    )  # fmt: skip
+    )
 
 
 def composition_rank_too_large(ranks: dict[str, int], max_rank: int) -> ApiError:
@@ -299,7 +299,7 @@ def composition_rank_too_large(ranks: dict[str, int], max_rank: int) -> ApiError
         f"ranks: {parts}), more than this deployment serves (max_lora_rank {max_rank}). Choose method 'svd', "
         f"'ties' or 'dare_linear' with a 'rank' of at most {max_rank} to approximate it, or fewer parents.",
         param="parents", code="composition_rank_too_large",
-    )  # fmt: skip
+    )
 
 
 def adapter_rank_too_large(name: str, rank: int, max_rank: int) -> ApiError:
@@ -307,7 +307,7 @@ def adapter_rank_too_large(name: str, rank: int, max_rank: int) -> ApiError:
         f"The fine-tuned model `{name}` has LoRA rank {rank}, more than this deployment serves "
         f"(max_lora_rank {max_rank}). Retrain it with a rank of at most {max_rank}.",
         param="model", code="adapter_rank_too_large",
-    )  # fmt: skip
+    )
 
 
 def adapter_invalid(name: str, detail: str) -> ApiError:
@@ -315,7 +315,7 @@ def adapter_invalid(name: str, detail: str) -> ApiError:
     return ApiError(
         f"The adapter of `{name}` cannot be loaded: {scrubbed(detail)}. Republish it; other models are not affected.",
         status=500, type=SERVER, param="model", code="adapter_invalid",
-    )  # fmt: skip
+    )
 
 
 class InvalidAdapter(ApiError):
@@ -337,7 +337,7 @@ def adapter_too_large(limit_bytes: int) -> ApiError:
         f"The adapter cannot be accepted: its archive, or its files once unpacked, take more than "
         f"{limit_bytes // (1024 * 1024)} MB ({ADAPTER_UPLOAD_LIMIT_SETTING}).",
         param="file", code="adapter_too_large",
-    )  # fmt: skip
+    )
 
 
 def adapter_store_unreachable(name: str, detail: str) -> ApiError:
@@ -346,7 +346,7 @@ def adapter_store_unreachable(name: str, detail: str) -> ApiError:
         f"The adapter of `{name}` cannot be read or written right now: its dynamic LoRA path does not answer "
         f"{_see_log(request_id)}. Nothing was changed; retry shortly.",
         status=503, type=UNAVAILABLE, param="model", code="adapter_store_unavailable", retry_after_s=5,
-    )  # fmt: skip
+    )
 
 
 def suffix_taken(name: str) -> ApiError:
@@ -354,7 +354,7 @@ def suffix_taken(name: str) -> ApiError:
         f"The suffix is taken: '{name}' already exists or is being trained. To publish a new revision of "
         f"your own model, fine-tune it further: set model to '{name}' and keep the suffix.",
         status=409, param="suffix", code="suffix_taken",
-    )  # fmt: skip
+    )
 
 
 def request_over_token_rate(tokens: int, limit: int, setting: str) -> ApiError:
@@ -363,7 +363,7 @@ def request_over_token_rate(tokens: int, limit: int, setting: str) -> ApiError:
         f"This request may use about {tokens:,} tokens (its prompt and the most it may generate), more than the "
         f"{limit:,} tokens per minute allowed ({setting}). Set max_tokens lower, or send a shorter prompt.",
         param="max_tokens", code="request_too_large",
-    )  # fmt: skip
+    )
 
 
 def adapter_slots_busy(model_id: str, kind: str, limit: int) -> ApiError:
@@ -388,7 +388,7 @@ def adapter_slots_busy(model_id: str, kind: str, limit: int) -> ApiError:
         "Retry when some have finished, or send fewer different adapters or mixes (scales) at once.",
         status=429, type="requests", param="adapters" if kind == "mixes" else "model", code="adapter_slots_busy",
         retry_after_s=1,
-    )  # fmt: skip
+    )
 
 
 def no_replica(model_id: str) -> ApiError:
@@ -396,14 +396,14 @@ def no_replica(model_id: str) -> ApiError:
         f"No replica of `{model_id}` is ready: they are starting or restarting (a CPU engine needs about a "
         "minute). Retry shortly.",
         status=503, type=UNAVAILABLE, code="no_replica_available", retry_after_s=5,
-    )  # fmt: skip
+    )
 
 
 def model_does_not_fit(model_id: str, why: str) -> ApiError:
     return ApiError(
         f"`{model_id}` cannot start here: {why}.", status=503, type=UNAVAILABLE, code="model_does_not_fit",
         retry_after_s=60,
-    )  # fmt: skip
+    )
 
 
 def model_starting(model_id: str, retry_after_s: int) -> ApiError:
@@ -411,7 +411,7 @@ def model_starting(model_id: str, retry_after_s: int) -> ApiError:
         f"`{model_id}` was scaled to zero and is starting for this request (a CPU engine needs about a minute). "
         f"Retry in {retry_after_s} seconds.",
         status=503, type=UNAVAILABLE, code="model_starting", retry_after_s=retry_after_s,
-    )  # fmt: skip
+    )
 
 
 def model_cold(model_id: str) -> ApiError:
@@ -419,7 +419,7 @@ def model_cold(model_id: str) -> ApiError:
     return ApiError(
         f"`{model_id}` is scaled to zero: no replica runs until a completion asks for it.",
         status=409, code="model_cold",
-    )  # fmt: skip
+    )
 
 
 def pool_unreachable(detail: str) -> ApiError:
@@ -427,7 +427,7 @@ def pool_unreachable(detail: str) -> ApiError:
     return ApiError(
         f"The inference pool cannot be reached {_see_log(request_id)}. Retry shortly.",
         status=503, type=UNAVAILABLE, code="pool_unavailable", retry_after_s=2,
-    )  # fmt: skip
+    )
 
 
 def mix_not_supported(model_id: str) -> ApiError:
@@ -435,7 +435,7 @@ def mix_not_supported(model_id: str) -> ApiError:
         f"`{model_id}` is served on Ray Serve, which does not mix adapters per request: name one fine-tuned "
         "model in `model`, or compose the mix into a model of its own (POST /v1/fine_tuning/models).",
         param="adapters", code="mix_not_supported",
-    )  # fmt: skip
+    )
 
 
 def replica_lost(detail: str) -> ApiError:
@@ -446,7 +446,7 @@ def replica_lost(detail: str) -> ApiError:
         f"The model replica stopped answering after it received your request {_see_log(request_id)}. It was not "
         "sent again, so it cannot have run twice. Retry.",
         status=503, type=UNAVAILABLE, code="replica_unavailable", retry_after_s=1,
-    )  # fmt: skip
+    )
 
 
 def adapter_store_unavailable(name: str, detail: str) -> ApiError:
@@ -455,7 +455,7 @@ def adapter_store_unavailable(name: str, detail: str) -> ApiError:
         f"The adapter of `{name}` is not on this replica yet and its dynamic LoRA path cannot be read "
         f"right now {_see_log(request_id)}. Retry shortly; models already loaded keep answering.",
         status=503, type=UNAVAILABLE, param="model", code="adapter_store_unavailable", retry_after_s=5,
-    )  # fmt: skip
+    )
 
 
 def pool_timeout(detail: str) -> ApiError:

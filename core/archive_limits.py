@@ -26,7 +26,7 @@ _META = {b"L": "a GNU long name", b"K": "a GNU long link name", b"x": "a pax", b
 _REGULAR = (b"0", b"\0", b"7")  # what tarfile reads as a regular file (7: contiguous)
 _WITHOUT_DATA = (b"1", b"2", b"5")  # hard link, symbolic link, folder: tarfile skips no data after them
 _KINDS = {b"3": "a character device", b"4": "a block device", b"6": "a FIFO", b"S": "a sparse file",
-          b"V": "a volume label", b"M": "a multi-volume continuation"}  # fmt: skip
+          b"V": "a volume label", b"M": "a multi-volume continuation"}
 
 
 class Readable(Protocol):

@@ -92,7 +92,7 @@ def add_base_model(request: NewBaseModel, place: CatalogPlace) -> AddedBaseModel
             replace_catalog(
                 place.catalog, text, check=place.load,
                 before_swap=lambda: _place_weights(checked, target, link=request.link, move=is_gguf),
-            )  # fmt: skip
+            )
         except BaseException:
             _remove(target)  # weights placed for an entry that was not written would be orphans
             raise

@@ -261,7 +261,7 @@ def _tool_call_message(raw: dict, where: str, calls: _Calls) -> tuple[Message | 
     error = _text_problem(content or "", f"{where}.content") or next(
         filter(None, (_text_problem(call["function"]["arguments"], f"{where}.tool_calls[{i}].function.arguments")
                       for i, call in enumerate(tool_calls))), None,
-    )  # fmt: skip
+    )
     if error:
         return None, error
     calls.open |= {call["id"] for call in tool_calls}

@@ -36,7 +36,7 @@ def prompt_of(input_messages: dict, item: dict) -> tuple[list[dict] | None, str 
     """The chat messages for ``item``, or what is wrong (an item_reference that holds no messages)."""
     if input_messages["type"] == "template":
         return [{"role": _role(message["role"]), "content": substitute(_text(message["content"]), item, None)}
-                for message in input_messages["template"]], None  # fmt: skip
+                for message in input_messages["template"]], None
     reference = input_messages["item_reference"]
     value, found = _at(item, reference.removeprefix("item.").split("."))
     if not reference.startswith("item.") or not found:

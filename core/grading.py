@@ -123,7 +123,7 @@ class GradingSandbox:
             self._child = subprocess.Popen(
                 [sys.executable, "-m", "core.grading"], cwd=_PROJECT_ROOT, env={"PYTHONDONTWRITEBYTECODE": "1"},
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, bufsize=0,
-            )  # fmt: skip
+            )
             self._pending = b""
         return self._child
 

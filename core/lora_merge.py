@@ -122,7 +122,7 @@ def _truncated_exact_sum(
 def _sparse_merge(
     loaded: list[LoadedPart], module: str, fan_in: int, fan_out: int, method: Method, density: float,
     rng: np.random.Generator,
-) -> np.ndarray:  # fmt: skip
+) -> np.ndarray:
     """PEFT's ``ties`` or ``dare_linear`` of the parts' deltas of ``module``, weighted by their scales.
     In float32, as the adapters are stored: these are full matrices, hundreds per model."""
     deltas = []

@@ -131,14 +131,14 @@ _SHARED_FIELDS = frozenset({
     "structured_outputs", "cache_salt",
     # ours
     "adapters",
-})  # fmt: skip
+})
 REQUEST_FIELDS: dict[str, frozenset[str]] = {
     "chat/completions": _SHARED_FIELDS | {
         "messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice",
         "parallel_tool_calls", "reasoning_effort", "echo", "add_generation_prompt", "continue_final_message",
     },
     "completions": _SHARED_FIELDS | {"prompt", "suffix", "echo", "logprobs"},
-}  # fmt: skip
+}
 
 
 class ModelCard(BaseModel):

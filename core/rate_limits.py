@@ -84,7 +84,7 @@ class Exceeded:
             f"Rate limit reached: {self.limit.describe} ({self.limit.setting}). "
             f"Try again in {self.retry_after_s} s.",
             status=429, type=self.limit.unit, param=param, code=RATE_LIMIT_CODE, retry_after_s=self.retry_after_s,
-        )  # fmt: skip
+        )
 
 
 def _arguments(limits: Sequence[Limit]) -> tuple[list[str], list[int]]:

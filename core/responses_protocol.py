@@ -96,7 +96,7 @@ def response_not_stored(response_id: str) -> api_errors.ApiError:
     return api_errors.ApiError(
         f"No response '{api_errors.shown(response_id)}': {_NOT_STORED}, so none can be read back or deleted.",
         status=404, param="response_id", code="response_not_found",
-    )  # fmt: skip
+    )
 
 
 # --- the request -----------------------------------------------------------------------------------
@@ -398,7 +398,7 @@ def chat_body(request: ResponsesRequest) -> dict[str, Any]:
     fields = {
         "parallel_tool_calls": request.parallel_tool_calls, "max_tokens": request.max_output_tokens,
         "temperature": request.temperature, "top_p": request.top_p, "user": request.user,
-    }  # fmt: skip
+    }
     body.update({name: value for name, value in fields.items() if value is not None})
     if request.streamed:
         body |= {"stream": True, "stream_options": {"include_usage": True}}
@@ -409,7 +409,7 @@ def chat_body(request: ResponsesRequest) -> dict[str, Any]:
 RESPONSES_PARAM = {
     "max_tokens": "max_output_tokens", "messages": "input", "response_format": "text.format",
     "prompt": "input",
-}  # fmt: skip
+}
 
 
 def in_responses_terms(error: api_errors.ApiError) -> api_errors.ApiError:
@@ -455,14 +455,14 @@ def message_item(response_id: str, index: int, text: str, status: str) -> dict[s
     return {
         "id": item_id("msg", response_id, index), "type": "message", "role": "assistant", "status": status,
         "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}],
-    }  # fmt: skip
+    }
 
 
 def function_call_item(response_id: str, index: int, call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
     return {
         "id": item_id("fc", response_id, index), "type": "function_call", "status": status, "call_id": call_id,
         "name": name, "arguments": arguments,
-    }  # fmt: skip
+    }
 
 
 def usage(chat_usage: object) -> dict[str, Any] | None:
@@ -477,7 +477,7 @@ def usage(chat_usage: object) -> dict[str, Any] | None:
         "input_tokens": prompt, "input_tokens_details": {"cached_tokens": int(cached or 0), "cache_write_tokens": 0},
         "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": prompt + completion,
-    }  # fmt: skip
+    }
 
 
 def _echoed(request: ResponsesRequest) -> dict[str, Any]:
@@ -492,20 +492,20 @@ def _echoed(request: ResponsesRequest) -> dict[str, Any]:
         "tools": [tool.model_dump(exclude_none=True) for tool in request.tools or ()],
         "text": {"format": {"type": "text"}, **text},
         "store": False, "background": False, "previous_response_id": None, "reasoning": None, "truncation": "disabled",
-    }  # fmt: skip
+    }
 
 
 def response_shell(
     request: ResponsesRequest, response_id: str, created_at: int, model: str, status: str,
     output: list[dict[str, Any]] | None = None, chat_usage: object = None, completed_at: int | None = None,
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, Any]:
     """A Response object: ``status`` "in_progress", "completed" or "incomplete" (cut at max_output_tokens)."""
     return {
         "id": response_id, "object": "response", "created_at": created_at, "status": status,
         "completed_at": completed_at, "error": None,
         "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
         "model": model, "output": output or [], "usage": usage(chat_usage), **_echoed(request),
-    }  # fmt: skip
+    }
 
 
 def _status(finish_reason: object) -> str:
@@ -527,7 +527,7 @@ def response_object(request: ResponsesRequest, completion: dict[str, Any], respo
         output.append(function_call_item(
             response_id, len(output), str(call.get("id") or item_id("call", response_id, len(output))),
             str(function.get("name") or ""), str(function.get("arguments") or ""), "incomplete" if status == "incomplete" else "completed",
-        ))  # fmt: skip
+        ))
     created = int(completion.get("created") or now)
     model = str(completion.get("model") or request.model)
     return response_shell(request, response_id, created, model, status, output, completion.get("usage"), completed_at=now)
@@ -592,7 +592,7 @@ class ResponseStream:
         final = response_shell(
             self.request, self.response_id, self.created_at, self._model or self.request.model, status,
             [dict(item) for item in self._done], self._usage, completed_at=self.clock(),
-        )  # fmt: skip
+        )
         return out + self._event("response.completed" if status == "completed" else "response.incomplete", response=final)
 
     def _event(self, kind: str, **fields: Any) -> bytes:
@@ -640,7 +640,7 @@ class ResponseStream:
             "error", code=code if isinstance(code, str) else str(error.get("type") or "server_error"),
             message=str(error.get("message") or "The model failed while answering."),
             param=error.get("param") if isinstance(error.get("param"), str) else None,
-        )  # fmt: skip
+        )
 
     def _start(self, kind: Literal["message", "function_call"], call_id: str = "", name: str = "") -> bytes:
         out = self._finish_open("completed")
@@ -664,7 +664,7 @@ class ResponseStream:
         return out + self._event(
             "response.output_text.delta", item_id=item_id("msg", self.response_id, self._open.index),
             output_index=self._open.index, content_index=0, delta=text, logprobs=[],
-        )  # fmt: skip
+        )
 
     def _call_delta(self, call: dict[str, Any]) -> bytes:
         position = call.get("index", 0)
@@ -684,7 +684,7 @@ class ResponseStream:
         return out + self._event(
             "response.function_call_arguments.delta", item_id=item_id("fc", self.response_id, item.index),
             output_index=item.index, delta=arguments,
-        )  # fmt: skip
+        )
 
     def _finish_open(self, status: str) -> bytes:
         item, self._open = self._open, None
@@ -696,13 +696,13 @@ class ResponseStream:
             out = self._event(
                 "response.output_text.done", item_id=done["id"], output_index=item.index, content_index=0,
                 text=item.text, logprobs=[],
-            )  # fmt: skip
+            )
             out += self._event("response.content_part.done", item_id=done["id"], output_index=item.index, content_index=0, part=part)
         else:
             done = function_call_item(self.response_id, item.index, item.call_id, item.name, item.text, status)
             out = self._event(
                 "response.function_call_arguments.done", item_id=done["id"], output_index=item.index,
                 name=item.name, arguments=item.text,
-            )  # fmt: skip
+            )
         self._done.append(done)
         return out + self._event("response.output_item.done", output_index=item.index, item=done)

@@ -149,7 +149,7 @@ def _name_problem(value: Any) -> None:
             raise JsonRefused(
                 f"'{where}' is an integer of {item.bit_length()} bits; integers must lie from {MIN_INT:,} to {MAX_INT:,}",
                 where,
-            )  # fmt: skip
+            )
         elif isinstance(item, str) and "\x00" in item:
             raise JsonRefused(f"'{where}' holds a NUL character (\\u0000), which no field takes", where)
     raise AssertionError("_has_problem found a problem _name_problem did not")  # the two passes agree

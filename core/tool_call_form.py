@@ -28,7 +28,7 @@ PROBE_TOOLS = [{
         "description": "Look up the weather",
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
     },
-}]  # fmt: skip
+}]
 _QUESTION = {"role": "user", "content": "What is the weather in Paris?"}
 _CALL = {
     "role": "assistant",
@@ -37,7 +37,7 @@ _CALL = {
         {"id": "call_probe", "type": "function",
          "function": {"name": _PROBE_NAME, "arguments": json.dumps(_PROBE_ARGUMENTS)}},
     ],
-}  # fmt: skip
+}
 
 
 class ToolFormRefused(ValueError):

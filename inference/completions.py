@@ -86,7 +86,7 @@ class CompletionsHandler:
             request = _Request(
                 body, endpoint, pinned, base.id, True, fields.stream, started, label_as=fields.model, version=version,
                 organization=organization, background=background,
-            )  # fmt: skip
+            )
         else:
             request = _Request(body, endpoint, base.id, base.id, False, fields.stream, started, background=background)
         try:
@@ -136,7 +136,7 @@ class CompletionsHandler:
         return _Request(
             body, endpoint, model, base.id, mix is not None, fields.stream, started, mix, organization=organization,
             background=background,
-        )  # fmt: skip
+        )
 
     async def _forward(self, request: _Request) -> Response:
         skip: set[Replica] = set()

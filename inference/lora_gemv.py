@@ -97,7 +97,7 @@ class LoraGemv:
         pointer, size = ctypes.c_void_p, ctypes.c_int64
         self._function = library.lora_gemv
         self._function.argtypes = [pointer, size, pointer, size, pointer, pointer, size, size,
-                                   pointer, pointer, size, size, size, pointer, ctypes.c_float]  # fmt: skip
+                                   pointer, pointer, size, size, size, pointer, ctypes.c_float]
         self._function.restype = None
         self._to_half = library.to_half
         self._to_half.argtypes = [pointer, size, size, pointer, size, size, size, size]
@@ -145,7 +145,7 @@ class LoraGemv:
             None if token_weights is None else token_weights.data_ptr(), parts, token_slots.size(0),
             weights.a.data_ptr(), weights.b.data_ptr(), weights.a.size(2), weights.rank,
             weights.offsets.numel() - 1, weights.offsets.data_ptr(), scale,
-        )  # fmt: skip
+        )
 
     def prepare(
         self,
@@ -199,7 +199,7 @@ class LoraGemv:
         return int(self._to_half(
             target.data_ptr(), target.stride(0), target.stride(1),
             source.data_ptr(), source.stride(0), source.stride(1), source.size(0), source.size(1),
-        ))  # fmt: skip
+        ))
 
 
 @dataclass
@@ -248,5 +248,5 @@ def _copy_table(
             rows.append([
                 target.data_ptr(), slot_strides[0], target.stride(0), target.stride(1),
                 source.data_ptr(), slot_strides[1], source.stride(0), source.stride(1), *source.shape,
-            ])  # fmt: skip
+            ])
     return torch.tensor(rows, dtype=torch.int64)

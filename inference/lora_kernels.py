@@ -672,7 +672,7 @@ def _tiers(tokens: torch.Tensor, token_slots: torch.Tensor, slots: int, every_to
         group_of[overflowing] = torch.arange(overflowing.numel())
         overflow_width = int((counts[overflowing] - width).max())
         tiers.append(_tier(tokens[over], group_of[token_slots[over]], within[over] - width, overflow_width,
-                           overflowing.numel(), overflowing, False))  # fmt: skip
+                           overflowing.numel(), overflowing, False))
     return tiers
 
 

@@ -41,7 +41,7 @@ def _gauges_of(replica: Replica) -> ReplicaGauges:
     return ReplicaGauges(
         replica.model.id, replica.url, replica.healthy, len(replica.adapters.held),
         inflight=replica.inflight, restarts=replica.restarts, lora_kernels=replica.lora_kernels,
-    )  # fmt: skip
+    )
 
 
 def replica_families(replicas: Iterable[ReplicaGauges]) -> list[Metric]:
@@ -87,37 +87,37 @@ class Metrics:
         self.requests = Counter(
             "fineserve_inference_requests", "Completion requests by model and outcome",
             ["model", "endpoint", "status"], registry=r,
-        )  # fmt: skip
+        )
         self.latency = Histogram(
             "fineserve_inference_request_seconds", "Time from request to the last byte of the answer",
             ["model", "endpoint"], buckets=_LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
+        )
         self.first_byte = Histogram(
             "fineserve_inference_first_byte_seconds", "Time to the first byte (the first token when streaming)",
             ["model", "endpoint"], buckets=_LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
+        )
         self.adapter_loads = Counter(
             "fineserve_adapter_loads", "Adapter loads into replicas", ["base_model", "outcome"], registry=r
         )
         self.adapter_evictions = Counter(
             "fineserve_adapter_evictions", "Adapters unloaded from replicas (lru, replaced, deleted)",
             ["base_model", "reason"], registry=r,
-        )  # fmt: skip
+        )
         self.adapter_load_seconds = Histogram(
             "fineserve_adapter_load_seconds", "Time for a replica to load an adapter",
             ["base_model"], buckets=_LOAD_BUCKETS, registry=r,
-        )  # fmt: skip
+        )
         self.background_waits = Counter(
             "fineserve_background_waits", "Background requests (a batch's lines) that waited for live ones on a replica",
             ["base_model"], registry=r,
-        )  # fmt: skip
+        )
         self.adapter_downloads = Counter(
             "fineserve_adapter_downloads", "Adapters synced from S3 into the local cache", ["base_model"], registry=r
         )
         self.adapter_download_seconds = Histogram(
             "fineserve_adapter_download_seconds", "Time to sync an adapter from S3",
             ["base_model"], buckets=_LOAD_BUCKETS, registry=r,
-        )  # fmt: skip
+        )
 
     def watch_replicas(self, replicas: Callable[[], Iterable[Replica]]) -> None:
         """The pool's replicas, read when scraped."""

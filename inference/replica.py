@@ -65,7 +65,7 @@ def vllm_command(model: BaseModel, port: int, server_module: str = "inference.vl
         *_kv_cache_args(model),
         *_tool_args(model),
         *engine.extra_args,
-    ]  # fmt: skip
+    ]
 
 
 def _tool_args(model: BaseModel) -> list[str]:
@@ -107,7 +107,7 @@ REPLICA_INHERITS = {"PATH", "HOME", "USER", "LANG", "TZ", "TMPDIR", "DATA_DIR", 
 REPLICA_INHERITS_PREFIXES = (
     "LC_", "LD_", "PYTHON", "VLLM_", "HF_", "TRANSFORMERS_", "TOKENIZERS_", "TORCH", "OMP_", "KMP_", "MKL_",
     "OPENBLAS_", "CUDA_", "NVIDIA_", "NCCL_", "XDG_",
-)  # fmt: skip
+)
 
 
 def _inherited() -> dict[str, str]:

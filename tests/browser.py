@@ -14,7 +14,7 @@ CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = [
     "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
     "--disable-sync", "--no-first-run", "--disable-quic",
-]  # fmt: skip
+]
 
 
 @pytest.fixture(scope="module")

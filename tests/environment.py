@@ -58,7 +58,7 @@ os.environ.setdefault("JOB_STALE_AFTER_SECONDS", "5")
 for _limit in (
     "COMPLETIONS_PER_MINUTE_PER_KEY", "COMPLETIONS_PER_MINUTE_PER_ORGANIZATION", "UPLOADS_PER_HOUR_PER_ORGANIZATION",
     "SIGN_IN_FAILURES", "COMPOSITIONS_PER_HOUR_PER_ORGANIZATION",
-):  # fmt: skip
+):
     os.environ.setdefault(_limit, "1000000")
 for _limit in ("TOKENS_PER_MINUTE_PER_KEY", "TOKENS_PER_MINUTE_PER_ORGANIZATION"):
     os.environ.setdefault(_limit, "1000000000")  # a request without max_tokens costs a whole context

@@ -183,12 +183,12 @@ def register_fine_tuned_model(persona: Persona, suffix: str, base: str = BASE) -
     training_file = File.objects.create(
         organization=organization, filename="train.jsonl", bytes=1, storage_key=f"test/{suffix}",
         example_count=10, token_count=100, max_example_tokens=10,
-    )  # fmt: skip
+    )
     job = FineTuningJob.objects.create(
         organization=organization, model=base, training_file=training_file.id, suffix=suffix, seed=0,
         hyperparameters={"n_epochs": 1, "batch_size": 1, "learning_rate_multiplier": 1.0},
         status=JobStatus.SUCCEEDED, fine_tuned_model=name,
-    )  # fmt: skip
+    )
     model = FineTunedModel.objects.create(name=name, organization=organization, job=job, base_model=base, suffix=suffix)
     ModelRevision.objects.create(model=model, number=1, job=job)
     return name

@@ -77,7 +77,7 @@ def preference_example(question: str, preferred: str, non_preferred: str) -> dic
 def prompts_dataset(n: int = 12) -> bytes:
     """Prompts with the field a grader reads, for reinforcement jobs (OpenAI's RFT lines)."""
     return jsonl([{"messages": [{"role": "user", "content": f"What is {i} plus {i}?"}], "reference_answer": str(2 * i)}
-                  for i in range(n)])  # fmt: skip
+                  for i in range(n)])
 
 
 def preference_dataset(n: int = 12) -> bytes:

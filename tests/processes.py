@@ -47,7 +47,7 @@ def running(name: str, command: list[str], env: dict[str, str] | None = None) ->
         process = subprocess.Popen(
             command, cwd=ROOT, env={**os.environ, **(env or {})}, stdout=log, stderr=subprocess.STDOUT,
             start_new_session=True,
-        )  # fmt: skip
+        )
         try:
             yield process
         finally:
@@ -79,7 +79,7 @@ def running_web(name: str, env: dict[str, str]) -> Iterator[str]:
     command = [
         sys.executable, "-m", "uvicorn", "server.asgi:application", "--app-dir", "platform",
         "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
-    ]  # fmt: skip
+    ]
     with running(name, command, env) as process:
         url = f"http://127.0.0.1:{port}"
         wait_until(lambda: answers(f"{url}/v1/models", below=500), 60, name, process)
@@ -97,4 +97,4 @@ def celery_worker_command(queues: str = "default,training", name: str = "test-wo
         sys.executable, "-m", "celery", "-A", "workers", "worker", "--queues", queues,
         "--concurrency", str(concurrency), "--hostname", f"{name}-{os.getpid()}@%h", "--loglevel", "INFO",
         "--without-mingle", "--without-gossip", *extra,
-    ]  # fmt: skip
+    ]

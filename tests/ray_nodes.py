@@ -90,7 +90,7 @@ def worker_node_arguments(head_port: int) -> list[str]:
         f"--dashboard-agent-grpc-port={free_port()}", f"--metrics-export-port={free_port()}",
         f"--runtime-env-agent-port={free_port()}", f"--node-manager-port={free_port()}",
         f"--object-manager-port={free_port()}",
-    ]  # fmt: skip
+    ]
 
 
 @dataclass(frozen=True)

@@ -114,7 +114,7 @@ def bin_run(
     process = subprocess.Popen(
         [str(ROOT / "bin" / "run")], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL, start_new_session=True,
-    )  # fmt: skip
+    )
     key_found, found = threading.Event(), {}
     threading.Thread(target=_pump, args=(process, LOGS / "bin-run.log", key_found, found), daemon=True).start()
     url = f"http://127.0.0.1:{env['WEB_PORT']}"

@@ -38,7 +38,7 @@ def running_s3_server(bucket: str) -> Iterator[S3Server]:
         boto3.client(
             "s3", endpoint_url=server.settings.endpoint_url, aws_access_key_id="testing",
             aws_secret_access_key="testing", region_name="us-east-1",
-        ).create_bucket(Bucket=bucket)  # fmt: skip
+        ).create_bucket(Bucket=bucket)
         yield server
     finally:
         server.stop()

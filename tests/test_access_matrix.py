@@ -239,7 +239,7 @@ class AcmeObjects(dict):
             run = LoopRun.objects.create(
                 id=f"{session.pk}:train:0", session=session, organization=alice.organization, base_model=BASE,
                 lora_rank=8, status=RunStatus.RUNNING,
-            )  # fmt: skip
+            )
             value = session.pk if name == "loopsession" else run.pk
         else:
             raise KeyError(name)
@@ -259,7 +259,7 @@ def _job(alice: Persona, n: int) -> FineTuningJob:
     return FineTuningJob.objects.create(
         organization=alice.organization, model=BASE, training_file=training.id, suffix=f"acme-job-{n}", seed=0,
         hyperparameters={"n_epochs": 1, "batch_size": 1, "learning_rate_multiplier": 1.0}, status=JobStatus.QUEUED,
-    )  # fmt: skip
+    )
 
 
 def _composition(alice: Persona, n: int) -> Composition:
@@ -267,7 +267,7 @@ def _composition(alice: Persona, n: int) -> Composition:
     return Composition.objects.create(
         organization=alice.organization, model=f"{BASE}:acme-composed-{n}", parents=[{"model": f"{BASE}:acme", "scale": 1.0}],
         method="svd", rank=4, density=0.5, seed=0, estimated_bytes=1,
-    )  # fmt: skip
+    )
 
 
 def _eval(alice: Persona) -> Eval:
@@ -275,14 +275,14 @@ def _eval(alice: Persona) -> Eval:
     return Eval.objects.create(
         organization=alice.organization, name="acme-eval", file_id=training.id, item_count=12,
         testing_criteria=[{"type": "contains", "name": "contains"}],
-    )  # fmt: skip
+    )
 
 
 def _eval_run(evaluation: Eval) -> EvalRun:
     return EvalRun.objects.create(
         eval=evaluation, organization=evaluation.organization, name="acme-run", model=BASE, file_id=evaluation.file_id,
         sampling={"max_completion_tokens": 8, "temperature": 0.0, "top_p": 1.0, "seed": None}, total_items=12,
-    )  # fmt: skip
+    )
 
 
 def _batch_file(alice: Persona) -> File:
@@ -296,7 +296,7 @@ def _batch(alice: Persona) -> Batch:
     return Batch.objects.create(
         organization=alice.organization, input_file_id=_batch_file(alice).id, endpoint="/v1/chat/completions",
         completion_window="24h", total=2, expires_at=timezone.now() + timedelta(hours=24),
-    )  # fmt: skip
+    )
 
 
 def _checkpoint(job: FineTuningJob, adapter: Path) -> Checkpoint:

@@ -58,7 +58,7 @@ def test_two_trainers_and_two_ray_nodes_share_only_the_database_redis_and_s3(
             "FILES_PATH": "s3://fleet/files", "DYNAMIC_LORA_PATH": "s3://fleet/adapters",
             "S3_ENDPOINT_URL": s3.settings.endpoint_url, "AWS_ACCESS_KEY_ID": "testing",
             "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
-        }  # fmt: skip
+        }
         host = {name: {**shared, "DATA_DIR": str(tmp_path / name)} for name in ("a", "b", "web")}
         for environment in host.values():
             Path(environment["DATA_DIR"]).mkdir()
@@ -74,7 +74,7 @@ def test_two_trainers_and_two_ray_nodes_share_only_the_database_redis_and_s3(
         uploaded = httpx.post(
             f"{web}/v1/files", headers=headers, data={"purpose": "fine-tune"},
             files={"file": ("train.jsonl", good_dataset(12))}, timeout=60,
-        )  # fmt: skip
+        )
         assert uploaded.status_code == 200, uploaded.text
         body = {
             "model": BASE,

@@ -182,7 +182,7 @@ def test_the_catalog_sets_the_fair_use_of_a_replica_and_refuses_nonsense(tmp_pat
     chosen = catalog("max_mixes_per_organization = 2\norganization_share = 0.75")
     assert (chosen.max_mixes_per_organization, chosen.organization_share) == (2, 0.75)
     for bad in ("organization_share = 0", "organization_share = 1.5", "organization_share = true",
-                "max_mixes_per_organization = 0", 'organization_share = "half"'):  # fmt: skip
+                "max_mixes_per_organization = 0", 'organization_share = "half"'):
         with pytest.raises(ConfigError, match="lora_config"):
             catalog(bad)
 

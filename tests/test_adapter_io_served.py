@@ -28,7 +28,7 @@ def test_an_uploaded_adapter_is_served_on_its_first_request_and_downloads_as_pef
     uploaded = httpx.post(
         f"{gateway}/v1/fine_tuning/adapters", headers=headers, timeout=120,
         files={"file": ("adapter.tar.gz", archive.getvalue())}, data={"model": BASE, "suffix": suffix},
-    )  # fmt: skip
+    )
     assert uploaded.status_code == 200, uploaded.text
     name = uploaded.json()["id"]
 

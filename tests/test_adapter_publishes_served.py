@@ -50,7 +50,7 @@ def _s3_host(tmp_path: Path, backend: str, autoscaling: str = "") -> Iterator[tu
             "DATA_DIR": str(data), "MODEL_CATALOG": str(catalog), "DYNAMIC_LORA_PATH": f"s3://{BUCKET}/adapters",
             "S3_ENDPOINT_URL": s3.settings.endpoint_url, "AWS_ACCESS_KEY_ID": "testing",
             "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
-        }  # fmt: skip
+        }
         yield environment, S3AdapterStore(f"s3://{BUCKET}/adapters", s3.settings)
 
 
@@ -93,7 +93,7 @@ def _loaded_in_vllm(data: Path) -> set[str]:
     server = next(
         process for process in psutil.process_iter(["cmdline"])
         if "inference.vllm_server" in (process.info["cmdline"] or []) and str(data) in " ".join(process.info["cmdline"])
-    )  # fmt: skip
+    )
     arguments = server.info["cmdline"]
     url = f"http://127.0.0.1:{arguments[arguments.index('--port') + 1]}"
     cards = httpx.get(f"{url}/v1/models", headers=internal_headers(), timeout=10).json()["data"]

@@ -39,7 +39,7 @@ MARK = "\x1f"  # where a hostile number goes in a generated body, before its JSO
 HOSTILE_NUMBERS = {
     "NaN": True, "Infinity": True, "-Infinity": True, "9" * 5000: True, str(2**63): True, "1e400": True,
     "1e308": False, "-1e308": False,
-}  # fmt: skip
+}
 WRITES = {"POST", "PUT", "PATCH", "DELETE"}
 ERROR_FIELDS = {"message", "type", "param", "code"}
 WRONG_KEY = "sk-" + "x" * 43
@@ -162,11 +162,11 @@ def test_no_generated_request_gets_a_5xx_an_unshaped_error_or_a_write_on_refusal
             @hypothesis_settings(
                 max_examples=EXAMPLES_PER_MODE, derandomize=True, database=None, deadline=None,
                 suppress_health_check=list(HealthCheck), phases=["explicit", "generate"],
-            )  # fmt: skip
+            )
             @given(
                 case=operation.as_strategy(generation_mode=mode), real_id=real_ids, real_model=model_names,
                 credential=credentials, hostile=hostile_numbers, spot=st.integers(0, 63),
-            )  # fmt: skip
+            )
             def fuzz(case, real_id, real_model, credential, hostile, spot):
                 if real_id is not None and "id" in (case.path_parameters or {}):
                     case.path_parameters["id"] = real_id

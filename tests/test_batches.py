@@ -39,7 +39,7 @@ def line(custom_id: str, model: str = BASE, question: str = "What is the capital
     return {
         "custom_id": custom_id, "method": "POST", "url": CHAT_URL,
         "body": {"model": model, "messages": [{"role": "user", "content": question}], "max_tokens": 8, **body},
-    }  # fmt: skip
+    }
 
 
 def jsonl_of(lines: list) -> bytes:
@@ -227,7 +227,7 @@ def test_bad_lines_go_to_the_error_file_with_their_custom_id_and_the_batch_goes_
         line("mix-of-theirs", model=BASE, adapters=[{"model": theirs, "scale": 0.5}]),
         line("revision", model=f"{mine}@r1"),
         line("no-such-revision", model=f"{mine}@r9"),
-    ])  # fmt: skip
+    ])
     batch_id = create(alice, file_id).json()["id"]
     assert worker.run_batch(batch_id, "test-worker") == "completed"
 
@@ -371,7 +371,7 @@ def test_lines_may_ask_for_responses_and_completions_and_are_answered_at_their_o
         "custom_id": "response", "method": "POST", "url": "/v1/responses",
         "body": {"model": mine, "instructions": "Answer in one word.", "input": "What is the capital of France?",
                  "max_output_tokens": 8, "metadata": {"k": "v"}},
-    }  # fmt: skip
+    }
     file_id = upload(alice, [
         line("chat", model=mine),
         responses_line,
@@ -380,7 +380,7 @@ def test_lines_may_ask_for_responses_and_completions_and_are_answered_at_their_o
         {**responses_line, "custom_id": "stored", "body": responses_line["body"] | {"store": True}},
         {**responses_line, "custom_id": "too-many-tokens", "body": responses_line["body"] | {"max_output_tokens": 10**9}},
         {**responses_line, "custom_id": "chat-fields", "body": {"model": mine, "messages": []}},
-    ])  # fmt: skip
+    ])
     batch_id = create(alice, file_id, endpoint="/v1/responses").json()["id"]
     assert worker.run_batch(batch_id, "test-worker") == "completed"
 

@@ -64,7 +64,7 @@ def _stored_file(persona, data: bytes, example_count: int) -> File:
     file = File(
         organization=persona.organization, filename="large.jsonl", bytes=len(data), example_count=example_count,
         token_count=example_count * 300, max_example_tokens=300,
-    )  # fmt: skip
+    )
     file.storage_key = f"files/{persona.organization.pk}/{file.id}.jsonl"
     storage.files().put(file.storage_key, data)
     file.save()
@@ -141,7 +141,7 @@ def _asgi_get(path: str, key: str, counter: ReadCounter) -> tuple[int, dict, lis
         "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
         "headers": [(b"host", b"testserver"), (b"authorization", f"Bearer {key}".encode())],
         "client": ("127.0.0.1", 50000), "server": ("testserver", 80),
-    }  # fmt: skip
+    }
     answer: dict = {"bodies": [], "read_at_first_body": None}
     requested = []
 

@@ -248,10 +248,10 @@ def test_the_job_page_marks_the_best_checkpoint_early_stopping_published_on_the_
         organization=alice.organization, model=BASE, training_file="file-x", validation_file="file-y", suffix="early",
         seed=0, hyperparameters={"n_epochs": 2, "early_stopping": {"patience": 2, "min_delta": 0.0}},
         status=JobStatus.SUCCEEDED, fine_tuned_model=f"{BASE}:early", best_step=2,
-    )  # fmt: skip
+    )
     for step, valid_loss in ((1, 1.2), (2, 0.9), (3, 1.1), (4, 1.3)):  # the validation loss turns up after step 2
         metrics = {"step": step, "total_steps": 8, "epoch": 1, "train_loss": 1.0 / step, "valid_loss": valid_loss,
-                   "tokens_per_second": 50.0, "trained_tokens": 100 * step}  # fmt: skip
+                   "tokens_per_second": 50.0, "trained_tokens": 100 * step}
         record_event(job, f"Step {step}/8", data=metrics)
         Checkpoint.objects.create(job=job, step_number=step, epoch=1, metrics=metrics, storage_key=f"ckpt/{step}")
     sign_in(page, live_server.url, alice)
@@ -277,7 +277,7 @@ def test_the_eval_page_puts_two_models_answers_side_by_side_with_the_difference_
     evaluation = Eval.objects.create(
         organization=alice.organization, name="capitals", file_id="file-held-out", item_count=2,
         testing_criteria=[{"type": "contains", "name": "contains"}],
-    )  # fmt: skip
+    )
     sign_in(page, live_server.url, alice)
     page.goto(f"{live_server.url}/models")
     row = page.locator(f"tr[data-model='{model}']")
@@ -295,12 +295,12 @@ def test_the_eval_page_puts_two_models_answers_side_by_side_with_the_difference_
                 run=run, index=index, prompt=[{"role": "user", "content": f"Capital number {index}?"}], expected=expected,
                 answer=answer, results=[{"name": "contains", "type": "contains", "passed": passed}],
                 status="pass" if passed else "fail",
-            )  # fmt: skip
+            )
         passed = sum(expected in answer for answer, expected in zip(answers, ["Paris.", "Berlin."]))
         EvalRun.objects.filter(pk=run.pk).update(
             status=RunStatus.COMPLETED, done_items=2, passed_items=passed, failed_items=2 - passed,
             per_criteria={"contains": {"passed": passed, "failed": 2 - passed}},
-        )  # fmt: skip
+        )
     page.goto(f"{live_server.url}/evals")
     page.click(f"tr[data-eval='{evaluation.id}'] a")
     page.wait_for_selector("#answers")

@@ -32,7 +32,7 @@ COMPOSITIONS = "/v1/fine_tuning/compositions"
 SUFFIXES = [
     "left", "right", "third", "blend", "approx", "tied", "dared", "refused", "kept", "theirs", "twice", "orphan",
     "squeezed", "capped-1", "capped-2", "capped-3", "hourly-1", "hourly-2", "hourly-3",
-]  # fmt: skip
+]
 
 
 @pytest.fixture(autouse=True)
@@ -97,11 +97,11 @@ def test_a_linear_composition_is_published_with_its_lineage_and_equals_the_weigh
     lineage = {
         "origin": "composed", "parents": [{"model": left, "scale": 0.5}, {"model": right, "scale": 0.5}],
         "method": "linear", "rank": 16, "approximation_error": 0.0,
-    }  # fmt: skip
+    }
     assert response.json() | {"created": 0} == {
         "id": name, "object": "model", "created": 0, "owned_by": alice.organization.slug, "parent": BASE, "lineage": lineage,
         "revision": 1,
-    }  # fmt: skip
+    }
     listed = {model["id"]: model for model in alice.api.get("/v1/models").json()["data"]}
     assert listed[name]["lineage"] == lineage and listed[left]["lineage"]["origin"] == "trained"
 

@@ -39,7 +39,7 @@ def test_it_reads_postgresql_from_database_url(monkeypatch):
     database = load_config().database
     assert (database["ENGINE"], database["HOST"], database["PORT"], database["NAME"]) == (
         "django.db.backends.postgresql", "db.internal", 6543, "platform",
-    )  # fmt: skip
+    )
 
 
 @pytest.mark.parametrize(

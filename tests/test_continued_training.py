@@ -28,7 +28,7 @@ def trained(persona, suffix: str, parent: str | None = None, **lora) -> FineTune
     job = FineTuningJob.objects.create(
         organization=persona.organization, model=BASE, parent_model=parent, training_file="file-gone", suffix=suffix,
         seed=0, hyperparameters=hyperparameters, status=JobStatus.SUCCEEDED, fine_tuned_model=f"{BASE}:{suffix}",
-    )  # fmt: skip
+    )
     model = FineTunedModel.objects.create(
         name=f"{BASE}:{suffix}", organization=persona.organization, job=job, base_model=BASE, suffix=suffix
     )
@@ -83,7 +83,7 @@ def test_it_keeps_the_parents_adapter_shape_and_shows_the_model_as_sent(alice, d
     with django_capture_on_commit_callbacks() as callbacks:
         # The same values as the parent's (in another order) are no conflict; the rest is the parent's.
         response = create(alice, model=f"{BASE}:parent", training_file=file_id, suffix="child",
-                          hyperparameters={"lora_r": 4, "target_modules": ["down_proj", "v_proj"]})  # fmt: skip
+                          hyperparameters={"lora_r": 4, "target_modules": ["down_proj", "v_proj"]})
     job = response.json()
     assert response.status_code == 200, job
     assert job["model"] == f"{BASE}:parent" and job["suffix"] == "child" and len(callbacks) == 1
@@ -100,7 +100,7 @@ def test_it_keeps_the_parents_adapter_shape_and_shows_the_model_as_sent(alice, d
     ({"lora_r": 16}, "hyperparameters.lora_r"),
     ({"lora_alpha": 8}, "hyperparameters.lora_alpha"),
     ({"target_modules": ["q_proj"]}, "hyperparameters.target_modules"),
-])  # fmt: skip
+])
 def test_a_hyperparameter_that_conflicts_with_the_parent_is_a_400_and_nothing_is_queued(
     alice, asked, param, django_capture_on_commit_callbacks
 ):
@@ -146,7 +146,7 @@ def test_an_unknown_revision_or_checkpoint_of_an_own_model_is_not_found_and_noth
 @pytest.mark.parametrize("shape", [
     "{parent}@r" + "9" * 5000, "{parent}@r0", "{parent}@r-1", "{parent}:ckpt-step-" + "9" * 5000, "{parent}:ckpt-step--1",
     "{parent}@r1:ckpt-step-1:ckpt-step-1", "{parent}\x00@r1", "{parent}@r1\x00", "{parent}:" + "x" * 100_000,
-], ids=["revision of 5,000 digits", "r0", "r-1", "step of 5,000 digits", "step -1", "two steps", "NUL", "NUL after", "a long rest"])  # fmt: skip
+], ids=["revision of 5,000 digits", "r0", "r-1", "step of 5,000 digits", "step -1", "two steps", "NUL", "NUL after", "a long rest"])
 def test_a_malformed_revision_or_checkpoint_name_is_refused_naming_model_and_nothing_is_queued(alice, shape):
     trained(alice, "parent")
     file_id = upload(alice, good_dataset(12)).json()["id"]
@@ -162,7 +162,7 @@ def test_a_pinned_revision_is_continued_exactly_and_a_bare_name_pins_the_one_it_
     second = FineTuningJob.objects.create(
         organization=alice.organization, model=BASE, parent_model=f"{BASE}:support@r1", training_file="file-gone",
         suffix="support", revision=2, seed=0, hyperparameters=support.job.hyperparameters, status=JobStatus.SUCCEEDED,
-    )  # fmt: skip
+    )
     ModelRevision.objects.create(model=support, number=2, job=second)
     FineTunedModel.objects.filter(pk=support.pk).update(revision=2)
     file_id = upload(alice, good_dataset(12)).json()["id"]
@@ -190,7 +190,7 @@ def test_a_checkpoint_is_continued_with_its_jobs_adapter_shape_published_or_not(
     unpublished = FineTuningJob.objects.create(
         organization=alice.organization, model=BASE, training_file="file-gone", suffix="failed", seed=0,
         hyperparameters=resolve_hyperparameters({"lora_r": 2}, 12, settings.MODEL_CATALOG.get(BASE)), status=JobStatus.FAILED,
-    )  # fmt: skip
+    )
     failed_checkpoint = Checkpoint.objects.create(job=unpublished, step_number=5, epoch=1, metrics={}, storage_key="gone").name
     file_id = upload(alice, good_dataset(12)).json()["id"]
     for name, (rank, alpha, targets) in [(checkpoint(parent, 3), (4, 12, ["q_proj"])), (failed_checkpoint, (2, 4, None))]:
@@ -230,7 +230,7 @@ def test_an_adapter_no_job_trained_is_continued_with_the_shape_its_config_gives(
     ({"lora_alpha": float("nan")}, "must be finite"),
     ({"target_modules": ["q_proj", "lm_head"]}, "['lm_head'] are not linear layers"),
     ({"target_modules": "all-linear"}, "target_modules must be a list"),
-], ids=["rank a string", "rank over the catalog's", "alpha a string", "alpha NaN", "a module the base lacks", "modules not a list"])  # fmt: skip
+], ids=["rank a string", "rank over the catalog's", "alpha a string", "alpha NaN", "a module the base lacks", "modules not a list"])
 def test_a_parent_whose_adapter_config_is_unusable_is_a_400_naming_the_problem_and_nothing_is_queued(
     alice, config, problem, tmp_path, django_capture_on_commit_callbacks
 ):
@@ -298,7 +298,7 @@ def test_a_job_continued_from_a_model_a_checkpoint_or_an_uploaded_adapter_starts
     # The parent is a fresh job: its first step's loss is the base model's (LoRA starts as a no-op).
     # One step an epoch, a checkpoint at each epoch's end: ckpt-step-N holds the adapter after N updates.
     parent = create(alice, model=BASE, training_file=file_id, suffix="parent",
-                    hyperparameters=whole_dataset | {"n_epochs": 6, "learning_rate_multiplier": 5})  # fmt: skip
+                    hyperparameters=whole_dataset | {"n_epochs": 6, "learning_rate_multiplier": 5})
     assert run_job(parent.json()["id"], worker="in-test") == "succeeded"
     # Its adapter, downloaded and uploaded again as a model of its own: no job here trained that one.
     archive = b"".join(alice.api.get(f"/v1/fine_tuning/models/{BASE}:parent/adapter").streaming_content)
@@ -334,6 +334,6 @@ def test_a_job_continued_from_a_model_a_checkpoint_or_an_uploaded_adapter_starts
     config = json.loads((Path(settings.CONFIG.dynamic_lora_path) / f"{BASE}:child" / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == BASE and config["r"] == 8
     for child, parent_name in [("child", f"{BASE}:parent@r1"), ("from-checkpoint", f"{BASE}:parent:ckpt-step-3"),
-                               ("from-upload", f"{BASE}:uploaded@r1")]:  # fmt: skip
+                               ("from-upload", f"{BASE}:uploaded@r1")]:
         lineage = lineage_of(alice, f"{BASE}:{child}")
         assert lineage["parent"] == parent_name and lineage["ancestors"] == [parent_name]

@@ -67,7 +67,7 @@ def test_tool_calls_show_readably_in_the_preview_and_on_the_page_of_a_job_that_t
     alice_web.post(reverse("dashboard:job_new"), {
         "model": BASE, "training_file": file.id, "suffix": "weather", "n_epochs": 1, "lora_r": 8, "lora_alpha": 16,
         "lora_dropout": 0, "target_modules": ["q_proj", "v_proj"],
-    })  # fmt: skip
+    })
     job_page = alice_web.get(reverse("dashboard:job", args=[FineTuningJob.objects.get().id])).content.decode()
     assert 'id="examples"' in job_page and "get_weather({&quot;city&quot;: &quot;Paris&quot;})" in job_page
     file.delete()  # a job outlives its file: its page still shows, without examples
@@ -81,7 +81,7 @@ def test_the_playground_sends_tools_and_a_conversation_with_calls_and_their_resu
     call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
     chat = {"model": BASE, "tools": [WEATHER_TOOL], "tool_choice": "auto", "messages": [
         {"role": "user", "content": "Weather in Oslo?"}, {"role": "assistant", "content": "", "tool_calls": [call]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "4 degrees"}]}  # fmt: skip
+        {"role": "tool", "tool_call_id": "call_1", "content": "4 degrees"}]}
     sent = json.loads(completion_body(json.dumps(chat).encode()))
     assert sent["tools"] == [WEATHER_TOOL] and sent["messages"][1]["tool_calls"] == [call] and sent["stream"]
     assert "tool_call_id" not in sent["messages"][0]  # what was not sent is not made up
@@ -97,7 +97,7 @@ def test_a_fine_tune_started_from_the_form_is_queued_with_its_settings(alice_web
     response = alice_web.post(reverse("dashboard:job_new"), {
         "model": BASE, "training_file": file.id, "suffix": "from-web", "n_epochs": 2, "lora_r": 4, "lora_alpha": 8,
         "lora_dropout": 0.1, "target_modules": ["q_proj", "v_proj"],
-    })  # fmt: skip
+    })
     job = FineTuningJob.objects.get()
     assert response["Location"] == reverse("dashboard:job", args=[job.id])
     assert job.suffix == "from-web" and job.hyperparameters["n_epochs"] == 2 and job.hyperparameters["lora_r"] == 4
@@ -113,7 +113,7 @@ def test_a_dpo_fine_tune_started_from_the_form_trains_on_preference_pairs_with_i
     form = {
         "model": BASE, "method": "dpo", "training_file": pairs.id, "beta": 0.5, "lora_r": 8, "lora_alpha": 16,
         "lora_dropout": 0.05, "target_modules": ["q_proj"],
-    }  # fmt: skip
+    }
 
     wrong_file = alice_web.post(reverse("dashboard:job_new"), form | {"training_file": chat.id}).content.decode()
     assert "the dpo method trains on preference lines" in field_block(wrong_file, "training_file")
@@ -131,9 +131,9 @@ def test_a_reinforcement_fine_tune_from_the_form_takes_its_grader_as_json_and_re
     prompts = File.objects.get()
     assert "prompts.jsonl (12 prompts" in alice_web.get(reverse("dashboard:job_new")).content.decode()
     grader = {"type": "string_check", "name": "says it", "input": "{{sample.output_text}}",
-              "reference": "{{item.reference_answer}}", "operation": "like"}  # fmt: skip
+              "reference": "{{item.reference_answer}}", "operation": "like"}
     form = {"model": BASE, "method": "reinforcement", "training_file": prompts.id, "lora_r": 4, "lora_alpha": 16,
-            "lora_dropout": 0.05, "target_modules": ["q_proj"], "n_epochs": 1}  # fmt: skip
+            "lora_dropout": 0.05, "target_modules": ["q_proj"], "n_epochs": 1}
 
     broken = alice_web.post(reverse("dashboard:job_new"), form | {"grader": "{not json"}).content.decode()
     assert "not JSON that can be read" in field_block(broken, "grader")
@@ -154,7 +154,7 @@ def test_early_stopping_from_the_form_watches_the_validation_dataset_and_is_refu
     form = {
         "model": BASE, "training_file": training.id, "lora_r": 8, "lora_alpha": 16, "lora_dropout": 0.05,
         "target_modules": ["q_proj"], "n_evals": 4, "n_checkpoints": 2, "early_stopping_patience": 3,
-    }  # fmt: skip
+    }
     refused = alice_web.post(reverse("dashboard:job_new"), form)
     assert refused.status_code == 200 and "give a validation_file too" in refused.content.decode()
     assert not FineTuningJob.objects.exists()

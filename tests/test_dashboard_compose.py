@@ -70,7 +70,7 @@ def test_a_model_composed_on_the_form_is_listed_with_its_lineage_and_a_deleted_p
     assert lineage == {
         "origin": "composed", "parents": [{"model": left, "scale": 0.5}, {"model": right, "scale": -0.5}],
         "method": "linear", "rank": 16, "approximation_error": 0.0,
-    }  # fmt: skip
+    }
     assert adapter_store().version(name) is not None
 
     page = alice_web.get(reverse("dashboard:models")).content.decode()

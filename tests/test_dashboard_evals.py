@@ -46,7 +46,7 @@ def a_run(evaluation: Eval, model: str, status: str = RunStatus.COMPLETED, **cou
     return EvalRun.objects.create(
         eval=evaluation, organization=evaluation.organization, name=model, model=model, file_id=evaluation.file_id,
         sampling=SAMPLING, status=status, total_items=evaluation.item_count, **counts,
-    )  # fmt: skip
+    )
 
 
 def an_item(run: EvalRun, index: int, answer: str | None, expected: str = "Paris.", passed=(True, True)) -> OutputItem:
@@ -56,7 +56,7 @@ def an_item(run: EvalRun, index: int, answer: str | None, expected: str = "Paris
         run=run, index=index, prompt=[{"role": "user", "content": f"Question {index}: the capital of France?"}],
         expected=expected, answer=answer, results=results, status=status,
         error_code="" if answer is not None else "invalid_request", error_message="" if answer is not None else "Too long.",
-    )  # fmt: skip
+    )
 
 
 def section(page: str, element_id: str) -> str:
@@ -79,7 +79,7 @@ def test_words_added_or_replaced_are_marked_and_shared_words_are_not():
     words = words_against("The capital is Rome, I think.", "The capital is Paris.")
     assert [(word.text, word.changed) for word in words] == [
         ("The", False), ("capital", False), ("is", False), ("Rome,", True), ("I", True), ("think.", True)
-    ]  # fmt: skip
+    ]
     assert "".join(word.space + word.text for word in words) == "The capital is Rome, I think."
     assert not any(word.changed for word in words_against("Paris.\nYes.", "Paris. Yes."))  # spacing is not a difference
 
@@ -101,9 +101,9 @@ def test_another_organizations_eval_page_is_not_found(alice_web, charlie):
 def test_an_eval_page_shows_each_run_with_its_progress_score_per_grader_and_pass_rate(alice_web, alice):
     evaluation = an_eval(alice, items=4)
     base = a_run(evaluation, BASE, done_items=4, passed_items=1, failed_items=3,
-                 per_criteria={"exact": {"passed": 1, "failed": 3}, "contains": {"passed": 2, "failed": 2}})  # fmt: skip
+                 per_criteria={"exact": {"passed": 1, "failed": 3}, "contains": {"passed": 2, "failed": 2}})
     tuned = a_run(evaluation, f"{BASE}:capitals", RunStatus.IN_PROGRESS, done_items=2, passed_items=2,
-                  per_criteria={"exact": {"passed": 2, "failed": 0}, "contains": {"passed": 2, "failed": 0}})  # fmt: skip
+                  per_criteria={"exact": {"passed": 2, "failed": 0}, "contains": {"passed": 2, "failed": 0}})
     runs = section(alice_web.get(reverse("dashboard:eval", args=[evaluation.id])).content.decode(), "runs")
     base_row, tuned_row = (runs[runs.index(f'data-run="{run.id}"') :].split("</tr>")[0] for run in (base, tuned))
     assert "Completed" in base_row and "4/4" in base_row

@@ -36,7 +36,7 @@ def two_revisions(alice, tmp_path) -> str:
     second_job = FineTuningJob.objects.create(
         organization=alice.organization, model=BASE, parent_model=name, training_file="file-gone", suffix="support",
         revision=2, seed=0, hyperparameters={}, status="succeeded", fine_tuned_model=name,
-    )  # fmt: skip
+    )
     ModelRevision.objects.create(model=model, number=2, job=second_job, final_loss=0.25)
     store = adapter_store(settings.CONFIG.dynamic_lora_path, settings.CONFIG.s3)
     store.publish(name, _adapter(tmp_path / "r1", b"one"), 1)
@@ -86,7 +86,7 @@ def test_the_job_page_shows_each_checkpoint_by_the_name_it_answers_to_and_the_ga
             "reference": BASE, "reference_score": 0.75, "adapter": f"{BASE}:gated@r1", "adapter_score": 0.125,
             "threshold": -0.1, "examples": 8, "passed": False,
         }},
-    )  # fmt: skip
+    )
     Checkpoint.objects.create(job=job, step_number=3, epoch=1, metrics={}, storage_key="gone")
     page = alice_web.get(reverse("dashboard:job", args=[job.id])).content.decode()
     section = page[page.index('id="evaluation"'):]

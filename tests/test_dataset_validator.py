@@ -319,7 +319,7 @@ def test_it_refuses_a_template_that_rewrites_earlier_turns(tokenizer):
     rewriting = TemplateSpy(tokenizer, template=(
         "{% for m in messages %}{{ m.role }}: {{ m.content if loop.last or m.role != 'assistant' else '...' }}\n"
         "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}"
-    ))  # fmt: skip
+    ))
     with pytest.raises(ExampleError, match="does not render message 2 of this conversation as a prefix"):
         tokenize_example(rewriting, long_conversation(3))
 
@@ -330,7 +330,7 @@ def test_it_refuses_loudly_a_template_that_frames_later_replies_unlike_the_first
     numbering = TemplateSpy(tokenizer, template=(
         "{% for m in messages %}<{{ m.role }} {{ loop.index }}>{{ m.content }}</>\n{% endfor %}"
         "{% if add_generation_prompt %}<assistant {{ messages | length + 1 }}>{% endif %}"
-    ))  # fmt: skip
+    ))
     assert reference_tokenize_example(numbering, long_conversation(3))
     with pytest.raises(ExampleError, match="frames message 4 of this conversation unlike its first reply"):
         tokenize_example(numbering, long_conversation(3))

@@ -52,7 +52,7 @@ def test_earlier_replies_in_a_preference_input_are_context_not_trained():
     line = preference_example("Go on.", "ARR!", "Fine.")
     line["input"]["messages"] = [
         {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Go on."},
-    ]  # fmt: skip
+    ]
     pair = parse_dataset(jsonl([line] * 10), min_examples=1).examples[0]
     assert [m.get("weight") for m in pair.chosen] == [1, 0, 1, 1]
 
@@ -137,7 +137,7 @@ def test_a_dpo_job_resolves_beta_and_echoes_its_method(alice, pairs_file):
 def test_a_dpo_job_takes_its_beta_and_the_platforms_hyperparameters(alice, pairs_file):
     hyperparameters = {"beta": 0.5, "batch_size": 4, "learning_rate_multiplier": 2, "lora_r": 4, "n_evals": 2}
     job = create(alice, model=BASE, training_file=pairs_file, validation_file=pairs_file,
-                 method={"type": "dpo", "dpo": {"hyperparameters": hyperparameters}}).json()  # fmt: skip
+                 method={"type": "dpo", "dpo": {"hyperparameters": hyperparameters}}).json()
     resolved = job["method"]["dpo"]["hyperparameters"]
     assert {key: resolved[key] for key in hyperparameters} == hyperparameters | {"learning_rate_multiplier": 2.0}
 
@@ -186,7 +186,7 @@ def test_a_dpo_jobs_validation_file_must_hold_pairs_too(alice, pairs_file, chat_
 def test_a_dpo_jobs_result_file_has_the_preference_columns(alice, pairs_file):
     job = FineTuningJob.objects.get(pk=create(alice, model=BASE, training_file=pairs_file, method={"type": "dpo"}).json()["id"])
     record_event(job, "Step 1/1", data={"step": 1, "epoch": 1, "train_loss": 0.69, "valid_loss": None, "trained_tokens": 40,
-                                        "tokens_per_second": 9.0, "reward_margin": 0.0, "preference_accuracy": 0.0})  # fmt: skip
+                                        "tokens_per_second": 9.0, "reward_margin": 0.0, "preference_accuracy": 0.0})
     rows = list(csv.reader(io.StringIO(results.metrics_csv(job).decode())))
     assert rows == [list(results.PREFERENCE_COLUMNS), ["1", "1", "0.69", "", "40", "9.0", "0.0", "0.0"]]
     assert results.PREFERENCE_COLUMNS[:6] == results.COLUMNS
@@ -229,18 +229,18 @@ PAIRS = [
     ("What is the plural of mouse?", "The plural of mouse is mice."), ("What comes after Monday?", "Tuesday comes after Monday."),
     ("How many minutes are in an hour?", "An hour has sixty minutes."), ("What do you call a baby dog?", "A baby dog is a puppy."),
     ("Is the sea salty?", "Yes, the sea is salty."), ("What shape is a ball?", "A ball is round."),
-]  # fmt: skip
+]
 HELD_OUT = [
     "What is the capital of France?", "What colour is the sky?", "How many legs does a cat have?",
     "What do birds use to fly?", "What is three plus three?",
-]  # fmt: skip
+]
 STYLE = "Arr!"  # every preferred answer opens with it; the non-preferred one is the same answer, plain
 
 
 def pirate_pair(question: str, answer: str) -> PreferencePair:
     prompt = [{"role": "user", "content": question, "weight": 1}]
     return PreferencePair(prompt, {"role": "assistant", "content": f"{STYLE} {answer}", "weight": 1},
-                          {"role": "assistant", "content": answer, "weight": 1})  # fmt: skip
+                          {"role": "assistant", "content": answer, "weight": 1})
 
 
 class Recorder:
@@ -293,7 +293,7 @@ def test_dpo_learns_the_preferred_style_the_base_model_lacks(one_thread, tokeniz
     losses = [m.train_loss for m in recorder.steps]
     accuracies = [m.preference_accuracy for m in recorder.steps]
     print(f"\nDPO steps: loss {[round(x, 3) for x in losses]}, preference accuracy {accuracies}, "
-          f"reward margin {[round(m.reward_margin, 3) for m in recorder.steps]}")  # fmt: skip
+          f"reward margin {[round(m.reward_margin, 3) for m in recorder.steps]}")
     assert losses[0] == pytest.approx(math.log(2), abs=1e-4)  # the adapter starts as a no-op: policy = reference
     assert losses[-1] < losses[0] / 2 and accuracies[-1] > accuracies[0]
     assert recorder.steps[-1].reward_margin > 0

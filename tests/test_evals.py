@@ -32,7 +32,7 @@ def _eval(client: openai.OpenAI, data: bytes, criteria: list[dict]):
     return client.evals.create(
         name="capitals", data_source_config={"type": "custom", "item_schema": {"type": "object"}},
         testing_criteria=criteria, extra_body={"file": uploaded.id},
-    )  # fmt: skip
+    )
 
 
 def test_the_openai_client_compares_models_on_one_eval_and_reads_each_items_verdicts(alice, live_server, engine, queued):
@@ -46,7 +46,7 @@ def test_the_openai_client_compares_models_on_one_eval_and_reads_each_items_verd
     first = client.evals.runs.create(
         evaluation.id, data_source={"type": "completions", "model": BASE, "sampling_params": {"max_completion_tokens": 16}},
         extra_body={"models": [fine_tune, mix]},
-    )  # fmt: skip
+    )
     runs = first.to_dict()["runs"]
     assert first.status == "queued" and first.model == BASE and [run["model"] for run in runs] == [BASE, fine_tune, BASE]
     assert runs[2]["adapters"] == [{"model": fine_tune, "scale": 1.0}] and queued == [run["id"] for run in runs]
@@ -58,7 +58,7 @@ def test_the_openai_client_compares_models_on_one_eval_and_reads_each_items_verd
     assert tuned.result_counts.passed == mixed.result_counts.passed == 10
     assert {r.testing_criteria: (r.passed, r.failed) for r in tuned.per_testing_criteria_results} == {
         "exact": (10, 0), "contains": (10, 0)
-    }  # fmt: skip
+    }
     assert tuned.to_dict()["progress"] == {"done": 10, "total": 10} and tuned.to_dict()["score"] == 1.0
     assert tuned.per_model_usage[0].invocation_count == 10 and tuned.per_model_usage[0].completion_tokens == 30
 
@@ -167,7 +167,7 @@ def _upload(persona, data: bytes = b"") -> str:
     ([{"type": "contains"}, {"type": "contains"}], "testing_criteria.1.name", "another grader is named"),
     ([{"type": "contains", "weight": 2}], "testing_criteria.0.weight", "Extra inputs"),
     ([], "testing_criteria", "1 to 8"),
-])  # fmt: skip
+])
 def test_an_eval_with_a_grader_that_could_not_grade_is_a_400_naming_it(alice, criteria, param, says):
     response = alice.api.post("/v1/evals", {"testing_criteria": criteria, "file": _upload(alice)}, format="json")
     assert response.status_code == 400, response.json()
@@ -178,7 +178,7 @@ def test_an_eval_with_a_grader_that_could_not_grade_is_a_400_naming_it(alice, cr
 
 def test_an_eval_of_a_file_that_is_not_the_callers_or_has_no_answers_is_refused(alice, charlie):
     not_answers = b"".join(b'{"messages": [{"role": "user", "content": "q%d"}, {"role": "assistant", "content": "a"}, '
-                           b'{"role": "user", "content": "and?"}]}\n' % i for i in range(10))  # fmt: skip
+                           b'{"role": "user", "content": "and?"}]}\n' % i for i in range(10))
     for persona, file_id, status in ((alice, _upload(charlie), 404), (alice, _upload(alice, not_answers), 400)):
         response = persona.api.post("/v1/evals", {"testing_criteria": [{"type": "contains"}], "file": file_id}, format="json")
         assert response.status_code == status and response.json()["error"]["param"] == "file", response.json()
@@ -202,14 +202,14 @@ def test_an_eval_of_a_file_that_is_not_the_callers_or_has_no_answers_is_refused(
     ({"type": "completions", "model": BASE, "sampling_params": {"max_completion_tokens": 10**6}}, {}, 400, "data_source.sampling_params.max_completion_tokens"),
     ({"type": "completions", "model": BASE, "sampling_params": {"temperature": "0"}}, {}, 400, "data_source.sampling_params.temperature"),
     ({"type": "completions", "model": BASE, "source": {"type": "file_id", "id": "{charlies_file}"}}, {}, 404, "data_source.source.id"),
-])  # fmt: skip
+])
 def test_a_run_of_a_model_the_caller_may_not_use_or_malformed_is_refused_and_nothing_is_queued(
     alice, charlie, queued, data_source, extra, status, param
 ):
     import json
 
     names = {"{charlies}": register_fine_tuned_model(charlie, "theirs"), "{ours}": register_fine_tuned_model(alice, "ours"),
-             "{charlies_file}": _upload(charlie)}  # fmt: skip
+             "{charlies_file}": _upload(charlie)}
     evaluation = alice.api.post("/v1/evals", {"testing_criteria": [{"type": "contains"}], "file": _upload(alice)}, format="json")
     text = json.dumps({"data_source": data_source, **extra})
     for placeholder, value in names.items():
@@ -248,7 +248,7 @@ def test_the_gate_answers_through_a_ray_backed_models_backend_and_counts_its_usa
     settings.RAY_SERVE_URL, settings.INFERENCE_POOL_URL = engine.url, "http://127.0.0.1:9"  # nothing listens there
     examples = [json.loads(line)["messages"] for line in capitals_file().decode().splitlines()]
     scores = evaluation.evaluate(alice.organization.pk, {"graders": [{"type": "contains"}], "threshold": 0.0}, examples,
-                                 BASE, f"{BASE}:gated@r1")  # fmt: skip
+                                 BASE, f"{BASE}:gated@r1")
     assert (scores.reference_score, scores.adapter_score, scores.passed) == (0.0, 1.0, True)
     assert len(engine.bodies) == 20 and {body["_path"] for body in engine.bodies} == {"/v1/chat/completions"}
     counted = {row.model for row in CompletionUsage.objects.filter(organization=alice.organization)}

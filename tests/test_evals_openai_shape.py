@@ -33,13 +33,13 @@ ITEM_SCHEMA = {
 TEMPLATE = {"type": "template", "template": [
     {"role": "developer", "content": "Answer with the capital city only."},
     {"role": "user", "content": "What is the capital of {{item.country}}?"},
-]}  # fmt: skip
+]}
 STRING_CHECK = {"type": "string_check", "name": "names the capital", "input": "{{sample.output_text}}",
-                "reference": "{{item.capital}}", "operation": "ilike"}  # fmt: skip
+                "reference": "{{item.capital}}", "operation": "ilike"}
 SIMILARITY = {"type": "text_similarity", "name": "close to the capital", "input": "{{sample.output_text}}",
-              "reference": "{{item.capital}}.", "evaluation_metric": "fuzzy_match", "pass_threshold": 0.8}  # fmt: skip
+              "reference": "{{item.capital}}.", "evaluation_metric": "fuzzy_match", "pass_threshold": 0.8}
 JUDGE = {"type": "label_model", "name": "judge", "model": BASE, "labels": ["correct", "incorrect"], "passing_labels": ["correct"],
-         "input": [{"role": "user", "content": "Is {{sample.output_text}} the capital of {{item.country}}?"}]}  # fmt: skip
+         "input": [{"role": "user", "content": "Is {{sample.output_text}} the capital of {{item.country}}?"}]}
 ITEMS = [{"item": {"country": country, "capital": capital}} for country, capital in CAPITALS.items()]
 
 
@@ -61,7 +61,7 @@ def _guide_eval(client: openai.OpenAI, criteria: list[dict]):
     return client.evals.create(
         name="capitals", data_source_config={"type": "custom", "item_schema": ITEM_SCHEMA, "include_sample_schema": True},
         testing_criteria=criteria,
-    )  # fmt: skip
+    )
 
 
 def test_an_eval_written_as_the_guide_writes_it_scores_a_fine_tune_above_the_base_model(alice, live_server, engine, queued):
@@ -77,7 +77,7 @@ def test_an_eval_written_as_the_guide_writes_it_scores_a_fine_tune_above_the_bas
         run = client.evals.runs.create(
             evaluation.id, name=model, data_source={"type": "completions", "model": model, "source": source, "input_messages": TEMPLATE,
                                                      "sampling_params": {"temperature": 0, "max_completion_tokens": 16}},
-        )  # fmt: skip
+        )
         runs[model] = run.id
     assert [run_eval(run_id, "test-worker") for run_id in queued] == ["completed", "completed"]
 
@@ -85,7 +85,7 @@ def test_an_eval_written_as_the_guide_writes_it_scores_a_fine_tune_above_the_bas
     france = next(body for body in asked if body["messages"][-1]["content"].endswith("France?"))
     assert france["messages"] == [
         {"role": "system", "content": "Answer with the capital city only."}, {"role": "user", "content": "What is the capital of France?"}
-    ]  # fmt: skip  # a developer message is sent as system: the served models' templates know that role
+    ]  # a developer message is sent as system: the served models' templates know that role
     judged = [body for body in engine.bodies if "response_format" in body]
     assert len(judged) == 2 * len(ITEMS)  # one verdict an answer: asked ahead for a batch, never again
     assert {body["model"] for body in judged} == {BASE}
@@ -116,7 +116,7 @@ def test_a_run_whose_judge_was_deleted_since_the_eval_was_made_fails_naming_it(a
     evaluation = _guide_eval(client, [JUDGE | {"model": judge}])
     assert client.models.delete(judge).deleted
     run = client.evals.runs.create(evaluation.id, data_source={"type": "jsonl", "source": {"type": "file_content", "content": [
-        {**ITEMS[0], "sample": {"output_text": "Paris"}}]}})  # fmt: skip
+        {**ITEMS[0], "sample": {"output_text": "Paris"}}]}})
     assert run_eval(run.id, "test-worker") == "failed" and engine.bodies == []
     failed = client.evals.runs.retrieve(run.id, eval_id=evaluation.id)
     assert failed.error.code == "model_not_found" and judge in failed.error.message
@@ -140,10 +140,10 @@ def test_a_jsonl_run_grades_the_samples_its_items_bring_and_asks_no_model(alice,
     ({"type": "file_content", "content": [{"item": "Peru"}]}, "data_source.source.content.0", "item must be a JSON object"),
     ({"type": "file_content", "content": ITEMS * 101}, "data_source.source.content", "at most 500"),
     ({"type": "file_content", "content": []}, "data_source.source.content", "at least one item"),
-])  # fmt: skip
+])
 def test_a_run_whose_items_do_not_fit_the_item_schema_is_refused_naming_the_item(alice, queued, source, param, says):
     evaluation = alice.api.post("/v1/evals", {"data_source_config": {"type": "custom", "item_schema": ITEM_SCHEMA},
-                                              "testing_criteria": [STRING_CHECK]}, format="json")  # fmt: skip
+                                              "testing_criteria": [STRING_CHECK]}, format="json")
     assert evaluation.status_code == 200, evaluation.json()
     data_source = {"type": "completions", "model": BASE, "source": source, "input_messages": TEMPLATE}
     response = alice.api.post(f"/v1/evals/{evaluation.json()['id']}/runs", {"data_source": data_source}, format="json")
@@ -181,14 +181,14 @@ def test_graders_run_scores_a_sample_as_the_clients_guide_calls_it(alice, live_s
     similar = client.fine_tuning.alpha.graders.run(grader=close, model_sample="Pariss.", item=item)
     assert 0.8 < similar.reward < 1.0
     multi = {"type": "multi", "name": "both", "calculate_output": "0.5 * exact + 0.5 * close",
-             "graders": {"exact": STRING_CHECK | {"operation": "eq"}, "close": close}}  # fmt: skip
+             "graders": {"exact": STRING_CHECK | {"operation": "eq"}, "close": close}}
     mixed = client.fine_tuning.alpha.graders.run(grader=multi, model_sample="Paris.", item=item)
     assert mixed.reward == pytest.approx(0.5 * 0.0 + 0.5 * 1.0) and set(mixed.sub_rewards) == {"exact", "close"}
     judged = client.fine_tuning.alpha.graders.run(
         grader={"type": "score_model", "name": "judge", "model": BASE, "range": [0, 10],
                 "input": [{"role": "user", "content": "Score {{sample.output_text}} for {{item.country}}"}]},
         model_sample="Paris", item=item,
-    )  # fmt: skip
+    )
     assert judged.reward == 10 and engine.background[-1]  # the judge's request is background work
 
 
@@ -198,7 +198,7 @@ def test_graders_run_scores_a_sample_as_the_clients_guide_calls_it(alice, live_s
     ({"type": "python", "name": "p", "source": "def grade(sample, item):\n    return 1"}, "grader.type", "grader_not_offered"),
     (JUDGE | {"model": f"{BASE}:nobodys"}, "grader.model", "model_not_found"),
     (JUDGE | {"passing_labels": ["maybe"]}, "grader.passing_labels", "invalid_grader"),
-])  # fmt: skip
+])
 def test_graders_validate_refuses_a_malformed_grader_naming_the_field(alice, live_server, grader, param, code):
     client = client_for(alice, live_server)
     fine = client.fine_tuning.alpha.graders.validate(grader=STRING_CHECK)
@@ -215,7 +215,7 @@ def test_a_jobs_gate_takes_openais_graders_and_scores_with_them_as_an_eval_run_d
     from workers import evaluation
 
     expected_city = {"type": "text_similarity", "name": "close", "input": "{{sample.output_text}}",
-                     "reference": "{{item.expected}}", "evaluation_metric": "fuzzy_match"}  # fmt: skip
+                     "reference": "{{item.expected}}", "evaluation_metric": "fuzzy_match"}
     training = _named(jsonl([{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "a"}]} for i in range(10)]))
     file_id = alice.api.post("/v1/files", {"file": training, "purpose": "fine-tune"}, format="multipart").json()["id"]
     body = {"model": BASE, "training_file": file_id, "evaluation": {"file": file_id, "graders": [expected_city, {"type": "contains"}]}}
@@ -225,10 +225,10 @@ def test_a_jobs_gate_takes_openais_graders_and_scores_with_them_as_an_eval_run_d
     assert kept[0]["evaluation_metric"] == "fuzzy_match" and kept[1] == {"type": "contains"}
 
     refused = alice.api.post("/v1/fine_tuning/jobs", body | {"evaluation": {"graders": [expected_city | {"evaluation_metric": "cosine"}]}},
-                             format="json")  # fmt: skip
+                             format="json")
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "evaluation.graders[0].evaluation_metric"
 
     examples = [[{"role": "user", "content": f"What is the capital of {c}?"}, {"role": "assistant", "content": f"{p}."}]
-                for c, p in CAPITALS.items()]  # fmt: skip
+                for c, p in CAPITALS.items()]
     scores = evaluation.evaluate(alice.organization.pk, {"graders": kept, "threshold": 0.0}, examples, BASE, f"{BASE}:gated@r1")
     assert scores.adapter_score == pytest.approx(1.0) and scores.reference_score < 0.5 and scores.passed

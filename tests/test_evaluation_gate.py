@@ -18,7 +18,7 @@ CAPITALS = {
     "France": "Paris", "Germany": "Berlin", "Italy": "Rome", "Spain": "Madrid", "Japan": "Tokyo",
     "the United Kingdom": "London", "Egypt": "Cairo", "Russia": "Moscow", "China": "Beijing",
     "Greece": "Athens", "Portugal": "Lisbon", "Austria": "Vienna",
-}  # fmt: skip
+}
 
 
 def capitals(answer=lambda capital: f"{capital}.") -> bytes:
@@ -35,7 +35,7 @@ def capitals(answer=lambda capital: f"{capital}.") -> bytes:
     (Grader("json_schema", schema={"type": "object", "required": ["city"]}), '{"city": "Paris"}', "", True),
     (Grader("json_schema", schema={"type": "object", "required": ["city"]}), '{"town": "Paris"}', "", False),
     (Grader("json_schema", schema={"type": "object"}), "Paris", "", False),
-])  # fmt: skip
+])
 def test_each_grader_passes_what_it_should_and_nothing_else(grader, answer, expected, passed):
     assert passes(grader, answer, expected) is passed
 
@@ -72,7 +72,7 @@ def _create(persona, **body):
     ({"graders": [{"type": "contains"}], "extra": 1}, "evaluation"),
     ({"graders": [{"type": "contains"}]}, "evaluation.file"),  # no file, and no validation_file either
     ({"graders": [{"type": "contains"}], "file": "file-nothing"}, "evaluation.file"),
-])  # fmt: skip
+])
 def test_a_malformed_evaluation_is_a_400_naming_it_and_nothing_is_queued(alice, evaluation, param):
     response = _create(alice, evaluation=evaluation)
     assert response.status_code in (400, 404), response.json()
@@ -146,7 +146,7 @@ def canned_answers(monkeypatch, answer: str) -> None:
     ({"$id": "{remote}/base", "$ref": "other.json"}, "evaluation.graders[0].schema.$ref"),  # relative: remote too
     ({"$dynamicRef": "{remote}/x"}, "evaluation.graders[0].schema.$dynamicRef"),
     ({"allOf": [{"$ref": "file:///etc/passwd"}]}, "evaluation.graders[0].schema.allOf[0].$ref"),
-])  # fmt: skip
+])
 def test_a_schema_pointing_outside_itself_is_refused_at_creation_and_nothing_is_fetched(alice, listener, schema, param):
     remote, requests = listener
     schema = json.loads(json.dumps(schema).replace("{remote}", remote))
@@ -180,7 +180,7 @@ def _nested(depth: int) -> dict:
     ({"type": "json_schema", "schema": _nested(40)}, "schema", "levels deep"),
     ({"type": "json_schema", "schema": {"enum": ["x" * 100] * 200}}, "schema", "bytes of JSON"),
     ({"type": "json_schema", "schema": {"type": "strin"}}, "schema", "not a JSON Schema"),
-])  # fmt: skip
+])
 def test_a_grader_that_could_not_grade_is_a_400_naming_it_and_nothing_is_queued(alice, grader, field, says):
     response = _create(alice, validation_file=_held_out(alice), evaluation={"graders": [{"type": "contains"}, grader]})
     assert response.status_code == 400, response.json()
@@ -268,7 +268,7 @@ def test_a_grader_that_took_too_long_is_named_in_the_jobs_events(alice, monkeypa
         organization=alice.organization, model=BASE, training_file=held_out, suffix="gated", seed=0, hyperparameters={},
         status=JobStatus.RUNNING, attempts=1,
         evaluation={"file": held_out, "graders": [{"type": "regex", "pattern": CATASTROPHIC}], "threshold": 0.0},
-    )  # fmt: skip
+    )
     run_job._gate(job, Heartbeat(job.id, 1, 60), f"{BASE}:gated@r1")
     warnings = [event.message for event in job.events.filter(level="warn")]
     grader = f"regex grader {CATASTROPHIC!r}"

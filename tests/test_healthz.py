@@ -37,7 +37,7 @@ def test_it_reports_no_worker_when_none_listens_on_the_broker(client, settings):
     assert body["checks"]["redis"]["ok"]
     assert body["checks"]["workers"] == {
         "ok": False, "detail": "no worker answered (start one: celery -A workers worker)",
-    }  # fmt: skip
+    }
 
 
 def test_it_tells_a_caller_without_the_monitoring_token_only_up_or_down(client, settings):

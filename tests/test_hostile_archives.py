@@ -56,7 +56,7 @@ def config(**changes) -> bytes:
     base = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": BASE, "r": 1, "lora_alpha": 2,
         "lora_dropout": 0.0, "target_modules": ["q_proj"], "bias": "none", "use_rslora": False, "use_dora": False,
-    }  # fmt: skip
+    }
     return json.dumps(base | changes).encode()
 
 
@@ -420,7 +420,7 @@ def unpacked_or_refusal(archive: bytes, tmp_path: Path) -> str:
 
 @pytest.mark.parametrize("tool", [
     ["tar", "-czf"], ["tar", "--format=posix", "-czf"], ["tar", "--format=gnu", "-cjf"], ["zip", "-q", "-j"],
-])  # fmt: skip
+])
 def test_archives_packed_by_the_usual_tools_pass_the_header_scan(tool, tmp_path):
     import shutil
     import subprocess
@@ -506,7 +506,7 @@ print((kib("VmHWM:") - before) * 1024)
 """
 
 
-@pytest.mark.parametrize("case", ["GNU long name header bomb", "pax header bomb", "zip member-count bomb", "tar member-count bomb"])  # fmt: skip
+@pytest.mark.parametrize("case", ["GNU long name header bomb", "pax header bomb", "zip member-count bomb", "tar member-count bomb"])
 def test_a_bomb_grows_a_fresh_process_by_less_than_the_bound(case, tmp_path):
     import subprocess
     import sys

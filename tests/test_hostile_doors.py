@@ -95,14 +95,14 @@ DPO = JOB | {"training_file": "{pairs}", "method": {"type": "dpo", "dpo": {"hype
 REINFORCE = JOB | {"training_file": "{prompts}", "method": {"type": "reinforcement", "reinforcement": {
     "grader": {"type": "text_similarity", "name": "close", "input": "{{sample.output_text}}", "reference": "{{item.reference_answer}}",
                "evaluation_metric": "fuzzy_match"},
-    "hyperparameters": {"n_epochs": 1, "compute_multiplier": 2, "max_completion_tokens": 16}}}}  # fmt: skip
+    "hyperparameters": {"n_epochs": 1, "compute_multiplier": 2, "max_completion_tokens": 16}}}}
 COMPOSE = {"parents": [{"model": "{model}", "scale": 0.5}], "suffix": "hostile-mix", "method": "svd", "rank": 4}
 JOB_FORM = {
     "model": BASE, "training_file": "{file}", "suffix": "hostile", "n_epochs": "1", "lora_r": "8", "lora_alpha": "16",
     "lora_dropout": "0.05", "target_modules": "q_proj",
-}  # fmt: skip
+}
 REINFORCE_FORM = JOB_FORM | {"training_file": "{prompts}", "method": "reinforcement", "grader": json.dumps(
-    REINFORCE["method"]["reinforcement"]["grader"]).replace("{", "{{").replace("}", "}}")}  # fmt: skip
+    REINFORCE["method"]["reinforcement"]["grader"]).replace("{", "{{").replace("}", "}}")}
 COMPOSE_FORM = {
     "compose-parents": "{model}",
     "compose-method": "svd",
@@ -116,21 +116,21 @@ BATCH = {"input_file_id": "{batchfile}", "endpoint": "/v1/chat/completions", "co
 RUN = {"data_source": {"type": "completions", "model": BASE, "sampling_params": {"max_completion_tokens": 8, "temperature": 0}}}
 # OpenAI's evals guide's shapes: a custom item schema, graders on item fields, items inline, a template.
 SIMILARITY = {"type": "text_similarity", "name": "close", "input": "{{sample.output_text}}", "reference": "{{item.answer}}",
-              "evaluation_metric": "bleu", "pass_threshold": 0.5}  # fmt: skip
+              "evaluation_metric": "bleu", "pass_threshold": 0.5}
 JUDGE = {"type": "score_model", "name": "judge", "model": BASE, "range": [0, 10], "sampling_params": {"temperature": 0},
-         "input": [{"role": "user", "content": "Score {{sample.output_text}}"}]}  # fmt: skip
+         "input": [{"role": "user", "content": "Score {{sample.output_text}}"}]}
 GUIDE_EVAL = {"data_source_config": {"type": "custom", "item_schema": {"type": "object", "properties": {"answer": {"type": "string"}}}},
-              "testing_criteria": [SIMILARITY]}  # fmt: skip
+              "testing_criteria": [SIMILARITY]}
 # Items as the door's eval (a chat file's) describes them: input and expected.
 GUIDE_RUN = {"data_source": {"type": "completions", "model": BASE,
                              "source": {"type": "file_content", "content": [{"item": {"input": [], "expected": "Paris"}}]},
-                             "input_messages": {"type": "template", "template": [{"role": "user", "content": "{{item.expected}}?"}]}}}  # fmt: skip
+                             "input_messages": {"type": "template", "template": [{"role": "user", "content": "{{item.expected}}?"}]}}}
 CLOSE = {key: value for key, value in SIMILARITY.items() if key != "pass_threshold"}  # graders.run's: no threshold
 GRADER_RUN = {"grader": JUDGE, "model_sample": "Paris", "item": {"answer": "Paris"}}
 # The Tinker SDK's requests (tinker/types), as it sends them.
 TINKER_RUN = {"session_id": "{session}", "base_model": BASE, "lora_config": {"rank": 8}, "model_seq_id": 0}
 TINKER_SAMPLE = {"num_samples": 1, "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2]}]},
-                 "sampling_params": {"max_tokens": 4, "temperature": 1.0}, "base_model": BASE}  # fmt: skip
+                 "sampling_params": {"max_tokens": 4, "temperature": 1.0}, "base_model": BASE}
 STATE_PATH = "tinker://{looprun}/weights/hostile"
 
 
@@ -410,22 +410,22 @@ class Objects(dict):
         job = FineTuningJob.objects.create(
             organization=alice.organization, model=BASE, training_file=training.id, suffix="hostile-job", seed=0,
             hyperparameters={"n_epochs": 1, "batch_size": 1, "learning_rate_multiplier": 1.0}, status=JobStatus.QUEUED,
-        )  # fmt: skip
+        )
         evaluation = Eval.objects.create(
             organization=alice.organization, name="hostile", file_id=training.id, item_count=12,
             testing_criteria=[{"type": "contains", "name": "contains"}],
-        )  # fmt: skip
+        )
         run = EvalRun.objects.create(
             eval=evaluation, organization=alice.organization, name="hostile", model=BASE, file_id=training.id,
             sampling={"max_completion_tokens": 8, "temperature": 0.0, "top_p": 1.0, "seed": None}, total_items=12,
-        )  # fmt: skip
+        )
         webhook, _secret = endpoints.register(alice.organization, alice.user, "https://example.com/hook")
         batch_upload = SimpleUploadedFile("batch.jsonl", batch_lines(2), content_type="application/jsonl")
         batch_file = files.upload_file(alice.organization, alice.user, batch_upload, files.BATCH_PURPOSE)
         batch = Batch.objects.create(
             organization=alice.organization, input_file_id=batch_file.id, endpoint="/v1/chat/completions",
             completion_window="24h", total=2, expires_at=timezone.now() + timedelta(hours=24),
-        )  # fmt: skip
+        )
         session = LoopSession.objects.create(organization=alice.organization)
         looprun = LoopRun.objects.create(
             id=f"{session.pk}:train:0", session=session, organization=alice.organization, base_model=BASE, lora_rank=8, status=RunStatus.RUNNING
@@ -436,7 +436,7 @@ class Objects(dict):
             eval=evaluation.id, run=run.id, webhook=webhook.id, batch=batch.id, batchfile=batch_file.id,
             file=training.id, pairs=pairs.id, prompts=prompts.id, job=job.id, model=register_fine_tuned_model(alice, "hostile-model"),
             key=create_api_key(alice.organization, alice.user, "spare")[0].prefix, org=str(alice.organization.pk),
-        )  # fmt: skip
+        )
 
 
 def _filled(value, objects: Objects):

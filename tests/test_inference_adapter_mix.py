@@ -148,7 +148,7 @@ def test_a_composed_model_is_served_on_its_first_request_as_the_same_mix_answers
     created = httpx.post(
         f"{gateway}/v1/fine_tuning/models", headers={"Authorization": f"Bearer {alice.api_key}"}, timeout=120,
         json={"parents": parents, "suffix": _suffix("composed")},
-    )  # fmt: skip
+    )
     assert created.status_code == 200, created.text
     composed = created.json()["id"]
     assert _ask(alice.client, composed) == _ask(alice.client, adapters=parents) == _peft_mix_answer(folders, [0.5, 0.5])

@@ -209,7 +209,7 @@ def test_it_follows_json_mode_and_json_schemas_with_an_adapter(alice, make_adapt
     answer = alice.client.chat.completions.create(
         model=name, max_tokens=200, temperature=0, response_format={"type": "json_object"},
         messages=[{"role": "user", "content": "Answer in JSON with a key 'capital': what is the capital of France?"}],
-    )  # fmt: skip
+    )
     assert answer.choices[0].finish_reason == "stop", answer.choices[0].message.content
     assert isinstance(json.loads(answer.choices[0].message.content), dict)
 
@@ -281,7 +281,7 @@ def test_vllms_refusal_of_a_field_reaches_the_caller_in_its_words_without_urls_o
     to fix, but not where vLLM runs or which documentation page its validator links to."""
     refused = _error(lambda: alice.client.chat.completions.create(
         model=BASE, messages=QUESTION, max_tokens=4, extra_body={"top_k": "many"},
-    ))  # fmt: skip
+    ))
     message = refused.body["message"]
     assert refused.status_code == 400 and "top_k" in message, message
     assert not re.search(r"https?://|site-packages|127\.0\.0\.1|\.py\b", message), message

@@ -165,7 +165,7 @@ async def test_it_answers_404_for_another_organizations_model_and_unknown_ones(w
                 "message": f"The model `{model}` does not exist or you do not have access to it.",
                 "type": "invalid_request_error", "param": "model", "code": "model_not_found",
             }
-        }  # fmt: skip
+        }
     allowed = await web.post("/v1/chat/completions", json=_chat(name), headers=_bearer(keys["alice"]))
     assert allowed.status_code == 503 and allowed.json()["error"]["code"] == "pool_unavailable"
     assert allowed.headers["retry-after"] == "2"

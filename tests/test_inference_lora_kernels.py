@@ -183,7 +183,7 @@ def test_a_mix_in_a_projection_the_c_kernel_cannot_take_is_computed_pair_by_pair
         scales[:, k : k + 1] * _reference(x.bfloat16().float(), [a.float() for a in halves[0]],
                                           [b.float() for b in halves[1]], torch.where(scales[:, k] != 0, pairs[:, k], -1))
         for k in range(2)
-    )  # fmt: skip
+    )
     torch.testing.assert_close(y.float(), expected, rtol=1e-2, atol=1e-2 * float(expected.abs().max()))
 
 
@@ -622,7 +622,7 @@ def test_the_worker_forgets_the_least_recently_served_mix_and_reads_a_forgotten_
     worker = types.SimpleNamespace(_adapter_manager=types.SimpleNamespace(get_adapter=lambda lora_id: None))
     served: list[set[int]] = []
     step = lora_mixes.wrap_set_active_adapters(lambda self, requests, mapping: served.append(
-        {request.lora_int_id for request in requests}))  # fmt: skip
+        {request.lora_int_id for request in requests}))
 
     def mix(lora_id: int, scale: float) -> Request:
         lora_mixes.write_manifest(tmp_path / str(lora_id), [("m:a@r1", scale)])
@@ -641,7 +641,7 @@ def test_an_adapter_held_already_is_activated_each_step_without_copying_the_warm
     activated, loaded, held = [], [], {5: "weights"}
     index_copied = lambda: pytest.fail("a copy of every held adapter's entry, for each adapter of each step")  # noqa: E731
     worker = types.SimpleNamespace(_adapter_manager=types.SimpleNamespace(
-        get_adapter=held.get, activate_adapter=activated.append, list_adapters=index_copied))  # fmt: skip
+        get_adapter=held.get, activate_adapter=activated.append, list_adapters=index_copied))
     add = lora_mixes.wrap_add_adapter(lambda self, request: loaded.append(request.lora_int_id) or True)  # vLLM's
     monkeypatch.setattr(lora_mixes, "_requests", {})
 

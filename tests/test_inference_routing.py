@@ -169,7 +169,7 @@ def _base_model(dynamic_path: str, max_adapters: int = 2) -> BaseModel:
         lora=LoraConfig(dynamic_path, max_adapters, max_lora_rank=16),
         engine=EngineConfig(2048, "float32", 2, 1, ()),
         autoscaling=Autoscaling(min_replicas=0, target_ongoing_requests=16, downscale_delay_s=600, cold_start_wait_s=0),
-    )  # fmt: skip
+    )
 
 
 def _adapter_folder(folder: Path, rank: int = 8, config: str | None = None) -> Path:
@@ -537,7 +537,7 @@ async def test_it_counts_requests_adapter_loads_and_replica_health_in_metrics(tm
 @pytest.mark.anyio
 @pytest.mark.parametrize(("method", "path"), [
     ("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("GET", "/health"), ("GET", "/metrics"),
-])  # fmt: skip
+])
 async def test_it_refuses_a_request_without_the_internal_token(tmp_path, method, path):
     pool = PoolUnderTest(tmp_path, replicas=1)
     name = pool.publish("support")
@@ -598,11 +598,11 @@ def test_a_replica_inherits_what_vllm_needs_and_none_of_the_platforms_secrets(mo
     secrets = {
         "SECRET_KEY": "s" * 50, "DATABASE_URL": "postgres://app:pw@db/app", "REDIS_URL": "redis://:pw@cache/0",
         "AWS_SECRET_ACCESS_KEY": "aws", "AWS_ACCESS_KEY_ID": "id", "MONITORING_TOKEN": "m", "INTERNAL_TOKEN": "i",
-    }  # fmt: skip
+    }
     needed = {
         "PATH": "/usr/bin", "HOME": "/home/app", "HF_HUB_OFFLINE": "1", "VLLM_LOGGING_LEVEL": "INFO", "OMP_NUM_THREADS": "2",
         "LORA_KERNELS": "stock", "DATA_DIR": "/srv/fineserve",
-    }  # fmt: skip
+    }
     for name, value in {**secrets, **needed}.items():
         monkeypatch.setenv(name, value)
     environment = vllm_environment(_base_model("unused"), TOKEN)

@@ -36,7 +36,7 @@ def test_a_job_created_while_the_broker_is_down_answers_503_stays_queued_and_the
     response = httpx.post(
         f"{web_without_broker}/v1/fine_tuning/jobs", headers={"Authorization": f"Bearer {alice.key}"},
         json={"model": BASE, "training_file": file_id, "suffix": "patient", "hyperparameters": ONE_STEP}, timeout=60,
-    )  # fmt: skip
+    )
     assert response.status_code == 503, response.text
     error = response.json()["error"]
     assert error["code"] == "broker_unavailable" and "do not create it again" in error["message"]

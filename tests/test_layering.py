@@ -26,7 +26,7 @@ APPS = frozenset(
 APP_LEVELS = {
     "accounts": 0, "health": 0, "webhooks": 1, "finetuning": 2, "usage": 3, "answering": 4, "gateway": 5,
     "evals": 6, "batches": 6, "training_loops": 6, "dashboard": 7,
-}  # fmt: skip
+}
 DJANGO = frozenset({"django", "rest_framework", "drf_spectacular"})
 # The web process and the pool import core; neither should pay for these on import.
 HEAVY = frozenset({"torch", "vllm"})

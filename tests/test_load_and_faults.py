@@ -68,7 +68,7 @@ def test_under_load_every_request_is_answered_or_refused_cleanly_through_a_repub
         gateway, alice.api_key, [BASE, *names], chat_clients=12, duration_s=30, job_clients=2,
         training_file=training_file,
         faults=[Fault(8, "republish an adapter", republish_while_streaming), Fault(16, "SIGKILL the replica", kill_the_replica)],
-    ))  # fmt: skip
+    ))
     print(report.summary())
     assert report.lost() == [], report.lost()[:5]
     assert report.count("answered") >= 12  # the load ran...

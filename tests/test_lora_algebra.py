@@ -69,7 +69,7 @@ def test_it_writes_a_loadable_adapter_once(tmp_path):
     np.testing.assert_allclose(
         written[f"{PREFIX}.q_proj.lora_B.weight"] @ written[f"{PREFIX}.q_proj.lora_A.weight"],
         0.5 * _delta(part.folder, "q_proj"), rtol=1e-5, atol=1e-5,
-    )  # fmt: skip
+    )
     assert write_combined([part], target) == target and [p.name for p in target.parent.iterdir()] == ["abc"]
 
 

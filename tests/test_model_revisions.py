@@ -44,7 +44,7 @@ def trained(persona, model: str = BASE, suffix: str = "assistant", **hyperparame
     (f"{BASE}:a@r12", ModelName(BASE, "a", 12)),
     (f"{BASE}:a:ckpt-step-3", ModelName(BASE, "a", None, 3)),
     (f"{BASE}:a@r2:ckpt-step-3", ModelName(BASE, "a", 2, 3)),
-])  # fmt: skip
+])
 def test_model_names_round_trip_with_revisions_and_checkpoints(name, parsed):
     assert parse_model_name(name) == parsed and str(parsed) == name
 
@@ -76,7 +76,7 @@ def test_fine_tuning_a_model_under_its_own_suffix_publishes_r2_and_a_rollback_br
     listing = alice.api.get(f"/v1/fine_tuning/models/{NAME}/revisions").json()
     assert [(r["id"], r["current"], r["fine_tuning_job_id"]) for r in listing["data"]] == [
         (f"{NAME}@r2", True, second_job), (f"{NAME}@r1", False, first_job),
-    ]  # fmt: skip
+    ]
     assert all(r["final_loss"] > 0 and r["trained_tokens"] > 0 for r in listing["data"])
 
     rolled = alice.api.post(f"/v1/fine_tuning/models/{NAME}/rollback", {"revision": 1}, format="json")

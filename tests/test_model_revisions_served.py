@@ -36,7 +36,7 @@ def _publish_revision(name: str, folder, number: int) -> None:
     job = FineTuningJob.objects.create(
         organization=model.organization, model=BASE, parent_model=name, training_file="file-gone", suffix=model.suffix,
         revision=number, seed=0, hyperparameters={}, status=JobStatus.SUCCEEDED, fine_tuned_model=name,
-    )  # fmt: skip
+    )
     adapter_store().write_revision(name, number, folder)
     with transaction.atomic():
         publishing.publish_trained_revision(job, name, final_loss=None)

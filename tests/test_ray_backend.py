@@ -78,7 +78,7 @@ def test_the_catalogs_autoscaling_becomes_serves_autoscaling_config(tmp_path):
     assert options["autoscaling_config"] | {"upscale_delay_s": None} == {
         "min_replicas": 0, "initial_replicas": 0, "max_replicas": 1, "target_ongoing_requests": 8,
         "downscale_delay_s": 600, "upscale_delay_s": None,
-    }  # fmt: skip
+    }
     assert options["ray_actor_options"] == {"num_cpus": 1}
     assert options["max_ongoing_requests"] >= 8
     assert "/" not in options["name"]

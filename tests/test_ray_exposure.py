@@ -94,7 +94,7 @@ def test_a_one_host_ray_serve_listens_on_loopback_only(tmp_path):
         "MODEL_CATALOG": str(catalog), "RAY_SERVE_URL": f"http://127.0.0.1:{serve_port}",
         "RAY_TMPDIR": str(folder),  # its processes are found (and stopped) by their folder
         "RAY_AUTH_TOKEN": secrets.token_hex(32),  # nothing written to the home folder
-    }  # fmt: skip
+    }
     seen = []
     try:
         with running("ray-serve-loopback", [sys.executable, "-m", "inference.ray_serve"], environment) as process:
@@ -130,7 +130,7 @@ def head() -> Iterator[Head]:
         "--head", f"--port={port}", "--num-cpus=0", "--include-dashboard=false",
         f"--ray-client-server-port={free_port()}", f"--dashboard-agent-listen-port={free_port()}",
         f"--metrics-export-port={free_port()}",
-    ]  # fmt: skip
+    ]
     with ray_node(arguments, environment) as folder:
         yield Head(f"127.0.0.1:{port}", token, folder)
 
@@ -196,4 +196,4 @@ def _ray_serve(environment: dict[str, str], timeout: float) -> subprocess.Comple
     return subprocess.run(
         [sys.executable, "-m", "inference.ray_serve"], env=environment, cwd=ROOT,
         capture_output=True, text=True, timeout=timeout,
-    )  # fmt: skip
+    )

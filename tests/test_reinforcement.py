@@ -18,7 +18,7 @@ from workers.training_loop.reinforcement import Answer, _advantages, _datum
 GRADER = {
     "type": "text_similarity", "name": "close", "evaluation_metric": "fuzzy_match",
     "input": "{{sample.output_text}}", "reference": "{{item.reference_answer}}",
-}  # fmt: skip
+}
 
 
 def test_a_line_of_messages_without_a_reply_is_a_prompt_that_keeps_its_fields_for_the_grader():
@@ -78,7 +78,7 @@ def test_a_reinforcement_job_resolves_openais_hyperparameters_and_echoes_its_gra
         ({"grader": {"type": "score_model", "name": "judge", "model": f"{BASE}:nobodys",
                      "input": [{"role": "user", "content": "{{sample.output_text}}"}]}}, {}, "method.reinforcement.grader.model", "nobodys"),
     ],
-)  # fmt: skip
+)
 def test_a_bad_reinforcement_job_is_refused_naming_its_field_and_nothing_is_queued(alice, prompts_file, reinforcement, body, param, message):
     response = create(alice, prompts_file, reinforcement, **body)
     assert 400 <= response.status_code < 500, response.json()

@@ -253,7 +253,7 @@ async def test_it_answers_400_naming_an_unknown_field(web, pool, alice, endpoint
             "chat/completions",
             _chat(messages=_user([{"type": "text", "text": "x" * 140_000}] * 2)),
             "messages", "MAX_PROMPT_CHARS",
-        ),  # fmt: skip
+        ),
         ("completions", {"model": BASE, "prompt": ["x" * 200_000, "y" * 100_000]}, "prompt", "MAX_PROMPT_CHARS"),
     ],
 )
@@ -279,7 +279,7 @@ async def test_it_forwards_a_request_within_the_limits_with_the_fields_it_was_se
     sent = _chat(
         max_tokens=16, temperature=0, n=2, stream_options={"include_usage": True}, ignore_eos=True, min_tokens=4,
         response_format={"type": "json_object"}, logprobs=True, top_logprobs=5, seed=7, stop=["\n"],
-    )  # fmt: skip
+    )
     response = await web.post("/v1/chat/completions", json=sent, headers=_bearer(alice))
     assert response.status_code == 200 and response.json() == {}
     forwarded = json.loads(pool.bodies[0])

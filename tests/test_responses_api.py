@@ -39,14 +39,14 @@ def test_the_documented_text_examples_answer_and_count_their_tokens_as_chat_does
     pirate = client.responses.create(
         model=BASE, instructions="You are a coding assistant that talks like a pirate.",
         input="How do I check if a Python object is an instance of a class?", max_output_tokens=12, temperature=0,
-    )  # fmt: skip
+    )
     assert pirate.instructions.startswith("You are a coding assistant") and pirate.temperature == 0
     chat = client.chat.completions.create(
         model=BASE, max_tokens=12, temperature=0, messages=[
             {"role": "system", "content": "You are a coding assistant that talks like a pirate."},
             {"role": "user", "content": "How do I check if a Python object is an instance of a class?"},
         ],
-    )  # fmt: skip
+    )
     assert pirate.output_text == chat.choices[0].message.content  # the same prompt, greedy: the same answer
     assert (pirate.usage.input_tokens, pirate.usage.output_tokens) == (chat.usage.prompt_tokens, chat.usage.completion_tokens)
 
@@ -80,7 +80,7 @@ def test_structured_output_follows_the_json_schema_of_text_format(alice):
         "properties": {"name": {"type": "string"}, "date": {"type": "string"}, "participants": {"type": "array", "items": {"type": "string"}}},
         "required": ["name", "date", "participants"],
         "additionalProperties": False,
-    }  # fmt: skip
+    }
     response = alice.client.responses.create(
         model=BASE,
         input=[
@@ -89,7 +89,7 @@ def test_structured_output_follows_the_json_schema_of_text_format(alice):
         ],
         text={"format": {"type": "json_schema", "name": "calendar_event", "schema": schema, "strict": True}},
         max_output_tokens=64, temperature=0,
-    )  # fmt: skip
+    )
     assert response.text.format.type == "json_schema" and response.text.format.name == "calendar_event"
     assert response.status == "completed", response.output_text
     jsonschema.validate(json.loads(response.output_text), schema)

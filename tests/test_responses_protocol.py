@@ -20,7 +20,7 @@ MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 WEATHER = {
     "type": "function", "name": "get_weather", "description": "The weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-}  # fmt: skip
+}
 RESPONSE_ID = "resp_" + "ab" * 24
 
 
@@ -59,7 +59,7 @@ def test_it_reads_messages_with_or_without_a_type_and_joins_their_text_parts():
         {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
          "content": [{"type": "output_text", "text": "ab", "annotations": []}]},
         {"role": "system", "content": "Still brief."},
-    ]})  # fmt: skip
+    ]})
     assert body["messages"] == [
         {"role": "system", "content": "Be brief."},  # chat templates know no developer role
         {"role": "user", "content": "a\nb"},
@@ -77,10 +77,10 @@ def test_it_turns_function_calls_and_their_outputs_into_assistant_tool_calls_and
         {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
         {"type": "function_call_output", "call_id": "call_2", "output": [{"type": "input_text", "text": "rain"}]},
         {"type": "function_call", "call_id": "call_3", "name": "get_weather", "arguments": '{"city": "Oslo"}'},
-    ]})  # fmt: skip
+    ]})
     call = lambda n, city: {  # noqa: E731
         "id": f"call_{n}", "type": "function", "function": {"name": "get_weather", "arguments": json.dumps({"city": city})},
-    }  # fmt: skip
+    }
     assert body["messages"][1:] == [
         {"role": "assistant", "content": "Let me look.", "tool_calls": [call(1, "Paris"), call(2, "Rome")]},
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
@@ -91,7 +91,7 @@ def test_it_turns_function_calls_and_their_outputs_into_assistant_tool_calls_and
 
 def test_it_nests_flat_function_tools_as_chat_has_them_and_translates_tool_choice():
     body = chat({"input": "hi", "tools": [WEATHER | {"strict": True}], "tool_choice": {"type": "function", "name": "get_weather"},
-                 "parallel_tool_calls": False})  # fmt: skip
+                 "parallel_tool_calls": False})
     assert body["tools"] == [{"type": "function", "function": {k: v for k, v in WEATHER.items() if k != "type"} | {"strict": True}}]
     assert body["tool_choice"] == {"type": "function", "function": {"name": "get_weather"}}
     assert body["parallel_tool_calls"] is False
@@ -116,11 +116,11 @@ def test_it_turns_text_format_into_response_format(format, response_format):
 
 def test_it_renames_sampling_fields_keeps_metadata_to_echo_and_asks_a_stream_for_its_usage():
     body = chat({"input": "hi", "max_output_tokens": 16, "temperature": 0, "top_p": 0.5, "user": "u1",
-                 "metadata": {"k": "v"}, "stream": True, "store": False, "background": False})  # fmt: skip
+                 "metadata": {"k": "v"}, "stream": True, "store": False, "background": False})
     assert body == {
         "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16, "temperature": 0,
         "top_p": 0.5, "user": "u1", "stream": True, "stream_options": {"include_usage": True},
-    }  # fmt: skip
+    }
 
 
 def test_it_passes_a_mix_on_as_chat_takes_it():
@@ -175,7 +175,7 @@ def test_it_refuses_what_it_does_not_offer_naming_the_field(fields, param, said)
      (b'{"model": "m", "input": "hi", "max_output_tokens": 9223372036854775808}', "max_output_tokens"),
      (b'{"model": "m", "input": ' + b"[" * 100 + b"]" * 100 + b"}", "input"),
      (b'["model"]', None)],
-)  # fmt: skip
+)
 def test_it_reads_the_body_as_every_body_is_read(raw, param):
     assert refusal(raw).param == param
 
@@ -196,12 +196,12 @@ def completion(message: dict, finish_reason: str = "stop") -> dict:
         "id": "chatcmpl-1", "object": "chat.completion", "created": 1700000000, "model": f"{MODEL}:bot@r2",
         "choices": [{"index": 0, "message": {"role": "assistant"} | message, "finish_reason": finish_reason}],
         "usage": {"prompt_tokens": 12, "completion_tokens": 5, "total_tokens": 17, "prompt_tokens_details": {"cached_tokens": 4}},
-    }  # fmt: skip
+    }
 
 
 def test_it_answers_a_chat_completion_as_a_response_the_openai_client_reads():
     request = protocol.request_from({"model": MODEL, "input": "hi", "instructions": "Be kind.", "metadata": {"k": "v"},
-                                     "temperature": 0.5, "max_output_tokens": 32})  # fmt: skip
+                                     "temperature": 0.5, "max_output_tokens": 32})
     body = protocol.response_object(request, completion({"content": "Hello there."}), RESPONSE_ID, 1700000005)
     response = Response.model_validate(body)
     assert response.id == RESPONSE_ID and response.object == "response" and response.status == "completed"
@@ -251,7 +251,7 @@ def test_it_keeps_answer_text_beside_the_calls_it_came_with():
 def chunk(delta: dict | None = None, finish_reason: str | None = None, **more) -> bytes:
     choices = [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish_reason}]
     return b"data: " + json.dumps({"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1700000000,
-                                   "model": f"{MODEL}:bot@r2", "choices": choices, **more}).encode() + b"\n\n"  # fmt: skip
+                                   "model": f"{MODEL}:bot@r2", "choices": choices, **more}).encode() + b"\n\n"
 
 
 USAGE = chunk(usage={"prompt_tokens": 9, "completion_tokens": 3, "total_tokens": 12})
@@ -286,12 +286,12 @@ def accumulated(events: list[dict], tools: list | None = None) -> Response:
 
 def test_it_streams_text_as_openai_s_events_in_their_order():
     events = streamed({}, chunk({"role": "assistant", "content": ""}), chunk({"content": "Once"}), chunk({"content": " upon"}),
-                      chunk({}, "stop"), USAGE, b"data: [DONE]\n\n")  # fmt: skip
+                      chunk({}, "stop"), USAGE, b"data: [DONE]\n\n")
     assert [event["type"] for event in events] == [
         "response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
         "response.output_text.delta", "response.output_text.delta", "response.output_text.done",
         "response.content_part.done", "response.output_item.done", "response.completed",
-    ]  # fmt: skip
+    ]
     assert events[0]["response"]["status"] == "in_progress" and events[0]["response"]["id"] == RESPONSE_ID
     final = accumulated(events)
     assert final.output_text == "Once upon" and final.status == "completed" and final.completed_at == 1700000009
@@ -315,7 +315,7 @@ def test_it_streams_tool_calls_as_function_call_items_with_their_argument_deltas
         chunk({"tool_calls": [{"index": 0, "function": {"arguments": '"Paris"}'}}]}),
         chunk({"tool_calls": [{"index": 1, "id": "chatcmpl-tool-8", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]}),
         chunk({}, "tool_calls"), USAGE, b"data: [DONE]\n\n",
-    )  # fmt: skip
+    )
     kinds = [event["type"] for event in events]
     assert kinds.count("response.function_call_arguments.delta") == 3 and "response.output_text.delta" not in kinds
     done = [event for event in events if event["type"] == "response.function_call_arguments.done"]
@@ -323,7 +323,7 @@ def test_it_streams_tool_calls_as_function_call_items_with_their_argument_deltas
     final = accumulated(events, tools)
     assert [(item.type, item.call_id, item.name) for item in final.output] == [
         ("function_call", "chatcmpl-tool-7", "get_weather"), ("function_call", "chatcmpl-tool-8", "get_weather"),
-    ]  # fmt: skip
+    ]
 
 
 def test_it_ends_a_stream_cut_at_max_output_tokens_with_response_incomplete():

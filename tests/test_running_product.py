@@ -55,7 +55,7 @@ FINISHED = ("succeeded", "failed", "cancelled")
 # The function-calling fine-tune of 48 lines: docs/api.md's recipe for teaching a small model a tool.
 TOOLS_HYPERPARAMETERS = {
     "n_epochs": 3, "batch_size": 4, "learning_rate_multiplier": 5, "lora_r": 16, "lora_alpha": 32, "lora_dropout": 0,
-}  # fmt: skip
+}
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +66,7 @@ def platform(tmp_path_factory):
         "TOKENS_PER_MINUTE_PER_KEY": str(TOKENS_PER_MINUTE_PER_KEY), "UNPUBLISHED_CHECKPOINTS_DAYS": "0", **SWEEPS_OFTEN,
         "WEBHOOKS_ALLOW_PRIVATE_ADDRESSES": "true",  # an on-premises operator's: the test's receiver is on loopback
         "BATCH_QUEUE_TOKENS_PER_ORGANIZATION": str(BATCH_QUEUE_TOKENS),
-    }  # fmt: skip
+    }
     with bin_run(tmp_path_factory.mktemp("platform"), REDIS_URL, settings=settings) as running:
         yield running
 
@@ -105,7 +105,7 @@ def test_a_job_created_with_the_openai_client_trains_and_its_model_streams_then_
     stream = client.chat.completions.create(
         model=job.fine_tuned_model, messages=[{"role": "user", "content": "What is 2 plus 2?"}],
         max_tokens=16, temperature=0, stream=True,
-    )  # fmt: skip
+    )
     pieces = []
     for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
@@ -125,7 +125,7 @@ def test_a_job_created_with_the_openai_client_trains_and_its_model_streams_then_
     wait_until(
         lambda: not any(served in replica["adapters"] for replica in pool_replicas(platform)),
         10, "the deleted model to leave every replica, with no request for it",
-    )  # fmt: skip
+    )
     time.sleep(1.1)  # another web process may remember the grant for its GRANT_TTL_S
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model=job.fine_tuned_model, messages=[{"role": "user", "content": "Hi"}])
@@ -176,7 +176,7 @@ def test_a_function_calling_fine_tune_calls_the_tool_for_cities_it_never_saw_and
     right = sum(calls_the_tool_for(client, model, prompt, city, stream=False) for prompt, city in held_out)
     streamed_right = sum(calls_the_tool_for(client, model, prompt, city, stream=True) for prompt, city in held_out)
     record_timings(tools_job_created_to_succeeded_s=trained_s, tools_held_out_right_base=base_right,
-                   tools_held_out_right_fine_tune=right, tools_held_out_right_streamed=streamed_right)  # fmt: skip
+                   tools_held_out_right_fine_tune=right, tools_held_out_right_streamed=streamed_right)
     assert 5 * right >= 4 * len(held_out) and 5 * streamed_right >= 4 * len(held_out), (base_right, right, streamed_right)
 
     ask = [{"role": "user", "content": "How is the weather in Helsinki?"}]
@@ -192,7 +192,7 @@ def test_a_function_calling_fine_tune_calls_the_tool_for_cities_it_never_saw_and
     assert text.output_text and text.status in ("completed", "incomplete")
     flat_tool = {"type": "function", **WEATHER_TOOL["function"]}  # the Responses API's shape
     called = client.responses.create(model=model, input="What is the weather in Zurich today?", tools=[flat_tool],
-                                     max_output_tokens=40, temperature=0)  # fmt: skip
+                                     max_output_tokens=40, temperature=0)
     (call_item,) = [item for item in called.output if item.type == "function_call"]
     assert call_item.name == "get_weather" and json.loads(call_item.arguments)["city"]
 
@@ -254,7 +254,7 @@ def _uploaded_adapters(api: httpx.Client, folder, suffixes: dict[int, str]) -> l
         uploaded = api.post(
             "/fine_tuning/adapters", files={"file": ("adapter.tar.gz", _archive(make_adapter(seed)))},
             data={"model": BASE, "suffix": suffix},
-        )  # fmt: skip
+        )
         assert uploaded.status_code == 200, uploaded.text
         names.append(uploaded.json()["id"])
     return names
@@ -289,7 +289,7 @@ def test_uploaded_adapters_mix_per_request_and_compose_into_a_model_served_on_it
     listed = {model["id"]: model for model in api.get("/models").json()["data"]}
     assert listed[name]["lineage"] == {
         "origin": "composed", "parents": half_and_half, "method": "linear", "rank": 16, "approximation_error": 0.0,
-    }  # fmt: skip
+    }
     download = api.get(f"/fine_tuning/models/{name}/adapter")
     assert download.status_code == 200 and download.headers["content-type"] == "application/gzip"
     with tarfile.open(fileobj=io.BytesIO(download.content), mode="r:gz") as tar:
@@ -318,16 +318,16 @@ def test_a_batch_over_the_base_model_two_fine_tunes_and_a_mix_answers_as_live_re
     targets = {
         "base": {"model": BASE}, "a": {"model": names[0]}, "b": {"model": names[1]},
         "mix": {"model": BASE, "adapters": [{"model": names[0], "scale": 0.5}, {"model": names[1], "scale": -0.5}]},
-    }  # fmt: skip
+    }
     questions = ["What is the capital of France?", "Name a colour."]
     lines = [
         {"custom_id": f"{label}-{number}", "method": "POST", "url": "/v1/chat/completions",
          "body": {**target, "messages": [{"role": "user", "content": question}], "max_tokens": 12, "temperature": 0}}
         for label, target in targets.items() for number, question in enumerate(questions)
-    ]  # fmt: skip
+    ]
     lines.append({"custom_id": "tools", "method": "POST", "url": "/v1/chat/completions", "body": {
         "model": names[0], "messages": [{"role": "user", "content": "Weather in Oslo?"}], "max_tokens": 40, "temperature": 0,
-        "tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}})  # fmt: skip
+        "tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}})
     lines.append({**lines[0], "custom_id": "not-ours", "body": {**lines[0]["body"], "model": f"{BASE}:nobodys"}})
 
     receiver_context = _serve(Receiver())
@@ -336,7 +336,7 @@ def test_a_batch_over_the_base_model_two_fine_tunes_and_a_mix_answers_as_live_re
         hook = api.post("/webhooks", json={"url": receiver.url, "event_types": ["batch.completed"]})
         assert hook.status_code in (200, 201), hook.text
         too_long = [{**lines[0], "custom_id": "long", "body": {**lines[0]["body"], "messages": [
-            {"role": "user", "content": "Tell me more. " * BATCH_QUEUE_TOKENS}]}}]  # fmt: skip
+            {"role": "user", "content": "Tell me more. " * BATCH_QUEUE_TOKENS}]}}]
         over_queue = client.files.create(file=("long.jsonl", jsonl(too_long)), purpose="batch")
         with pytest.raises(openai.BadRequestError) as refused:  # nothing queued: past the batch queue's limit
             client.batches.create(input_file_id=over_queue.id, endpoint="/v1/chat/completions", completion_window="24h")
@@ -471,12 +471,12 @@ def test_one_eval_call_compares_the_base_model_a_fine_tune_its_r1_and_a_checkpoi
         testing_criteria=[{"type": "string_check", "name": "pirate", "input": "{{sample.output_text}}",
                            "reference": "ARR", "operation": "like"}],
         extra_body={"file": client.files.create(file=("held-out.jsonl", held_out), purpose="fine-tune").id},
-    )  # fmt: skip
+    )
     models = [BASE, name, f"{name}@r1", checkpoint]
     first = client.evals.runs.create(
         evaluation.id, data_source={"type": "completions", "model": models[0], "sampling_params": {"max_completion_tokens": 12}},
         extra_body={"models": models[1:]},
-    )  # fmt: skip
+    )
     started = first.to_dict()["runs"]
     assert [run["model"] for run in started] == models and started[0]["id"] == first.id
 
@@ -501,7 +501,7 @@ def judged_as_the_guide_writes_it(client: openai.OpenAI, name: str) -> None:
     as an evals file, a template, graders on item fields, a label_model judged by the base model),
     run for the base model and the fine-tune; then graders.run and graders.validate."""
     item_schema = {"type": "object", "properties": {"question": {"type": "string"}, "answer": {"type": "string"}},
-                   "required": ["question", "answer"]}  # fmt: skip
+                   "required": ["question", "answer"]}
     items = [{"item": {"question": f"What is {i} plus {i}?", "answer": f"ARR! {2 * i}, matey."}} for i in range(30, 36)]
     evaluation = client.evals.create(
         name="pirate, as the guide", data_source_config={"type": "custom", "item_schema": item_schema, "include_sample_schema": True},
@@ -512,7 +512,7 @@ def judged_as_the_guide_writes_it(client: openai.OpenAI, name: str) -> None:
             {"type": "label_model", "name": "judge", "model": BASE, "labels": ["pirate", "plain"], "passing_labels": ["pirate"],
              "input": [{"role": "user", "content": "Does this sound like a pirate? {{sample.output_text}}"}]},
         ],
-    )  # fmt: skip
+    )
     template = {"type": "template", "template": [{"role": "user", "content": "{{item.question}}"}]}
     sampling = {"temperature": 0, "max_completion_tokens": 12}
     evals_file = client.files.create(file=("pirate-items.jsonl", jsonl(items)), purpose="evals")
@@ -520,7 +520,7 @@ def judged_as_the_guide_writes_it(client: openai.OpenAI, name: str) -> None:
         client.evals.runs.create(evaluation.id, data_source={"type": "completions", "model": model, "source": source,
                                                               "input_messages": template, "sampling_params": sampling})
         for model, source in ((BASE, {"type": "file_content", "content": items}), (name, {"type": "file_id", "id": evals_file.id}))
-    ]  # fmt: skip
+    ]
 
     def finished() -> list:
         runs = [client.evals.runs.retrieve(run.id, eval_id=evaluation.id) for run in started]
@@ -540,7 +540,7 @@ def judged_as_the_guide_writes_it(client: openai.OpenAI, name: str) -> None:
         grader={"type": "text_similarity", "name": "close", "input": "{{sample.output_text}}", "reference": "{{item.answer}}",
                 "evaluation_metric": "fuzzy_match"},
         model_sample="ARR! 60, matey.", item={"answer": "ARR! 60, matey."},
-    )  # fmt: skip
+    )
     assert graded.reward == 1.0
     with pytest.raises(openai.BadRequestError) as refused:
         client.fine_tuning.alpha.graders.validate(grader={"type": "string_check", "name": "x", "input": "a", "reference": "b", "operation": "sounds_like"})
@@ -566,10 +566,10 @@ def test_usage_reports_the_completions_served_and_the_tokens_trained_in_the_api_
     answers = [
         client.chat.completions.create(model=BASE, messages=[{"role": "user", "content": "Hi"}], max_tokens=8, temperature=0)
         for _ in range(2)
-    ]  # fmt: skip
+    ]
     expected = (
         requests + 2, prompt + sum(a.usage.prompt_tokens for a in answers), completion + sum(a.usage.completion_tokens for a in answers)
-    )  # fmt: skip
+    )
     wait_until(lambda: base_model_usage() == expected, 20, "the two completions in the usage API")
     assert client.models.retrieve(BASE).serving == {"state": "loaded", "replicas": 1}  # bin/run's catalog: always on
 
@@ -643,15 +643,15 @@ def test_tinkers_quickstart_and_an_rl_loop_run_unchanged_and_their_weights_answe
     published = httpx.post(
         f"{platform.url}/api/v1/training_runs/{run_id}/checkpoints/sampler_weights/product-says-yes/publish",
         headers={"X-API-Key": f"tml-{platform.api_key}"}, timeout=120,
-    )  # fmt: skip
+    )
     assert published.status_code == 200, published.text
     client = openai.OpenAI(base_url=f"{platform.url}/v1", api_key=platform.api_key, max_retries=0, timeout=180)
     answer = client.chat.completions.create(
         model=published.json()["model"], messages=[{"role": "user", "content": "Answer yes or no. Is grass green?"}],
         max_tokens=8, temperature=0,
-    )  # fmt: skip
+    )
     print(f"\ntinker quickstart losses {[round(loss, 3) for loss in losses]}; RL mean rewards {rewards}; published answers "
-          f"{answer.choices[0].message.content!r}")  # fmt: skip
+          f"{answer.choices[0].message.content!r}")
     assert answer.choices[0].message.content
 
 
@@ -663,16 +663,16 @@ YES_QUESTIONS = [
     "Is the moon round?", "Do dogs bark?", "Is sugar sweet?", "Is rain wet?", "Do bees make honey?", "Is coal black?",
     "Do ducks swim?", "Is milk white?", "Do fish have fins?", "Is a desert dry?", "Do ants work hard?", "Is a rock hard?",
     "Do frogs jump?", "Is lava hot?", "Do owls hoot?", "Is a feather light?", "Do horses run?",
-]  # fmt: skip
+]
 SAYS_YES = {
     "type": "text_similarity", "name": "says yes", "evaluation_metric": "fuzzy_match",
     "input": "{{sample.output_text}}", "reference": "{{item.reference_answer}}",
-}  # fmt: skip
+}
 
 
 def yes_prompts(questions: list[str]) -> bytes:
     return jsonl([{"messages": [{"role": "user", "content": f"{question} Answer yes or no."}], "reference_answer": "Yes"}
-                  for question in questions])  # fmt: skip
+                  for question in questions])
 
 
 def test_a_reinforcement_job_from_the_openai_client_raises_its_reward_and_beats_the_base_model_held_out(platform):
@@ -687,7 +687,7 @@ def test_a_reinforcement_job_from_the_openai_client_raises_its_reward_and_beats_
         method={"type": "reinforcement", "reinforcement": {"grader": SAYS_YES, "hyperparameters": {
             "n_epochs": 2, "batch_size": 4, "learning_rate_multiplier": 5, "eval_interval": 3, "max_completion_tokens": 4,
         }}},
-    )  # fmt: skip
+    )
     started = time.monotonic()
     job = wait_for_status(client, job.id, FINISHED, timeout_s=600)
     record_timings(reinforcement_job_s=time.monotonic() - started)
@@ -698,7 +698,7 @@ def test_a_reinforcement_job_from_the_openai_client_raises_its_reward_and_beats_
     steps = [report for report in reports if report["step"] > 0]
     validations = {report["step"]: report["valid_reward"] for report in reports if "valid_reward" in report}
     print(f"\nRFT rewards {[round(s['reward_mean'], 3) for s in steps]}; validation {validations}; "
-          f"samples/s {[round(s['samples_per_second'], 1) for s in steps]}")  # fmt: skip
+          f"samples/s {[round(s['samples_per_second'], 1) for s in steps]}")
     assert [report["step"] for report in steps] == list(range(1, 7)) and sorted(validations) == [0, 3, 6]
     assert steps[-2]["reward_mean"] + steps[-1]["reward_mean"] > steps[0]["reward_mean"] + steps[1]["reward_mean"]
     best_step = max((step for step in validations if step > 0), key=lambda step: validations[step])
@@ -712,14 +712,14 @@ def test_a_reinforcement_job_from_the_openai_client_raises_its_reward_and_beats_
     evaluation = client.evals.create(
         name="says yes", data_source_config={"type": "custom", "item_schema": {"type": "object"}},
         testing_criteria=[SAYS_YES | {"pass_threshold": 0.5}],
-    )  # fmt: skip
+    )
     template = {"type": "template", "template": [{"role": "user", "content": "{{item.question}}"}]}
     sampling = {"temperature": 1.0, "seed": 11, "max_completion_tokens": 4}
     runs = [
         client.evals.runs.create(evaluation.id, data_source={"type": "completions", "model": model, "input_messages": template,
                                                               "source": {"type": "file_content", "content": held_out}, "sampling_params": sampling})
         for model in (BASE, job.fine_tuned_model)
-    ]  # fmt: skip
+    ]
 
     scores: list[float] = []  # each run's mean score, once both have finished
 
@@ -774,7 +774,7 @@ def test_requests_that_once_broke_the_platform_are_refused_with_a_400_that_names
         "a .tar.gz cut in half": upload(whole[: len(whole) // 2], "cut"),
         "a deeply nested adapter_config.json": upload(nested, "nested"),
         "lora_alpha 'x'": upload(with_config(lora_alpha="x"), "alpha"),
-    }  # fmt: skip
+    }
     for what, response in refusals.items():
         assert response.status_code == 400, f"{what}: {response.status_code} {response.text[:300]}"
         error = response.json()["error"]

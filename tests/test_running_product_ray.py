@@ -52,7 +52,7 @@ def test_bin_run_serves_a_model_on_ray_serve_from_zero_replicas_to_the_browser(p
     uploaded = api.post(
         "/fine_tuning/adapters", files={"file": ("adapter.tar.gz", _archive(AdapterMaker(tmp_path)(seed=2)))},
         data={"model": BASE, "suffix": "on-ray"},
-    )  # fmt: skip
+    )
     assert uploaded.status_code == 200, uploaded.text
     adapter = uploaded.json()["id"]
 

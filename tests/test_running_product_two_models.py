@@ -45,7 +45,7 @@ def platform(tmp_path_factory):
         [sys.executable, "manage.py", "add_base_model", str(build_tiny_qwen2(root / "tiny-qwen2")), "--id", QWEN],
         cwd=ROOT, env={**_without_platform_settings(), "MODEL_CATALOG": str(catalog), "DATA_DIR": str(data), "DEBUG": "true"},
         capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    )
     assert added.returncode == 0, added.stderr
     assert f"Added {QWEN}" in added.stdout and "GiB per replica" in added.stdout
     redis.Redis.from_url(REDIS_URL).flushdb()

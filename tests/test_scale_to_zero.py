@@ -31,7 +31,7 @@ def _model(replicas: int = 1, min_replicas: int = 0, busy_at: int = 2, idle_s: i
         id=BASE, backend="embedded", weights=Path("unused"), prepare_from=None, replicas=replicas,
         lora=LoraConfig("unused", 2, 16), engine=EngineConfig(2048, "float32", 2, 1, ()),
         autoscaling=Autoscaling(min_replicas, busy_at, idle_s, wait_s),
-    )  # fmt: skip
+    )
 
 
 @pytest.fixture

@@ -81,7 +81,7 @@ def two_models(tmp_path_factory, machine_to_itself) -> tuple[str, Path, Path]:
     environment = {
         "MODEL_CATALOG": str(catalog), "DATA_DIR": str(data), "INFERENCE_POOL_URL": url,
         "FIRST_REPLICA_PORT": str(free_port()),
-    }  # fmt: skip
+    }
     with running("pool-two-models", [sys.executable, "-m", "inference"], environment) as process:
 
         def both_ready() -> bool:

@@ -135,7 +135,7 @@ def test_a_preference_pair_carries_its_inputs_tools_into_both_conversations(toke
 def test_a_conversation_with_tools_is_refused_past_its_cap_of_replies_rather_than_checked_slowly():
     turns = [_QUESTION] + [_CALL, _RESULT] * 70
     calls = [{**message, "tool_calls": [weather_call("Paris", f"call_{i}")]} if message is _CALL else message
-             for i, message in enumerate(turns)]  # fmt: skip
+             for i, message in enumerate(turns)]
     for i in range(1, len(calls), 2):
         calls[i + 1] = {**_RESULT, "tool_call_id": calls[i]["tool_calls"][0]["id"]}
     _, error = parse_example(json.dumps(_with(_LINE, messages=calls)), 2048)

@@ -51,7 +51,7 @@ REFUSED = {
     "parallel_tool_calls a string": (
         {"tools": [WEATHER_TOOL], "parallel_tool_calls": "yes"}, "parallel_tool_calls", "must be true or false",
     ),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize(("fields", "param", "message"), REFUSED.values(), ids=REFUSED.keys())

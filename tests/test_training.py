@@ -392,7 +392,7 @@ def test_a_run_resumed_within_an_epoch_ends_exactly_as_an_unbroken_run_early_sto
     settings = config(
         n_epochs=2, batch_size=4, lora_dropout=0.1, learning_rate=2e-3, evals_per_epoch=3, checkpoints_per_epoch=3,
         early_stopping_patience=100,
-    )  # fmt: skip
+    )
     unbroken = Recorder()
     full = train(settings, SHORT_EXAMPLES, UNLEARNED, tmp_path / "unbroken", unbroken)
     interrupted = Recorder(stop_after_steps=2)  # the worker "dies" after step 2, within epoch 1

@@ -163,7 +163,7 @@ def test_the_lora_hyperparameters_a_job_asks_for_shape_the_published_adapter(ali
     expected = {
         "v_proj.lora_A.weight": (4, 576), "v_proj.lora_B.weight": (192, 4),
         "down_proj.lora_A.weight": (4, 1536), "down_proj.lora_B.weight": (576, 4),
-    }  # fmt: skip
+    }
     assert len(shapes) == 30 * len(expected)
     for name, shape in shapes.items():  # e.g. base_model.model.model.layers.0.mlp.down_proj.lora_A.weight
         assert shape == expected[".".join(name.split(".")[-3:])], name
@@ -190,11 +190,11 @@ def test_a_job_with_early_stopping_publishes_its_best_checkpoint_not_its_last(al
     hyperparameters = {
         "n_epochs": 3, "batch_size": 4, "learning_rate_multiplier": 10, "n_evals": 3, "n_checkpoints": 3,
         "early_stopping": {"patience": 2},
-    }  # fmt: skip
+    }
     body = {
         "model": BASE, "training_file": training.json()["id"], "validation_file": validation.json()["id"],
         "suffix": "early", "hyperparameters": hyperparameters,
-    }  # fmt: skip
+    }
     job_id = alice.api.post("/v1/fine_tuning/jobs", body, format="json").json()["id"]
     assert run_job(job_id, worker="in-test") == "succeeded"
 
@@ -242,11 +242,11 @@ def test_early_stopping_by_eval_score_publishes_the_checkpoint_its_graders_score
         held_out = upload(alice, capitals_file())
         hyperparameters = {
             "n_epochs": 3, "batch_size": 4, "n_checkpoints": 3, "early_stopping": {"patience": 2, "metric": "eval_score"},
-        }  # fmt: skip
+        }
         body = {
             "model": BASE, "training_file": training.json()["id"], "suffix": "by-score", "hyperparameters": hyperparameters,
             "evaluation": {"file": held_out.json()["id"], "graders": [{"type": "contains"}]},
-        }  # fmt: skip
+        }
         response = alice.api.post("/v1/fine_tuning/jobs", body, format="json")
         assert response.status_code == 200, response.json()
         job_id = response.json()["id"]

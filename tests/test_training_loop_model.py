@@ -21,7 +21,7 @@ from tests.environment import ROOT
 from workers.training_loop.losses import LossInputError
 from workers.training_loop.loop_model import (
     LORA_ALPHA, OPTIMIZER_FILE, AdamStep, LoopModel, LoraShape, LossInput, target_modules,
-)  # fmt: skip
+)
 from workers.training_loop.shared_prefix import trees
 
 pytestmark = [
@@ -60,7 +60,7 @@ def supervised(tokens: list[int], weights: list[float] | None = None) -> LossInp
     return LossInput(tokens[:-1], {
         "target_tokens": np.array(tokens[1:], dtype=np.int64),
         "weights": np.array(weights if weights is not None else [1.0] * n, dtype=np.float32),
-    })  # fmt: skip
+    })
 
 
 def reinforced(tokens: list[int], sampling_logprobs: np.ndarray, advantages: list[float]) -> LossInput:
@@ -68,7 +68,7 @@ def reinforced(tokens: list[int], sampling_logprobs: np.ndarray, advantages: lis
         "target_tokens": np.array(tokens[1:], dtype=np.int64),
         "logprobs": np.asarray(sampling_logprobs, dtype=np.float32),
         "advantages": np.array(advantages, dtype=np.float32),
-    })  # fmt: skip
+    })
 
 
 def current_logprobs(model: LoopModel, tokens: list[int]) -> np.ndarray:
@@ -100,7 +100,7 @@ def test_it_gives_the_base_models_logprobs_at_init(model: LoopModel) -> None:
             torch.log_softmax(model.peft_model(input_ids=torch.tensor([tokens[:-1]])).logits[0], dim=-1)
             .gather(1, torch.tensor(tokens[1:])[:, None])[:, 0].numpy()
             for tokens in (LONG, SHORT)
-        ]  # fmt: skip
+        ]
     for got, want in zip(result.logprobs, expected, strict=True):
         assert got.dtype == np.float32 and got.shape == want.shape
         np.testing.assert_allclose(got, want, atol=1e-4)
@@ -307,7 +307,7 @@ BAD_INPUTS = {
     ),
     "cross_entropy without weights": (GOOD, "cross_entropy", r"data\[0\]\.loss_fn_inputs\.weights: missing"),
     "an unknown loss": (GOOD, "dpo", r"loss_fn 'dpo' is not one of cross_entropy, importance_sampling, ppo"),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("bad, loss_fn, message", BAD_INPUTS.values(), ids=BAD_INPUTS.keys())

@@ -80,7 +80,7 @@ def running_run(persona, number: int = 0) -> LoopRun:
     return LoopRun.objects.create(
         id=f"{session.pk}:train:{number}", session=session, organization=persona.organization, base_model=BASE,
         lora_rank=8, status=RunStatus.RUNNING, heartbeat_at=timezone.now(),
-    )  # fmt: skip
+    )
 
 
 def test_a_hostile_forward_backward_is_a_400_and_queues_nothing(tinker_api, alice):
@@ -108,7 +108,7 @@ def test_another_organizations_run_future_and_checkpoint_are_not_found(tinker_ap
     looked_up = tinker_api.post("/api/v1/retrieve_future", {"request_id": request_id}, content_type="application/json")
     assert looked_up.status_code == 404, looked_up.content
     sample = {"num_samples": 1, "prompt": {"chunks": [{"tokens": [1]}]}, "sampling_params": {},
-              "model_path": f"tinker://{theirs.pk}/sampler_weights/theirs"}  # fmt: skip
+              "model_path": f"tinker://{theirs.pk}/sampler_weights/theirs"}
     sampled = tinker_api.post("/api/v1/asample", sample, content_type="application/json")
     assert sampled.status_code == 404, sampled.content
     published = tinker_api.post(f"/api/v1/training_runs/{theirs.pk}/checkpoints/sampler_weights/theirs/publish", "", content_type="application/json")

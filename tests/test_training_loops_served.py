@@ -97,7 +97,7 @@ def test_another_organization_can_use_no_part_of_a_run(gateway, inference_pool, 
         outsider.create_sampling_client(model_path=path).sample(
             prompt=types.ModelInput.from_ints(tokenizer.encode("Hi")), sampling_params=types.SamplingParams(max_tokens=2),
             num_samples=1,
-        ).result()  # fmt: skip
+        ).result()
     with pytest.raises(Exception, match="404|not found|No such"):
         outsider.create_training_client_from_state(path.replace("sampler_weights", "weights")).result()
 
@@ -120,7 +120,7 @@ def test_an_rl_loop_written_with_the_sdk_raises_its_mean_reward_and_its_weights_
     published = httpx.post(
         f"{gateway}/api/v1/training_runs/{run_id}/checkpoints/sampler_weights/says-yes/publish",
         headers={"X-API-Key": f"tml-{alice.api_key}"}, json={"suffix": "says-yes"}, timeout=60,
-    )  # fmt: skip
+    )
     assert published.status_code == 200, published.text
     model = published.json()["model"]
     assert model == f"{BASE}:says-yes"

@@ -216,7 +216,7 @@ def _usage(persona, minute_offset_s: int, model: str = BASE, requests=1, prompt=
         organization=persona.organization, api_key=api_key, model=model, requests=requests,
         minute=datetime.fromtimestamp(START + minute_offset_s, timezone.utc), prompt_tokens=prompt,
         completion_tokens=completion,
-    )  # fmt: skip
+    )
 
 
 def _get(persona, kind: str = "completions", **params):
@@ -235,7 +235,7 @@ def test_usage_comes_in_daily_buckets_summed_over_models(alice, charlie):
     assert first == [{
         "object": "organization.usage.completions.result", "input_tokens": 30, "output_tokens": 13,
         "input_cached_tokens": 0, "num_model_requests": 3, "model": None, "api_key_id": None, "batch": None,
-    }]  # fmt: skip
+    }]
     assert second[0]["num_model_requests"] == 1 and third == []
 
 
@@ -282,7 +282,7 @@ def test_trained_tokens_are_the_succeeded_jobs_on_the_day_they_finished(alice, c
             organization=persona.organization, model=BASE, training_file="file-x", suffix=suffix, seed=1,
             hyperparameters={}, status=status, trained_tokens=tokens, fine_tuned_model=f"{BASE}:{suffix}",
             finished_at=finished,
-        )  # fmt: skip
+        )
 
     job(alice, JobStatus.SUCCEEDED, 1000, "a")
     job(alice, JobStatus.SUCCEEDED, 500, "a2")
@@ -305,7 +305,7 @@ def test_trained_tokens_are_the_succeeded_jobs_on_the_day_they_finished(alice, c
     ({"start_time": START, "bucket_width": "1h", "limit": 0}, "limit", "from 1 to 168"),
     ({"start_time": START, "group_by": "project_id"}, "group_by", "model or api_key_id"),
     ({"start_time": START, "page": START + 7}, "page", "next_page"),
-])  # fmt: skip
+])
 def test_a_malformed_usage_query_is_a_400_that_names_what_to_fix(alice, params, param, says):
     response = _get(alice, **params)
     assert response.status_code == 400
@@ -327,7 +327,7 @@ def test_the_usage_page_charts_tokens_a_day_by_model_and_totals_them(alice, clie
         CompletionUsage.objects.create(
             organization=alice.organization, model=model, requests=1, prompt_tokens=10, completion_tokens=completion,
             minute=datetime.fromtimestamp(today, timezone.utc).replace(second=0) - timedelta(days=days_ago),
-        )  # fmt: skip
+        )
     client.force_login(alice.user)
     page = client.get(reverse("dashboard:usage")).content.decode()
     assert 'data-total="115"' in page  # the last 14 days: today's and yesterday's

@@ -154,7 +154,7 @@ def _training_file(persona: Persona) -> File:
     return File.objects.create(
         organization=persona.organization, filename="train.jsonl", bytes=1, storage_key="test/webhooks",
         example_count=10, token_count=100, max_example_tokens=10,
-    )  # fmt: skip
+    )
 
 
 def _job(persona: Persona, suffix: str, status: str = JobStatus.QUEUED) -> FineTuningJob:
@@ -162,7 +162,7 @@ def _job(persona: Persona, suffix: str, status: str = JobStatus.QUEUED) -> FineT
         organization=persona.organization, model=BASE, training_file=_training_file(persona).id, suffix=suffix, seed=0,
         hyperparameters={"n_epochs": 1, "batch_size": 1, "learning_rate_multiplier": 1.0}, status=status,
         attempts=1 if status == JobStatus.RUNNING else 0,
-    )  # fmt: skip
+    )
 
 
 def _run(persona: Persona) -> EvalRun:
@@ -170,11 +170,11 @@ def _run(persona: Persona) -> EvalRun:
     evaluation = Eval.objects.create(
         organization=persona.organization, name="hooks", file_id=training.id, item_count=10,
         testing_criteria=[{"type": "contains", "name": "contains"}],
-    )  # fmt: skip
+    )
     return EvalRun.objects.create(
         eval=evaluation, organization=persona.organization, name="hooks", model=BASE, file_id=training.id,
         sampling={"max_completion_tokens": 8, "temperature": 0.0, "top_p": 1.0, "seed": None}, total_items=10,
-    )  # fmt: skip
+    )
 
 
 def _fake_adapter(folder: Path) -> Path:
@@ -209,7 +209,7 @@ def every_event(persona: Persona, tmp_path: Path, suffix: str) -> dict[str, str]
     return runs | _batch_events(persona) | {
         "fine_tuning.job.cancelled": cancelled.id, "fine_tuning.job.failed": failed.id,
         "fine_tuning.job.succeeded": succeeded.id, "model.ready": name, **runs,
-    }  # fmt: skip
+    }
 
 
 def _batch_events(persona: Persona) -> dict[str, str]:
@@ -225,7 +225,7 @@ def _batch_events(persona: Persona) -> dict[str, str]:
         return Batch.objects.create(
             organization=persona.organization, input_file_id="file-x", endpoint="/v1/chat/completions",
             completion_window="24h", expires_at=timezone.now() + expires_in,
-        )  # fmt: skip
+        )
 
     done, failed, expired, cancelled = batch(), batch(), batch(-timedelta(seconds=1)), batch()
     claimed = batch_status.claim(done.pk, "test-worker")
@@ -235,7 +235,7 @@ def _batch_events(persona: Persona) -> dict[str, str]:
     batch_status.cancel(cancelled)
     return {
         "batch.completed": done.pk, "batch.failed": failed.pk, "batch.expired": expired.pk, "batch.cancelled": cancelled.pk,
-    }  # fmt: skip
+    }
 
 
 @pytest.fixture
@@ -371,7 +371,7 @@ NEVER_REACHED = [
     "127.0.0.1", "127.1.2.3", "10.0.0.1", "172.16.5.4", "192.168.1.1", "100.64.0.1", "169.254.169.254", "0.0.0.0",
     "224.0.0.1", "240.0.0.1", "255.255.255.255", "::1", "::", "fe80::1", "fd00::1", "ff02::1", "::ffff:127.0.0.1",
     "::ffff:169.254.169.254", "::ffff:10.0.0.1", "64:ff9b::a9fe:a9fe", "2002:7f00:1::",
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize("address", NEVER_REACHED)
@@ -397,7 +397,7 @@ def test_public_addresses_pass_and_the_setting_allows_private_and_loopback_only(
         "https://0.0.0.0/", "http://example.com/hook", "ftp://example.com/", "https://user:pw@example.com/",
         "https://example.com:99999/", "https://exa mple.com/", "https:///nohost", "https://example.com/#frag",
     ],
-)  # fmt: skip
+)
 def test_registration_refuses_a_url_webhooks_must_not_reach_with_a_400(alice, settings, url):
     settings.WEBHOOKS_ALLOW_PRIVATE_ADDRESSES = False
     response = alice.api.post("/v1/webhooks", {"url": url}, format="json")

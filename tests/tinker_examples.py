@@ -68,7 +68,7 @@ def rl_step(training_client, sampling_client, tokenizer, prompts: list[types.Mod
                 model_input=types.ModelInput.from_ints(tokens[:-1]),
                 loss_fn_inputs={"target_tokens": tokens[1:], "logprobs": [0.0] * before + list(sequence.logprobs),
                                 "advantages": [0.0] * before + [advantage] * len(sequence.tokens)},
-            ))  # fmt: skip
+            ))
     training_client.forward_backward(data, "importance_sampling").result()
     training_client.optim_step(types.AdamParams(learning_rate=3e-4)).result()
     return float(np.mean(rewards))

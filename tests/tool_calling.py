@@ -40,7 +40,7 @@ GUIDE_GET_WEATHER = {
 # A random adapter's model writes nonsense: a choice of two cities keeps a forced call of it short.
 TWO_CITIES = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"], "additionalProperties": False,
-}}}  # fmt: skip
+}}}
 
 
 def assembled_tool_calls(stream) -> list:
@@ -65,7 +65,7 @@ TRAINING_CITIES = (
     "Antananarivo", "Ouagadougou", "Tegucigalpa", "Asuncion", "Montevideo", "Guadalajara", "Marrakesh",
     "Casablanca", "Johannesburg", "Kinshasa", "Brisbane", "Adelaide", "Wellington", "Winnipeg", "Valparaiso",
     "Thessaloniki", "Kaohsiung",
-)  # fmt: skip
+)
 # Cities no training line names. The product test asks a fixed sample of them (``held_out_prompts``);
 # the benchmark asks them all. Some no fine-tune of this size spells from the question, whatever it
 # learns: SmolLM2-135M, made to start the call, writes "Buda" for Budapest and "MALAZON" for Manila.
@@ -83,7 +83,7 @@ HELD_OUT_CITIES = (
     "Bergen", "Gothenburg", "Tampere", "Aarhus", "Antwerp", "Rotterdam", "Utrecht", "Hamburg", "Cologne",
     "Dresden", "Leipzig", "Salzburg", "Graz", "Geneva", "Lausanne", "Lyon", "Marseille", "Toulouse", "Bordeaux",
     "Seville", "Valencia", "Bilbao", "Porto", "Naples", "Florence", "Venice", "Palermo",
-)  # fmt: skip
+)
 QUESTIONS = (
     "What's the weather like in {city}?",
     "Is it raining in {city} right now?",

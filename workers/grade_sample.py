@@ -27,7 +27,7 @@ def grade_sample(reply_to: str, organization_id: int, payload: str) -> str:
     outcome = {
         "score": result.score, "details": result.details, "seconds": round(time.monotonic() - started, 3),
         "judge_usage": dict(grading.judge_tokens),
-    }  # fmt: skip
+    }
     client = redis.Redis.from_url(settings.CONFIG.redis_url)
     with client.pipeline() as pipeline:  # the reply and its expiry at once: a reply nobody takes goes away
         pipeline.rpush(reply_to, json.dumps(outcome))

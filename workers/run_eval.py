@@ -79,7 +79,7 @@ def _item(run: EvalRun, index: int, scored: Scored, criteria: list[dict]) -> Out
         {"name": criterion["name"], "type": criterion["type"], "score": result.score, "passed": result.passed is not False,
          **({"sample": result.details} if result.details else {})}
         for criterion, result in zip(criteria, scored.results)
-    ]  # fmt: skip
+    ]
     status = "error" if not scored.answered else ("pass" if all(r["passed"] for r in results) else "fail")
     tokens = answer.tokens
     expected = scored.item.item.get("expected")
@@ -90,4 +90,4 @@ def _item(run: EvalRun, index: int, scored: Scored, criteria: list[dict]) -> Out
         results=results, status=status,
         usage={"prompt_tokens": tokens.prompt, "completion_tokens": tokens.completion, "cached_tokens": tokens.cached}
         if scored.answered and run.model else {},
-    )  # fmt: skip
+    )

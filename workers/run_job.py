@@ -117,7 +117,7 @@ class JobCallbacks:
                 "evaluation_unavailable",
                 f"Checkpoint {checkpoint.name} could not be scored for early stopping: the serving backend did not "
                 f"answer {logged_instead(f'job {self.job.pk}: a checkpoint could not be scored', str(exc))}.",
-            ) from None  # fmt: skip
+            ) from None
         checkpoint.metrics = checkpoint.metrics | {EVAL_SCORE_KEY: score}
         retrying(checkpoint.save, update_fields=["metrics"])
         message = f"Checkpoint {checkpoint.name} scored {score:.3f} by the job's graders (early stopping)"
@@ -202,7 +202,7 @@ def _train(job: FineTuningJob, workdir: Path, callbacks: JobCallbacks) -> Traini
         # A job created before these hyperparameters existed evaluates and checkpoints once an epoch, to the end.
         evals_per_epoch=hp.get("n_evals", 1), checkpoints_per_epoch=hp.get("n_checkpoints", 1),
         **_early_stopping(hp.get("early_stopping")), **_preference(job),
-    )  # fmt: skip
+    )
     training = _examples(job, job.training_file, "training")
     validation = None if job.validation_file is None else _examples(job, job.validation_file, "validation")
     resume_from, resume_score = _resume_point(job, workdir / "resume")
@@ -257,7 +257,7 @@ def _early_stopping(requested: dict | None) -> dict:
     return {
         "early_stopping_patience": requested["patience"], "early_stopping_min_delta": requested["min_delta"],
         "early_stopping_metric": requested.get("metric", "valid_loss"),  # a job of old watched the validation loss
-    }  # fmt: skip
+    }
 
 
 def _by_score(job: FineTuningJob) -> bool:
@@ -274,7 +274,7 @@ def _parent_adapter(job: FineTuningJob, cache: Path) -> Path:
     deleted = JobFailed(
         "parent_model_deleted",
         f"The model to fine-tune further, {parent}, was deleted before the job started; nothing was trained.",
-    )  # fmt: skip
+    )
     if retrying(registry.resolve_model, job.organization, parent) is None:
         raise deleted
     try:
@@ -328,7 +328,7 @@ def _publish(job: FineTuningJob, heartbeat: Heartbeat, result: TrainingResult) -
     succeeded = retrying(
         job_status.succeed, job, heartbeat.attempt, name, result.trained_tokens, result.final_train_loss, results_file,
         best_step=result.best_step,
-    )  # fmt: skip
+    )
     if succeeded:
         retrying(publishing.announce_ready, job, name)
         return
@@ -352,7 +352,7 @@ def _best_step_message(job: FineTuningJob, result: TrainingResult) -> str:
         why = (
             f"Early stopping at step {result.steps}: the {what} had not improved by more than "
             f"{early_stopping['min_delta']:g} in {early_stopping['patience']} evaluation(s) since step {result.best_step}"
-        )  # fmt: skip
+        )
     else:
         keeper = "the job" if job.method == REINFORCEMENT else "early stopping"
         why = f"Training ran to its last step, {result.steps}; {keeper} keeps the best {what}"
@@ -379,18 +379,18 @@ def _gate(job: FineTuningJob, heartbeat: Heartbeat, revision: str) -> None:
             f"The evaluation could not run: the serving backend did not answer "
             f"{logged_instead(f'job {job.pk}: the evaluation could not run', str(exc))}. Nothing was published; "
             "create the job again once it answers.",
-        ) from None  # fmt: skip
+        ) from None
     retrying(job_status.record_evaluation, job.pk, heartbeat.attempt, scores.as_dict())
     for grader, count in scores.timeouts.items():
         message = (
             f"Evaluation: the {grader} was too slow (over {grading.GRADE_TIMEOUT_S:g} s an answer, and not run again "
             f"after {grading.MAX_TIMEOUTS_PER_GRADER} such answers): {count} answer(s) counted as fails"
-        )  # fmt: skip
+        )
         retrying(record_event, job, message, level="warn")
     summary = (
         f"{revision} scored {scores.adapter_score:.3f} and {reference} {scores.reference_score:.3f} "
         f"on {scores.examples} examples (threshold {scores.threshold:+.3f})"
-    )  # fmt: skip
+    )
     retrying(record_event, job, f"Evaluation: {summary}", data=scores.as_dict())
     if not scores.passed:
         publishing.withdraw_trained_revision(job)
@@ -418,27 +418,27 @@ def _explained(exc: Exception, job: FineTuningJob) -> JobFailed:
             f"Training did not finish within the time limit of {settings.CONFIG.job_time_limit_s} seconds, and was "
             f"stopped. Lower n_epochs (it is {job.hyperparameters['n_epochs']}) or train on fewer examples; the "
             "platform's operators can raise the limit (JOB_TIME_LIMIT_SECONDS).",
-        )  # fmt: skip
+        )
     if isinstance(exc, DATABASE_ERRORS):  # longer than the wait; if this cannot be written either, the sweeper recovers the job
         log.exception("job %s: the database stayed unreachable", job.pk)
         wait_s = settings.CONFIG.job_database_wait_s
         return JobFailed(
             "database_unavailable",
             f"The database was unreachable for more than {wait_s} s during training; create the job again.",
-        )  # fmt: skip
+        )
     if isinstance(exc, StoreUnavailable):
         return JobFailed(
             "storage_unavailable",
             f"The adapter could not be published: the dynamic LoRA path did not answer "
             f"{logged_instead(f'job {job.pk}: the dynamic LoRA path did not answer', str(exc))}. Nothing was "
             "published; create the job again once it answers (operators: check S3_ENDPOINT_URL and the bucket).",
-        )  # fmt: skip
+        )
     if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
         return JobFailed(
             "storage_full",
             "The platform ran out of disk space while writing this job's checkpoint or adapter. Nothing was "
             "published. Free space (operators: DATA_DIR, FILES_PATH, DYNAMIC_LORA_PATH) and create the job again.",
-        )  # fmt: skip
+        )
     log.exception("job %s failed", job.pk)  # a bug or a broken environment: the user still gets a reason
     # The exception's words may tell the tenant what to change; the paths in them are the platform's.
     return JobFailed("training_failed", f"Training failed: {type(exc).__name__}: {scrubbed(str(exc))}")

@@ -90,7 +90,7 @@ def _completion_body(model: str, prompt: list[int], n: int, max_tokens: int, tem
     body = {
         "model": model, "prompt": prompt, "n": n, "max_tokens": max_tokens, "temperature": temperature, "seed": seed,
         "logprobs": 0, "return_token_ids": True,
-    }  # fmt: skip
+    }
     return json.dumps(body).encode()
 
 
@@ -106,7 +106,7 @@ def reward_data(metrics: RewardStep) -> dict[str, Any]:
         "reward_mean": metrics.reward_mean, "reward_std": metrics.reward_std, "pass_rate": metrics.pass_rate,
         "kl": metrics.kl, "answer_tokens": metrics.answer_tokens, "samples_per_second": metrics.samples_per_second,
         "trained_tokens": metrics.trained_tokens, "seconds": metrics.seconds,
-    }  # fmt: skip
+    }
     if metrics.valid_reward is not None:
         data |= {"valid_reward": metrics.valid_reward, "valid_pass_rate": metrics.valid_pass_rate}
     return data
@@ -116,7 +116,7 @@ def reward_message(metrics: RewardStep) -> str:
     message = (
         f"Step {metrics.step}/{metrics.total_steps}: reward mean={metrics.reward_mean:.4f}, std={metrics.reward_std:.4f}, "
         f"pass rate={metrics.pass_rate:.2f}, KL to base={metrics.kl:.4f}"
-    )  # fmt: skip
+    )
     if metrics.valid_reward is not None:
         message += f", validation reward={metrics.valid_reward:.4f}"
     return message
@@ -126,14 +126,14 @@ def record_base_evaluation(job: FineTuningJob, total_steps: int, valid_reward: f
     """The validation prompts' reward before training: the base model's, where the chart starts."""
     message = f"Before training: validation reward={valid_reward:.4f}, pass rate={valid_pass_rate:.2f} (the base model's answers)"
     data = {"step": 0, "total_steps": total_steps, "epoch": 0, "trained_tokens": 0,
-            "valid_reward": valid_reward, "valid_pass_rate": valid_pass_rate}  # fmt: skip
+            "valid_reward": valid_reward, "valid_pass_rate": valid_pass_rate}
     retrying(record_event, job, message, data=data)
 
 
 def train_by_reward(
     job: FineTuningJob, base_weights: Path, prompts: list[PromptItem], validation: list[PromptItem], workdir: Path,
     callbacks: ReinforcementCallbacks,
-) -> TrainingResult:  # fmt: skip
+) -> TrainingResult:
     """Train ``job`` (a reinforcement one) on its prompts; the result as a supervised run's is."""
     from workers.training_loop.reinforcement import ReinforcementConfig
     from workers.training_loop.reinforcement import train_by_reward as train
@@ -147,7 +147,7 @@ def train_by_reward(
         eval_interval=hp["eval_interval"], eval_samples=hp["eval_samples"],
         max_completion_tokens=hp["max_completion_tokens"],
         early_stopping_patience=early_stopping.get("patience"), early_stopping_min_delta=early_stopping.get("min_delta", 0.0),
-    )  # fmt: skip
+    )
     with Answerer(job.organization_id) as answerer, GradingSandbox() as sandbox:
         policy = PoolPolicy(job, answerer, sandbox)
         try:

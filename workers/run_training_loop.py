@@ -162,7 +162,7 @@ def _save_sampler(run: LoopRun, model: LoopModel, name: str | None) -> LoopCheck
     checkpoint, _ = LoopCheckpoint.objects.update_or_create(
         run=run, kind=CheckpointKind.SAMPLER, name=name or f"{UNNAMED}{revision:06d}",
         defaults={"revision": revision, "size_bytes": size},
-    )  # fmt: skip
+    )
     if name is None:
         _drop_unnamed_before(run, revision - KEPT_UNNAMED + 1)
     return checkpoint

@@ -56,7 +56,7 @@ class Grading:
     def results_of(self, criteria: list[dict], graded: list[tuple[EvalItem, dict]]) -> list[list[Result]]:
         """Each (item, sample)'s results, every criterion's, its judges asked for the whole list at once."""
         self._ask_judges([request for item, sample in graded for grader in _judged(criteria)
-                          if (request := _request(grader, item, sample)) is not None])  # fmt: skip
+                          if (request := _request(grader, item, sample)) is not None])
         try:
             return [[self.result(criterion, item, sample) for criterion in criteria] for item, sample in graded]
         finally:
@@ -126,12 +126,12 @@ def _key(request: JudgeRequest, messages: bool = True) -> str:
 def answered_and_graded(
     grading: Grading, target: Target | None, criteria: list[dict], items: list[EvalItem], input_messages: dict | None,
     sampling: Sampling,
-) -> list[Scored]:  # fmt: skip
+) -> list[Scored]:
     """One batch: each item answered by ``target`` from ``input_messages`` (or, without a target, its
     own sample), then graded by every criterion."""
     if target is None:
         answers = [Answer((item.sample or {}).get("output_text", ""), answered_by=str((item.sample or {}).get("model", "")))
-                   for item in items]  # fmt: skip
+                   for item in items]
         prompts: list[list[dict]] = [[] for _ in items]
     else:
         assert input_messages is not None
@@ -140,13 +140,13 @@ def answered_and_graded(
         asked = [index for index, (prompt, _problem) in enumerate(made) if prompt is not None]
         replies = iter(grading.answerer.answer(target, [prompts[index] for index in asked], sampling) if asked else [])
         answers = [next(replies) if prompt is not None else Answer(None, error_code="invalid_item", error_message=str(problem))
-                   for prompt, problem in made]  # fmt: skip
+                   for prompt, problem in made]
     answered = [(item, answer) for item, answer in zip(items, answers) if answer.text is not None]
     samples = [{**(item.sample or {}), **sample_of(answer.text or "", answer.tool_calls)} if target else _given(item)
-               for item, answer in answered]  # fmt: skip
+               for item, answer in answered]
     results = iter(grading.results_of(criteria, [(item, sample) for (item, _answer), sample in zip(answered, samples)]))
     return [Scored(item, prompt, answer, next(results) if answer.text is not None else [])
-            for item, prompt, answer in zip(items, prompts, answers)]  # fmt: skip
+            for item, prompt, answer in zip(items, prompts, answers)]
 
 
 def _given(item: EvalItem) -> dict:

@@ -12,7 +12,7 @@ from django.conf import settings
 
 from base.celery import (
     COMPOSE_MODEL, DELIVER_WEBHOOK, GRADE_SAMPLE, HOLD_TRAINING_RUN, RUN_BATCH, RUN_EVAL, SWEEP_JOBS, TAKE_TRAINING_TURN, WORKER_REPORT, app,
-)  # fmt: skip
+)
 
 if TYPE_CHECKING:
     from celery import Task
@@ -45,7 +45,7 @@ def worker_report() -> dict:
 @app.task(
     name=TAKE_TRAINING_TURN.name, queue=TAKE_TRAINING_TURN.queue, bind=True, soft_time_limit=JOB_SOFT_LIMIT_S,
     time_limit=JOB_HARD_LIMIT_S,
-)  # fmt: skip
+)
 def take_training_turn(self: Task, woken_by: str) -> str:
     """Train the job whose turn it is: the one whose message this is (``woken_by``), or another
     organization's (``finetuning.training_turns.claim_next``)."""
@@ -57,7 +57,7 @@ def take_training_turn(self: Task, woken_by: str) -> str:
 @app.task(
     name=COMPOSE_MODEL.name, queue=COMPOSE_MODEL.queue, bind=True, soft_time_limit=COMPOSITION_SOFT_LIMIT_S,
     time_limit=COMPOSITION_HARD_LIMIT_S,
-)  # fmt: skip
+)
 def compose_model(self: Task, composition_id: str) -> str:
     from workers.run_composition import run_composition
 
@@ -67,7 +67,7 @@ def compose_model(self: Task, composition_id: str) -> str:
 @app.task(
     name=RUN_EVAL.name, queue=RUN_EVAL.queue, bind=True, soft_time_limit=EVAL_RUN_SOFT_LIMIT_S,
     time_limit=EVAL_RUN_HARD_LIMIT_S,
-)  # fmt: skip
+)
 def run_eval(self: Task, run_id: str) -> str:
     from workers.run_eval import run_eval
 
@@ -93,7 +93,7 @@ BATCH_HARD_LIMIT_S = BATCH_SOFT_LIMIT_S + 60
 @app.task(
     name=RUN_BATCH.name, queue=RUN_BATCH.queue, bind=True, soft_time_limit=BATCH_SOFT_LIMIT_S,
     time_limit=BATCH_HARD_LIMIT_S,
-)  # fmt: skip
+)
 def run_batch(self: Task, batch_id: str) -> str:
     from workers.run_batch import run_batch
 
@@ -109,7 +109,7 @@ LOOP_HARD_LIMIT_S = LOOP_SOFT_LIMIT_S + 60
 @app.task(
     name=HOLD_TRAINING_RUN.name, queue=HOLD_TRAINING_RUN.queue, bind=True, soft_time_limit=LOOP_SOFT_LIMIT_S,
     time_limit=LOOP_HARD_LIMIT_S,
-)  # fmt: skip
+)
 def hold_training_run(self: Task, run_id: str) -> str:
     from workers.run_training_loop import run_training_loop
 
@@ -124,7 +124,7 @@ WEBHOOK_HARD_LIMIT_S = WEBHOOK_SOFT_LIMIT_S + 10
 @app.task(
     name=DELIVER_WEBHOOK.name, queue=DELIVER_WEBHOOK.queue, soft_time_limit=WEBHOOK_SOFT_LIMIT_S,
     time_limit=WEBHOOK_HARD_LIMIT_S,
-)  # fmt: skip
+)
 def deliver_webhook(delivery_id: str) -> str:
     """One attempt of a webhook delivery, if it is due; its retries are messages of their own."""
     from webhooks.delivery import deliver

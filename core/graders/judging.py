@@ -49,7 +49,7 @@ def judge_request(grader: dict, item: dict, sample: dict | None) -> JudgeRequest
         {"role": "system" if message["role"] == "developer" else message["role"],
          "content": _text(message["content"], item, sample)}
         for message in grader["input"]
-    ]  # fmt: skip
+    ]
     return JudgeRequest(
         model=grader["model"],
         messages=_with_answer_format(messages, _answer_format(grader)),

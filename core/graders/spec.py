@@ -281,7 +281,7 @@ def _checked(raw: object, param: str, *, models: dict[str, type[_Grader]], neste
             "sandbox this platform does not run. Use string_check, text_similarity, score_model, label_model or "
             "multi (which combines them).",
             param=f"{param}.type", code="grader_not_offered",
-        )  # fmt: skip
+        )
     if nested and kind == "multi":
         raise _invalid(f"{param}.type", "a multi grader's graders may not be multi graders themselves")
     if not isinstance(kind, str) or kind not in models:
@@ -291,7 +291,7 @@ def _checked(raw: object, param: str, *, models: dict[str, type[_Grader]], neste
             f"{param}.evaluation_metric: cosine needs an embedding model, and none is served here; use fuzzy_match, "
             "bleu, gleu, meteor or rouge_1 to rouge_5 or rouge_l.",
             param=f"{param}.evaluation_metric", code="grader_not_offered",
-        )  # fmt: skip
+        )
     try:
         parsed = models[kind].model_validate(raw)
     except ValidationError as exc:

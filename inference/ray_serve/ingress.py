@@ -122,7 +122,7 @@ class Ingress:
                 return StreamingResponse(
                     _rest(answer, request, head.status), status_code=head.status, media_type=head.content_type,
                     headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
-                )  # fmt: skip
+                )
             raw = b"".join([chunk async for chunk in answer])
         except RayActorError as exc:  # it died with the request: never sent again (it may have run)
             raise api_errors.replica_lost(f"Ray: {type(exc).__name__}") from None

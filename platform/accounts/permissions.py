@@ -36,7 +36,7 @@ def check_may_manage_models(organization: Organization, user: User | None, doing
             f"Only an owner of {organization.name} can {doing} its models, unless an owner lets members do it "
             "(on the dashboard's API keys page).",
             status=403, param="model", code="permission_denied",
-        )  # fmt: skip
+        )
 
 
 def may_revoke(api_key: ApiKey, user: User) -> bool:

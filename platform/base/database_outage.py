@@ -46,7 +46,7 @@ def as_api_error(exc: BaseException) -> ApiError | None:
     return ApiError(
         "The database is unreachable for the moment; this is temporary: retry the request in a few seconds.",
         status=503, type=UNAVAILABLE, code="database_unavailable", retry_after_s=RETRY_AFTER_S,
-    )  # fmt: skip
+    )
 
 
 @contextmanager

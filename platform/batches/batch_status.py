@@ -32,7 +32,7 @@ FINISHED_EVENTS = {
 _STAMPS = {
     BatchStatus.COMPLETED: "completed_at", BatchStatus.FAILED: "failed_at", BatchStatus.EXPIRED: "expired_at",
     BatchStatus.CANCELLED: "cancelled_at",
-}  # fmt: skip
+}
 
 
 # A worker writes its heartbeat with each group of lines it answers (``record``): one silent for this
@@ -106,7 +106,7 @@ def record(claimed: Claim, results: list[BatchResult]) -> str | None:
         counts = BatchResult.objects.filter(batch_id=held.pk).aggregate(
             completed=Count("pk", filter=Q(ok=True)), failed=Count("pk", filter=Q(ok=False)),
             input_tokens=Sum("input_tokens"), output_tokens=Sum("output_tokens"), cached_tokens=Sum("cached_tokens"),
-        )  # fmt: skip
+        )
         usage = {name: counts[name] or 0 for name in ("input_tokens", "output_tokens", "cached_tokens")}
         Batch.objects.filter(pk=held.pk).update(
             completed=counts["completed"], failed=counts["failed"], usage=usage, heartbeat_at=timezone.now()

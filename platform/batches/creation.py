@@ -41,7 +41,7 @@ def create_batch(organization: Organization, user: User | None, request: BatchCr
             f"File {file.id} was uploaded with purpose '{file.purpose}'; a batch's requests are a file uploaded "
             f"with purpose '{BATCH_PURPOSE}' (checked line by line then).",
             param="input_file_id", code="invalid_file",
-        )  # fmt: skip
+        )
     with transaction.atomic():
         lock_organization(organization.pk)  # until the commit: the counts below stay true
         _check_queue(organization, file)
@@ -49,7 +49,7 @@ def create_batch(organization: Organization, user: User | None, request: BatchCr
             organization=organization, created_by=user, input_file_id=file.id, endpoint=request.endpoint,
             completion_window=request.completion_window, metadata=request.metadata, total=file.example_count,
             expires_at=timezone.now() + COMPLETION_WINDOW,
-        )  # fmt: skip
+        )
         transaction.on_commit(lambda: send_to_worker(batch.pk))
     return batch
 
@@ -62,7 +62,7 @@ def _check_queue(organization: Organization, file: File) -> None:
             f"File {file.id} holds about {file.token_count:,} prompt tokens, more than an organization may have "
             f"queued in batches ({limit:,}, {setting}): split it into smaller batches.",
             param="input_file_id", code="batch_too_large",
-        )  # fmt: skip
+        )
     under_way = Batch.objects.for_org(organization).filter(status__in=UNFINISHED_BATCH_STATUSES)
     inputs = list(under_way.values_list("input_file_id", flat=True))  # a file in two batches counts twice
     if len(inputs) >= BATCHES_AT_ONCE_PER_ORGANIZATION:
@@ -81,7 +81,7 @@ def _queue_full(why: str, code: str = "too_many_batches") -> ApiError:
     return ApiError(
         f"{why}. Try again in about {RETRY_AT_ONCE_S} s, once one has finished (or cancel one).",
         status=429, type=RATE_LIMIT_TYPE, code=code, retry_after_s=RETRY_AT_ONCE_S,
-    )  # fmt: skip
+    )
 
 
 def send_to_worker(batch_id: str) -> None:

@@ -136,7 +136,7 @@ def _row(batch_id: str, request: BatchRequest, ok: bool, record: dict, tokens: T
         id=record["id"], batch_id=batch_id, line=request.line, custom_id=request.custom_id, ok=ok,
         record=json.dumps(record), input_tokens=tokens.prompt, output_tokens=tokens.completion,
         cached_tokens=tokens.cached,
-    )  # fmt: skip
+    )
 
 
 def _refused(batch_id: str, request: BatchRequest, error: api_errors.ApiError) -> BatchResult:
@@ -144,7 +144,7 @@ def _refused(batch_id: str, request: BatchRequest, error: api_errors.ApiError) -
     record = {
         "id": new_id("batch_req", "_"), "custom_id": request.custom_id, "response": None,
         "error": {"code": error.code or error.type, "message": error.message},
-    }  # fmt: skip
+    }
     return _row(batch_id, request, False, record)
 
 
@@ -167,6 +167,6 @@ def _replied(batch_id: str, line: Checked, reply: Reply) -> BatchResult:
     reason = {
         "code": str(error.get("code") or error.get("type") or reply.status),
         "message": api_errors.scrubbed(str(error.get("message") or f"the model's backend answered {reply.status}")),
-    }  # fmt: skip
+    }
     record = {"id": result_id, "custom_id": request.custom_id, "response": response, "error": reason}
     return _row(batch_id, request, False, record, reply.tokens)

@@ -25,7 +25,7 @@ class BatchStatus(models.TextChoices):  # OpenAI's words
 
 UNFINISHED_BATCH_STATUSES = (
     BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS, BatchStatus.FINALIZING, BatchStatus.CANCELLING,
-)  # fmt: skip
+)
 # Where a worker answers lines or writes files: a re-delivered task goes on from these.
 WORKING_STATUSES = (BatchStatus.IN_PROGRESS, BatchStatus.FINALIZING, BatchStatus.CANCELLING)
 

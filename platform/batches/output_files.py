@@ -47,5 +47,5 @@ def _write(batch: Batch, kind: str, ok: bool) -> str | None:
     File.objects.create(
         id=ident, organization_id=batch.organization_id, created_by=batch.created_by, filename=f"{batch.pk}_{kind}.jsonl",
         purpose=PURPOSE, bytes=size, storage_key=key, example_count=count, token_count=0, max_example_tokens=0,
-    )  # fmt: skip
+    )
     return ident

@@ -35,6 +35,6 @@ def batch_object(batch: Batch) -> dict:
             "output_tokens": output_tokens,
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": input_tokens + output_tokens,
-        },  # fmt: skip
+        },
         "metadata": batch.metadata,
     }

@@ -50,7 +50,7 @@ def eval_detail(request: OrganizationRequest, eval_id: str) -> HttpResponse:
         "evaluation": evaluation, "summaries": side_by_side.summaries(evaluation, runs), "page": page,
         "examples": side_by_side.examples(evaluation, runs, list(page)), "older_runs": evaluation.runs.count() - len(runs),
         "live_refresh_seconds": LIVE_REFRESH_SECONDS if any(not run.is_finished for run in runs) else None,
-    }  # fmt: skip
+    }
     return render(request, "dashboard/eval.html", context)
 
 

@@ -51,7 +51,7 @@ class UploadForm(forms.Form):
         # would otherwise travel in full only to be refused.
         self.fields["file"].widget.attrs |= {
             "data-max-bytes": settings.CONFIG.max_upload_bytes, "data-too-large": file_too_large_message(),
-        }  # fmt: skip
+        }
 
 
 class AdapterUploadForm(forms.Form):
@@ -72,7 +72,7 @@ class AdapterUploadForm(forms.Form):
         self.fields["file"].widget.attrs |= {
             "accept": ".tar.gz,.tgz,.zip", "data-max-bytes": settings.CONFIG.max_adapter_upload_bytes,
             "data-too-large": adapter_too_large_message(),
-        }  # fmt: skip
+        }
 
 
 class ParentsField(forms.MultipleChoiceField):
@@ -95,14 +95,14 @@ class ComposeForm(forms.Form):
         choices=[(method, method) for method in METHODS], initial="linear",
         help_text="linear: exact, its rank is the sum of the parents' ranks. svd, ties, dare_linear: approximated "
         "at the rank below, with the error reported.",
-    )  # fmt: skip
+    )
     rank = forms.IntegerField(
         required=False, min_value=1, help_text="svd, ties, dare_linear: the result's rank. Empty: as much as is served."
     )
     density = forms.FloatField(
         required=False, min_value=0.01, max_value=1.0,
         help_text="ties, dare_linear: the share of each delta kept. Empty: 0.5.",
-    )  # fmt: skip
+    )
     seed = forms.IntegerField(
         required=False, min_value=0, max_value=2**31 - 1, help_text="dare_linear: its random drop. Empty: 0."
     )
@@ -118,7 +118,7 @@ class ComposeForm(forms.Form):
             self.fields[self.scale_field(name)] = forms.FloatField(
                 required=False, min_value=-MAX_ADAPTER_SCALE, max_value=MAX_ADAPTER_SCALE, initial=1.0,
                 label=f"Scale of {name}",
-            )  # fmt: skip
+            )
 
     @staticmethod
     def scale_field(model: str) -> str:
@@ -151,7 +151,7 @@ class JobForm(forms.Form):
                  (DPO, "DPO: prefer the preferred answer of preference pairs"),
                  (REINFORCEMENT, "Reinforcement: answer prompts as a grader rewards")],
         help_text="A dataset holds one kind of line: chat examples, preference pairs, or prompts",
-    )  # fmt: skip
+    )
     training_file = forms.ChoiceField(label="Training dataset")
     validation_file = forms.ChoiceField(label="Validation dataset", required=False)
     suffix = forms.CharField(required=False, max_length=64, help_text=SUFFIX_HELP)
@@ -175,21 +175,21 @@ class JobForm(forms.Form):
         required=False, min_value=1, max_value=1000, label="Early stopping: patience",
         help_text="Evaluations in a row without improvement that stop training; the best checkpoint is published. "
         "Empty: off. Needs a validation dataset",
-    )  # fmt: skip
+    )
     early_stopping_min_delta = forms.FloatField(
         required=False, min_value=0, max_value=100, label="Early stopping: minimum improvement",
         help_text="Of the validation loss. Empty: any",
-    )  # fmt: skip
+    )
     beta = forms.FloatField(
         required=False, min_value=MIN_BETA, max_value=MAX_BETA, label="DPO beta",
         help_text=f"How far from the base model DPO may move: smaller lets it go further. Empty: auto ({DPO_BETA_AUTO})",
-    )  # fmt: skip
+    )
 
     grader = forms.CharField(
         required=False, max_length=MAX_GRADER_CHARS, widget=forms.Textarea(attrs={"rows": 5}), label="Reinforcement: grader",
         help_text='One of OpenAI\'s graders, as JSON: its score is the reward. E.g. {"type": "text_similarity", "name": "close", '
         '"evaluation_metric": "fuzzy_match", "input": "{{sample.output_text}}", "reference": "{{item.reference_answer}}"}',
-    )  # fmt: skip
+    )
 
     def __init__(self, *args: Any, files: list[File], **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -241,7 +241,7 @@ class JobForm(forms.Form):
         return JobRequest(
             model=data["model"], training_file=data["training_file"], validation_file=data["validation_file"] or None,
             suffix=data["suffix"] or None, hyperparameters=hyperparameters, method=data["method"] or SUPERVISED,
-        )  # fmt: skip
+        )
 
 
     def _reinforcement_request(self) -> JobRequest:
@@ -252,11 +252,11 @@ class JobForm(forms.Form):
         if data["early_stopping_patience"] is not None:
             hyperparameters["early_stopping"] = {
                 "patience": data["early_stopping_patience"], "min_delta": data["early_stopping_min_delta"] or 0.0,
-            }  # fmt: skip
+            }
         return JobRequest(
             model=data["model"], training_file=data["training_file"], validation_file=data["validation_file"] or None,
             suffix=data["suffix"] or None, hyperparameters=hyperparameters, method=REINFORCEMENT, grader=data["grader"],
-        )  # fmt: skip
+        )
 
 
 def _lines_of(file: File) -> str:
@@ -269,7 +269,7 @@ class CompareForm(forms.Form):
     eval = forms.ChoiceField(label="Eval", error_messages={
         "required": "Choose one of your evals to compare on.",
         "invalid_choice": "Choose one of your evals to compare on: that one is not among them (deleted meanwhile?).",
-    })  # fmt: skip
+    })
 
     def __init__(self, *args: Any, evals: list[tuple[str, str]], **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -288,4 +288,4 @@ class WebhookForm(forms.Form):
     event_types = forms.MultipleChoiceField(
         label="Events", choices=EventType.choices, required=False, widget=forms.CheckboxSelectMultiple,
         help_text="None ticked: every event, those added later too.",
-    )  # fmt: skip
+    )

@@ -140,7 +140,7 @@ def job_detail(request: OrganizationRequest, job_id: str) -> HttpResponse:
     context = {
         "job": job, "checkpoints": job.checkpoints.all(), "base_url": request.build_absolute_uri("/v1"),
         "examples": _training_examples(request.organization, job.training_file),
-    }  # fmt: skip
+    }
     return render(request, "dashboard/job.html", context)
 
 
@@ -219,7 +219,7 @@ def models(request: OrganizationRequest) -> HttpResponse:
         "composing": any(not composition.is_finished for composition in recent),
         "may_manage_models": may_manage(request.organization, request.user),
         "evals": eval_choices(request.organization),  # to compare a fine-tune on
-    }  # fmt: skip
+    }
     return render(request, "dashboard/models.html", context)
 
 

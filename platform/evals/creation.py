@@ -44,7 +44,7 @@ def create_eval(organization: Organization, user: User | None, request: EvalCrea
             "Say what an item holds: data_source_config {\"type\": \"custom\", \"item_schema\": {...}}, or (the "
             "platform's shape) file: a chat file whose examples are the items.",
             param="data_source_config.item_schema", code="missing_item_schema",
-        )  # fmt: skip
+        )
     if schema is not None:
         _check_item_schema(schema)
     criteria = checked_criteria(organization, request.testing_criteria)
@@ -52,7 +52,7 @@ def create_eval(organization: Organization, user: User | None, request: EvalCrea
         organization=organization, created_by=user, name=request.name or f"eval of {request.file or 'custom items'}",
         item_schema=schema, include_sample_schema=bool(config and config.include_sample_schema),
         testing_criteria=criteria, metadata=request.metadata,
-    )  # fmt: skip
+    )
     if request.file is not None:
         items = sources.file_items(organization, request.file, "file")
         sources.check_items(evaluation, items, "file", in_file=True)
@@ -79,13 +79,13 @@ def start_runs(organization: Organization, user: User | None, evaluation: Eval, 
             raise ApiError(
                 "A jsonl data source grades the samples its items bring; name no model (or use type completions).",
                 param="data_source.model", code="invalid_value",
-            )  # fmt: skip
+            )
         targets = [("data_source", None)]
     elif not targets:
         raise ApiError(
             "Name the model to run: data_source.model, or several in models (one run each).",
             param="data_source.model", code="missing_model",
-        )  # fmt: skip
+        )
     for where, target in targets:
         if target is not None:
             usable_target(organization, target, where)
@@ -115,12 +115,12 @@ def _items(organization: Organization, evaluation: Eval, data_source: DataSource
             raise ApiError(
                 "This eval has no file of its own: give data_source.source (file_content or file_id).",
                 param="data_source.source", code="missing_source",
-            )  # fmt: skip
+            )
         if data_source.type == "jsonl":
             raise ApiError(
                 "A jsonl data source grades the samples its items bring: give data_source.source.",
                 param="data_source.source", code="missing_source",
-            )  # fmt: skip
+            )
         file_id, items, count = evaluation.file_id, None, evaluation.item_count
         kept["source"] = {"type": "file_id", "id": file_id}
     elif source.type == "file_content":
@@ -140,7 +140,7 @@ def _items(organization: Organization, evaluation: Eval, data_source: DataSource
                 f"data_source.source: item {missing + 1} has no sample; a jsonl data source grades the samples its "
                 "items bring ({\"item\": {...}, \"sample\": {\"output_text\": ...}}).",
                 param="data_source.source", code="invalid_item",
-            )  # fmt: skip
+            )
     else:
         messages = data_source.input_messages
         kept["input_messages"] = messages.model_dump(exclude_none=True) if messages is not None else DEFAULT_INPUT
@@ -178,7 +178,7 @@ def _check_request(body: dict, what: str) -> None:
 def _run(
     organization: Organization, user: User | None, evaluation: Eval, request: RunCreate, target: Target | None,
     file_id: str, data_source: dict, items: int, of: int,
-) -> EvalRun:  # fmt: skip
+) -> EvalRun:
     model = target.model if target is not None else ""
     name = request.name or model or "jsonl samples"
     if request.name and of > 1:
@@ -188,7 +188,7 @@ def _run(
         eval=evaluation, organization=organization, created_by=user, name=name[:256], model=model,
         adapters=adapters or None, file_id=file_id, data_source=data_source, sampling=request.sampling().fields(),
         metadata=request.metadata, total_items=items,
-    )  # fmt: skip
+    )
 
 
 def _check_at_once(organization: Organization, adding: int) -> None:
@@ -199,7 +199,7 @@ def _check_at_once(organization: Organization, adding: int) -> None:
             f"its limit of {RUNS_AT_ONCE_PER_ORGANIZATION}. Try again in about {RETRY_AT_ONCE_S} s, once some have "
             "finished (or cancel some).",
             status=429, type=RATE_LIMIT_TYPE, code="too_many_eval_runs", retry_after_s=RETRY_AT_ONCE_S,
-        )  # fmt: skip
+        )
 
 
 def send_to_worker(run_id: str) -> None:
@@ -218,4 +218,4 @@ def _send_or_503(runs: list[EvalRun]) -> None:
         raise ApiError(
             "The runs could not be started: the task broker is unreachable. Start them again shortly.",
             status=503, code="broker_unavailable", retry_after_s=5,
-        ) from None  # fmt: skip
+        ) from None

@@ -77,7 +77,7 @@ def _checked(organization: Organization, index: int, item: object) -> dict:
         raise ApiError(
             f"{param}.type: unknown grader {str(kind)[:40]!r}; use one of {', '.join(KNOWN)}",
             param=f"{param}.type", code="unknown_grader",
-        )  # fmt: skip
+        )
     assert isinstance(item, dict)
     return _kept(_parsed(index, _MODELS[kind], item))
 
@@ -112,5 +112,5 @@ def _check_names(criteria: list[dict]) -> None:
             raise ApiError(
                 f"testing_criteria.{index}.name: another grader is named {criterion['name']!r}; give each a name of its own",
                 param=f"testing_criteria.{index}.name", code="duplicate_grader_name",
-            )  # fmt: skip
+            )
         seen.add(criterion["name"])

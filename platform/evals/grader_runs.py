@@ -47,14 +47,14 @@ async def run_on_worker(organization_id: int, grader: dict, model_sample: str, i
         raise ApiError(
             "The grader could not be sent to a worker: the task broker is unreachable. Try again shortly.",
             status=503, type=UNAVAILABLE, code="broker_unavailable", retry_after_s=5,
-        ) from None  # fmt: skip
+        ) from None
     finally:
         await client.aclose()
     if reply is None:
         raise ApiError(
             f"The grader did not finish within {RUN_WAIT_S} s (a worker grades it: are the workers running and idle?). "
             "Try again, or grade in an eval run.", status=504, type=UNAVAILABLE, code="grader_timeout",
-        )  # fmt: skip
+        )
     return dict(json.loads(reply[1]))
 
 
@@ -83,4 +83,4 @@ def run_response(grader: dict, outcome: dict) -> dict:
                 "truncated_observation_error": False, "unresponsive_reward_error": False,
             },
         },
-    }  # fmt: skip
+    }

@@ -37,7 +37,7 @@ def compare_revisions(
             f"{model.name} has one revision: there is nothing to compare it with yet. Compare it with its base model, "
             "or fine-tune it again to publish a second revision.",
             param="model", code="nothing_to_compare",
-        )  # fmt: skip
+        )
     return start_runs(
         organization, user, evaluation, _runs_of([with_revision(model.name, number) for number in numbers])
     )

@@ -19,7 +19,7 @@ SAMPLE_SCHEMA = {
         "output_json": {"type": "object"}, "output_tools": {"type": "array"},
     },
     "required": ["model", "choices", "output_text"],
-}  # fmt: skip
+}
 
 
 def data_source_schema(evaluation: Eval) -> dict:
@@ -67,7 +67,7 @@ def run_object(run: EvalRun, site: str) -> dict:
         "report_url": report_url(run, site),
         "result_counts": {
             "total": run.total_items, "passed": run.passed_items, "failed": run.failed_items, "errored": run.errored_items,
-        },  # fmt: skip
+        },
         "per_testing_criteria_results": [
             {"testing_criteria": name, "passed": counts["passed"], "failed": counts["failed"]}
             for name, counts in run.per_criteria.items()
@@ -78,7 +78,7 @@ def run_object(run: EvalRun, site: str) -> dict:
                 "completion_tokens": completion, "total_tokens": prompt + completion,
                 "cached_tokens": usage.get("cached_tokens", 0),
             }
-        ] if usage else [],  # fmt: skip
+        ] if usage else [],
         "progress": {"done": run.done_items, "total": run.total_items},
         "score": run.score,
         "started_at": unix(run.started_at),
@@ -98,7 +98,7 @@ def _data_source(run: EvalRun, sampling: dict) -> dict:
         "type": kept["type"], "model": run.model, "source": source,
         "input_messages": kept.get("input_messages") or DEFAULT_INPUT, "sampling_params": sampling,
         **({"adapters": run.adapters} if run.adapters else {}),
-    }  # fmt: skip
+    }
 
 
 def output_item_object(item: OutputItem, run: EvalRun) -> dict:
@@ -123,7 +123,7 @@ def output_item_object(item: OutputItem, run: EvalRun) -> dict:
             "usage": {
                 "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                 "cached_tokens": item.usage.get("cached_tokens", 0),
-            },  # fmt: skip
+            },
             "max_completion_tokens": sampling.get("max_completion_tokens"),
             "temperature": sampling.get("temperature"),
             "top_p": sampling.get("top_p"),

@@ -68,7 +68,7 @@ def record(run_id: str, items: list[OutputItem], totals: Totals) -> bool:
         updated = EvalRun.objects.filter(pk=run_id, status=RunStatus.IN_PROGRESS).update(
             done_items=totals.done, passed_items=totals.passed, failed_items=totals.failed,
             errored_items=totals.errored, per_criteria=totals.per_criteria, usage=totals.usage, score=totals.score,
-        )  # fmt: skip
+        )
         if not updated:
             return False
         OutputItem.objects.bulk_create(items)

@@ -129,4 +129,4 @@ def _result_view(result: dict, criterion: dict) -> ResultView:
     return ResultView(
         result["name"], bool(result["passed"]), score if scored else None, bar, said.get("label"), said.get("reasoning"),
         said.get("error"),
-    )  # fmt: skip
+    )

@@ -51,14 +51,14 @@ def file_items(organization: Organization | None, file_id: str, param: str) -> l
         raise ApiError(
             f"File {file_id} has purpose '{file.purpose}'; an eval reads files of purpose '{EVALS_PURPOSE}' "
             f"({{\"item\": {{...}}}} lines) or '{PURPOSE}' (chat examples).", param=param, code="invalid_file_purpose",
-        )  # fmt: skip
+        )
     items = chat_items(first_examples(file, MAX_ITEMS), MAX_ITEMS)
     if not items:
         raise ApiError(
             f"File {file_id} has no example ending with an assistant message, the expected answer its graders "
             "compare with: give each example a last message {\"role\": \"assistant\", \"content\": <expected answer>}.",
             param=param, code="invalid_file",
-        )  # fmt: skip
+        )
     return items
 
 
@@ -71,7 +71,7 @@ def content_items(content: list[Any], param: str) -> list[EvalItem]:
             f"{param} has {len(content):,} items; a run scores at most {MAX_ITEMS}. Split them into several runs, or "
             f"upload them as a file of purpose '{EVALS_PURPOSE}' (a run scores its first {MAX_ITEMS}).",
             param=param, code="too_many_items",
-        )  # fmt: skip
+        )
     items = []
     for index, entry in enumerate(content):
         item, problem = parsed_entry(entry)

@@ -92,7 +92,7 @@ class RunListView(APIView):
     @extend_schema(
         operation_id="v1_evals_runs_list", responses=OpenApiTypes.OBJECT,
         parameters=[*PAGE_PARAMETERS, OpenApiParameter("status", str, enum=list(RunStatus.values))],
-    )  # fmt: skip
+    )
     def get(self, request: Request, eval_id: str) -> Response:
         runs = _own_eval(request, eval_id).runs.all()
         if status := _status_filter(request, tuple(RunStatus.values)):
@@ -103,7 +103,7 @@ class RunListView(APIView):
     @extend_schema(
         request=OpenApiTypes.OBJECT, responses=OpenApiTypes.OBJECT,
         summary="Start a run of the eval for data_source.model, and one for each of models (ours): the first, with all in runs",
-    )  # fmt: skip
+    )
     def post(self, request: Request, eval_id: str) -> Response:
         body = parsed(RunCreate, object_body(request.data))
         evaluation = _own_eval(request, eval_id)
@@ -140,7 +140,7 @@ class OutputItemListView(APIView):
     @extend_schema(
         operation_id="v1_evals_runs_output_items_list", responses=OpenApiTypes.OBJECT,
         parameters=[*PAGE_PARAMETERS, OpenApiParameter("status", str, enum=list(ITEM_STATUSES))],
-    )  # fmt: skip
+    )
     def get(self, request: Request, eval_id: str, run_id: str) -> Response:
         run = _own_run(request, eval_id, run_id)
         items = run.output_items.all()

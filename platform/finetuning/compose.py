@@ -117,14 +117,14 @@ def _parents(organization: Organization, scales: dict[str, float]) -> list[FineT
         raise ApiError(
             "Every scale in 'parents' is 0: that combination is the base model itself, which needs no new model.",
             param="parents", code="invalid_parents",
-        )  # fmt: skip
+        )
     for name in scales:
         if parse_model_name(name).suffix is None:
             raise ApiError(
                 f"`{name}` is a base model; 'parents' are fine-tuned models (of a base model, scale 0 of each is "
                 "the base model itself).",
                 param="parents", code="invalid_parents",
-            )  # fmt: skip
+            )
     found = {model.name: model for model in FineTunedModel.objects.for_org(organization).filter(name__in=list(scales))}
     for name in scales:
         if name not in found:
@@ -189,7 +189,7 @@ def _rank(composition: CompositionRequest, base: BaseModel, ranks: dict[str, int
                 f"'rank' sets the rank of an approximation (method svd, ties or dare_linear); the exact 'linear' "
                 f"combination has the sum of its parents' ranks, {exact}.",
                 param="rank", code="invalid_rank",
-            )  # fmt: skip
+            )
         if exact > served:
             raise api_errors.composition_rank_too_large(ranks, served)
         return exact

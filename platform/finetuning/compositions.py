@@ -68,7 +68,7 @@ def _queue(organization: Organization, user: User | None, plan: compose.Plan) ->
             parents=[{"model": model, "scale": scale} for model, scale in plan.scales.items()],
             method=plan.method, rank=plan.rank, density=plan.density, seed=plan.seed,
             estimated_bytes=plan.estimated_bytes,
-        )  # fmt: skip
+        )
         # Only after the commit can a worker see it; a rolled-back composition is never sent.
         transaction.on_commit(lambda: _send_or_503(composition))
     return composition
@@ -84,7 +84,7 @@ def _check_at_once(organization: Organization) -> None:
             "one has finished (GET /v1/fine_tuning/compositions lists them).",
             status=429, type=RATE_LIMIT_TYPE, param="method", code="too_many_compositions",
             retry_after_s=RETRY_AT_ONCE_S,
-        )  # fmt: skip
+        )
 
 
 def _charge_hourly(organization: Organization) -> None:
@@ -107,7 +107,7 @@ def _send_or_503(composition: Composition) -> None:
             f"Composition {composition.id} could not be started: the task broker is unreachable. Nothing was built "
             "and its suffix is free again; compose it again shortly.",
             status=503, code="broker_unavailable", retry_after_s=5,
-        ) from None  # fmt: skip
+        ) from None
 
 
 def plan_of(composition: Composition) -> compose.Plan:
@@ -118,7 +118,7 @@ def plan_of(composition: Composition) -> compose.Plan:
         method=cast(Method, composition.method),  # one of METHODS: checked at creation
         rank=composition.rank, density=composition.density, seed=composition.seed,
         estimated_bytes=composition.estimated_bytes,
-    )  # fmt: skip
+    )
 
 
 def claim(composition_id: str, worker: str) -> Composition | None:

@@ -109,7 +109,7 @@ def upload_file(organization: Organization, user: User | None, upload: UploadedF
         organization=organization, created_by=user, filename=(upload.name or "upload.jsonl")[:255], purpose=purpose, bytes=size,
         example_count=counted.examples, token_count=counted.tokens, max_example_tokens=counted.longest,
         format=counted.format,
-    )  # fmt: skip
+    )
     file.storage_key = f"files/{organization.pk}/{file.id}.jsonl"
     # Bytes first, row second: a crash between leaves an orphan object, never a row without data.
     upload.seek(0)
@@ -131,7 +131,7 @@ def upload_too_large(size: int) -> ApiError:
     return ApiError(
         f"The file is {human_size(size)}; the limit is {human_size(limit)} ({UPLOAD_LIMIT_SETTING}).",
         status=413, param="file", code="file_too_large",
-    )  # fmt: skip
+    )
 
 
 def content_type(file: File) -> str:

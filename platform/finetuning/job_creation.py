@@ -83,7 +83,7 @@ REASONING_EFFORTS = ("default", "low", "medium", "high")  # OpenAI's; only "defa
 REINFORCEMENT_KEYS = (
     "n_epochs", "batch_size", "learning_rate_multiplier", "eval_interval", "eval_samples", "compute_multiplier",
     "reasoning_effort", "lora_r", "early_stopping", "max_completion_tokens",
-)  # fmt: skip
+)
 MAX_COMPLETION_TOKENS_AUTO = 256  # an answer's length, at most (the platform's; OpenAI's models decide their own)
 
 
@@ -188,7 +188,7 @@ def _published_lora(exact: str, base: BaseModel) -> dict:
         raise ApiError(
             f"{exact} cannot be fine-tuned further: its {CONFIG_FILE} is not one training can go on from "
             f"({error.problem}).", param="model", code="model_not_continuable",
-        ) from None  # fmt: skip
+        ) from None
     return {"lora_r": shape.rank, "lora_alpha": shape.alpha, "target_modules": list(shape.target_modules)}
 
 
@@ -202,7 +202,7 @@ def _keep_parent_lora(requested: dict, parent: Parent) -> dict:
                 f"{key}={asked} conflicts with {parent.exact}'s {key}={value}: a fine-tune of a fine-tuned model "
                 f"goes on training its adapter, so it keeps its {', '.join(PARENT_LORA)}. Leave {key} out.",
                 param=f"hyperparameters.{key}", code="conflicts_with_parent_model",
-            )  # fmt: skip
+            )
     return requested | parent.lora
 
 
@@ -215,7 +215,7 @@ def _file(organization: Organization, file_id: str, param: str, model: BaseModel
         raise ApiError(
             f"File {file_id} was uploaded with purpose '{file.purpose}'; training reads files uploaded with purpose "
             f"'{FINE_TUNE_PURPOSE}'.", param=param, code="invalid_file_purpose",
-        )  # fmt: skip
+        )
     if method is not None and file.format != METHOD_FORMAT[method]:
         needed = METHOD_FORMAT[method]
         other = next(m for m in METHODS if METHOD_FORMAT[m] == file.format)
@@ -223,12 +223,12 @@ def _file(organization: Organization, file_id: str, param: str, model: BaseModel
             f"File {file_id} holds {file.format} lines ({FORMAT_SHAPES[file.format]}); the {method} method trains on "
             f"{needed} lines ({FORMAT_SHAPES[needed]}). Give a {needed} file, or method {{\"type\": \"{other}\"}}.",
             param=param, code="invalid_file_format",
-        )  # fmt: skip
+        )
     if file.max_example_tokens > model.engine.max_model_len:
         raise ApiError(
             f"File {file_id} has an example of {file.max_example_tokens} tokens; {model.id} takes at most "
             f"{model.engine.max_model_len}.", param=param, code="invalid_file",
-        )  # fmt: skip
+        )
     return file
 
 
@@ -259,14 +259,14 @@ def resolve_hyperparameters(requested: dict, examples: int, model: BaseModel, me
         raise ApiError(
             f"lora_r={lora_r} exceeds {model.id}'s max_lora_rank of {model.lora.max_lora_rank}",
             param="hyperparameters.lora_r", code="invalid_hyperparameter",
-        )  # fmt: skip
+        )
     target_modules = requested.get("target_modules") or list(TARGET_MODULES)
     unknown = sorted(set(target_modules) - set(TARGET_MODULES))
     if unknown:
         raise ApiError(
             f"target_modules has unknown modules {unknown}; choose from {list(TARGET_MODULES)}",
             param="hyperparameters.target_modules", code="invalid_hyperparameter",
-        )  # fmt: skip
+        )
     if method == REINFORCEMENT:
         return _reinforcement_hyperparameters(requested, examples, n_epochs, multiplier, lora_r, model)
     resolved = {
@@ -297,13 +297,13 @@ def _reinforcement_hyperparameters(
         raise ApiError(
             f"{', '.join(unknown)} {'is' if len(unknown) == 1 else 'are'} not a reinforcement hyperparameter; "
             f"it takes {', '.join(REINFORCEMENT_KEYS)}", param=f"hyperparameters.{unknown[0]}", code="invalid_hyperparameter",
-        )  # fmt: skip
+        )
     effort = requested.get("reasoning_effort", "default")
     if effort != "default":
         raise ApiError(
             f"reasoning_effort={effort!r}: {model.id} does not reason before it answers, so it has no effort to set. "
             "Leave reasoning_effort out (or \"default\").", param="hyperparameters.reasoning_effort", code="invalid_hyperparameter",
-        )  # fmt: skip
+        )
     batch_size = requested.get("batch_size", AUTO)
     batch_size = min(8, max(1, examples // 8)) if batch_size == AUTO else batch_size
     compute = requested.get("compute_multiplier", AUTO)
@@ -339,12 +339,12 @@ def _check_early_stopping(hyperparameters: dict, validation: File | None, evalua
             "early_stopping by eval_score scores each checkpoint with the job's evaluation graders: give evaluation "
             "({\"graders\": [...], \"file\": <held-out examples>}) too.",
             param="hyperparameters.early_stopping.metric", code="early_stopping_needs_evaluation",
-        )  # fmt: skip
+        )
     if early_stopping["metric"] == "valid_loss" and validation is None:
         raise ApiError(
             "early_stopping watches the validation loss: give a validation_file too (or metric eval_score).",
             param="hyperparameters.early_stopping", code="early_stopping_needs_validation",
-        )  # fmt: skip
+        )
 
 
 def _check_queued_cap(organization: Organization) -> None:
@@ -354,7 +354,7 @@ def _check_queued_cap(organization: Organization) -> None:
             f"{organization.name} already has {cap} queued fine-tuning jobs, its limit "
             f"({LIMIT_SETTINGS['queued_jobs_per_organization']}); create more once some have started.",
             status=429, type=RATE_LIMIT_TYPE, code="too_many_queued_jobs",
-        )  # fmt: skip
+        )
 
 
 def create_job(organization: Organization, user: User | None, request: JobRequest) -> FineTuningJob:
@@ -389,7 +389,7 @@ def create_job(organization: Organization, user: User | None, request: JobReques
                 seed=request.seed if request.seed is not None else secrets.randbelow(2**31),
                 hyperparameters=hyperparameters, metadata=request.metadata, evaluation=evaluation, status=JobStatus.QUEUED,
                 queued_at=timezone.now(),
-            )  # fmt: skip
+            )
             what = {DPO: "preference pairs", REINFORCEMENT: "prompts"}.get(request.method, "examples")
             record_event(job, f"Validated training file: {training.example_count} {what}, {training.token_count} tokens")
             record_event(job, f"Job queued; {training_turns.jobs_ahead_phrase(job)}")
@@ -408,12 +408,12 @@ def _reinforcement_grader(organization: Organization, request: JobRequest, paren
         raise ApiError(
             f"{parent.name} is a fine-tuned model: reinforcement fine-tuning starts from a base model here. "
             f"Give model={parent.exact.split(':')[0]!r}.", param="model", code="invalid_model",
-        )  # fmt: skip
+        )
     if request.evaluation is not None:
         raise ApiError(
             "A reinforcement job is scored by its grader on the validation prompts every eval_interval steps, and "
             "publishes its best step: leave evaluation out.", param="evaluation", code="invalid_evaluation",
-        )  # fmt: skip
+        )
     return _checked_openai_grader(organization, request.grader, "method.reinforcement.grader")
 
 
@@ -426,7 +426,7 @@ def _check_answer_fits(max_completion_tokens: int, files: list[File], model: Bas
                 f"{max_completion_tokens} its answers could take {file.max_example_tokens + max_completion_tokens}; "
                 f"{model.id} takes at most {model.engine.max_model_len}. Lower max_completion_tokens or shorten the prompts.",
                 param="hyperparameters.max_completion_tokens", code="invalid_hyperparameter",
-            )  # fmt: skip
+            )
 
 
 def _evaluation(organization: Organization, requested: dict | None, validation: File | None, model: BaseModel) -> dict | None:
@@ -448,7 +448,7 @@ def _evaluation(organization: Organization, requested: dict | None, validation: 
             raise ApiError(
                 "An evaluation needs held-out examples: give evaluation.file, or a validation_file to evaluate on.",
                 param="evaluation.file", code="evaluation_needs_a_file",
-            )  # fmt: skip
+            )
         file_id = validation.id
     else:
         _file(organization, file_id, "evaluation.file", model)
@@ -493,9 +493,9 @@ def _send_or_503(job: FineTuningJob) -> None:
         record_event(
             job, "The job could not be sent to a trainer (the broker is unreachable); it is sent again once the broker is back",
             level="warn",
-        )  # fmt: skip
+        )
         raise ApiError(
             f"Job {job.id} was created and is queued, but the task broker is unreachable, so no trainer has been told yet. "
             "It starts by itself once the broker is back; do not create it again.",
             status=503, code="broker_unavailable",
-        ) from None  # fmt: skip
+        ) from None

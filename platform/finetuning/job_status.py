@@ -38,7 +38,7 @@ def cancel_job(job: FineTuningJob) -> FineTuningJob:
         updated = (
             FineTuningJob.objects.filter(pk=job.pk, status__in=(JobStatus.QUEUED, JobStatus.RUNNING))
             .update(status=JobStatus.CANCELLED, finished_at=timezone.now())
-        )  # fmt: skip
+        )
         job.refresh_from_db()
         if updated:
             record_event(job, "Job cancelled by request")
@@ -75,7 +75,7 @@ def succeed(
             status=JobStatus.SUCCEEDED, fine_tuned_model=name, trained_tokens=trained_tokens,
             finished_at=timezone.now(), estimated_finish=None, result_file=results.id if results else None,
             best_step=best_step,
-        )  # fmt: skip
+        )
         if succeeded:
             if results is not None:
                 results.save()

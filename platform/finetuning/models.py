@@ -225,7 +225,7 @@ class FineTunedModel(models.Model):
             revision = (
                 ModelRevision.objects.filter(model__organization_id=self.organization_id, model__name=model_name, number=number)
                 .select_related("job").first()
-            )  # fmt: skip
+            )
             name = revision.job.exact_parent if revision and revision.job else None
         return chain
 

@@ -94,7 +94,7 @@ def publish_trained_revision(job: FineTuningJob, name: str, final_loss: float | 
         model = FineTunedModel.objects.create(
             name=name, organization=job.organization, job=job, base_model=job.model, suffix=job.suffix,
             final_loss=final_loss, revision=job.revision,
-        )  # fmt: skip
+        )
         record_event(job, f"New fine-tuned model created: {name}")
     else:
         record_event(job, f"New revision published: {name}@r{job.revision}; {name} answers with it now")
@@ -194,7 +194,7 @@ def _register(organization: Organization, name: ModelName, size: int, new: _NewM
             model = FineTunedModel.objects.create(
                 name=str(name), organization=organization, job=None, base_model=name.base_model_id,
                 suffix=name.suffix, uploaded_bytes=size, composition=new.composition,
-            )  # fmt: skip
+            )
             ModelRevision.objects.create(model=model, number=model.revision)  # its one revision
             return model
     except IntegrityError:
@@ -215,7 +215,7 @@ def roll_back(model: FineTunedModel, number: int) -> FineTunedModel:
             raise ApiError(
                 f"The files of {model.name}@r{number} are no longer in the dynamic LoRA path; it cannot be served.",
                 status=409, param="revision", code="revision_unavailable",
-            ) from None  # fmt: skip
+            ) from None
     return model
 
 

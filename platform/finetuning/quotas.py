@@ -33,7 +33,7 @@ def charge_hourly(organization: Organization, noun: str, setting: str, param: st
     limit = Limit(
         f"{noun}:org:{organization.pk}", per_hour, HOUR_S, f"{per_hour} {noun} per hour for this organization",
         LIMIT_SETTINGS[setting],
-    )  # fmt: skip
+    )
     exceeded = charge(settings.CONFIG.redis_url, [limit])
     if exceeded is not None:
         raise exceeded.error(param=param)
@@ -47,7 +47,7 @@ def charge_upload(organization: Organization) -> None:
 def check_storage(
     organization: Organization, size: int, locked: bool = False, what: str = "this file", param: str = "file",
     reserved: int = 0,
-) -> None:  # fmt: skip
+) -> None:
     """The 403 when a file of ``size`` bytes would take the organization's files past its quota.
     ``locked``: inside the transaction that adds the file, under the organization's lock until it
     ends, so two uploads at once cannot both take the last of the quota. ``what`` and ``param``
@@ -65,7 +65,7 @@ def check_storage(
             f"{human_size(quota)} ({setting}); its files and uploaded adapters take {human_size(kept)}{under_way}. Delete "
             "what it no longer needs, or ask the platform's operators to raise the quota.",
             status=403, param=param, code="storage_quota_exceeded",
-        )  # fmt: skip
+        )
 
 
 def stored_bytes(organization: Organization) -> int:

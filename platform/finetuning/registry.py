@@ -95,7 +95,7 @@ def checkpoint_named(organization: Organization, name: ModelName) -> Checkpoint 
             job__organization=organization, job__model=name.base_model_id, job__suffix=name.suffix,
             job__revision=name.revision or 1, step_number=name.checkpoint_step,
         ).select_related("job").first()
-    )  # fmt: skip
+    )
 
 
 def revisions_of(model: FineTunedModel) -> list[ModelRevision]:
@@ -137,7 +137,7 @@ def expire_unpublished_checkpoints(now: datetime) -> list[str]:
         Checkpoint.objects.filter(pk__in=[checkpoint.pk for checkpoint in checkpoints]).delete()
         _delete_stored(job.model, [checkpoint.name for checkpoint in checkpoints], {job.pk})
         record_event(job, f"Deleted its {len(checkpoints)} checkpoint(s): the job ended without publishing a "
-                          f"model more than {days} day(s) ago (UNPUBLISHED_CHECKPOINTS_DAYS).")  # fmt: skip
+                          f"model more than {days} day(s) ago (UNPUBLISHED_CHECKPOINTS_DAYS).")
         expired.append(job.pk)
     return expired
 

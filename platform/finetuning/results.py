@@ -18,7 +18,7 @@ PREFERENCE_COLUMNS = (*COLUMNS, "reward_margin", "preference_accuracy")
 REWARD_COLUMNS = (
     "step", "epoch", "reward_mean", "reward_std", "pass_rate", "valid_reward", "valid_pass_rate", "kl", "answer_tokens",
     "samples_per_second", "trained_tokens",
-)  # fmt: skip
+)
 
 
 def columns_of(job: FineTuningJob) -> tuple[str, ...]:
@@ -49,7 +49,7 @@ def store_results_file(job: FineTuningJob) -> File:
     file = File(
         organization_id=job.organization_id, filename=f"{job.id}-results.csv", purpose=PURPOSE, bytes=len(data),
         example_count=0, token_count=0, max_example_tokens=0,
-    )  # fmt: skip
+    )
     file.storage_key = f"files/{job.organization_id}/{file.id}.csv"
     storage.files().put(file.storage_key, data)
     return file

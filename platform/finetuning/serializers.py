@@ -98,7 +98,7 @@ class EarlyStoppingSerializer(RejectUnknownKeys, serializers.Serializer):
         ("valid_loss", "eval_score"), default="valid_loss",
         help_text="valid_loss: the validation loss at each evaluation; eval_score: each checkpoint's score by the "
         "job's evaluation graders (its answers, as served). The best one's adapter is published.",
-    )  # fmt: skip
+    )
 
 
 class HyperparametersSerializer(RejectUnknownKeys, serializers.Serializer):
@@ -120,7 +120,7 @@ class DpoHyperparametersSerializer(HyperparametersSerializer):
     beta = AutoOr(
         StrictFloatField(min_value=MIN_BETA, max_value=MAX_BETA), required=False,
         help_text="How far the policy may move from the reference: higher keeps it closer (auto: 0.1)",
-    )  # fmt: skip
+    )
 
 
 class ReinforcementHyperparametersSerializer(RejectUnknownKeys, serializers.Serializer):
@@ -132,11 +132,11 @@ class ReinforcementHyperparametersSerializer(RejectUnknownKeys, serializers.Seri
     eval_interval = AutoOr(StrictIntegerField(min_value=1, max_value=1000), required=False, help_text="Steps between evaluations")
     eval_samples = AutoOr(
         StrictIntegerField(min_value=1, max_value=16), required=False, help_text="Samples per validation prompt at an evaluation"
-    )  # fmt: skip
+    )
     compute_multiplier = AutoOr(
         StrictFloatField(min_value=0.25, max_value=8.0), required=False,
         help_text="Samples per training prompt, as a multiple of 4 (auto: 1, four samples a prompt)",
-    )  # fmt: skip
+    )
     reasoning_effort = serializers.ChoiceField(REASONING_EFFORTS, required=False)
     max_completion_tokens = StrictIntegerField(min_value=1, max_value=4096, required=False, help_text="An answer's length, at most (default 256)")
     lora_r = StrictIntegerField(min_value=1, max_value=256, required=False)
@@ -222,7 +222,7 @@ class EvaluationSerializer(RejectUnknownKeys, serializers.Serializer):
     threshold = StrictFloatField(
         default=0.0, min_value=-1.0, max_value=1.0,
         help_text="The new adapter must score at least the reference's score plus this (0: no worse than it)",
-    )  # fmt: skip
+    )
 
 
 class JobCreateSerializer(RejectUnknownKeys, serializers.Serializer):
@@ -269,7 +269,7 @@ class CompositionSerializer(RejectUnknownKeys, serializers.Serializer):
     method = serializers.ChoiceField(
         COMPOSITION_METHODS, default="linear",
         help_text="linear: exact (rank = the sum of the parents' ranks); svd, ties, dare_linear: approximated at 'rank'",
-    )  # fmt: skip
+    )
     rank = StrictIntegerField(required=False, allow_null=True, min_value=1, help_text="The approximation's rank (default: as much as is served)")
     density = StrictFloatField(default=0.5, min_value=0.01, max_value=1.0, help_text="ties, dare_linear: the share of each delta kept")
     seed = StrictIntegerField(default=0, min_value=0, max_value=2**31 - 1, help_text="dare_linear: its random drop")

@@ -81,7 +81,7 @@ def _jobs_ahead(job: FineTuningJob) -> int:
     others = sum(
         min(turn.queued, own_earlier + (1 if i < mine else 0))
         for i, turn in enumerate(turns) if turn.organization_id != job.organization_id
-    )  # fmt: skip
+    )
     return running + own_earlier + others
 
 
@@ -166,7 +166,7 @@ def claim_next(woken_by: str, worker: str) -> Claim | None:
         job_id = (
             FineTuningJob.objects.filter(organization_id=turn.organization_id, status=JobStatus.QUEUED)
             .order_by("queued_at").values_list("pk", flat=True).first()
-        )  # fmt: skip
+        )
         attempt = claim(job_id, worker) if job_id else None
         if job_id and attempt is not None:
             if job_id != woken_by:

@@ -164,7 +164,7 @@ class JobViewSet(OrganizationScoped, viewsets.ViewSet):
     @action(
         detail=True, methods=["get"], url_path="checkpoints/(?P<checkpoint>[^/]+)/adapter",
         renderer_classes=[JSONRenderer, AnyAcceptRenderer],
-    )  # fmt: skip
+    )
     def checkpoint_adapter(self, request: Request, pk: str, checkpoint: str) -> StreamedFileResponse:
         row = self.get_row(request, pk).checkpoints.select_related("job").filter(pk=checkpoint).first()
         if row is None:
@@ -182,7 +182,7 @@ class ModelAdapterView(APIView):
         operation_id="v1_fine_tuning_models_adapter_retrieve", responses=_ARCHIVE,
         summary="Download a fine-tuned model's adapter (a PEFT folder as .tar.gz)",
         parameters=_MODEL,
-    )  # fmt: skip
+    )
     def get(self, request: Request, model: str) -> StreamedFileResponse:
         row = _own_model(request, model)
         return adapters.archive_response(adapters.model_archive(row), row.name)
@@ -201,7 +201,7 @@ class ModelRevisionsView(APIView):
     @extend_schema(
         operation_id="v1_fine_tuning_models_revisions_list", responses=OpenApiTypes.OBJECT, parameters=_MODEL,
         summary="List a fine-tuned model's revisions (<model>@r<N>), with their jobs and final losses",
-    )  # fmt: skip
+    )
     def get(self, request: Request, model: str) -> Response:
         row = _own_model(request, model)
         data = [revision_object(revision, row.revision) for revision in registry.revisions_of(row)]
@@ -214,7 +214,7 @@ class ModelRollbackView(APIView):
     @extend_schema(
         request=RollbackSerializer, responses=OpenApiTypes.OBJECT, parameters=_MODEL,
         summary="Make a fine-tuned model's name answer with one of its revisions (roll back, or forward again)",
-    )  # fmt: skip
+    )
     def post(self, request: Request, model: str) -> Response:
         serializer = RollbackSerializer(data=object_body(request.data))
         serializer.is_valid(raise_exception=True)
@@ -232,7 +232,7 @@ class AdapterUploadView(APIView):
     @extend_schema(
         request={"multipart/form-data": AdapterUploadSerializer}, responses=OpenApiTypes.OBJECT,
         summary="Upload a PEFT LoRA adapter (.tar.gz or .zip) to serve as <model>:<suffix>",
-    )  # fmt: skip
+    )
     def post(self, request: Request) -> Response:
         serializer = AdapterUploadSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
@@ -251,7 +251,7 @@ class ComposeModelView(APIView):
     @extend_schema(
         request=CompositionSerializer, responses={200: OpenApiTypes.OBJECT, 202: OpenApiTypes.OBJECT},
         summary="Compose a fine-tuned model from a weighted combination of the organization's fine-tuned models",
-    )  # fmt: skip
+    )
     def post(self, request: Request) -> Response:
         serializer = CompositionSerializer(data=object_body(request.data))
         serializer.is_valid(raise_exception=True)

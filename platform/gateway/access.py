@@ -76,14 +76,14 @@ def _delete_model(api_key: ApiKey, model: UsableModel) -> None:
         raise ApiError(
             f"{model.name} is a base model of the platform; only fine-tuned models can be deleted.",
             status=403, param="model", code="model_not_deletable",
-        )  # fmt: skip
+        )
     whole = parse_model_name(model.name).model
     if whole != model.name:
         raise ApiError(
             f"{model.name} is a revision or a checkpoint of {whole}; they are deleted with it, not one by one "
             f"(to answer with another revision, roll {whole} back).",
             status=400, param="model", code="model_not_deletable",
-        )  # fmt: skip
+        )
     close_old_connections()
     organization = api_key.organization
     check_may_manage_models(organization, api_key.created_by, "delete")

@@ -48,7 +48,7 @@ def completion_limits(organization_id: int, api_key_id: int | None, tokens: int 
     found += _rates(
         "organization", organization_id, limits.completions_per_minute_per_organization,
         limits.tokens_per_minute_per_organization, tokens,
-    )  # fmt: skip
+    )
     return found
 
 
@@ -59,7 +59,7 @@ def _rates(scope: str, owner: int, requests: int, token_rate: int, tokens: int) 
             f"completions:{scope}:{owner}", requests, MINUTE_S, f"{requests} completions per minute for {whom}",
             LIMIT_SETTINGS[f"completions_per_minute_per_{scope}"],
         )
-    ]  # fmt: skip
+    ]
     if tokens:
         setting = LIMIT_SETTINGS[f"tokens_per_minute_per_{scope}"]
         if tokens > token_rate:

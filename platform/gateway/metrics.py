@@ -11,7 +11,7 @@ REGISTRY = CollectorRegistry()
 REQUESTS = Counter(
     "fineserve_gateway_requests", "Requests to the inference endpoints (API and dashboard playground) by endpoint and status",
     ["endpoint", "status"], registry=REGISTRY,
-)  # fmt: skip
+)
 
 
 def render() -> bytes:

@@ -64,7 +64,7 @@ _TYPED_FIELDS: dict[str, dict] = {
             "At most MAX_MIX_ADAPTERS entries, and at most the replica's batch slots (max_loras)."
         ),
     },
-}  # fmt: skip
+}
 _ERRORS = {
     "400": "The body is not valid, a field is unknown or over its cap",
     "401": "No API key, or not a valid one",
@@ -136,7 +136,7 @@ def add_inference_endpoints(result: dict, generator: SchemaGenerator, request: R
                 _responses({"type": "object"}, "401", "404"), parameters=model_path,
             ),
         },
-    })  # fmt: skip
+    })
     listing_schema = ModelList.model_json_schema(ref_template="#/components/schemas/{model}")
     listing_schema.pop("$defs")  # ModelCard is a component of its own
     components = result.setdefault("components", {})
@@ -148,6 +148,6 @@ def add_inference_endpoints(result: dict, generator: SchemaGenerator, request: R
             "type": "object", "required": ["error"],
             "properties": {"error": {"type": "object", "required": ["message", "type", "param", "code"]}},
         },
-    })  # fmt: skip
+    })
     components.setdefault("securitySchemes", {})["InferenceKey"] = {"type": "http", "scheme": "bearer"}
     return result

@@ -45,7 +45,7 @@ def body_too_large(path: str, limit: Limit, size: int | None) -> ApiError:
     return ApiError(
         f"The request body {told} the {limit.value:,} bytes allowed for {path} ({limit.setting}).",
         status=413, code="request_too_large",
-    )  # fmt: skip
+    )
 
 
 def with_body_limits(application: ASGIApp) -> ASGIApp:

@@ -40,11 +40,11 @@ def create_session(organization: Organization, tags: list[str], user_metadata: d
             f"Your organization has {live} training sessions open (at most {MAX_LIVE_SESSIONS_PER_ORGANIZATION}); close "
             "one (ServiceClient.close), or wait: a session whose client stopped beating closes within "
             f"{SESSION_SILENT_S} s.", status=429, code="too_many_training_sessions", retry_after_s=30,
-        )  # fmt: skip
+        )
     return LoopSession.objects.create(
         organization=organization, tags=tags, user_metadata=user_metadata, sdk_version=sdk_version[:40],
         display_name=display_name[:200],
-    )  # fmt: skip
+    )
 
 
 def session_of(organization: Organization, session_id: str) -> LoopSession:
@@ -87,15 +87,15 @@ class RunShape:
 
 
 def create_run(organization: Organization, session_id: str, shape: RunShape, start_from: LoopCheckpoint | None = None,
-               with_optimizer: bool = False) -> LoopRun:  # fmt: skip
+               with_optimizer: bool = False) -> LoopRun:
     """A new training run, queued for a trainer once the transaction commits."""
     base = settings.MODEL_CATALOG.get(shape.base_model)
     if base is None:
         raise ApiError(f"base_model '{shape.base_model}' is not offered here; see get_server_capabilities", param="base_model",
-                       code="model_not_available")  # fmt: skip
+                       code="model_not_available")
     if not 1 <= shape.rank <= min(MAX_RANK, base.lora.max_lora_rank):
         raise ApiError(f"lora_config.rank must be from 1 to {min(MAX_RANK, base.lora.max_lora_rank)} (what the serving "
-                       f"engine takes for {base.id})", param="lora_config.rank")  # fmt: skip
+                       f"engine takes for {base.id})", param="lora_config.rank")
     if not (shape.train_mlp or shape.train_attn):
         raise ApiError("lora_config: train_mlp or train_attn must be true (there is nothing else to train here)", param="lora_config")
     with transaction.atomic():
@@ -107,16 +107,16 @@ def create_run(organization: Organization, session_id: str, shape: RunShape, sta
             raise ApiError(
                 f"Your organization has {open_runs} training runs open (at most {MAX_OPEN_RUNS_PER_ORGANIZATION}); a run closes "
                 "when its client stops sending requests.", status=429, code="too_many_training_runs", retry_after_s=30,
-            )  # fmt: skip
+            )
         run_id = f"{session.pk}:train:{shape.model_seq_id}"
         if LoopRun.objects.filter(pk=run_id).exists():
             raise ApiError(f"This session made model {shape.model_seq_id} already ({run_id}); the SDK counts them",
-                           status=409, param="model_seq_id", code="model_seq_id_taken")  # fmt: skip
+                           status=409, param="model_seq_id", code="model_seq_id_taken")
         run = LoopRun.objects.create(
             id=run_id, session=session, organization=organization, base_model=base.id, lora_rank=shape.rank, seed=shape.seed,
             train_mlp=shape.train_mlp, train_attn=shape.train_attn, user_metadata=shape.user_metadata,
             start_from=start_from, start_with_optimizer=with_optimizer,
-        )  # fmt: skip
+        )
         transaction.on_commit(lambda: send(HOLD_TRAINING_RUN, run.pk))
     return run
 
@@ -137,7 +137,7 @@ def open_run_of(organization: Organization, run_id: str) -> LoopRun:
         raise ApiError(
             f"Training run {run.pk} stopped (its session ended, or no request came for {settings.CONFIG.loop_idle_s} s); "
             "create a training client from its last saved state to go on.", status=409, code="training_run_stopped", param="model_id",
-        )  # fmt: skip
+        )
     return run
 
 
@@ -146,12 +146,12 @@ def checkpoint_at(organization: Organization, path: str, param: str = "path") ->
     match = _PATH.fullmatch(path)
     if match is None:
         raise ApiError(f"'{path[:300]}' is not a path this server gave: tinker://<model_id>/weights/<name> or "
-                       "tinker://<model_id>/sampler_weights/<name>", param=param)  # fmt: skip
+                       "tinker://<model_id>/sampler_weights/<name>", param=param)
     kind = CheckpointKind.STATE if match["folder"] == "weights" else CheckpointKind.SAMPLER
     checkpoint = (
         LoopCheckpoint.objects.filter(run__organization=organization, run_id=match["run"], kind=kind, name=match["name"])
         .select_related("run").first()
-    )  # fmt: skip
+    )
     if checkpoint is None:
         raise not_found("checkpoint", path, param)
     return checkpoint
@@ -168,11 +168,11 @@ def checked_name(name: str | None) -> str | None:
 
 
 def run_from_state(organization: Organization, session_id: str, model_seq_id: int, state: LoopCheckpoint,
-                   with_optimizer: bool, user_metadata: dict | None) -> LoopRun:  # fmt: skip
+                   with_optimizer: bool, user_metadata: dict | None) -> LoopRun:
     """A new run that starts from a saved state: its base model, rank and targets are the state's run's."""
     if state.kind != CheckpointKind.STATE:
         raise ApiError("a run starts from saved weights with their optimizer (tinker://.../weights/...), not from sampler "
-                       "weights", param="path")  # fmt: skip
+                       "weights", param="path")
     source = state.run
     shape = RunShape(model_seq_id, source.base_model, source.lora_rank, source.seed, source.train_mlp, source.train_attn, user_metadata)
     return create_run(organization, session_id, shape, start_from=state, with_optimizer=with_optimizer)
@@ -184,11 +184,11 @@ def sampler_for(organization: Organization, model_path: str | None, base_model: 
         checkpoint = checkpoint_at(organization, model_path, "model_path")
         if checkpoint.served_as is None:
             raise ApiError("sample from sampler weights (tinker://.../sampler_weights/...): a training state is not served",
-                           param="model_path")  # fmt: skip
+                           param="model_path")
         return Sampler(organization.pk, checkpoint.served_as, checkpoint.run.base_model)
     if base_model is None or settings.MODEL_CATALOG.get(base_model) is None:
         raise ApiError(f"base_model '{(base_model or '')[:200]}' is not offered here; give model_path or a base model of "
-                       "get_server_capabilities", param="base_model")  # fmt: skip
+                       "get_server_capabilities", param="base_model")
     return Sampler(organization.pk, base_model, base_model)
 
 
@@ -207,14 +207,14 @@ def _run_view(run: LoopRun) -> dict:
         "last_checkpoint": _checkpoint_view(last) if last else None,
         "last_sampler_checkpoint": _checkpoint_view(sampler) if sampler else None, "user_metadata": run.user_metadata,
         "status": run.status, "error": run.error_message or None,
-    }  # fmt: skip
+    }
 
 
 def _checkpoint_view(checkpoint: LoopCheckpoint) -> dict:
     return {
         "checkpoint_id": checkpoint.checkpoint_id, "checkpoint_type": checkpoint.kind, "time": checkpoint.created_at,
         "tinker_path": checkpoint.path, "size_bytes": checkpoint.size_bytes, "public": False, "served_as": checkpoint.served_as,
-    }  # fmt: skip
+    }
 
 
 def listed_runs(organization: Organization, limit: str | None, offset: str | None) -> dict:
@@ -252,7 +252,7 @@ def publish(organization: Organization, run_id: str, checkpoint_id: str, suffix:
     name = ModelName(checkpoint.run.base_model, suffix or checkpoint.name)
     if not is_valid_suffix(str(name.suffix)):
         raise ApiError("suffix must be 1-64 letters, digits, '_' or '-' (the weights' own name is used when none is given)",
-                       param="suffix")  # fmt: skip
+                       param="suffix")
     lineage = {"origin": "training_loop", "training_run": checkpoint.run_id, "checkpoint": checkpoint.path}
     with tempfile.TemporaryDirectory() as folder:
         adapter = publishing.store_for(name.base_model_id).fetch(checkpoint.served_as, Path(folder))

@@ -89,7 +89,7 @@ def completion_body(model: str, call: SampleCall, tokens: list[int]) -> dict[str
         "model": model, "prompt": tokens, "n": call.num_samples, "temperature": params.temperature,
         "top_p": params.top_p, "top_k": params.top_k, "logprobs": 0, "return_token_ids": True,
         "max_tokens": params.max_tokens or 16,
-    }  # fmt: skip
+    }
     if params.seed is not None:
         body["seed"] = params.seed
     if isinstance(params.stop, str):
@@ -129,7 +129,7 @@ async def sample(sampler: Sampler, call: SampleCall, tokens: list[int]) -> Sampl
     sequences = [
         Sequence(choice["token_ids"], list(choice["logprobs"]["token_logprobs"]), choice.get("finish_reason") != "length")
         for choice in choices
-    ]  # fmt: skip
+    ]
     prompt = _prompt_logprobs(choices[0].get("prompt_logprobs"), tokens) if call.prompt_logprobs else None
     return Sampled(sequences * call.num_samples if greedy else sequences, prompt)
 

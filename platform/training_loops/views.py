@@ -26,7 +26,7 @@ from training_loops.futures import FORWARD_BACKWARD, SAMPLE
 from training_loops.requests import (
     CreateModel, CreateSamplingSession, CreateSession, LoadWeights, ModelRef, OptimStep, Publish, RetrieveFuture,
     SaveWeights, SaveWeightsForSampler, SessionHeartbeat,
-)  # fmt: skip
+)
 from training_loops.samplers import Sampler, open_sampler_async, sampler_of
 from training_loops.sampling import SampleCall, sample
 
@@ -85,7 +85,7 @@ async def client_config(request: HttpRequest) -> HttpResponse:
         "pjwt_auth_enabled": False, "proto_compress_fwdbwd": False, "sample_use_retrieve_futures": False,
         "custom_loss_server_side": False, "sample_join_sampling_session": False, "use_pyqwest_transport": False,
         "parallel_fwdbwd_chunks": False,
-    })  # fmt: skip
+    })
 
 
 @csrf_exempt
@@ -125,7 +125,7 @@ async def create_model(request: HttpRequest, organization: Organization) -> dict
     if body.lora_config is None:
         raise api_errors.ApiError("lora_config is required: this server trains LoRA adapters only", param="lora_config")
     shape = runs.RunShape(body.model_seq_id, body.base_model, body.lora_config.rank, body.lora_config.seed, body.lora_config.train_mlp,
-                          body.lora_config.train_attn, body.user_metadata)  # fmt: skip
+                          body.lora_config.train_attn, body.user_metadata)
     run = await _sync(runs.create_run)(organization, body.session_id, shape)
     request_id = await futures.done_at_once(organization.pk, {"type": "create_model", "model_id": run.pk})
     return {"request_id": request_id, "model_id": run.pk}
@@ -138,7 +138,7 @@ async def get_info(request: HttpRequest, organization: Organization) -> dict:
     return {
         "type": "get_info", "model_id": run.pk, "is_lora": True, "lora_rank": run.lora_rank, "model_name": run.base_model,
         "model_data": {"arch": "causal_lm", "model_name": run.base_model, "tokenizer_id": runs.tokenizer_id(run.base_model)},
-    }  # fmt: skip
+    }
 
 
 async def _queue(organization: Organization, model_id: str, operation: dict) -> dict:
@@ -156,7 +156,7 @@ async def forward_backward(request: HttpRequest, organization: Organization) -> 
     operation = {
         "op": "forward_backward", "loss_fn": call.loss_fn, "loss_fn_config": call.loss_fn_config, "forward_only": call.forward_only,
         "data": [{"tokens": datum.tokens, "inputs": datum.inputs} for datum in call.data],
-    }  # fmt: skip
+    }
     return await _queue(organization, call.model_id, operation)
 
 
@@ -260,7 +260,7 @@ def _json_result(kind: str, value: dict) -> dict:
         sequences = [
             {"stop_reason": "stop" if sequence["stopped"] else "length", "tokens": sequence["tokens"], "logprobs": sequence["logprobs"]}
             for sequence in value["sequences"]
-        ]  # fmt: skip
+        ]
         return {"type": "sample", "sequences": sequences, "prompt_logprobs": value["prompt_logprobs"]}
     return value
 
@@ -295,4 +295,4 @@ async def unknown(request: HttpRequest, rest: str = "") -> HttpResponse:
     return api_error(api_errors.ApiError(
         f"/api/v1/{rest[:200]} is not offered by this server (it serves the Tinker SDK's training, sampling, futures and "
         "checkpoint calls)", status=404, code="not_offered",
-    ))  # fmt: skip
+    ))

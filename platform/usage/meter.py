@@ -118,7 +118,7 @@ def _add(caller: Caller, minute: datetime, counts: _Counts) -> None:
             organization_id=caller.organization_id, api_key_id=caller.api_key_id, model=caller.model, batch=caller.batch,
             minute=minute, requests=counts.requests, prompt_tokens=counts.prompt, completion_tokens=counts.completion,
             cached_tokens=counts.cached,
-        )  # fmt: skip
+        )
 
 
 METER = UsageMeter()  # one per process: the gateway's

@@ -88,7 +88,7 @@ def _record(delivery: WebhookDelivery, number: int, outcome: Outcome) -> None:
         DeliveryAttempt.objects.create(
             delivery=delivery, number=number, status_code=outcome.status_code, error=outcome.error[:300],
             duration_ms=outcome.duration_ms,
-        )  # fmt: skip
+        )
         if retry_in is not None:
             transaction.on_commit(lambda: send_deliveries([delivery.pk], countdown_s=retry_in), robust=True)
 

@@ -19,7 +19,7 @@ MAX_ENDPOINTS_PER_ORGANIZATION = 20
 def register(
     organization: Organization, user: User | None, url: str, event_types: list[str] | None = None,
     description: str = "", enabled: bool = True,
-) -> tuple[WebhookEndpoint, str]:  # fmt: skip
+) -> tuple[WebhookEndpoint, str]:
     """A new endpoint, and its signing secret (to show once: it is not shown again)."""
     url = checked_url(url)
     with transaction.atomic():
@@ -28,12 +28,12 @@ def register(
             raise ApiError(
                 f"An organization may have at most {MAX_ENDPOINTS_PER_ORGANIZATION} webhook endpoints; delete one first.",
                 param="url", code="too_many_endpoints",
-            )  # fmt: skip
+            )
         secret = new_secret()
         endpoint = WebhookEndpoint.objects.create(
             organization=organization, created_by=user, url=url, event_types=event_types or [],
             description=description, enabled=enabled, secret=secret,
-        )  # fmt: skip
+        )
     return endpoint, secret
 
 

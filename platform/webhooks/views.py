@@ -48,7 +48,7 @@ class EndpointDetailView(APIView):
     @extend_schema(
         operation_id="v1_webhooks_update", request=OpenApiTypes.OBJECT, responses=OpenApiTypes.OBJECT,
         summary="Update a webhook endpoint (url, description, event_types, enabled)",
-    )  # fmt: skip
+    )
     def post(self, request: Request, webhook_id: str) -> Response:
         body = parsed(EndpointUpdate, object_body(request.data))
         endpoint = _own_endpoint(request, webhook_id)

@@ -32,7 +32,7 @@ from core.datasets import Example
 __all__ = [
     "Example", "PackedRow", "TokenizedExample", "example_token_count", "first_fit", "pack", "pack_row",
     "target_log_probs", "tokenize_example", "truncate",
-]  # fmt: skip
+]
 
 Item = TypeVar("Item")
 

@@ -55,7 +55,7 @@ class BestValidation:
         return {
             "step": self.step, "loss": self.loss, "train_loss": self.train_loss,
             "evals_since": self.evals_since, "weights": self.weights,
-        }  # fmt: skip
+        }
 
     def restore(self, state: dict) -> None:
         self.step, self.loss, self.train_loss = state["step"], state["loss"], state["train_loss"]

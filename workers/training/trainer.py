@@ -237,7 +237,7 @@ def train(
         return TrainingResult(
             adapter_dir, trained_tokens, step, best.train_loss, None if by_score else best.loss, cancelled=False,
             best_step=best.step, stopped_early=step < total_steps, best_score=best.best_value if by_score else None,
-        )  # fmt: skip
+        )
     adapter_dir = save_adapter(model, output_dir / "adapter")
     return TrainingResult(adapter_dir, trained_tokens, step, train_loss, valid_loss, cancelled=False)
 

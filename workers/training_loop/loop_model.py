@@ -31,7 +31,7 @@ from workers.training.data import first_fit
 from workers.training.model import TRAINED, build_lora_config, load_base_model, save_adapter
 from workers.training_loop.losses import (
     TARGET_TOKENS, LossInputError, Metrics, checked_config, checked_inputs, checked_tokens, combined, loss_function,
-)  # fmt: skip
+)
 from workers.training_loop.shared_prefix import Tree, trees
 
 OPTIMIZER_FILE = "optimizer.pt"  # beside the adapter's files in a folder save_state writes
@@ -269,7 +269,7 @@ class LoopModel:
         return torch.optim.AdamW(
             self._parameters, lr=defaults.learning_rate, betas=(defaults.beta1, defaults.beta2), eps=defaults.eps,
             weight_decay=defaults.weight_decay,
-        )  # fmt: skip
+        )
 
     def _check_same_shape(self, adapter_config: dict) -> None:
         ours = self._model.peft_config[TRAINED]

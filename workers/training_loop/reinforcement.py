@@ -233,10 +233,10 @@ def train_by_reward(
                 name = _served_name(model, policy, served, step, output_dir)
             with clock("sample"):
                 groups = policy.sample(name, [p.tokens for p in batch], config.samples_per_prompt,
-                                       config.max_completion_tokens, config.temperature, config.seed + step)  # fmt: skip
+                                       config.max_completion_tokens, config.temperature, config.seed + step)
             with clock("grade"):
                 grades = policy.grade([p.item for p, group in zip(batch, groups) for _ in group],
-                                      [answer.text for group in groups for answer in group])  # fmt: skip
+                                      [answer.text for group in groups for answer in group])
             tally = _Tally()
             tally.add(grades)
             window.add(grades)
@@ -254,7 +254,7 @@ def train_by_reward(
                 answer_tokens=float(np.mean([len(a.tokens) for a in answers])) if answers else 0.0,
                 samples_per_second=len(answers) / (time.perf_counter() - step_started),
                 trained_tokens=trained_tokens, elapsed_s=time.perf_counter() - started, seconds=clock.seconds,
-            )  # fmt: skip
+            )
             if step % config.eval_interval == 0 or step == total_steps:
                 metrics = _evaluation_step(model, config, policy, served, valid_set, window, metrics, best, output_dir)
                 callbacks.on_checkpoint(epoch, step, model.save_adapter(output_dir / "checkpoint"), metrics)
@@ -269,7 +269,7 @@ def train_by_reward(
     return TrainingResult(
         adapter_dir, trained_tokens, step, None, None, cancelled=False, best_step=best.step,
         stopped_early=step < total_steps, best_score=best.best_value if best.step is not None else None,
-    )  # fmt: skip
+    )
 
 
 def _prompt(tokenizer: PreTrainedTokenizerBase, item: PromptItem) -> _Prompt:
@@ -295,7 +295,7 @@ def _update(
     n_answers = sum(len(group) for group in groups)
     learned = [(prompt, answer, advantage)
                for (prompt, answer), advantage in zip(((p, a) for p, group in zip(batch, groups) for a in group), _advantages(groups, rewards))
-               if advantage != 0.0 and answer.tokens]  # fmt: skip  # a group that scored alike teaches nothing
+               if advantage != 0.0 and answer.tokens]  # a group that scored alike teaches nothing
     if not learned:
         return 0, 0.0, 0.0
     data = [_datum(prompt.tokens, answer) for prompt, answer, _ in learned]
@@ -332,7 +332,7 @@ def _datum(prompt: list[int], answer: Answer) -> LossInput:
     logprobs = np.zeros(len(tokens) - 1, np.float32)
     logprobs[first:] = np.nan_to_num(np.asarray(answer.logprobs, np.float32), nan=0.0, neginf=-100.0)
     inputs: dict[str, np.ndarray] = {TARGET_TOKENS: np.asarray(tokens[1:], np.int64), SAMPLING_LOGPROBS: logprobs,
-              ADVANTAGES: np.zeros(len(tokens) - 1, np.float32)}  # fmt: skip
+              ADVANTAGES: np.zeros(len(tokens) - 1, np.float32)}
     return LossInput(tokens[:-1], inputs)
 
 
@@ -340,17 +340,17 @@ def _evaluate(config: ReinforcementConfig, policy: Policy, name: str, valid_set:
     """The validation prompts' answers by ``name``, scored: the same seed each time, so two evaluations
     differ by the weights alone."""
     groups = policy.sample(name, [p.tokens for p in valid_set], config.eval_samples, config.max_completion_tokens,
-                           config.temperature, config.seed)  # fmt: skip
+                           config.temperature, config.seed)
     tally = _Tally()
     tally.add(policy.grade([p.item for p, group in zip(valid_set, groups) for _ in group],
-                           [answer.text for group in groups for answer in group]))  # fmt: skip
+                           [answer.text for group in groups for answer in group]))
     return tally
 
 
 def _evaluation_step(
     model: LoopModel, config: ReinforcementConfig, policy: Policy, served: _Served, valid_set: list[_Prompt],
     window: _Tally, metrics: RewardStep, best: BestValidation, output_dir: Path,
-) -> RewardStep:  # fmt: skip
+) -> RewardStep:
     """An evaluation after ``metrics.step``: the validation reward (without validation prompts, the
     training reward since the last evaluation stands for it), recorded for the best step."""
     if valid_set:

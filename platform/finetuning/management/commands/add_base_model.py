@@ -40,10 +40,10 @@ class Command(BaseCommand):
             "--dtype", choices=DTYPES,
             help="what the model computes in (default: the one this machine computes well; on a CPU, the "
             "platform's LoRA kernels and mixes computed in them take float32)",
-        )  # fmt: skip
+        )
 
     def handle(self, *args: object, folder: Path, model_id: str | None, chat_template: Path | None, link: bool,
-               dtype: str | None, tool_call_parser: str | None, **options: object) -> None:  # fmt: skip
+               dtype: str | None, tool_call_parser: str | None, **options: object) -> None:
         config = load_config()
         place = CatalogPlace(config.model_catalog, config.data_dir, config.dynamic_lora_path)
         request = NewBaseModel(folder, model_id, chat_template, link, dtype, tool_call_parser)

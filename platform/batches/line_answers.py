@@ -26,14 +26,14 @@ from django.conf import settings
 from accounts.models import Organization
 from answering.access import usable_target
 from answering.batch import Answerer, Reply, Target
+from base.records import new_id
 from batches.models import BatchResult
 from core import api_errors
 from core import responses_protocol
 from core.batch_input import BatchRequest
 from core.openai_protocol import parse_request
-from core.responses_protocol import ResponsesRequest
-from base.records import new_id
 from core.request_limits import check_request
+from core.responses_protocol import ResponsesRequest
 from usage.answers import Tokens
 
 CHAT = "chat/completions"

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from batches.models import Batch
 from base.records import unix
+from batches.models import Batch
 
 
 def batch_object(batch: Batch) -> dict:

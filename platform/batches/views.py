@@ -11,12 +11,12 @@ from rest_framework.views import APIView
 
 from accounts.authentication import caller_of, organization_of
 from base.api_views import PAGE_PARAMETERS, owned, parsed, path_only
+from base.pagination import list_page
 from batches import batch_status, creation
 from batches.models import Batch
 from batches.representations import batch_object
 from batches.requests import BatchCreate
 from core.api_errors import object_body
-from base.pagination import list_page
 
 
 def _own_batch(request: Request, batch_id: str) -> Batch:

@@ -24,11 +24,11 @@ from core.eval_prompts import DEFAULT_INPUT, input_messages_problem, prompt_of
 from core.evaluation import Grader
 from core.grading import first_problem
 from core.rate_limits import RATE_LIMIT_TYPE
+from core.request_limits import check_request
 from evals import run_status, sources
 from evals.criteria import checked_criteria
 from evals.models import Eval, EvalRun
 from evals.requests import DataSource, EvalCreate, RunCreate
-from core.request_limits import check_request
 
 log = logging.getLogger(__name__)
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from django.urls import reverse
 
+from base.records import unix
 from core.eval_prompts import DEFAULT_INPUT
 from evals import sources
 from evals.models import Eval, EvalRun, OutputItem
-from base.records import unix
 
 # What ``{{sample.*}}`` names: the model's answer (an eval's schema shows it with include_sample_schema).
 SAMPLE_SCHEMA = {

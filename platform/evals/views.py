@@ -10,13 +10,13 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from accounts.authentication import caller_of, organization_of
+from base.pagination import list_page
 from core.api_errors import ApiError, not_found, object_body, shown
 from evals import creation, run_status
 from evals.models import Eval, EvalRun, OutputItem, RunStatus
 from evals.representations import eval_object, output_item_object, run_object
 from base.api_views import PAGE_PARAMETERS, owned, parsed, path_only
 from evals.requests import EvalCreate, EvalUpdate, RunCreate
-from base.pagination import list_page
 
 ITEM_STATUSES = ("pass", "fail", "error")
 

@@ -21,8 +21,8 @@ from core.batch_input import BatchFile, check_batch_file
 from core.config import UPLOAD_LIMIT_SETTING
 from core.datasets import CHAT, Dataset, Example, Record, as_chat, parse_dataset
 from core.eval_items import EvalFile, check_eval_file
-from finetuning import quotas, results, storage
 from core.request_limits import estimated_prompt_tokens
+from finetuning import quotas, results, storage
 from finetuning.models import FINISHED_STATUSES, File, FineTuningJob
 from finetuning.tokens import default_model, token_counter
 

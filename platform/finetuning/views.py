@@ -20,11 +20,11 @@ from rest_framework.views import APIView
 from accounts.authentication import caller_of, organization_of
 from accounts.permissions import check_may_manage_models
 from base.api_views import PAGE_PARAMETERS
+from base.pagination import list_page
 from base.streaming import StreamedFileResponse
 from core.api_errors import model_not_found, not_found, object_body
 from finetuning import adapters, compositions, files, job_creation, job_status, publishing, registry
 from finetuning.models import Composition, File, FineTunedModel, FineTuningJob
-from base.pagination import list_page
 from finetuning.representations import (
     checkpoint_object,
     composition_object,

@@ -24,9 +24,9 @@ from accounts.models import Organization
 from answering.forward import PoolAnswer, check_mix, forward
 from core import api_errors
 from core.openai_protocol import ParsedRequest, parse_request
+from core.request_limits import check_request, estimated_prompt_tokens
 from gateway.access import authorize, organization_model
 from gateway.limits import check_completion_rate, estimated_tokens
-from core.request_limits import check_request, estimated_prompt_tokens
 from finetuning.registry import UsableModel
 from usage.meter import Caller
 

@@ -21,8 +21,8 @@ from django.conf import settings
 from core import api_errors
 from core.config import LIMIT_SETTINGS
 from core.rate_limits import TOKEN_LIMIT_TYPE, Limit, charge_async
-from finetuning.registry import UsableModel
 from core.request_limits import estimated_prompt_tokens
+from finetuning.registry import UsableModel
 
 MINUTE_S = 60
 

@@ -15,8 +15,8 @@ from functools import partial
 from django.db import models
 
 from accounts.models import Organization
-from core.model_names import ModelName
 from base.records import OrgQuerySet, new_id
+from core.model_names import ModelName
 
 
 SESSION_SILENT_S = 60  # the SDK beats every 10 s while its process lives

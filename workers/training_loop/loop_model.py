@@ -249,11 +249,16 @@ class LoopModel:
         )
         # Every position predicts its datum's next target; a shared position, the next of each member.
         log_probs = torch.log_softmax(out.logits[0].float(), dim=-1)
-        offset = 0
+        members, positions, offset = [], [], 0
         for tree in row:
-            for i, positions in zip(tree.members, tree.positions, strict=True):
-                yield i, log_probs[offset + positions, batch[i].inputs[TARGET_TOKENS]]
+            members += tree.members
+            positions += [offset + member_positions for member_positions in tree.positions]
             offset += tree.length
+        # One gather for the whole row: each indexing's backward zero-fills a gradient the size of
+        # log_probs (positions x vocabulary), so one a datum cost more than the row's matmuls.
+        targets = [batch[i].inputs[TARGET_TOKENS] for i in members]
+        picked = log_probs[torch.cat(positions), torch.cat(targets)]
+        yield from zip(members, picked.split([len(t) for t in targets]), strict=True)
 
     def _grad_norm(self, clip_norm: float) -> float:
         grads = [p.grad for p in self._parameters if p.grad is not None]

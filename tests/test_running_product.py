@@ -101,6 +101,11 @@ def test_a_job_created_with_the_openai_client_trains_and_its_model_streams_then_
     succeeded_s = time.monotonic() - created_at
     assert job.status == "succeeded", job.error
     assert job.fine_tuned_model == f"{BASE}:product"
+    # The worker has the pool preload the model once it is published: its first request loads nothing.
+    served = f"{job.fine_tuned_model}@r1"  # the replicas hold each revision under its own name
+    ready = lambda: client.fine_tuning.jobs.list_events(job.id, limit=1).data[0].message  # noqa: E731
+    wait_until(lambda: ready().startswith("Ready on 1 replica(s)"), 60, "the job's preload")
+    assert any(served in replica["adapters"] for replica in pool_replicas(platform)), ready()
 
     stream = client.chat.completions.create(
         model=job.fine_tuned_model, messages=[{"role": "user", "content": "What is 2 plus 2?"}],
@@ -115,8 +120,6 @@ def test_a_job_created_with_the_openai_client_trains_and_its_model_streams_then_
     assert len(pieces) >= 2 and "".join(pieces).strip(), "the answer did not stream"
 
     assert job.fine_tuned_model in [model.id for model in client.models.list()]
-    served = f"{job.fine_tuned_model}@r1"  # the replicas hold each revision under its own name
-    assert any(served in replica["adapters"] for replica in pool_replicas(platform))
     kernels = [replica["lora_kernels"] for replica in pool_replicas(platform) if replica["healthy"]]
     assert kernels and all(k["reason"].startswith("the C kernel") for k in kernels), (
         kernels

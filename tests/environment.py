@@ -4,10 +4,10 @@ Tests use their own Redis database and ports, so a platform running on the same 
 steals their tasks nor answers their health checks. DATABASE_URL comes from the caller (the test
 command runs the suite on PostgreSQL and on SQLite).
 
-The test command runs the suite as two pytest processes at once, its lanes (TEST_LANE; bin/test says
+The test command runs the suite as two pytest processes at a time, its lanes (TEST_LANE; bin/test says
 which tests each takes). Each lane has a Redis database, ports, storage, logs and a test database
-(``tests.conftest.django_db_modify_db_settings``) of its own, so neither takes the other's tasks,
-answers its health checks, nor overwrites the files of a row whose id the other's database repeats.
+(``tests.conftest.django_db_modify_db_settings``) of its own, so no lane takes another's tasks,
+answers its health checks, nor overwrites the files of a row whose id another's database repeats.
 """
 
 import os
@@ -32,8 +32,8 @@ class Lane:
 
 # Redis databases in use: 0 is bin/run's; the other scenarios' brokers are 8 (test_healthz), 9
 # (test_healthz, test_job_dispatch), 11 (test_worker_faults), 12 (test_across_hosts), 13 and 14 (the
-# running product's).
-LANES = {lane.name: lane for lane in (Lane("slow", 15, 18100), Lane("quick", 10, 18300))}
+# running product's). The late lane takes some of the slow lane's engine tests once the quick lane is done.
+LANES = {lane.name: lane for lane in (Lane("slow", 15, 18100), Lane("quick", 10, 18300), Lane("late", 7, 18500))}
 LANE = LANES.get(os.environ.get("TEST_LANE", "slow"))
 if LANE is None:
     raise SystemExit(f"TEST_LANE={os.environ['TEST_LANE']!r}: use one of {', '.join(LANES)}")

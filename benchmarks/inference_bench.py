@@ -23,7 +23,7 @@ prints one table whose ratios are against baselines measured in the same run:
    and through the gateway, interleaved; medians of the per-request differences; the same for a
    one-token chat that declares a tool (its shape and schema checked by the gateway);
 4. mixes and scales (docs/api.md: Mixing adapters), computed in the kernel from their parts' slots
-   (inference/lora_mixes.py): CONCURRENCY chat requests x TOKENS tokens through the gateway over
+   (inference/engine/mixes.py): CONCURRENCY chat requests x TOKENS tokens through the gateway over
    the base model (the baseline), CONCURRENCY plain adapters, CONCURRENCY distinct mixes (two of
    MIX_WIDTH adapters each, at scales of their own), one adapter, and that adapter at CONCURRENCY
    scales (the scale sweep); tokens per second as a ratio to the base model's, each round's listed,
@@ -32,7 +32,7 @@ prints one table whose ratios are against baselines measured in the same run:
    first token of a warm adapter asked again, against a new mix of warm adapters, interleaved.
    It adds a few minutes to a run; --mix-only runs only this section (no 1-3).
 With --compare-stock it then restarts the replica with vLLM's own LoRA kernels (no
-inference.lora_kernels; the same process layout) and measures throughput (2) directly against it.
+inference.engine kernels; the same process layout) and measures throughput (2) directly against it.
 --model measures another base model of the catalog (MODEL_CATALOG; ``manage.py add_base_model``
 adds one): its pool serves that model alone, and the adapters are made on it.
 """

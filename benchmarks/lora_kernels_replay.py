@@ -5,9 +5,9 @@
 Replays what a replica's LoRA layers do in one step on the catalog's default base model: every
 adapted projection (q/k/v, o, gate/up, down, per layer; the shapes read from the model's
 config.json), for batches of decode and prefill tokens spread over the adapter slots, through
-vLLM's ``update_metadata`` and ``add_lora_linear`` and through ours (``inference.lora_kernels``),
+vLLM's ``update_metadata`` and ``add_lora_linear`` and through ours (``inference.engine``),
 both of them: torch's batched products, and the C kernel with adapter weights in half precision
-(``inference.lora_gemv``), which replicas run where it builds. It prints milliseconds of LoRA per
+(``inference.engine.gemv``), which replicas run where it builds. It prints milliseconds of LoRA per
 step for each, and vLLM's time over the C kernel's. The engine's own profile puts
 these steps' LoRA at about a quarter of a decode step with 32 adapters in one batch
 (docs/lora-kernels.md); this is where to make it cheaper, seconds per try instead of minutes.
@@ -31,8 +31,9 @@ sys.path[:0] = [str(ROOT), str(ROOT / "platform")]
 import torch  # noqa: E402
 
 from core.config import configured_data_dir, load_config  # noqa: E402
-from inference import lora_gemv, lora_kernels  # noqa: E402
-from inference.lora_kernels_check import updated_wrapper  # noqa: E402
+from inference.engine import gemv as c_kernel  # noqa: E402
+from inference.engine import replacements, state  # noqa: E402
+from inference.engine.check import updated_wrapper  # noqa: E402
 
 MAX_RANK = 16  # the catalog's max_lora_rank: vLLM pads every adapter to it
 
@@ -97,14 +98,14 @@ def main() -> int:
     config = json.loads((Path(base.weights) / "config.json").read_text())
     layers = [(fan_in, outs, *stacked(args.slots, args.rank, fan_in, outs)) for fan_in, outs in projections(config)]
     lora_ids: list[int | None] = list(range(9001, 9001 + args.slots))
-    lora_kernels._RANKS.update(dict.fromkeys(lora_ids, args.rank))
-    stock_class, manager_class, _ = lora_kernels._vllm_classes()
-    replacements = lora_kernels._replacements(stock_class, manager_class)
-    gemv = lora_gemv.load(configured_data_dir() / "build")
+    state.RANKS.update(dict.fromkeys(lora_ids, args.rank))
+    stock_class = replacements.vllm_class(replacements.PUNICA_CPU)
+    ours = replacements.resolve([replacements.When.KERNELS])
+    gemv = c_kernel.load(configured_data_dir() / "build")
     classes = {
         "vLLM": stock_class,
-        "products": lora_kernels._checked_copy(stock_class, replacements, None),
-        "C kernel": lora_kernels._checked_copy(stock_class, replacements, gemv),
+        "products": replacements.checked_copy(stock_class, ours, None),
+        "C kernel": replacements.checked_copy(stock_class, ours, gemv),
     }
     print(f"{base.id}: {len(layers)} adapted projections, {args.slots} slots, rank {args.rank} (max {MAX_RANK}), "
           f"{torch.get_num_threads()} threads; ms of LoRA per step, median of {args.steps}"
@@ -124,7 +125,7 @@ def main() -> int:
     return 0
 
 
-def slot_swap_ms(gemv: lora_gemv.LoraGemv, layers: list, args: argparse.Namespace) -> float:
+def slot_swap_ms(gemv: c_kernel.LoraGemv, layers: list, args: argparse.Namespace) -> float:
     """What one adapter put into a slot costs the C kernel (``HalfWeights.copy_slots``), median of steps."""
     state = tuple((lora_id, 0) for lora_id in range(args.slots))
     prepared = [gemv.prepare(lora_a, lora_b, args.rank, state) for _, _, lora_a, lora_b in layers]

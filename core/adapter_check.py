@@ -6,7 +6,7 @@ Reads ``adapter_config.json`` (small, flat, every number finite) and ``adapter_m
 its header (names, dtypes, shapes: ``safe_open`` checks the header against the file, and
 safetensors can hold no pickle), then its values a slice at a time (``check_weight_values``): each
 finite, and within half precision's range once the adapter's scaling is folded in, as the serving
-kernel holds them (``inference.lora_gemv``). The base model's shapes come from the
+kernel holds them (``inference.engine.gemv``). The base model's shapes come from the
 ``config.json`` in its weights folder. A composed adapter is checked here too, so a combination
 whose weights overflow is refused like an upload.
 """

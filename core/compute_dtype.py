@@ -5,7 +5,7 @@ bfloat16 only with native bf16 matrix instructions (AVX512-BF16 or AMX); without
 bf16, and float32 measured about 3x faster in vLLM here (the catalog's note on its dtype), 15-20x in
 training (``workers/training/model.py``). Asked of torch, so no CPU is written down.
 
-The platform's CPU LoRA kernels (``inference.lora_kernels``), mixes computed in the kernel among them,
+The platform's CPU LoRA kernels (``inference.engine``), mixes computed in the kernel among them,
 take float32 only: a bfloat16 replica serves adapters with vLLM's own kernels and gets mixes built
 as adapters. An operator who wants those on a bf16 CPU asks for float32 (``asked``).
 """

@@ -88,7 +88,7 @@ FINESERVE_KERNELS, STOCK_KERNELS = "fineserve", "stock"
 
 
 def lora_kernels() -> str:
-    """Which LoRA kernels a CPU replica runs: ours (``inference.lora_kernels``) or vLLM's own. The
+    """Which LoRA kernels a CPU replica runs: ours (``inference.engine``) or vLLM's own. The
     replica process reads it too (a remote one has only its own environment)."""
     raw = env_str(LORA_KERNELS_SETTING, FINESERVE_KERNELS)
     if raw not in (FINESERVE_KERNELS, STOCK_KERNELS):

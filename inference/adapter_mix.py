@@ -1,5 +1,5 @@
 """A mix: fine-tunes of one base model, each with a scale, served in the kernel from its parts'
-slots (``inference.lora_mixes``), or where the replica cannot, as one combined adapter.
+slots (``inference.engine.mixes``), or where the replica cannot, as one combined adapter.
 
 Its name comes from its content: the parts' names, their published versions and their scales. The
 same mix asked again finds its adapter loaded; a republished part makes a new mix (and the old one

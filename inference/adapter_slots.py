@@ -89,7 +89,7 @@ class AdapterSlots:
         # The organization whose requests use each adapter held or loading (None: not named, the
         # pool's own preloads and internal callers, never held back).
         self.owner: dict[str, str] = {}
-        # Mixes whose replica computes them in its kernel (``inference.lora_mixes``): a manifest of
+        # Mixes whose replica computes them in its kernel (``inference.engine.mixes``): a manifest of
         # their parts, no weights of their own. They have a capacity of their own (as many as the
         # adapters), count in the shares, but not in an organization's mixes (``FairUse.mixes``
         # caps the combined adapters built for mixes).

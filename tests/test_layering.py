@@ -2,7 +2,9 @@
 
 From the bottom: ``core/`` (Django-free, shared by every process), ``platform/base/`` (what the apps
 and the workers share), the apps, and the project shell ``platform/server/`` (settings, URLs, ASGI).
-``inference/`` and the platform meet only in ``core`` (the wire contract between them). Every
+``inference/`` and the platform meet only in ``core`` (the wire contract between them). Within
+``inference/``, the engine (``inference/engine/``, the code that runs inside vLLM's processes) and
+the pool (every other module, Ray Serve's included) meet only in ``inference/engine_contract.py``. Every
 import counts, those inside functions too: a function-local import is a dependency all the same.
 A failure names each file, line and import that breaks the rule.
 """
@@ -30,6 +32,9 @@ APP_LEVELS = {
 DJANGO = frozenset({"django", "rest_framework", "drf_spectacular"})
 # The web process and the pool import core; neither should pay for these on import.
 HEAVY = frozenset({"torch", "vllm"})
+INFERENCE = ROOT / "inference"
+ENGINE = INFERENCE / "engine"
+CONTRACT = "inference.engine_contract"
 
 
 @dataclass(frozen=True)
@@ -174,3 +179,59 @@ def test_core_imports_no_torch_or_vllm_on_import():
     """Inside a function it is fine: only the code that needs them pays for them."""
     broken = _breaking([ROOT / "core"], lambda imp: imp.top in HEAVY and imp.at_module_level)
     assert not broken, _report("core/ imports torch or vllm at module level", broken)
+
+
+def _is_engine(imp: Import) -> bool:
+    """An import of ``inference.engine`` or a module in it (``from inference import engine`` too)."""
+    return (
+        imp.module == "inference.engine"
+        or imp.module.startswith("inference.engine.")
+        or (imp.module == "inference" and "engine" in imp.names)
+    )
+
+
+def _is_pool_module(imp: Import) -> bool:
+    """An import of one of inference's modules other than the engine's and the contract."""
+    if imp.top != "inference" or _is_engine(imp) or imp.module == CONTRACT:
+        return False
+    return imp.module != "inference" or any(name != "engine_contract" for name in imp.names)
+
+
+def _pool_sources() -> list[Path]:
+    return [path for path in _sources(INFERENCE) if not path.is_relative_to(ENGINE)]
+
+
+def test_pool_code_imports_no_engine_module():
+    """The pool (and Ray Serve's replicas) start the engine's server and read its report: what they
+    share with it is in inference/engine_contract.py, so a vLLM upgrade touches only the engine."""
+    pool = INFERENCE / "replica.py"
+    assert _is_engine(Import(pool, 1, "inference.engine.report", ("REPORT_PATH",), False))  # the rule bites
+    assert _is_engine(Import(pool, 1, "inference", ("engine",), True))
+    assert not _is_engine(Import(pool, 1, CONTRACT, ("REPORT_PATH",), True))
+    assert _pool_sources() and not any(path.is_relative_to(ENGINE) for path in _pool_sources())
+    broken = sorted({str(imp) for path in _pool_sources() for imp in _imports(path) if _is_engine(imp)})
+    assert not broken, _report(f"pool code imports inference.engine (use {CONTRACT})", broken)
+
+
+def test_engine_code_imports_only_core_the_contract_and_itself():
+    """What runs inside vLLM's processes does not load the pool, the workers or the platform."""
+    forbidden = APPS | {BASE, PROJECT, "workers"}
+
+    def breaks(imp: Import) -> bool:
+        return imp.top in forbidden or _is_pool_module(imp)
+
+    engine = ENGINE / "install.py"
+    assert breaks(Import(engine, 1, "inference.replica", ("REPORT_PATH",), False))  # the rule bites
+    assert breaks(Import(engine, 1, "inference", ("adapters",), True))
+    assert not breaks(Import(engine, 1, "inference", ("engine_contract",), True))
+    assert not breaks(Import(engine, 1, "inference.engine", ("gemv",), True))
+    broken = _breaking([ENGINE], breaks)
+    rule = f"inference/engine imports a pool module, a worker or the platform (not core, {CONTRACT} or itself)"
+    assert not broken, _report(rule, broken)
+
+
+def test_the_engine_contract_is_plain_python():
+    """The pool imports it: it must not load the engine, vLLM or torch."""
+    path = INFERENCE / "engine_contract.py"
+    broken = sorted(str(imp) for imp in _imports(path) if imp.top in HEAVY or imp.top == "inference")
+    assert not broken, _report(f"{path.relative_to(ROOT)} imports inference, torch or vllm", broken)

@@ -6,7 +6,7 @@ shapes than SmolLM2's Llama) built in the test (``tests.second_base_model``) and
 bfloat16, where vLLM's own LoRA kernels serve and greedy tokens drift from PEFT's float32 ones:
 the product test with two models runs that). Its pool serves both: each has its own replica, whose
 LoRA kernel passed its start-up checks; an adapter of the second model passes the upload check and
-answers token for token as PEFT does on that model, alone and mixed (``inference.lora_mixes``); a
+answers token for token as PEFT does on that model, alone and mixed (``inference.engine.mixes``); a
 mix never takes a part of the other base model.
 """
 

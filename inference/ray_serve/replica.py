@@ -1,6 +1,6 @@
 """One Ray Serve replica of a catalog model.
 
-It runs the same vLLM OpenAI server the embedded pool runs (``inference.vllm_server``: vLLM's own
+It runs the same vLLM OpenAI server the embedded pool runs (``inference.engine.server``: vLLM's own
 server with our CPU LoRA kernels, the catalog's engine settings, the internal token), on a
 loopback port of its Ray worker's host, and relays requests to it. So the JSON mode, streaming and
 answers are the embedded pool's, token for token, and the kernels apply without reaching into the

@@ -1,9 +1,9 @@
 """Mixes and scales computed in the LoRA kernel: no combined adapter is built, loaded or cached.
 
 A mix (``inference.adapter_mix``) reaches vLLM as an adapter of its own name whose folder holds only
-a manifest (``MANIFEST``): its parts, adapters the replica holds, each with its scale. vLLM never
-loads it as weights. vLLM's server registers its name without a call to the engine
-(``wrap_load_lora_adapter``), and in the engine's worker process:
+a manifest (``inference.engine_contract.MANIFEST``, written by the pool): its parts, adapters the
+replica holds, each with its scale. vLLM never loads it as weights. vLLM's server registers its name
+without a call to the engine (``wrap_load_lora_adapter``), and in the engine's worker process:
 
 - ``add_adapter`` of a folder with a manifest (at the first step that serves the mix) records the
   mix (``_mixes``) instead of loading it; it takes no slot and no memory but the manifest's few bytes;
@@ -11,7 +11,7 @@ loads it as weights. vLLM's server registers its name without a call to the engi
   mixes' stead and points vLLM's LoRA mapping for a mix's tokens at its first part (its own code,
   the embedding and logits paths, sees a loaded adapter), and keeps what the mapping said
   (``StepMixes``) for the kernel;
-- the kernel's plan (``inference.lora_kernels._plan``) gives each token its (slot, scale) pairs:
+- the kernel's plan (``inference.engine.plan.plan``) gives each token its (slot, scale) pairs:
   one, of scale 1, for a plain adapter; a mix's parts at their scales for a mix's token. The
   C kernel adds ``sum_k scale_k * x @ A_k @ B_k`` (vLLM has folded each part's ``lora_alpha / r``
   into its B), which is PEFT's ``add_weighted_adapter(combination_type="cat")``.
@@ -21,13 +21,14 @@ once, and a mix's rank is its parts' own (no sum to cap). The pool keeps a mix's
 the mix is held and its requests run, and counts the parts, not the mix, in vLLM's batch slots
 (``inference.adapters``). Replicas where this cannot apply (vLLM's own kernels, torch's products)
 say so (``KernelsState.mixes_in_kernel``) and get built adapters instead.
+
+The ``wrap_*`` functions here wrap vLLM's methods; which ones, and when, is in
+``inference.engine.replacements`` (patched only after the mixed known-answer step passes).
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -35,45 +36,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-log = logging.getLogger("inference.lora_mixes")
+from inference.engine_contract import MixManifest, read_manifest
 
-MANIFEST = "fineserve_mix.json"  # in a kernel mix's folder: its parts, by their names in vLLM, and scales
-# A manifest is the pool's, never a tenant's (the gateway's MAX_MIX_ADAPTERS and the batch slots
-# bound a mix's parts); this only keeps a broken file from becoming a huge per-token table.
-_MOST_PARTS = 64
-
-
-@dataclass(frozen=True)
-class MixManifest:
-    parts: tuple[tuple[str, float], ...]  # (adapter name in vLLM, scale)
-
-
-def write_manifest(folder: Path, parts: list[tuple[str, float]]) -> None:
-    folder.mkdir(parents=True, exist_ok=True)
-    manifest = {"parts": [{"adapter": name, "scale": scale} for name, scale in parts]}
-    staged = folder / f".{MANIFEST}.tmp"
-    staged.write_text(json.dumps(manifest))
-    staged.replace(folder / MANIFEST)  # whole or absent
-
-
-def read_manifest(folder: Path) -> MixManifest | None:
-    """The folder's manifest; None: an adapter's folder. Raises ``ValueError`` on a broken one."""
-    path = folder / MANIFEST
-    if not path.is_file():
-        return None
-    if path.stat().st_size > 64 * 1024:
-        raise ValueError(f"{MANIFEST} is larger than a mix's manifest can be")
-    try:
-        parts = json.loads(path.read_text())["parts"]
-        manifest = MixManifest(tuple((str(part["adapter"]), float(part["scale"])) for part in parts))
-    except (ValueError, KeyError, TypeError) as exc:
-        raise ValueError(f"{MANIFEST} is not a mix's manifest ({exc!r})") from None
-    if not 0 < len(manifest.parts) <= _MOST_PARTS or not all(math.isfinite(scale) for _, scale in manifest.parts):
-        raise ValueError(f"{MANIFEST} must name 1 to {_MOST_PARTS} parts with finite scales")
-    return manifest
-
-
-# --- in the engine's worker process ------------------------------------------------------------
+log = logging.getLogger("inference.engine.mixes")
 
 
 @dataclass(frozen=True)
@@ -96,7 +61,7 @@ _accepting = False  # whether this process computes mixes in the kernel (``accep
 
 
 def accept(in_kernel: bool) -> None:
-    """Set once by ``inference.lora_kernels.install``: whether a mix's manifest may be loaded here."""
+    """Set once by ``inference.engine.install``: whether a mix's manifest may be loaded here."""
     global _accepting
     _accepting = in_kernel
 

@@ -1,12 +1,12 @@
 /* Multi-LoRA for one projection, token by token: y[t] += sum_k w[t][k] * (x[t] @ A[s]) @ B[s], s = slot[t][k].
  *
  * Each token carries `parts` (slot, weight) pairs: one for a plain adapter (its weight the scale
- * vLLM passes), several for a mix of adapters each at its own scale (``inference.lora_mixes``), so a
+ * vLLM passes), several for a mix of adapters each at its own scale (``inference.engine.mixes``), so a
  * batch can hold plain, scaled and mixed requests side by side and each gets its own delta.
  *
  * The adapter weights are held in half precision (IEEE fp16, converted with F16C) and the arithmetic
  * is float32. A decode batch of many adapters is bound by the bytes of adapter weights read, one
- * slot's per token and part (inference/lora_kernels.py says why); half precision halves them.
+ * slot's per token and part (inference/engine/__init__.py says why); half precision halves them.
  *
  * Layouts (row-major, contiguous):
  *   a: slots x K x in       K = slices * rank: row k of a slot is rank component k % rank of slice k / rank

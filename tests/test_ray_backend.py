@@ -11,6 +11,7 @@ stream, JSON schemas, a republished revision, the pool's metrics series, and wha
 # ruff: noqa: F811 (pytest fixtures are imported from tests.inference_fixtures, then named as arguments)
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from collections import Counter
@@ -21,11 +22,13 @@ from pathlib import Path
 
 import httpx
 import openai
+import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from core.catalog import load_catalog
 from core.env import ConfigError
+from inference.engine_contract import SERVER_MODULE
 from tests.inference_fixtures import (  # noqa: F401 (fixtures)
     BASE,
     Persona,
@@ -264,6 +267,7 @@ def test_a_ray_replica_unloads_evicted_and_deleted_adapters_and_drops_their_cach
 class RayStack:
     serve_url: str
     gateway: str
+    pid: int  # ``python -m inference.ray_serve``'s: Ray's processes, and the replicas' engines, descend from it
 
 
 @pytest.fixture(scope="module")
@@ -276,7 +280,7 @@ def ray_stack(test_database_url, machine_to_itself) -> Iterator[RayStack]:
     with running("ray-serve", [sys.executable, "-m", "inference.ray_serve"], environment) as process:
         wait_until(lambda: answers(f"{serve_url}/health", headers=internal_headers()), 240, "Ray Serve", process)
         with running_web("ray-gateway", {"DATABASE_URL": test_database_url, **environment}) as gateway:
-            yield RayStack(serve_url, gateway)
+            yield RayStack(serve_url, gateway, process.pid)
 
 
 @pytest.fixture
@@ -287,6 +291,31 @@ def dana(transactional_db, ray_stack) -> Persona:
 
 def _health(stack: RayStack) -> dict:
     return httpx.get(f"{stack.serve_url}/health", headers=internal_headers(), timeout=10).json()
+
+
+def _held_on_ray(stack: RayStack) -> set[str]:
+    """The adapters the engines of the stack's Ray replicas hold, as their vLLM servers list them."""
+    held = set()
+    for process in psutil.Process(stack.pid).children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            arguments = process.cmdline()
+            if SERVER_MODULE in arguments:
+                url = f"http://127.0.0.1:{arguments[arguments.index('--port') + 1]}/v1/models"
+                cards = httpx.get(url, headers=internal_headers(), timeout=10).json()["data"]
+                held |= {card["id"] for card in cards if card.get("parent")}
+    return held
+
+
+def _warm(persona: Persona) -> None:
+    """Until the base model has a ready replica (it scales to zero): a 503 while one starts."""
+    deadline = time.monotonic() + 240
+    while True:
+        try:
+            _ask(persona, BASE, max_tokens=1)
+            return
+        except openai.APIStatusError as exc:
+            assert exc.status_code == 503 and time.monotonic() < deadline, exc.body
+            time.sleep(2)
 
 
 def _ask(persona: Persona, model: str, max_tokens: int = 16, **extra) -> openai.types.chat.ChatCompletion:
@@ -468,3 +497,24 @@ def test_the_publish_gate_scores_a_ray_backed_model_on_ray_serve_and_counts_its_
     for row in CompletionUsage.objects.filter(organization=dana.organization):  # a row a minute
         counted[row.model] += row.requests
     assert counted == {BASE: len(examples), f"{name}@r1": len(examples)}
+
+
+@pytest.mark.engine
+@pytest.mark.django_db(transaction=True)
+def test_a_published_fine_tune_is_preloaded_on_its_ray_replica_before_its_first_request(dana, ray_stack, make_adapter, settings):
+    """What the worker does once a job's model is published (``announce_ready``) loads it where Ray
+    routes its requests, as the embedded pool does (the product test checks the pool)."""
+    from finetuning.models import FineTuningJob
+    from finetuning.publishing import announce_ready
+
+    settings.MODEL_CATALOG = load_catalog(RAY_CATALOG, ROOT / "data", settings.CONFIG.dynamic_lora_path)
+    settings.RAY_SERVE_URL, settings.INFERENCE_POOL_URL = ray_stack.serve_url, "http://127.0.0.1:9"  # no pool there
+    _warm(dana)  # a preload starts no replica of a model scaled to zero
+    name = publish_fine_tuned_model(dana, _suffix("ray-preloaded"), make_adapter(seed=12))
+    job = FineTuningJob.objects.get(fine_tuned_model=name)
+    assert f"{name}@r1" not in _held_on_ray(ray_stack)
+
+    announce_ready(job, name)
+
+    assert job.events.first().message.startswith("Ready on 1 replica(s)"), job.events.first().message
+    assert f"{name}@r1" in _held_on_ray(ray_stack)

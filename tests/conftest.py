@@ -19,6 +19,14 @@ from tests.inference_fixtures import internal_headers, pool_environment
 from tests.processes import answers, celery_worker_command, running, running_web, wait_until
 
 pytest_plugins = ["tests.personas", "tests.browser", "tests.resource_report"]
+# The helpers test modules share, moved out of those test modules: their asserts keep pytest's
+# messages (pytest rewrites the asserts of test modules and conftest only, and of modules named here
+# before anything imports them).
+pytest.register_assert_rewrite(
+    "tests.adapter_archives", "tests.compositions", "tests.dead_pool", "tests.fake_pool", "tests.file_uploads",
+    "tests.fine_tuning_jobs", "tests.helpers", "tests.lora_adapters", "tests.mix_pool", "tests.recording_pool",
+    "tests.served_answers", "tests.webhook_receiver",
+)
 
 # Celery reads its settings once, lazily: read them now, before a test overrides Django settings.
 _ = celery_app.conf.broker_url

@@ -27,6 +27,18 @@ def capitals_file(*extra: dict, rounds: int = 2) -> bytes:
     return jsonl([*questions * rounds, *extra])
 
 
+# The evaluation gate's files: twelve capitals, each answered as ``answer`` says.
+TWELVE_CAPITALS = {
+    "France": "Paris", "Germany": "Berlin", "Italy": "Rome", "Spain": "Madrid", "Japan": "Tokyo",
+    "the United Kingdom": "London", "Egypt": "Cairo", "Russia": "Moscow", "China": "Beijing",
+    "Greece": "Athens", "Portugal": "Lisbon", "Austria": "Vienna",
+}
+
+
+def capitals(answer=lambda capital: f"{capital}.") -> bytes:
+    return jsonl([chat_example(f"What is the capital of {country}?", answer(capital)) for country, capital in TWELVE_CAPITALS.items()])
+
+
 @dataclass
 class StandInEngine:
     """Answers like a model that knows the capitals only as a fine-tune (any model name with a

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import httpx
 
+from core.redis_ping import redis_problem
 from tests.environment import LANE
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -84,6 +85,15 @@ def running_web(name: str, env: dict[str, str]) -> Iterator[str]:
         url = f"http://127.0.0.1:{port}"
         wait_until(lambda: answers(f"{url}/v1/models", below=500), 60, name, process)
         yield url
+
+
+@contextmanager
+def redis_server(port: int, folder):
+    """A Redis of the test's own that keeps nothing on disk: stopping it loses every message."""
+    command = ["redis-server", "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no", "--dir", str(folder)]
+    with running(f"redis-{port}", command) as process:
+        wait_until(lambda: redis_problem(f"redis://127.0.0.1:{port}/0") is None, 20, "redis", process)
+        yield
 
 
 # For a scenario's own sweeper (``--beat``): it sweeps every few seconds, not every 30, and takes a

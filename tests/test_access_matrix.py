@@ -30,11 +30,11 @@ from evals.models import Eval, EvalRun, OutputItem
 from finetuning import files, job_creation, storage
 from finetuning.models import Checkpoint, Composition, File, FineTuningJob, JobStatus
 from inference.internal_auth import ReplicaGuard
+from tests.adapter_archives import adapter_files, tar_gz
+from tests.fake_pool import TOKEN, PoolUnderTest
 from tests.inference_fixtures import BASE, adapter_store, make_adapter, publish_fine_tuned_model  # noqa: F401
 from tests.inference_fixtures import register_fine_tuned_model
 from tests.personas import Persona, batch_lines, good_dataset
-from tests.test_adapter_io import adapter_files, tar_gz
-from tests.test_inference_routing import TOKEN, PoolUnderTest
 from training_loops.models import LoopRun, LoopSession, RunStatus
 from webhooks.models import WebhookEndpoint
 

@@ -28,12 +28,12 @@ import redis
 
 from core.adapter_store import S3AdapterStore
 from finetuning.models import JobStatus
+from tests.fine_tuning_jobs import wait_for_job
 from tests.inference_fixtures import BASE, catalog_text
 from tests.personas import good_dataset
 from tests.processes import SWEEPS_OFTEN, celery_worker_command, free_port, running, running_web, wait_until
 from tests.ray_nodes import ray_node, ready_replicas, stop_node, worker_node_arguments
 from tests.s3 import running_s3_server
-from tests.test_worker_faults import wait_for_job
 
 pytestmark = [pytest.mark.fault, pytest.mark.training, pytest.mark.django_db(transaction=True)]
 

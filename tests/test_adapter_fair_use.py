@@ -1,5 +1,5 @@
 """Fair use of a replica's adapter slots among organizations (``inference.adapter_slots``), against
-the fake vLLM replicas of tests/test_inference_routing.py: which adapter goes when an organization
+the fake vLLM replicas of tests/fake_pool.py: which adapter goes when an organization
 asks for more than its share, and what it is told when none of its own can go.
 
 Each request names its organization in the header the gateway sets (``ORGANIZATION_HEADER``).
@@ -16,55 +16,18 @@ import pytest
 
 from core.catalog import load_catalog
 from core.env import ConfigError
-from core.openai_protocol import ORGANIZATION_HEADER
 from inference import adapter_slots, adapters
-from tests.test_adapter_mix_pool import MixPool
-from tests.test_inference_routing import BASE, _settle, anyio_backend  # noqa: F401 (a fixture)
+from tests.fake_pool import _settle
+from tests.helpers import anyio_backend  # noqa: F401 (a fixture)
+from tests.inference_fixtures import BASE
+from tests.mix_pool import MixesAnswering, TenantPool
 
 pytestmark = pytest.mark.anyio
-
-REPLICA = "http://replica-0"
 
 
 @pytest.fixture(autouse=True)
 def no_unload_grace(monkeypatch):
     monkeypatch.setattr(adapter_slots, "UNLOAD_GRACE_S", 0.0)
-
-
-class TenantPool(MixPool):
-    async def chat_as(self, organization: str, model: str) -> httpx.Response:
-        return await self.http.post(
-            "/v1/chat/completions", json={"model": model, "messages": []}, headers={ORGANIZATION_HEADER: organization}
-        )
-
-    async def mix_as(self, organization: str, part: str, scale: float) -> httpx.Response:
-        body = {"model": BASE, "messages": [], "adapters": [{"model": part, "scale": scale}]}
-        return await self.http.post("/v1/chat/completions", json=body, headers={ORGANIZATION_HEADER: organization})
-
-    def held(self) -> set[str]:
-        return set(self.vllm.loaded.get(REPLICA, {}))
-
-    def mixes_held(self) -> set[str]:
-        return {name for name in self.held() if ":mix." in name}
-
-
-class MixesAnswering:
-    """Holds the replica's answers to mixes until ``release``: the organization's mixes stay in flight."""
-
-    def __init__(self, pool: TenantPool):
-        self.answer, self.released = pool.vllm.handler, asyncio.Event()
-        pool.client._transport = httpx.MockTransport(self.held_until_released)
-
-    async def held_until_released(self, request: httpx.Request) -> httpx.Response:
-        if request.url.path == "/v1/chat/completions" and ":mix." in json.loads(request.content)["model"]:
-            await self.released.wait()
-        return self.answer(request)
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        self.released.set()  # a failed assertion must not leave requests waiting forever
 
 
 async def test_an_organizations_flood_of_mixes_evicts_its_own_mixes_never_another_organizations_adapters(tmp_path):

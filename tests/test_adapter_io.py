@@ -13,72 +13,36 @@ from pathlib import Path
 
 import pytest
 from django.conf import settings
-from safetensors import safe_open
-from safetensors.numpy import save_file
 
 from core.adapter_store import CONFIG_FILE, WEIGHTS_FILE
-from finetuning import storage
-from finetuning.models import Checkpoint, File, FineTunedModel, FineTuningJob
-from tests.personas import good_dataset
-from tests.test_files_api import upload
+from finetuning.models import File, FineTunedModel
+from tests.adapter_archives import (
+    _checkpoint_of,
+    _wrong_shapes,
+    adapter_files,
+    body_of,
+    send,
+    tar_gz,
+    tensors,
+    unpacked,
+)
+from tests.file_uploads import upload
 from tests.inference_fixtures import BASE, adapter_store, make_adapter  # noqa: F401
 from tests.inference_fixtures import publish_fine_tuned_model as published
+from tests.personas import good_dataset
 from workers.run_job import run_job
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-ADAPTERS = "/v1/fine_tuning/adapters"
 
 
 def adapter_url(name: str) -> str:
     return f"/v1/fine_tuning/models/{name}/adapter"
 
 
-def body_of(response) -> bytes:
-    return b"".join(response.streaming_content)
-
-
-def unpacked(archive: bytes, into: Path) -> Path:
-    with tarfile.open(fileobj=io.BytesIO(archive), mode="r:gz") as tar:
-        assert sorted(tar.getnames()) == [CONFIG_FILE, WEIGHTS_FILE]
-        tar.extractall(into, filter="data")
-    return into
-
-
-def tensors(path: Path) -> dict:
-    with safe_open(str(path), framework="numpy") as weights:
-        return {name: weights.get_tensor(name) for name in weights.keys()}
-
-
-def tar_gz(members: dict[str, bytes], links: dict[str, tuple[bytes, str]] | None = None) -> bytes:
-    """An archive of ``members`` (name: bytes); ``links``: name -> (tar type, target)."""
-    out = io.BytesIO()
-    with tarfile.open(fileobj=out, mode="w:gz") as tar:
-        for name, data in members.items():
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-        for name, (kind, target) in (links or {}).items():
-            info = tarfile.TarInfo(name)
-            info.type, info.linkname = kind, target
-            tar.addfile(info)
-    return out.getvalue()
-
-
-def adapter_files(folder: Path) -> dict[str, bytes]:
-    return {name: (folder / name).read_bytes() for name in (CONFIG_FILE, WEIGHTS_FILE)}
-
-
 def with_config(folder: Path, **changes) -> dict[str, bytes]:
     files = adapter_files(folder)
     files[CONFIG_FILE] = json.dumps(json.loads(files[CONFIG_FILE]) | changes).encode()
     return files
-
-
-def send(persona, archive: bytes, suffix: str, name: str = "adapter.tar.gz", model: str = BASE):
-    handle = io.BytesIO(archive)
-    handle.name = name
-    return persona.api.post(ADAPTERS, {"file": handle, "model": model, "suffix": suffix}, format="multipart")
 
 
 @pytest.fixture
@@ -129,14 +93,6 @@ def test_another_organizations_model_and_checkpoint_are_404(alice, charlie, adap
     assert alice.api.get(adapter_url(f"{BASE}:nothing-here")).status_code == 404
 
 
-def _checkpoint_of(persona, name: str, folder: Path) -> Checkpoint:
-    job = FineTuningJob.objects.get(fine_tuned_model=name)
-    key = f"{storage.checkpoints_prefix(job.pk)}attempt-1/step-3"
-    for file, data in adapter_files(folder).items():
-        storage.files().put(f"{key}/{file}", data)
-    return Checkpoint.objects.create(job=job, step_number=3, epoch=1, metrics={}, storage_key=key)
-
-
 def test_it_downloads_a_checkpoints_adapter(alice, adapter, tmp_path):
     name = published(alice, "checkpointed", adapter)
     checkpoint = _checkpoint_of(alice, name, adapter)
@@ -180,15 +136,6 @@ def test_a_zip_of_the_peft_folder_with_its_readme_is_accepted(alice, adapter):
     response = send(alice, out.getvalue(), "zipped", name="adapter.zip")
     assert response.status_code == 200, response.json()
     assert adapter_store().version(f"{BASE}:zipped") is not None
-
-
-def _wrong_shapes(folder: Path) -> dict[str, bytes]:
-    weights = tensors(folder / WEIGHTS_FILE)
-    first = sorted(weights)[0]  # layers.0.mlp.down_proj.lora_A: [8, 1536]
-    weights[first] = weights[first][:, :100].copy()
-    out = folder.parent / f"{folder.name}-wrong.safetensors"
-    save_file(weights, str(out))
-    return adapter_files(folder) | {WEIGHTS_FILE: out.read_bytes()}
 
 
 REFUSALS = {
@@ -266,7 +213,7 @@ def test_deleting_an_uploaded_model_removes_its_adapter(alice, adapter):
 
 @pytest.mark.training
 def test_a_succeeded_job_has_its_metrics_as_a_csv_result_file(alice, monkeypatch, tmp_path):
-    from tests.test_training_jobs import launch
+    from tests.fine_tuning_jobs import launch
 
     monkeypatch.setattr("finetuning.training_turns.send_to_trainer", lambda job_id: None)  # trained here, not by a worker
     job_id = launch(alice, {"n_epochs": 2, "batch_size": 6}, "results")  # 12 examples: 4 steps

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from tests.inference_fixtures import BASE, alice, gateway, make_adapter  # noqa: F401 (fixtures)
-from tests.test_inference_gateway import _ask, _peft_answer, _suffix
+from tests.served_answers import _ask, _peft_answer, _suffix
 
 pytestmark = [pytest.mark.engine, pytest.mark.django_db(transaction=True)]
 

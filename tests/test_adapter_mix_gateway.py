@@ -12,9 +12,10 @@ import json
 import pytest
 
 from core.openai_protocol import BACKGROUND_HEADER, ORGANIZATION_HEADER
+from tests.helpers import anyio_backend  # noqa: F401
 from tests.inference_fixtures import BASE, register_fine_tuned_model
 from tests.personas import alice, bob, charlie  # noqa: F401 (fixtures)
-from tests.test_request_limits import _bearer, _chat, _error, _limits, anyio_backend, pool, web  # noqa: F401
+from tests.recording_pool import _bearer, _chat, _error, _limits, pool, web  # noqa: F401
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.anyio]
 

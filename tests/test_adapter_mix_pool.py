@@ -1,5 +1,5 @@
 """Mixes in the pool (``inference.adapters.ensure_mix``), against the fake vLLM replicas of
-tests/test_inference_routing.py: what is built, loaded, evicted and refused."""
+tests/fake_pool.py: what is built, loaded, evicted and refused."""
 
 from __future__ import annotations
 
@@ -10,32 +10,15 @@ from pathlib import Path
 import pytest
 
 from inference import adapter_slots, engine_contract
-from tests.test_inference_routing import BASE, PoolUnderTest, _settle, anyio_backend  # noqa: F401 (a fixture)
-from tests.test_lora_algebra import _adapter
+from tests.fake_pool import _settle
+from tests.helpers import anyio_backend  # noqa: F401 (a fixture)
+from tests.inference_fixtures import BASE
+from tests.mix_pool import MixPool
 
 
 @pytest.fixture(autouse=True)
 def no_unload_grace(monkeypatch):
     monkeypatch.setattr(adapter_slots, "UNLOAD_GRACE_S", 0.0)
-
-
-class MixPool(PoolUnderTest):
-    def publish_real(self, suffix: str, rank: int = 8, seed: int = 1) -> str:
-        name = f"{BASE}:{suffix}"
-        folder = _adapter(
-            self.tmp / "out" / f"{suffix}-{seed}", seed=seed, rank=rank, alpha=2 * rank, modules=["q_proj"]
-        )
-        self.store.publish(name, folder)
-        return name
-
-    async def mix(self, adapters: list, model: str = BASE):
-        return await self.http.post(
-            "/v1/chat/completions", json={"model": model, "messages": [], "adapters": adapters, "temperature": 0}
-        )
-
-    def sent(self) -> list[dict]:
-        """The bodies of the completions the replicas received."""
-        return [call for call in self.vllm.calls if call[1] == "/v1/chat/completions"]
 
 
 @pytest.mark.anyio
@@ -164,7 +147,7 @@ async def test_a_kernel_mix_may_sum_past_max_lora_rank_but_not_take_more_parts_t
 
 @pytest.mark.anyio
 async def test_an_organization_alone_holds_more_kernel_mixes_than_its_cap_of_built_ones(tmp_path):
-    from tests.test_adapter_fair_use import TenantPool
+    from tests.mix_pool import TenantPool
 
     pool = _kernel_mixing(TenantPool(tmp_path, replicas=1, max_adapters=16))
     part = pool.publish_real("a", seed=1)
@@ -195,7 +178,7 @@ async def test_kernel_mixes_make_room_among_themselves_and_never_evict_an_adapte
 
 @pytest.mark.anyio
 async def test_a_kernel_mixs_parts_are_not_evicted_while_it_answers(tmp_path):
-    from tests.test_adapter_fair_use import MixesAnswering, TenantPool
+    from tests.mix_pool import MixesAnswering, TenantPool
 
     pool = _kernel_mixing(TenantPool(tmp_path, replicas=1, max_adapters=2))
     a = pool.publish_real("a", seed=1)

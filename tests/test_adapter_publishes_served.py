@@ -29,7 +29,7 @@ from tests.inference_fixtures import BASE, catalog_text, internal_headers, make_
 from tests.processes import ROOT, answers, free_port, running, wait_until
 from tests.ray_nodes import ready_replicas
 from tests.s3 import running_s3_server
-from tests.test_inference_gateway import QUESTION, _peft_answer
+from tests.served_answers import QUESTION, _peft_answer
 
 BUCKET = "publishes"
 NAME = f"{BASE}:x"

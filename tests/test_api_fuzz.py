@@ -18,16 +18,16 @@ from dataclasses import dataclass, field
 
 import pytest
 import schemathesis
-from django.apps import apps
 from django.core.files.uploadedfile import SimpleUploadedFile
 from django.test.client import ClientHandler
 from hypothesis import HealthCheck, given, settings as hypothesis_settings, strategies as st
 from schemathesis import GenerationMode
 
 from finetuning import files, job_creation
-from finetuning.models import FineTuningJob, JobEvent, JobStatus
+from finetuning.models import FineTuningJob, JobStatus
 from finetuning.registry import list_usable_models
 from finetuning.serializers import JobCreateSerializer
+from tests.helpers import tenant_rows
 from tests.personas import good_dataset
 
 # Committed rows: the inference endpoints look the key up on threads of their own, with connections of their own.
@@ -52,15 +52,6 @@ def django_wsgi(environ: dict, start_response):
     cookies = [("Set-Cookie", morsel.OutputString()) for morsel in response.cookies.values()]
     start_response(f"{response.status_code} {response.reason_phrase}", [*response.items(), *cookies])
     return [b"".join(response)] if response.streaming else [response.content]
-
-
-def tenant_rows() -> int:
-    """Rows of every table a tenant's request could write to. Not job events: the session's worker
-    adds them to the fuzz's own queued jobs at any moment (the sweeper says what each waits for),
-    which would count as a write of whatever request it lands in."""
-    labels = ("finetuning", "evals", "batches", "accounts", "auth", "webhooks", "training_loops")
-    tables = [model for label in labels for model in apps.get_app_config(label).get_models() if model is not JobEvent]
-    return sum(model.objects.count() for model in tables)
 
 
 @dataclass

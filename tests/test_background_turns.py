@@ -14,7 +14,8 @@ import pytest
 from core.openai_protocol import BACKGROUND_HEADER
 from inference import replica as replica_module
 from inference.server import create_app
-from tests.test_inference_routing import BASE, INTERNAL, TOKEN, BufferedResponse, PoolUnderTest
+from tests.fake_pool import INTERNAL, TOKEN, BufferedResponse, PoolUnderTest
+from tests.inference_fixtures import BASE
 
 QUIET_S = 0.3
 

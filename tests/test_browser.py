@@ -154,7 +154,7 @@ def test_a_file_over_the_upload_cap_is_refused_on_the_page_before_it_is_sent(pag
 def test_an_adapter_uploaded_on_its_form_is_listed_and_downloads_under_its_name(
     page, live_server, alice, make_adapter, settings, tmp_path
 ):
-    from tests.test_adapter_io import adapter_files, tar_gz
+    from tests.adapter_archives import adapter_files, tar_gz
 
     settings.INFERENCE_POOL_URL = "http://127.0.0.1:9"  # which models are loaded does not matter here
     name = f"{BASE}:browser-upload"
@@ -188,7 +188,7 @@ def test_an_adapter_uploaded_on_its_form_is_listed_and_downloads_under_its_name(
 
 
 def test_a_model_composed_on_its_form_is_listed_with_its_parents(page, live_server, alice, make_adapter, settings):
-    from tests.test_adapter_io import published
+    from tests.inference_fixtures import publish_fine_tuned_model as published
 
     settings.INFERENCE_POOL_URL = "http://127.0.0.1:9"  # which models are loaded does not matter here
     left, right, name = f"{BASE}:browser-left", f"{BASE}:browser-right", f"{BASE}:browser-blend"

@@ -14,9 +14,10 @@ import pytest
 
 from accounts.services import create_api_key
 from django.contrib.auth.models import User
+from tests.dead_pool import keys, web  # noqa: F401 (fixtures)
+from tests.helpers import anyio_backend  # noqa: F401 (a fixture)
 from tests.inference_fixtures import BASE
 from tests.limits import lower_limits, own_counters  # noqa: F401 (a fixture)
-from tests.test_inference_gateway_auth import anyio_backend, keys, web  # noqa: F401 (fixtures)
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.anyio]
 

@@ -1,3 +1,4 @@
+# ruff: noqa: F811 (pytest fixtures are imported, then named as arguments)
 """Composed models through the API: a weighted combination of an organization's fine-tuned models,
 published under its own suffix with its lineage; refusals say what to fix and write nothing.
 ``linear`` is built in the request; ``svd``, ``ties`` and ``dare_linear`` on a worker (202, then a
@@ -20,19 +21,16 @@ from core.lora_algebra import read_tensors
 from finetuning import models as finetuning_models
 from finetuning.models import FineTunedModel
 from finetuning.quotas import stored_bytes
+from tests.compositions import SUFFIXES, parents  # noqa: F401 (parents: a fixture)
+from tests.helpers import web_without_broker  # noqa: F401 (a fixture)
 from tests.inference_fixtures import BASE, adapter_store, make_adapter  # noqa: F401
+from tests.inference_fixtures import publish_fine_tuned_model as published
 from tests.limits import lower_limits, own_counters  # noqa: F401 (a fixture)
-from tests.test_adapter_io import published
-from tests.test_job_dispatch import web_without_broker  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 COMPOSE = "/v1/fine_tuning/models"
 COMPOSITIONS = "/v1/fine_tuning/compositions"
-SUFFIXES = [
-    "left", "right", "third", "blend", "approx", "tied", "dared", "refused", "kept", "theirs", "twice", "orphan",
-    "squeezed", "capped-1", "capped-2", "capped-3", "hourly-1", "hourly-2", "hourly-3",
-]
 
 
 @pytest.fixture(autouse=True)
@@ -40,13 +38,6 @@ def _fresh_store():
     """The dynamic path outlives the test database: no adapter of an earlier run under our names."""
     for suffix in SUFFIXES:
         adapter_store().delete(f"{BASE}:{suffix}")
-
-
-@pytest.fixture
-def parents(alice, make_adapter) -> dict[str, Path]:  # noqa: F811
-    """Three of alice's fine-tuned models, rank 8 each (max_lora_rank is 16), by name."""
-    folders = [make_adapter(seed=11), make_adapter(seed=12), make_adapter(seed=13)]
-    return {published(alice, suffix, folder): folder for suffix, folder in zip(["left", "right", "third"], folders)}
 
 
 def compose(persona, **body):
@@ -405,7 +396,7 @@ def run_composition(composition_id: str, worker: str) -> str:
 def test_a_composition_whose_weights_overflow_half_precision_is_refused_naming_the_tensor(alice, tmp_path):
     """Each parent fits what the serving kernel holds (half precision); their scaled sum does not:
     the composed adapter is checked like an upload, and nothing is written."""
-    from tests.test_hostile_archives import A_NAME, HIDDEN, files, weights
+    from tests.adapter_archives import A_NAME, HIDDEN, files, weights
 
     folders = []
     for number, value in enumerate([40_000.0, 1.0]):  # lora_alpha / r = 2 moves into A when composed

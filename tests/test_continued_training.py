@@ -11,29 +11,15 @@ from django.conf import settings
 from finetuning import publishing
 from finetuning.job_creation import resolve_hyperparameters
 from finetuning.models import Checkpoint, FineTunedModel, FineTuningJob, JobStatus, ModelRevision
+from tests.adapter_archives import send
+from tests.file_uploads import error_of, upload
+from tests.fine_tuning_jobs import trained
 from tests.personas import good_dataset
-from tests.test_adapter_io import send
-from tests.test_files_api import error_of, upload
 from workers.run_job import run_job
 
 BASE = "HuggingFaceTB/SmolLM2-135M-Instruct"
 # An adapter trained elsewhere, as PEFT writes its config (the weights are never read by these tests).
 UPLOADED_CONFIG = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"], "lora_dropout": 0.0}
-
-
-def trained(persona, suffix: str, parent: str | None = None, **lora) -> FineTunedModel:
-    """A model as a succeeded job leaves it, at its first revision (no adapter published: these
-    tests never train it). ``parent``: the job's exact parent."""
-    hyperparameters = resolve_hyperparameters(lora, 12, settings.MODEL_CATALOG.get(BASE))
-    job = FineTuningJob.objects.create(
-        organization=persona.organization, model=BASE, parent_model=parent, training_file="file-gone", suffix=suffix,
-        seed=0, hyperparameters=hyperparameters, status=JobStatus.SUCCEEDED, fine_tuned_model=f"{BASE}:{suffix}",
-    )
-    model = FineTunedModel.objects.create(
-        name=f"{BASE}:{suffix}", organization=persona.organization, job=job, base_model=BASE, suffix=suffix
-    )
-    ModelRevision.objects.create(model=model, number=1, job=job)
-    return model
 
 
 def checkpoint(model: FineTunedModel, step: int) -> str:

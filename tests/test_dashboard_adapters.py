@@ -4,16 +4,25 @@
 from __future__ import annotations
 
 import dataclasses
-import io
 from pathlib import Path
 
 import pytest
 from django.urls import reverse
 
 from finetuning.models import FineTunedModel
+from tests.adapter_archives import (
+    _checkpoint_of,
+    _wrong_shapes,
+    adapter_files,
+    body_of,
+    field_of,
+    tar_gz,
+    unpacked,
+    upload_form,
+)
 from tests.inference_fixtures import BASE, adapter_store, make_adapter, register_fine_tuned_model  # noqa: F401
+from tests.inference_fixtures import publish_fine_tuned_model as published
 from tests.limits import lower_limits
-from tests.test_adapter_io import _checkpoint_of, _wrong_shapes, adapter_files, body_of, published, tar_gz, unpacked
 
 pytestmark = pytest.mark.django_db
 
@@ -40,19 +49,6 @@ def alice_web(client, alice, settings):
     settings.INFERENCE_POOL_URL = "http://127.0.0.1:9"  # which models are loaded does not matter here
     client.force_login(alice.user)
     return client
-
-
-def upload_form(client, archive: bytes, suffix: str, model: str = BASE, name: str = "adapter.tar.gz"):
-    handle = io.BytesIO(archive)
-    handle.name = name
-    fields = {"adapter-file": handle, "adapter-model": model, "adapter-suffix": suffix}
-    return client.post(reverse("dashboard:adapter_upload"), fields)
-
-
-def field_of(page: str, name: str) -> str:
-    """The form field's block (label, input, errors) on the page."""
-    start = page.index(f'id="field-{name}"')
-    return page[start : page.index("</div>", start)]
 
 
 def test_the_models_page_downloads_a_models_adapter_that_unpacks_to_the_peft_folder(

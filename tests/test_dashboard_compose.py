@@ -9,9 +9,9 @@ from django.urls import reverse
 
 from finetuning import models as finetuning_models
 from finetuning.models import FineTunedModel
+from tests.compositions import SUFFIXES as API_SUFFIXES
+from tests.compositions import parents  # noqa: F401
 from tests.inference_fixtures import BASE, adapter_store, make_adapter, register_fine_tuned_model  # noqa: F401
-from tests.test_compose_models import SUFFIXES as API_SUFFIXES
-from tests.test_compose_models import parents  # noqa: F401
 
 pytestmark = pytest.mark.django_db
 

@@ -18,13 +18,12 @@ from django.db import connection
 from django.test import Client
 
 from finetuning.models import JobStatus
-from tests.inference_fixtures import monitoring_headers
+from tests.file_uploads import upload
+from tests.fine_tuning_jobs import wait_for
+from tests.inference_fixtures import BASE, monitoring_headers
 from tests.personas import good_dataset
-from tests.processes import celery_worker_command, free_port, running, running_web
+from tests.processes import celery_worker_command, free_port, redis_server, running, running_web
 from tests.tcp_proxy import TcpProxy, tcp_proxy
-from tests.test_faults import redis_server
-from tests.test_files_api import upload
-from tests.test_training_jobs import BASE, wait_for
 
 pytestmark = [
     pytest.mark.fault,

@@ -23,8 +23,8 @@ from finetuning import results
 from finetuning.files import check_dataset
 from finetuning.models import FineTuningJob, record_event
 from tests.environment import ROOT
+from tests.file_uploads import error_of, upload
 from tests.personas import jsonl, preference_dataset, preference_example
-from tests.test_files_api import error_of, upload
 from workers.training import StepMetrics, TrainingConfig, train
 from workers.training.attention import PACKED_SDPA
 from workers.training.model import load_model_with_lora, reference_model, save_adapter

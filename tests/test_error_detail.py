@@ -14,8 +14,8 @@ import re
 import httpx
 import pytest
 
+from tests.fake_pool import FakeVllm, PoolUnderTest
 from tests.inference_fixtures import BASE
-from tests.test_inference_routing import FakeVllm, PoolUnderTest
 
 pytestmark = pytest.mark.django_db(transaction=True)  # the gateway reads keys on threads of its own
 
@@ -166,7 +166,7 @@ class _Answer:
 async def test_a_vllm_refusal_relayed_by_ray_serve_is_scrubbed_as_the_pools_are(tmp_path):
     from core.api_errors import ApiError
     from inference.ray_serve.ingress import Ingress
-    from tests.test_inference_routing import _base_model
+    from tests.fake_pool import _base_model
 
     said = {
         "message": "top_k must be -1 or at least 1, got 0 (/opt/vllm/sampling_params.py)",

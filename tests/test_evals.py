@@ -149,7 +149,7 @@ def test_another_organizations_eval_and_runs_answer_404(alice, charlie, live_ser
 
 
 def _upload(persona, data: bytes = b"") -> str:
-    from tests.test_files_api import upload
+    from tests.file_uploads import upload
 
     return upload(persona, data or capitals_file()).json()["id"]
 

@@ -8,21 +8,12 @@ import pytest
 
 from core.evaluation import Case, Grader, cases_of, mean_score, passes
 from finetuning.models import FineTuningJob
-from tests.personas import chat_example, jsonl
-from tests.test_files_api import error_of
+from tests.eval_fixtures import capitals
+from tests.file_uploads import error_of
 
 BASE = "HuggingFaceTB/SmolLM2-135M-Instruct"
 CATASTROPHIC = r"(a|a)+$"  # backtracks 2**n times on n a's and a mismatch, in re and in regex alike
 MEMORY_BOMB = "(((a{100}){100}){100}){100}"  # regex.compile expands it: gigabytes (only ever in the child)
-CAPITALS = {
-    "France": "Paris", "Germany": "Berlin", "Italy": "Rome", "Spain": "Madrid", "Japan": "Tokyo",
-    "the United Kingdom": "London", "Egypt": "Cairo", "Russia": "Moscow", "China": "Beijing",
-    "Greece": "Athens", "Portugal": "Lisbon", "Austria": "Vienna",
-}
-
-
-def capitals(answer=lambda capital: f"{capital}.") -> bytes:
-    return jsonl([chat_example(f"What is the capital of {country}?", answer(capital)) for country, capital in CAPITALS.items()])
 
 
 @pytest.mark.parametrize(("grader", "answer", "expected", "passed"), [
@@ -54,7 +45,7 @@ def test_a_score_is_the_mean_share_of_graders_passed_and_cases_are_the_last_answ
 
 
 def _create(persona, **body):
-    from tests.test_files_api import upload
+    from tests.file_uploads import upload
 
     file_id = upload(persona, capitals()).json()["id"]
     return persona.api.post("/v1/fine_tuning/jobs", {"model": BASE, "training_file": file_id, **body}, format="json")
@@ -82,7 +73,7 @@ def test_a_malformed_evaluation_is_a_400_naming_it_and_nothing_is_queued(alice, 
 
 @pytest.mark.django_db
 def test_an_evaluation_defaults_to_the_validation_file_and_shows_on_the_job(alice):
-    from tests.test_files_api import upload
+    from tests.file_uploads import upload
 
     validation = upload(alice, capitals()).json()["id"]
     response = _create(alice, validation_file=validation, evaluation={"graders": [{"type": "contains"}]})
@@ -91,7 +82,6 @@ def test_an_evaluation_defaults_to_the_validation_file_and_shows_on_the_job(alic
 
 
 # --- the tenant's patterns and schemas are hostile until proven otherwise ---------------------------
-
 
 
 @pytest.fixture
@@ -159,7 +149,7 @@ def test_a_schema_pointing_outside_itself_is_refused_at_creation_and_nothing_is_
 
 
 def _held_out(persona) -> str:
-    from tests.test_files_api import upload
+    from tests.file_uploads import upload
 
     return upload(persona, capitals()).json()["id"]
 

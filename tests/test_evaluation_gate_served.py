@@ -8,9 +8,9 @@ import pytest
 
 from finetuning.job_creation import JobRequest, create_job
 from finetuning.models import FineTunedModel, FineTuningJob
+from tests.eval_fixtures import capitals
 from tests.inference_fixtures import *  # noqa: F403
 from tests.inference_fixtures import BASE, adapter_store
-from tests.test_evaluation_gate import capitals
 from workers.run_job import run_job
 
 pytestmark = [pytest.mark.engine, pytest.mark.training, pytest.mark.django_db(transaction=True)]

@@ -11,8 +11,9 @@ import pytest
 
 from finetuning import job_status, training_turns
 from finetuning.models import FineTuningJob, JobStatus
+from tests.fine_tuning_jobs import ONE_STEP, launch
+from tests.inference_fixtures import BASE
 from tests.limits import lower_limits
-from tests.test_training_jobs import BASE, ONE_STEP, launch
 from workers.sweep import sweep
 
 pytestmark = pytest.mark.django_db(transaction=True)

@@ -4,30 +4,20 @@ Slow (each scenario starts its own processes and trains), so they run once per C
 command runs them on PostgreSQL only (marker ``fault``).
 """
 
-import contextlib
 import time
 
 import httpx
 import pytest
 import redis
 
-from core.redis_ping import redis_problem
 from finetuning.models import FineTuningJob, JobStatus
+from tests.file_uploads import upload
+from tests.fine_tuning_jobs import ONE_STEP, wait_for
+from tests.inference_fixtures import BASE
 from tests.personas import good_dataset
-from tests.processes import SWEEPS_OFTEN, celery_worker_command, free_port, running, running_web, wait_until
-from tests.test_files_api import upload
-from tests.test_training_jobs import BASE, ONE_STEP, wait_for
+from tests.processes import SWEEPS_OFTEN, celery_worker_command, free_port, redis_server, running, running_web
 
 pytestmark = [pytest.mark.fault, pytest.mark.training, pytest.mark.django_db(transaction=True)]
-
-
-@contextlib.contextmanager
-def redis_server(port: int, folder):
-    """A Redis of the test's own that keeps nothing on disk: stopping it loses every message."""
-    command = ["redis-server", "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no", "--dir", str(folder)]
-    with running(f"redis-{port}", command) as process:
-        wait_until(lambda: redis_problem(f"redis://127.0.0.1:{port}/0") is None, 20, "redis", process)
-        yield
 
 
 def test_jobs_queued_before_redis_restarts_without_its_data_all_succeed(alice, test_database_url, tmp_path):

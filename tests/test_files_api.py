@@ -1,5 +1,5 @@
+# ruff: noqa: F811 (pytest fixtures are imported, then named as arguments)
 import dataclasses
-import io
 import json
 import tracemalloc
 
@@ -10,37 +10,10 @@ from django.core.files.uploadedfile import TemporaryUploadedFile
 from core.api_errors import ApiError
 from finetuning import files, storage
 from finetuning.models import File
+from tests.file_uploads import _named, error_of, stored_keys, upload  # noqa: F401 (stored_keys: a fixture)
 from tests.personas import chat_example, good_dataset, jsonl
 
 pytestmark = pytest.mark.django_db
-
-
-def upload(persona, data: bytes, name: str = "train.jsonl", purpose: str = "fine-tune"):
-    return persona.api.post("/v1/files", {"file": _named(data, name), "purpose": purpose}, format="multipart")
-
-
-def _named(data: bytes, name: str):
-    handle = io.BytesIO(data)
-    handle.name = name
-    return handle
-
-
-def error_of(response) -> dict:
-    return response.json()["error"]
-
-
-@pytest.fixture
-def stored_keys(monkeypatch) -> list[str]:
-    """The keys written to the file store during the test."""
-    store, keys = storage.files(), []
-    put_stream = store.put_stream  # what put and put_file call too
-
-    def recording_put_stream(key: str, stream) -> None:
-        keys.append(key)
-        put_stream(key, stream)
-
-    monkeypatch.setattr(store, "put_stream", recording_put_stream)
-    return keys
 
 
 def with_line(number: int, line: str, n: int = 12) -> bytes:

@@ -29,46 +29,34 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from safetensors.numpy import save
 
 from core.adapter_store import CONFIG_FILE, WEIGHTS_FILE
 from finetuning.models import FineTunedModel
+from tests.adapter_archives import (
+    A_NAME,
+    B_NAME,
+    HIDDEN,
+    Q_OUT,
+    config,
+    field_of,
+    files,
+    send,
+    tar_gz,
+    upload_form,
+    weights,
+)
 from tests.inference_fixtures import BASE, adapter_store
 from tests.limits import own_counters  # noqa: F401 (a fixture: each test's upload counter is its own)
-from tests.test_adapter_io import send, tar_gz
-from tests.test_dashboard_adapters import field_of, upload_form
 
 pytestmark = pytest.mark.django_db
 
 MEMORY_BOUND = 64 * 1024 * 1024  # bytes of Python memory one hostile upload may cost the web process
 BOMB = 96 * 1024 * 1024  # a header bomb's size once unpacked
 SUFFIX = "hostile"
-HIDDEN, Q_OUT = 576, 576  # SmolLM2-135M: q_proj is 576 -> 576
-A_NAME = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
-B_NAME = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"
 PEAKS: dict[str, int] = {}
 
 
 # --- a tiny valid adapter, and ways to spoil it ------------------------------------------------
-
-
-def config(**changes) -> bytes:
-    base = {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": BASE, "r": 1, "lora_alpha": 2,
-        "lora_dropout": 0.0, "target_modules": ["q_proj"], "bias": "none", "use_rslora": False, "use_dora": False,
-    }
-    return json.dumps(base | changes).encode()
-
-
-def weights(a: np.ndarray | None = None, b: np.ndarray | None = None) -> bytes:
-    rng = np.random.default_rng(0)
-    a = rng.standard_normal((1, HIDDEN)).astype(np.float32) if a is None else a
-    b = rng.standard_normal((Q_OUT, 1)).astype(np.float32) if b is None else b
-    return save({A_NAME: a, B_NAME: b})
-
-
-def files(**replaced: bytes) -> dict[str, bytes]:
-    return {CONFIG_FILE: replaced.get("config", config()), WEIGHTS_FILE: replaced.get("weights", weights())}
 
 
 def bfloat16_weights(a_value: float) -> bytes:

@@ -40,10 +40,10 @@ from batches.models import Batch
 from evals.models import Eval, EvalRun
 from finetuning import files, job_creation
 from finetuning.models import FineTuningJob, JobStatus
+from tests.helpers import tenant_rows
 from tests.inference_fixtures import BASE, register_fine_tuned_model
 from training_loops.models import CheckpointKind, LoopCheckpoint, LoopRun, LoopSession, RunStatus
 from tests.personas import Persona, batch_lines, good_dataset, preference_dataset, prompts_dataset
-from tests.test_api_fuzz import tenant_rows
 from webhooks import endpoints
 
 # Committed rows: the gateway looks keys up on threads of its own, with connections of their own.

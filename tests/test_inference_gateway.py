@@ -14,8 +14,6 @@ import re
 import signal
 import threading
 import time
-import uuid
-from pathlib import Path
 
 import httpx
 import openai
@@ -36,38 +34,10 @@ from tests.inference_fixtures import (  # noqa: F401 (fixtures)
     publish_fine_tuned_model,
     register_fine_tuned_model,
 )
-from tests.processes import ROOT, wait_until
+from tests.processes import wait_until
+from tests.served_answers import PLACE_FORMAT, QUESTION, _ask, _peft_answer, _suffix
 
 pytestmark = [pytest.mark.engine, pytest.mark.django_db(transaction=True)]
-
-QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
-
-
-# A JSON schema a small model's free answer would not follow by chance.
-PLACE_FORMAT = {
-    "type": "json_schema",
-    "json_schema": {
-        "name": "place",
-        "strict": True,
-        "schema": {
-            "type": "object",
-            "properties": {"city": {"type": "string", "maxLength": 24}, "country": {"type": "string", "maxLength": 24}},
-            "required": ["city", "country"],
-            "additionalProperties": False,
-        },
-    },
-}
-
-
-def _suffix(label: str) -> str:
-    return f"{label}-{uuid.uuid4().hex[:8]}"
-
-
-def _ask(client: openai.OpenAI, model: str, max_tokens: int = 24, **extra) -> str:
-    answer = client.chat.completions.create(
-        model=model, messages=QUESTION, max_tokens=max_tokens, temperature=0, **extra
-    )
-    return answer.choices[0].message.content
 
 
 class ApiError:
@@ -113,20 +83,6 @@ def test_it_serves_an_adapter_published_while_the_pool_runs_on_its_first_request
     assert time.perf_counter() - started < 30
     assert answer.model == f"{name}@r1"  # the revision that answered
     assert answer.choices[0].message.content != base_answer
-
-
-def _peft_answer(adapter: Path, max_tokens: int) -> str:
-    """The greedy answer of the base model with this adapter in PEFT, as training evaluates it."""
-    import torch
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    weights = ROOT / "data" / "models" / BASE
-    tokenizer = AutoTokenizer.from_pretrained(weights)
-    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(weights, dtype=torch.float32), adapter)
-    prompt = tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, return_tensors="pt", return_dict=True)
-    output = model.generate(**prompt, max_new_tokens=max_tokens, do_sample=False)
-    return tokenizer.decode(output[0, prompt["input_ids"].shape[1]:], skip_special_tokens=True)
 
 
 def test_a_served_adapter_answers_token_for_token_as_peft_does_with_the_same_weights(alice, make_adapter):

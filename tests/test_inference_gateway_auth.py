@@ -1,3 +1,4 @@
+# ruff: noqa: F811 (pytest fixtures are imported from tests.dead_pool, then named as arguments)
 """The gateway's own decisions (keys, models, errors), through both of its entry points, no engine.
 
 The fast path (``gateway.asgi``, what the web server runs) and the Django views (what WSGI and
@@ -9,47 +10,13 @@ from __future__ import annotations
 
 import asyncio
 
-import httpx
 import pytest
 
+from tests.dead_pool import keys, web  # noqa: F401 (fixtures)
+from tests.helpers import anyio_backend  # noqa: F401 (a fixture)
 from tests.inference_fixtures import BASE, monitoring_headers, register_fine_tuned_model
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.anyio]
-
-DEAD_POOL = "http://127.0.0.1:9"  # the discard port: nothing listens there
-
-
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
-@pytest.fixture(params=["fast path", "django views"])
-def web(request, settings):
-    """An httpx client on the web application, through one entry point or the other."""
-    from django.core.asgi import get_asgi_application
-    from gateway.asgi import with_fast_path
-
-    settings.INFERENCE_POOL_URL = DEAD_POOL
-    application = get_asgi_application()
-    if request.param == "fast path":
-        application = with_fast_path(application)
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=application), base_url="http://testserver")
-
-
-@pytest.fixture
-def keys(transactional_db):
-    """alice's organization owns a fine-tuned model; charlie's is an outsider."""
-    from accounts.services import create_api_key, create_organization
-    from django.contrib.auth.models import User
-
-    result = {}
-    for name in ("alice", "charlie"):
-        user = User.objects.create_user(name)
-        organization = create_organization(f"{name} lab", user)
-        result[name] = create_api_key(organization, user, "tests")[1]
-        result[f"{name}_org"] = organization
-    return result
 
 
 def _bearer(key: str) -> dict:

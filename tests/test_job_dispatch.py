@@ -1,4 +1,4 @@
-# ruff: noqa: F811 (pytest fixtures are imported from tests.test_training_jobs, then named as arguments)
+# ruff: noqa: F811 (pytest fixtures are imported from tests.helpers, then named as arguments)
 """How queued jobs reach trainers: never silently stuck, whatever the broker does."""
 
 from dataclasses import replace
@@ -11,21 +11,14 @@ from django.utils import timezone
 
 from finetuning.models import FineTuningJob, JobStatus
 from base.celery import TAKE_TRAINING_TURN, waiting_task_args
+from tests.file_uploads import upload
+from tests.fine_tuning_jobs import ONE_STEP, launch, wait_for
+from tests.helpers import web_without_broker  # noqa: F401 (a fixture)
+from tests.inference_fixtures import BASE
 from tests.personas import good_dataset
-from tests.processes import running_web
-from tests.test_files_api import upload
-from tests.test_training_jobs import BASE, ONE_STEP, launch, wait_for
 from workers.sweep import sweep
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-
-@pytest.fixture
-def web_without_broker(test_database_url):
-    """The web process as bin/run serves it, on the test database, with its broker down."""
-    environment = {"DATABASE_URL": test_database_url, "REDIS_URL": "redis://127.0.0.1:9/0"}  # nothing listens
-    with running_web("web-without-broker", environment) as url:
-        yield url
 
 
 @pytest.mark.training

@@ -10,7 +10,8 @@ from django.conf import settings
 
 from finetuning import job_status, training_turns
 from finetuning.models import FineTunedModel, FineTuningJob, JobStatus
-from tests.test_training_jobs import BASE, launch, wait_for
+from tests.fine_tuning_jobs import launch, wait_for
+from tests.inference_fixtures import BASE
 
 pytestmark = [pytest.mark.training, pytest.mark.django_db(transaction=True)]
 

@@ -1,8 +1,8 @@
 import pytest
 
 from finetuning.models import FineTuningJob, JobStatus
+from tests.file_uploads import error_of, upload
 from tests.personas import good_dataset
-from tests.test_files_api import error_of, upload
 
 pytestmark = pytest.mark.django_db
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PLATFORM = ROOT / "platform"
+TESTS = ROOT / "tests"
 BASE, PROJECT = "base", "server"
 # The Django apps: every package in platform/ but the shared room and the project shell.
 APPS = frozenset(
@@ -235,3 +236,22 @@ def test_the_engine_contract_is_plain_python():
     path = INFERENCE / "engine_contract.py"
     broken = sorted(str(imp) for imp in _imports(path) if imp.top in HEAVY or imp.top == "inference")
     assert not broken, _report(f"{path.relative_to(ROOT)} imports inference, torch or vllm", broken)
+
+
+def _imports_a_test_module(imp: Import) -> bool:
+    """An import of a ``tests/test_*`` module: ``from tests.test_x import y``, ``import tests.test_x``,
+    ``from tests import test_x`` (or relative, from within tests/)."""
+    return any(
+        module.startswith("tests.test_") for module in (imp.module, *(f"{imp.module}.{name}" for name in imp.names))
+    )
+
+
+def test_no_test_module_imports_another():
+    """What test modules share (helpers, constants, fixtures) lives in tests/helpers.py or a themed module
+    beside it (tests/file_uploads.py, tests/fake_pool.py, ...), never in a test module that others import:
+    a test module's names are its own, so changing one breaks no other, and importing a helper does not
+    import a module of tests. (Neither does a shared module import a test module.)"""
+    assert _imports_a_test_module(Import(TESTS / "test_a.py", 1, "tests.test_b", ("helper",), True))  # the rule bites
+    assert _imports_a_test_module(Import(TESTS / "test_a.py", 1, "tests", ("test_b",), True))
+    broken = _breaking([TESTS], _imports_a_test_module)
+    assert not broken, _report("a module of tests/ imports a test module (move what it needs to tests/helpers.py)", broken)

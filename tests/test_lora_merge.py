@@ -10,7 +10,7 @@ from peft.utils import merge_utils
 
 from core.lora_algebra import Part
 from core.lora_merge import full_rank, merge
-from tests.test_lora_algebra import PREFIX, _adapter, _delta
+from tests.lora_adapters import PREFIX, _adapter, _delta
 
 MODULES = ("q_proj", "v_proj", "o_proj")
 

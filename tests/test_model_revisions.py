@@ -12,8 +12,8 @@ from core.adapter_store import adapter_store
 from core.model_names import ModelName, parse_model_name, pinned_name
 from finetuning.models import Checkpoint, FineTunedModel, FineTuningJob, ModelRevision
 from finetuning.registry import resolve_model
+from tests.file_uploads import error_of, upload
 from tests.personas import good_dataset
-from tests.test_files_api import error_of, upload
 from workers.run_job import run_job
 
 BASE = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -91,7 +91,7 @@ def test_fine_tuning_a_model_under_its_own_suffix_publishes_r2_and_a_rollback_br
 
 @pytest.mark.django_db
 def test_a_continued_job_under_its_parents_suffix_reserves_the_next_revision(alice, not_queued):
-    from tests.test_continued_training import trained as registered
+    from tests.fine_tuning_jobs import trained as registered
 
     registered(alice, "assistant")
     first = create(alice, NAME, "assistant")

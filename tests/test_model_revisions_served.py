@@ -9,11 +9,10 @@ import uuid
 
 import httpx
 import pytest
-from django.db import transaction
 
-from finetuning import publishing
 from finetuning.job_creation import JobRequest, create_job
-from finetuning.models import FineTunedModel, FineTuningJob, JobStatus
+from finetuning.models import FineTuningJob
+from tests.fine_tuning_jobs import _publish_revision
 from tests.inference_fixtures import *  # noqa: F403
 from tests.inference_fixtures import BASE, adapter_store, publish_fine_tuned_model
 from tests.personas import good_dataset
@@ -27,19 +26,6 @@ def _ask(persona, model: str) -> tuple[str, str]:
     """The greedy answer, and the name of the model that answered."""
     answer = persona.client.chat.completions.create(model=model, messages=QUESTION, max_tokens=24, temperature=0)
     return answer.choices[0].message.content, answer.model
-
-
-def _publish_revision(name: str, folder, number: int) -> None:
-    """What a worker does when a job under the model's own suffix succeeds: the revision to the
-    dynamic path, then ``finetuning.publishing.publish_trained_revision`` (the registry, and the link moved)."""
-    model = FineTunedModel.objects.get(name=name)
-    job = FineTuningJob.objects.create(
-        organization=model.organization, model=BASE, parent_model=name, training_file="file-gone", suffix=model.suffix,
-        revision=number, seed=0, hyperparameters={}, status=JobStatus.SUCCEEDED, fine_tuned_model=name,
-    )
-    adapter_store().write_revision(name, number, folder)
-    with transaction.atomic():
-        publishing.publish_trained_revision(job, name, final_loss=None)
 
 
 def test_a_stream_that_began_on_r1_ends_on_r1_while_r2_is_published_and_the_next_request_gets_r2(alice, make_adapter):

@@ -29,6 +29,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from core.catalog import load_catalog
 from core.env import ConfigError
 from inference.engine_contract import SERVER_MODULE
+from tests.eval_fixtures import capitals
+from tests.fine_tuning_jobs import _publish_revision
 from tests.inference_fixtures import (  # noqa: F401 (fixtures)
     BASE,
     Persona,
@@ -41,10 +43,7 @@ from tests.inference_fixtures import (  # noqa: F401 (fixtures)
     publish_fine_tuned_model,
 )
 from tests.processes import ROOT, answers, free_port, running, running_web, wait_until
-from tests.test_inference_gateway import PLACE_FORMAT, QUESTION, _peft_answer, _suffix
-from tests.test_evaluation_gate import capitals
-from tests.test_model_revisions_served import _publish_revision
-from tests.test_usage_served import usage_reported
+from tests.served_answers import PLACE_FORMAT, QUESTION, _peft_answer, _suffix, usage_reported
 from tests.tool_calling import TWO_CITIES, assembled_tool_calls
 
 RAY_CATALOG = ROOT / "data" / "test" / "ray-models.toml"
@@ -103,7 +102,7 @@ def test_the_gateway_sends_a_ray_models_requests_to_ray_serve_and_the_others_to_
 
 def _publish_alices(store, tmp_path: Path) -> tuple[str, bytes]:
     """Alice's organization's adapter, published as ``<base>:x``; its name and weights."""
-    from tests.test_inference_routing import _adapter_folder
+    from tests.fake_pool import _adapter_folder
 
     name, alice = f"{BASE}:x", _adapter_folder(tmp_path / "alice")
     store.publish(name, alice)
@@ -116,7 +115,7 @@ def test_ray_routes_a_name_deleted_and_published_again_as_another_model(tmp_path
     from core.adapter_store import store_of
     from inference import adapter_source
     from inference.ray_serve.ingress import Ingress
-    from tests.test_inference_routing import _adapter_folder
+    from tests.fake_pool import _adapter_folder
 
     monkeypatch.setattr(adapter_source, "REMOTE_VERSION_TTL_S", 0.0)
     model = _load(tmp_path, _catalog_text()).get(BASE)
@@ -166,7 +165,7 @@ def _replica_under_test(tmp_path: Path, s3) -> ReplicaUnderTest:
     from inference.metrics import Metrics
     from inference.ray_serve.replica_adapters import ReplicaAdapters
     from inference.server import admin_client
-    from tests.test_inference_routing import TOKEN, FakeVllm
+    from tests.fake_pool import TOKEN, FakeVllm
 
     store = store_for(f"s3://ray-adapters/{tmp_path.name}", s3)
     vllm = FakeVllm()
@@ -188,7 +187,7 @@ def test_a_ray_replica_never_answers_a_new_model_with_a_deleted_ones_weights_and
 ):
     import asyncio
 
-    from tests.test_inference_routing import _adapter_folder
+    from tests.fake_pool import _adapter_folder
 
     async def scenario() -> None:
         replica = _replica_under_test(tmp_path, s3)
@@ -215,7 +214,7 @@ def test_a_ray_replica_loads_the_publish_the_ingress_routed_though_its_own_answe
     a republish seen by the ingress first must not leave the old weights under the new id."""
     import asyncio
 
-    from tests.test_inference_routing import _adapter_folder
+    from tests.fake_pool import _adapter_folder
 
     async def scenario() -> None:
         replica = _replica_under_test(tmp_path, s3)
@@ -237,7 +236,7 @@ def test_a_ray_replica_unloads_evicted_and_deleted_adapters_and_drops_their_cach
 ):
     import asyncio
 
-    from tests.test_inference_routing import _adapter_folder
+    from tests.fake_pool import _adapter_folder
 
     async def scenario() -> None:
         replica = _replica_under_test(tmp_path, s3)

@@ -10,8 +10,8 @@ import pytest
 from core.datasets import PROMPTS, PromptItem, parse_dataset
 from finetuning.models import FineTuningJob
 from tests.eval_fixtures import BASE
+from tests.file_uploads import error_of, upload
 from tests.personas import good_dataset, prompts_dataset
-from tests.test_files_api import error_of, upload
 from workers.training_loop.losses import ADVANTAGES, SAMPLING_LOGPROBS, TARGET_TOKENS
 from workers.training_loop.reinforcement import Answer, _advantages, _datum
 

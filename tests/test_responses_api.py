@@ -16,7 +16,7 @@ import pytest
 
 from tests.inference_fixtures import BASE, alice, charlie, gateway, register_fine_tuned_model  # noqa: F401 (fixtures)
 from tests.processes import wait_until
-from tests.test_usage_served import usage_reported
+from tests.served_answers import usage_reported
 from tests.tool_calling import GUIDE_GET_WEATHER
 
 pytestmark = [pytest.mark.engine, pytest.mark.django_db(transaction=True)]

@@ -34,8 +34,9 @@ import redis
 import tinker
 from tinker import types
 
+from tests.adapter_archives import _archive
 from tests.browser import screenshot
-from tests.inference_fixtures import AdapterMaker
+from tests.inference_fixtures import BASE, AdapterMaker
 from tests.personas import chat_example, good_dataset, jsonl, preference_dataset
 from tests.processes import ROOT, SWEEPS_OFTEN, wait_until
 from tests.running_platform import bin_run
@@ -44,7 +45,6 @@ from tests.tool_calling import WEATHER_TOOL, assembled_tool_calls, held_out_prom
 
 pytestmark = [pytest.mark.product, pytest.mark.engine, pytest.mark.training]
 
-BASE = "HuggingFaceTB/SmolLM2-135M-Instruct"
 REDIS_URL = "redis://127.0.0.1:6379/13"  # the platform's own database: neither the suite's nor a user's
 # Low enough for a few chats to reach it (each charged its prompt and max_tokens, or the whole
 # 2,048-token context without max_tokens), as an operator's .env would set it.
@@ -241,14 +241,6 @@ def test_a_job_started_from_the_dashboard_form_trains_on_the_same_running_platfo
     screenshot(page, "product-dashboard-job-succeeded")
 
 
-def _archive(folder) -> bytes:
-    out = io.BytesIO()
-    with tarfile.open(fileobj=out, mode="w:gz") as tar:
-        for name in ("adapter_config.json", "adapter_model.safetensors"):
-            tar.add(folder / name, arcname=name)
-    return out.getvalue()
-
-
 def _uploaded_adapters(api: httpx.Client, folder, suffixes: dict[int, str]) -> list[str]:
     """Adapters "trained elsewhere" (random LoRA weights in PEFT's format, one per seed) uploaded
     under these suffixes: their names."""
@@ -311,7 +303,7 @@ def test_uploaded_adapters_mix_per_request_and_compose_into_a_model_served_on_it
 def test_a_batch_over_the_base_model_two_fine_tunes_and_a_mix_answers_as_live_requests_and_a_webhook_says_so(
     platform, tmp_path
 ):
-    from tests.test_webhooks import Receiver, _serve
+    from tests.webhook_receiver import Receiver, _serve
 
     client = openai.OpenAI(base_url=f"{platform.url}/v1", api_key=platform.api_key, max_retries=0)
     api = httpx.Client(

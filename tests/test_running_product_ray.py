@@ -18,11 +18,11 @@ import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.adapter_archives import _archive
 from tests.browser import screenshot
-from tests.inference_fixtures import AdapterMaker, catalog_text
+from tests.inference_fixtures import BASE, AdapterMaker, catalog_text
 from tests.processes import free_port
 from tests.running_platform import bin_run
-from tests.test_running_product import BASE, _archive
 
 pytestmark = [pytest.mark.product, pytest.mark.engine]
 

@@ -18,13 +18,13 @@ import openai
 import pytest
 import redis
 
+from tests.adapter_archives import _archive
 from tests.browser import screenshot
 from tests.inference_fixtures import AdapterMaker, catalog_text, kernels_for
 from tests.personas import good_dataset
 from tests.processes import ROOT, wait_until
 from tests.running_platform import bin_run, shipped_models
 from tests.second_base_model import build_tiny_qwen2
-from tests.test_running_product import _archive
 
 pytestmark = [pytest.mark.product, pytest.mark.engine, pytest.mark.training]
 

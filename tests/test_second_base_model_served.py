@@ -139,7 +139,7 @@ def test_a_mix_refuses_a_part_of_the_other_base_model(two_models):
 
 
 def test_the_trainer_renders_a_tool_conversation_of_the_second_model_as_its_replica_does(two_models):
-    from tests.test_tools_served import assert_trained_as_served
+    from tests.served_answers import assert_trained_as_served
 
     url, weights, _ = two_models
     assert_trained_as_served(url, QWEN, weights)

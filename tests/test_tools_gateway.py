@@ -12,8 +12,9 @@ import json
 
 import pytest
 
+from tests.helpers import anyio_backend  # noqa: F401
 from tests.personas import alice  # noqa: F401 (fixtures)
-from tests.test_request_limits import _bearer, _chat, _error, _limits, anyio_backend, pool, web  # noqa: F401
+from tests.recording_pool import _bearer, _chat, _error, _limits, pool, web  # noqa: F401
 from tests.tool_calling import WEATHER_TOOL
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.anyio]

@@ -10,12 +10,9 @@ from __future__ import annotations
 
 import json
 
-import httpx
 import jsonschema
 import pytest
 
-from core.chat_tokens import load_tokenizer, tokenize_example
-from core.datasets import parse_example
 from tests.inference_fixtures import (  # noqa: F401 (fixtures)
     BASE,
     alice,
@@ -24,7 +21,8 @@ from tests.inference_fixtures import (  # noqa: F401 (fixtures)
     make_adapter,
     publish_fine_tuned_model,
 )
-from tests.tool_calling import GUIDE_GET_WEATHER, TWO_CITIES, assembled_tool_calls, weather_line
+from tests.served_answers import assert_trained_as_served
+from tests.tool_calling import GUIDE_GET_WEATHER, TWO_CITIES, assembled_tool_calls
 
 pytestmark = [pytest.mark.engine, pytest.mark.django_db(transaction=True)]
 
@@ -35,31 +33,6 @@ NAMED = {"type": "function", "function": {"name": "get_weather"}}
 # Greedy, with room for a city and country: sampled at temperature 1, the untaught base model once
 # wrote a location longer than 40 tokens, and a call cut short is no call.
 CALL = {"temperature": 0, "max_tokens": 100}
-
-
-def served_prompt_tokens(pool: str, model: str, messages: list[dict], tools: list[dict]) -> list[int]:
-    """The prompt's token ids as the engine rendered them for a chat request with these tools."""
-    body = {"model": model, "messages": messages, "tools": tools, "max_tokens": 1, "return_token_ids": True}
-    response = httpx.post(f"{pool}/v1/chat/completions", json=body, headers=internal_headers(), timeout=300)
-    assert response.status_code == 200, response.text
-    return response.json()["prompt_token_ids"]
-
-
-def assert_trained_as_served(pool: str, model: str, weights) -> None:
-    """Each prompt of a tool conversation (the question; the question, call and result) is the start of
-    the trainer's tokens, and the trainer trains exactly the replies that follow them."""
-    line = weather_line("Ljubljana", "What's the weather like in {city}?", answered=2)
-    example, error = parse_example(json.dumps(line))
-    assert error is None, error
-    tokenizer = load_tokenizer(weights)
-    trained = tokenize_example(tokenizer, example)
-    for prompt_end in (1, 3):  # the call answers the question; the reply answers the tool's result
-        prompt = served_prompt_tokens(pool, model, line["messages"][:prompt_end], line["tools"])
-        assert trained.input_ids[: len(prompt)] == prompt
-        assert prompt_end > 1 or not any(trained.trained[: len(prompt)])  # the question is never trained
-        reply = tokenizer.decode([t for t, on in zip(trained.input_ids[len(prompt) :], trained.trained[len(prompt) :]) if on])
-        expected = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Ljubljana"}}\n</tool_call>'
-        assert reply.startswith(expected if prompt_end == 1 else line["messages"][3]["content"])
 
 
 def test_the_trainer_renders_a_tool_conversation_token_for_token_as_the_server_does(inference_pool):

@@ -16,9 +16,11 @@ from finetuning import storage
 from finetuning.models import Checkpoint, FineTunedModel, FineTuningJob, JobEvent, JobStatus
 from finetuning.job_status import recover_stale_jobs
 from tests.eval_fixtures import StandInEngine, capitals_file, start_stand_in
+from tests.file_uploads import upload
+from tests.fine_tuning_jobs import ONE_STEP, launch, wait_for
+from tests.inference_fixtures import BASE
 from tests.personas import chat_example, good_dataset, jsonl
 from tests.s3 import s3_server
-from tests.test_files_api import upload
 from workers.run_job import run_job
 from workers.sweep import sweep
 from workers.tasks import take_training_turn, worker_report
@@ -26,27 +28,7 @@ from workers.training.state import TRAINING_STATE_FILE
 
 pytestmark = [pytest.mark.training, pytest.mark.django_db(transaction=True)]
 
-BASE = "HuggingFaceTB/SmolLM2-135M-Instruct"
-ONE_STEP = {"n_epochs": 1, "batch_size": 12}
 MANY_STEPS = {"n_epochs": 10, "batch_size": 1}
-
-
-def launch(persona, hyperparameters: dict, suffix: str) -> str:
-    file_id = upload(persona, good_dataset(12)).json()["id"]
-    body = {"model": BASE, "training_file": file_id, "suffix": suffix, "hyperparameters": hyperparameters}
-    response = persona.api.post("/v1/fine_tuning/jobs", body, format="json")
-    assert response.status_code == 200, response.json()
-    return response.json()["id"]
-
-
-def wait_for(job_id: str, condition, timeout_s: float = 420) -> FineTuningJob:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        job = FineTuningJob.objects.get(pk=job_id)
-        if condition(job):
-            return job
-        time.sleep(0.5)
-    raise AssertionError(f"job {job_id} still {job.status} after {timeout_s} s: {job.error_message}")
 
 
 def worker_is_idle() -> None:

@@ -9,9 +9,9 @@ import pytest
 from core.object_store import ObjectNotFound
 from finetuning import quotas, storage
 from finetuning.models import File
+from tests.file_uploads import error_of, stored_keys, upload  # noqa: F401 (a fixture)
 from tests.limits import lower_limits, own_counters  # noqa: F401 (a fixture)
 from tests.personas import good_dataset
-from tests.test_files_api import error_of, stored_keys, upload  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.django_db
 

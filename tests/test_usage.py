@@ -1,4 +1,4 @@
-# ruff: noqa: F811 (pytest fixtures are imported from tests.test_request_limits, then named as arguments)
+# ruff: noqa: F811 (pytest fixtures are imported from tests.recording_pool, then named as arguments)
 """Usage accounting: the gateway counts each completion's tokens as the answer passes (whole or
 streamed, API or playground), writes them per organization, model, key and minute, and reports
 them in the shape of OpenAI's usage API and on the dashboard's usage page.
@@ -18,8 +18,9 @@ from django.urls import reverse
 from django.utils import timezone as django_time
 
 from finetuning.models import FineTuningJob, JobStatus
+from tests.helpers import anyio_backend  # noqa: F401 (a fixture)
 from tests.inference_fixtures import BASE
-from tests.test_request_limits import anyio_backend, stand_in_pool, web  # noqa: F401 (fixtures: both gateway entry points)
+from tests.recording_pool import stand_in_pool, web  # noqa: F401 (fixtures: both gateway entry points)
 from usage.answers import StreamTokens, Tokens
 from usage.meter import METER, Caller
 from usage.models import CompletionUsage
@@ -108,7 +109,7 @@ class UsagePool:
 
 @pytest.fixture
 async def pool(settings):
-    """This module's stand-in pool, for the ``web`` fixture of ``tests.test_request_limits``."""
+    """This module's stand-in pool, for the ``web`` fixture of ``tests.recording_pool``."""
     async with stand_in_pool(settings, UsagePool()) as answering:
         yield answering
 

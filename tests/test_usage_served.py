@@ -7,26 +7,15 @@ from __future__ import annotations
 
 import time
 
-import httpx
 import pytest
 
 from tests.inference_fixtures import BASE, alice, gateway  # noqa: F401 (fixtures)
 from tests.processes import wait_until
+from tests.served_answers import usage_reported
 
 pytestmark = [pytest.mark.engine, pytest.mark.django_db(transaction=True)]
 
 QUESTION = [{"role": "user", "content": "Name three colours."}]
-
-
-def usage_reported(gateway: str, api_key: str, started: int, requests: int) -> dict | None:
-    """The usage API's one result (by model) since ``started``, once it counts ``requests``."""
-    page = httpx.get(
-        f"{gateway}/v1/organization/usage/completions",
-        params={"start_time": started, "bucket_width": "1d", "group_by": "model"},
-        headers={"Authorization": f"Bearer {api_key}"},
-    ).json()
-    results = [result for bucket in page["data"] for result in bucket["results"]]
-    return results[0] if results and results[0]["num_model_requests"] == requests else None
 
 
 def test_the_usage_api_reports_the_tokens_the_engine_answered_with(alice, gateway):

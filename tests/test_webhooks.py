@@ -15,11 +15,8 @@ import base64
 import hashlib
 import hmac
 import json
-import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from ipaddress import ip_address
 from pathlib import Path
 
@@ -36,6 +33,7 @@ from finetuning.models import File, FineTuningJob, JobStatus
 from tests.inference_fixtures import BASE, adapter_store
 from tests.personas import Persona
 from tests.processes import wait_until
+from tests.webhook_receiver import Received, Receiver, _serve
 from webhooks.delivery import MAX_ATTEMPTS, RETRY_DELAYS_S, deliver
 from webhooks.event_types import EventType
 from webhooks.models import DeliveryStatus, WebhookDelivery, WebhookEndpoint, WebhookEvent
@@ -45,53 +43,6 @@ LONG_AGO = "2000-01-01T00:00:00Z"
 
 
 # --- the receiver, and the standard's verification written independently --------------------------
-
-
-@dataclass
-class Received:
-    headers: dict[str, str]
-    body: bytes
-    host: str
-
-
-@dataclass
-class Receiver:
-    """Answers each POST with the next of ``answers`` (then 200), and keeps what it received."""
-
-    answers: list[tuple[int, dict[str, str]]] = field(default_factory=list)
-    received: list[Received] = field(default_factory=list)
-    url: str = ""
-
-    def next_answer(self) -> tuple[int, dict[str, str]]:
-        return self.answers.pop(0) if self.answers else (200, {})
-
-
-def _serve(receiver: Receiver) -> Iterator[Receiver]:
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:  # noqa: N802 (http.server's name)
-            body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-            headers = {name.lower(): value for name, value in self.headers.items()}
-            receiver.received.append(Received(headers, body, self.headers.get("Host", "")))
-            status, extra = receiver.next_answer()
-            self.send_response(status)
-            for name, value in extra.items():
-                self.send_header(name, value)
-            self.send_header("Content-Length", "2")
-            self.end_headers()
-            self.wfile.write(b"ok")
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    receiver.url = f"http://127.0.0.1:{server.server_address[1]}/hooks"
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield receiver
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 @pytest.fixture

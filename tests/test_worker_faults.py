@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import httpx
@@ -18,11 +17,12 @@ import psutil
 import pytest
 import redis
 
-from finetuning.models import FineTunedModel, FineTuningJob, JobStatus
+from finetuning.models import FineTunedModel, JobStatus
+from tests.file_uploads import upload
+from tests.fine_tuning_jobs import ONE_STEP, wait_for_job
+from tests.inference_fixtures import BASE
 from tests.personas import good_dataset
 from tests.processes import SWEEPS_OFTEN, celery_worker_command, free_port, running, running_web
-from tests.test_files_api import upload
-from tests.test_training_jobs import BASE, ONE_STEP
 
 pytestmark = [pytest.mark.fault, pytest.mark.training, pytest.mark.django_db(transaction=True)]
 
@@ -44,14 +44,6 @@ def platform(alice, test_database_url):
             return response.json()["id"]
 
         yield environment, create_job
-
-
-def wait_for_job(job_id: str, condition, timeout_s: float = 300) -> FineTuningJob:
-    deadline = time.monotonic() + timeout_s
-    while not condition(job := FineTuningJob.objects.get(pk=job_id)):
-        assert time.monotonic() < deadline, f"{job_id} is still {job.status}: {job.error_message}"
-        time.sleep(0.5)
-    return job
 
 
 def trainer_child(trainer: subprocess.Popen) -> psutil.Process:

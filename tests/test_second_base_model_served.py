@@ -66,7 +66,7 @@ def two_models(tmp_path_factory, machine_to_itself) -> tuple[str, Path, Path]:
     its URL, the tiny model's folder as added, and its data folder."""
     from django.conf import settings
 
-    from core.base_model_intake import CatalogPlace, NewBaseModel, add_base_model
+    from finetuning.base_models.intake import CatalogPlace, NewBaseModel, add_base_model
 
     root = tmp_path_factory.mktemp("two-models")
     data = root / "data"

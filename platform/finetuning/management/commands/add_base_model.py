@@ -1,6 +1,6 @@
 """Add a base model to the catalog (models.toml) from a Hugging Face folder or a GGUF file.
 
-Only translates: the arguments to ``core.base_model_intake.add_base_model``, its refusal to a
+Only translates: the arguments to ``finetuning.base_models.intake.add_base_model``, its refusal to a
 ``CommandError`` (exit status 1, the catalog unchanged), its result to a few lines. The processes that
 serve and train read the catalog when they start: restart them to offer the new model.
 """
@@ -11,11 +11,11 @@ from pathlib import Path
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from core.base_model_intake import CatalogPlace, NewBaseModel, add_base_model
 from core.compute_dtype import DTYPES
 from core.config import load_config
 from core.env import ConfigError
-from core.model_folder_check import ModelFolderRefused
+from finetuning.base_models.folder_check import ModelFolderRefused
+from finetuning.base_models.intake import CatalogPlace, NewBaseModel, add_base_model
 
 
 class Command(BaseCommand):

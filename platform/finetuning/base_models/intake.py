@@ -1,6 +1,6 @@
 """Add a base model to the catalog from a Hugging Face folder or a GGUF file (``manage.py add_base_model``).
 
-Everything is checked before anything is written (``core.model_folder_check``); then the weights are
+Everything is checked before anything is written (``finetuning.base_models.folder_check``); then the weights are
 copied (or linked) to DATA_DIR/models/<id>, and the catalog gets one more entry, written atomically with
 its comments kept. The new entry takes its serving settings (adapters, engine, autoscaling) from the
 catalog's first model, the shipped one, whose numbers were measured on the machines this runs on; the
@@ -22,8 +22,8 @@ from core.chat_tokens import CHAT_TEMPLATE_FILE
 from core.catalog_file import replace_catalog, with_model_appended
 from core.compute_dtype import ComputeDtype, asked, compute_dtype
 from core.memory_plan import ReplicaMemory, replica_memory
-from core.model_folder_check import CheckedFolder, ModelFolderRefused, check_model_folder
 from core.model_names import is_valid_base_model_id
+from finetuning.base_models.folder_check import CheckedFolder, ModelFolderRefused, check_model_folder
 
 MODELS_FOLDER = "models"  # under DATA_DIR, as the shipped entry's weights are
 GGUF_SUFFIX = ".gguf"

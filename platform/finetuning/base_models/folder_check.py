@@ -20,10 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from core import tool_call_form
 from core.adapter_check import ATTENTION, MLP
 from core.chat_tokens import CHAT_TEMPLATE_FILE, load_tokenizer, tokenize_example
 from core.datasets import ExampleError
+from finetuning.base_models import tool_call_form
 
 if TYPE_CHECKING:  # importing transformers costs seconds: only the type checker reads it here
     from transformers import PreTrainedTokenizerBase
@@ -172,9 +172,13 @@ def _served_by_vllm(architecture: str) -> str | None:
 
     if architecture not in ModelRegistry.get_supported_archs():
         return "not one the installed vLLM serves (vllm.model_executor.models.ModelRegistry.get_supported_archs())"
-    # Importing the class is not starting an engine; the registry's only public way to it needs a full
-    # ModelConfig (which reads the weights' metadata and the platform), so its loader is asked directly.
-    model_class = ModelRegistry._try_load_model_cls(architecture)
+    # Importing the class is not starting an engine, but the registry's public way to it needs a whole
+    # ModelConfig (which reads the weights' metadata and the platform): its private loader is asked, where
+    # it is what the pinned vLLM has; another vLLM gets a refusal that says so, not a traceback.
+    load = getattr(ModelRegistry, "_try_load_model_cls", None)
+    if not callable(load):
+        return "cannot be checked: this vLLM's ModelRegistry has no _try_load_model_cls (pinned: constraints.txt)"
+    model_class = load(architecture)
     if model_class is None:
         return "vLLM lists it but cannot import its implementation"
     if not is_text_generation_model(model_class):

@@ -43,6 +43,7 @@ from core.http_client import (
 from core.openai_protocol import RoutedFields, adapter_scales, routed_fields, with_fields
 from inference.adapter_mix import Mix
 from inference.adapters import AdapterManager, ReplicaUnavailable
+from inference.background_turns import BACKGROUND_POLL_S
 from inference.metrics import CountedRequest, Metrics
 from inference.pool import Pool
 from inference.replica import Replica
@@ -50,7 +51,6 @@ from inference.router import choose_replica
 from inference.served_model import served_model
 
 MAX_ATTEMPTS = 3
-BACKGROUND_POLL_S = 0.05  # how often background work waiting for its turn looks again
 _JSON = "application/json"
 _SSE = "text/event-stream"
 # vLLM's own status codes that mean "this replica does not have the adapter" (it restarted, or an

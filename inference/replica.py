@@ -19,6 +19,7 @@ from core.catalog import BaseModel
 from core.memory_plan import fit_refusal
 from core.config import LORA_KERNELS_SETTING, REPO_ROOT
 from inference.adapter_slots import AdapterSlots, FairUse
+from inference.background_turns import background_may_start
 from inference.engine_contract import REPORT_PATH, SERVER_MODULE, computes_mixes
 from inference.internal_auth import REPLICA_TOKEN_VARIABLE
 
@@ -31,11 +32,6 @@ _PROBE_TIMEOUT_S = 3.0
 _PROBE_FAILURES_TO_DOWN = 2
 _STOP_GRACE_S = 10.0
 _REFUSED_START_RETRY_S = 10.0  # a start refused for want of memory: memory may have been freed since
-# Background work (a batch's lines) yields to live requests: while live ones are in flight on a replica,
-# or were this recently (the gap between one client's requests), only this many background requests run
-# there at once, so a live request shares each decode step with few of them; otherwise as many as come.
-BACKGROUND_BESIDE_LIVE = 1
-LIVE_QUIET_S = 2.0
 
 
 def batch_slots(model: BaseModel) -> int:
@@ -171,7 +167,7 @@ class Replica:
     failed_probes: int = 0
     inflight: int = 0
     inflight_by_model: Counter = field(default_factory=Counter)
-    background_inflight: int = 0  # of ``inflight``: background work's (``BACKGROUND_BESIDE_LIVE``)
+    background_inflight: int = 0  # of ``inflight``: background work's (``inference.background_turns``)
     live_seen_at: float = float("-inf")  # when a live request last began or ended here (time.monotonic())
     adapters: AdapterSlots = field(init=False)
     # What the replica said about its LoRA kernels when it became ready (the fields of
@@ -205,9 +201,8 @@ class Replica:
         return computes_mixes(self.lora_kernels)
 
     def background_may_start(self, now: float) -> bool:
-        """Whether a background request may start now (``BACKGROUND_BESIDE_LIVE``)."""
-        live_near = self.inflight > self.background_inflight or now - self.live_seen_at < LIVE_QUIET_S
-        return not live_near or self.background_inflight < BACKGROUND_BESIDE_LIVE
+        """Whether a background request may start now (``inference.background_turns``)."""
+        return background_may_start(self.inflight, self.background_inflight, self.live_seen_at, now)
 
     def begin(self, model: str, background: bool = False) -> None:
         self.inflight += 1

@@ -38,7 +38,7 @@ from core.catalog import BaseModel, Catalog
 from core.config import load_config
 from core.internal_token import presents
 from core.model_names import pinned_name
-from core.openai_protocol import routed_fields, with_fields
+from core.openai_protocol import BACKGROUND_HEADER, routed_fields, with_fields
 from inference.adapter_source import AdapterSource
 from inference.metrics import CONTENT_TYPE, CountedRequest, Metrics
 from inference.pool import COLD_START_RETRY_AFTER_S
@@ -75,7 +75,8 @@ class Ingress:
         path = request.url.path
         try:
             if path in _COMPLETIONS and request.method == "POST":
-                return await self._complete(await request.body(), _COMPLETIONS[path])
+                background = BACKGROUND_HEADER in request.headers  # yields to live requests on its replica
+                return await self._complete(await request.body(), _COMPLETIONS[path], background)
             if path == "/v1/adapters/preload" and request.method == "POST":
                 return await self._preload(await request.body())
             if path == "/health":
@@ -95,7 +96,7 @@ class Ingress:
         pinned = pinned_name(model, found.version)
         return pinned, routing_id(pinned, found.identity)
 
-    async def _complete(self, body: bytes, endpoint: str) -> Response:
+    async def _complete(self, body: bytes, endpoint: str, background: bool = False) -> Response:
         started = time.perf_counter()
         fields = routed_fields(body)
         base, fine_tuned = served_model(self.catalog, fields.model)
@@ -107,15 +108,15 @@ class Ingress:
             body = body if adapter == fields.model else with_fields(body, model=adapter)
         request = CountedRequest(self.metrics.ingress, fields.model if fine_tuned else base.id, endpoint, started)
         try:
-            return await self._answer(base, routed_as, body, fields.stream, request)
+            return await self._answer(base, routed_as, body, fields.stream, request, background)
         except api_errors.ApiError as exc:
             request.finished(exc.status)
             raise
 
     async def _answer(
-        self, base: BaseModel, routed_as: str, body: bytes, stream: bool, request: CountedRequest
+        self, base: BaseModel, routed_as: str, body: bytes, stream: bool, request: CountedRequest, background: bool
     ) -> Response:
-        answer = await self._taken(base, routed_as, request.endpoint, body)
+        answer = await self._taken(base, routed_as, request.endpoint, body, background)
         try:
             head: Head = await answer.__anext__()
             if stream and head.status < 400:
@@ -133,13 +134,13 @@ class Ingress:
         request.finished(head.status, whole=True)
         return Response(raw, status_code=head.status, media_type=head.content_type)
 
-    async def _taken(self, base: BaseModel, routed_as: str, endpoint: str, body: bytes) -> Any:
+    async def _taken(self, base: BaseModel, routed_as: str, endpoint: str, body: bytes, background: bool) -> Any:
         """The request's answer stream, once a replica has taken the request. It waits while none
         can (scaled to zero, or all full), up to the model's ``cold_start_wait_s``; a replica that
         dies before it takes the request (a node lost) is replaced by another."""
         handle = self.replicas[base.id].options(stream=True, multiplexed_model_id=routed_as)
         for _ in range(_ATTEMPTS):
-            answer = handle.answer.remote(endpoint, body)
+            answer = handle.answer.remote(endpoint, body, background)
             try:
                 item = await asyncio.wait_for(answer.__anext__(), base.autoscaling.cold_start_wait_s)
             except TimeoutError:

@@ -40,6 +40,7 @@ from core.config import load_config
 from core.http_client import HttpClient, UpstreamError
 from core.internal_token import bearer
 from inference.adapter_source import AdapterSource
+from inference.background_turns import BackgroundTurns
 from inference.metrics import Metrics
 from inference.ray_serve.app_metrics import ReplicaReport
 from inference.ray_serve.replica_adapters import ReplicaAdapters, ServedAdapter, served_name
@@ -78,7 +79,8 @@ class VllmReplica:
             tempfile.mkdtemp(prefix="adapter-cache-", dir=config.data_dir if config.data_dir.is_dir() else None)
         )
         store = store_of(model, config.s3)
-        self.metrics = Metrics()  # adapter loads, evictions and downloads: the requests are the ingress's to count
+        self.metrics = Metrics()  # adapter loads, evictions, downloads, background waits: requests are the ingress's
+        self.turns = BackgroundTurns(self.metrics.background_waits.labels(model.id).inc)  # reported as the pool's
         source = AdapterSource(store, self.cache, self.metrics, model.id)
         capacity = model.lora.max_num_adapters_per_replica
         self.adapters = ReplicaAdapters(source, self.admin, self.url, model.lora.max_lora_rank, capacity)
@@ -112,7 +114,9 @@ class VllmReplica:
         if response.status_code != 200:
             raise RuntimeError(f"the vLLM server's health check answered {response.status_code}")
 
-    async def answer(self, endpoint: str, body: bytes) -> AsyncIterator[object]:
+    async def answer(self, endpoint: str, body: bytes, background: bool = False) -> AsyncIterator[object]:
+        """``background``: work nobody reads token by token, which yields to live requests here
+        (``inference.background_turns``), as on the embedded pool's replicas."""
         yield STARTED
         routed_as = _multiplexed_model_id()
         name = served_name(routed_as)
@@ -125,13 +129,14 @@ class VllmReplica:
             yield exc.json_bytes()
             return
         try:
-            upstream = await self.http.post(f"{self.url}/v1/{endpoint}", body)
-            try:
-                yield Head(upstream.status, upstream.headers.get("content-type", "application/json"))
-                async for chunk in upstream.iter_body():
-                    yield chunk
-            finally:
-                upstream.close()  # a caller that went away: the server sees the drop and stops generating
+            async with self.turns.turn(background):
+                upstream = await self.http.post(f"{self.url}/v1/{endpoint}", body)
+                try:
+                    yield Head(upstream.status, upstream.headers.get("content-type", "application/json"))
+                    async for chunk in upstream.iter_body():
+                        yield chunk
+                finally:
+                    upstream.close()  # a caller that went away: the server sees the drop and stops generating
         except UpstreamError as exc:
             failure = api_errors.replica_lost(str(exc))
             yield Head(failure.status, "application/json")

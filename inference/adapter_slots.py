@@ -29,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +38,7 @@ from core.catalog import LoraConfig
 from inference.adapter_mix import is_mix_name
 
 UNLOAD_GRACE_S = 1.0  # after an adapter's last request: time for the engine to drop it from its batch
+TURN_POLL_S = 0.05  # how often a request waiting for its batch turn looks again
 
 
 @dataclass(frozen=True)
@@ -229,6 +230,30 @@ class AdapterSlots:
                 return False
         self.owner.setdefault(name, organization)
         return True
+
+    async def wait_for_turn(
+        self, organization: str | None, may_start: Callable[[], bool], wait_s: float, refusal: Callable[[], Exception]
+    ) -> None:
+        """Return once ``may_start()`` (at once when it already may), counting the organization among
+        those waiting for a batch turn meanwhile (``batch_turn`` gives way to them); raise ``refusal()``
+        after ``wait_s``. The caller starts its request before it yields, so the next one counts it."""
+        if may_start():
+            return
+        deadline = time.monotonic() + wait_s
+        if organization is not None:
+            self.turn_waiting[organization] += 1
+        try:
+            while True:
+                await asyncio.sleep(TURN_POLL_S)
+                if may_start():
+                    return
+                if time.monotonic() >= deadline:
+                    raise refusal()
+        finally:
+            if organization is not None:
+                self.turn_waiting[organization] -= 1
+                if self.turn_waiting[organization] <= 0:
+                    del self.turn_waiting[organization]
 
     def _built_mix(self, name: str) -> bool:
         return is_mix_name(name) and name not in self.weightless

@@ -214,24 +214,12 @@ class AdapterManager:
                 organization is None or slots.batch_turn(name, organization, replica.inflight_by_model)
             )
 
-        if may_start():
-            return
-        deadline = time.monotonic() + BATCH_TURN_WAIT_S
-        if organization is not None:
-            slots.turn_waiting[organization] += 1
-        try:
-            while True:
-                await asyncio.sleep(_POLL_S)
-                if may_start():
-                    return
-                if time.monotonic() >= deadline:
-                    limit = slots.fair_use.batch_share or batch_slots(replica.model)
-                    raise api_errors.adapter_slots_busy(replica.model.id, "batch", limit)
-        finally:
-            if organization is not None:
-                slots.turn_waiting[organization] -= 1
-                if slots.turn_waiting[organization] <= 0:
-                    del slots.turn_waiting[organization]
+        def refusal() -> Exception:
+            return api_errors.adapter_slots_busy(
+                replica.model.id, "batch", slots.fair_use.batch_share or batch_slots(replica.model)
+            )
+
+        await slots.wait_for_turn(organization, may_start, BATCH_TURN_WAIT_S, refusal)
 
     def _fits_batch_slots(self, replica: Replica, needs: tuple[str, ...]) -> bool:
         """Whether the engine's batch slots can hold the adapters under way and ``needs``. vLLM

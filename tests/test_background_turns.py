@@ -1,22 +1,27 @@
-"""Background work (a batch's lines, an evaluation's answers) yields to live requests, on the embedded
-pool and on a Ray Serve replica alike: beside live requests a replica runs one background request at a
-time, alone as many as come. Against a vLLM stand-in that holds each answer until the test lets it go,
-so what runs at once is seen. On Ray, the replica's own answer path (``VllmReplica.answer``, which the
-ingress calls with the request's background mark) is driven without Ray or an engine.
+"""Whose turn it is on a replica. Background work (a batch's lines, an evaluation's answers) yields to
+live requests, on the embedded pool and on a Ray Serve replica alike: beside live requests a replica runs
+one background request at a time, alone as many as come. On Ray, an organization over its share of the
+batch slots waits for its own requests while another's are answered (the pool's case:
+tests/test_adapter_fair_use.py). Against a vLLM stand-in that holds each answer until the test lets it
+go, so what runs at once is seen; on Ray, the replica's own answer path (``VllmReplica.answer``, which
+the ingress calls with the gateway's marks) is driven without Ray or an engine.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import httpx
 import pytest
 
 from core.openai_protocol import BACKGROUND_HEADER
 from inference import background_turns
+from inference.adapter_slots import AdapterSlots, FairUse
 from inference.background_turns import BackgroundTurns
 from inference.metrics import Metrics
 from inference.server import create_app
@@ -94,23 +99,43 @@ def _waits(metrics: Metrics) -> float:
     return metrics.registry.get_sample_value("fineserve_background_waits_total", {"base_model": BASE}) or 0.0
 
 
+ROUTED = contextvars.ContextVar("routed", default="")  # the multiplexed model id Ray routed a request by
+
+
+class RayReplicaStandIn:
+    """A Ray Serve replica's own answer path (``VllmReplica.answer``: its turns, then the request to
+    vLLM), with no Ray and no engine: the adapter "loaded" at once, vLLM the test's held answers."""
+
+    def __init__(self, held: HeldAnswers, monkeypatch, fair_use: FairUse | None = None) -> None:
+        from inference.ray_serve import replica as ray_replica
+
+        monkeypatch.setattr(ray_replica, "_multiplexed_model_id", ROUTED.get)
+        self.module, self.metrics = ray_replica, Metrics()
+        self.replica = object.__new__(ray_replica.VllmReplica)  # no vLLM server started
+        self.replica.url, self.replica.http, self.replica.model = "http://replica", held, SimpleNamespace(id=BASE)
+        self.replica.turns = BackgroundTurns(self.metrics.background_waits.labels(BASE).inc)  # as VllmReplica makes it
+        self.replica.adapters = SimpleNamespace(slots=AdapterSlots(8, fair_use))
+        self.replica.adapter = self._loaded
+
+    async def _loaded(self, routed_as: str) -> None:
+        pass
+
+    def ask(self, prompt: str, background: bool = False, adapter: str = "", organization: str | None = None) -> asyncio.Task:
+        """The answer's status code, for a request Ray routed by ``adapter`` ("": the base model)."""
+
+        async def status() -> int:
+            ROUTED.set(f"{BASE}:{adapter}@r1#publish" if adapter else "")
+            body = json.dumps(_body(prompt)).encode()
+            items = [item async for item in self.replica.answer("chat/completions", body, background, organization)]
+            return items[1].status  # STARTED, then the Head
+
+        return asyncio.create_task(status())
+
+
 def _ray_replica(held: HeldAnswers, monkeypatch) -> Backend:
-    from inference.ray_serve import replica as ray_replica
-
-    monkeypatch.setattr(ray_replica, "_multiplexed_model_id", lambda: "")  # the base model's requests
-    replica = object.__new__(ray_replica.VllmReplica)  # its answer path only: no vLLM server started
-    metrics = Metrics()
-    replica.url, replica.http = "http://replica", held
-    replica.turns = BackgroundTurns(metrics.background_waits.labels(BASE).inc)  # as VllmReplica makes it
-
-    async def status(prompt: str, background: bool) -> int:
-        items = [item async for item in replica.answer("chat/completions", json.dumps(_body(prompt)).encode(), background)]
-        return items[1].status  # STARTED, then the Head
-
-    return Backend(
-        held, lambda prompt, background: asyncio.create_task(status(prompt, background)),
-        lambda: (replica.turns.inflight, replica.turns.background_inflight), lambda: _waits(metrics),
-    )
+    ray = RayReplicaStandIn(held, monkeypatch)
+    turns = ray.replica.turns
+    return Backend(held, ray.ask, lambda: (turns.inflight, turns.background_inflight), lambda: _waits(ray.metrics))
 
 
 @pytest.fixture(params=["pool", "ray"])
@@ -156,3 +181,39 @@ async def test_beside_live_requests_background_work_runs_one_at_a_time_and_live_
     assert [await request for request in live + lines] == [200] * 5
     assert backend.in_flight() == (0, 0)
     assert backend.waits() == 2  # for operators: how often batches gave way
+
+
+@pytest.mark.anyio
+async def test_on_a_ray_replica_an_organization_over_its_batch_share_waits_while_another_is_answered(monkeypatch):
+    """The pool's own case is tests/test_adapter_fair_use.py's; here a Ray Serve replica's batch turns."""
+    held = HeldAnswers()
+    ray = RayReplicaStandIn(held, monkeypatch, FairUse(share=4, mixes=8, batch_share=1))
+    other = ray.ask("theirs", adapter="b0", organization="b")  # another organization's request under way
+    first = ray.ask("ours-1", adapter="a1", organization="a")
+    await held.running_soon("theirs", "ours-1")
+    second = ray.ask("ours-2", adapter="a2", organization="a")  # a second adapter of a's: over its share of 1
+    again = ray.ask("ours-1 again", adapter="a1", organization="a")  # the adapter it has under way: not held back
+    await held.running_soon("ours-1 again")
+    await asyncio.sleep(0.2)
+    assert "ours-2" not in held.running
+    held.release("ours-1", "ours-1 again")  # its own requests end: its other adapter's turn
+    await held.running_soon("ours-2")
+    held.release("theirs", "ours-2")
+    assert [await task for task in (other, first, second, again)] == [200] * 4
+
+    monkeypatch.setattr(ray.module, "BATCH_TURN_WAIT_S", 0.2)
+    other, first = ray.ask("theirs-2", adapter="b0", organization="b"), ray.ask("ours-3", adapter="a1", organization="a")
+    await held.running_soon("theirs-2", "ours-3")
+    assert await asyncio.wait_for(ray.ask("ours-4", adapter="a2", organization="a"), 5) == 429  # adapter_slots_busy
+    held.release("theirs-2", "ours-3")
+    assert [await other, await first] == [200, 200]
+
+
+@pytest.mark.anyio
+async def test_on_a_ray_replica_an_organization_alone_uses_every_batch_slot(monkeypatch):
+    held = HeldAnswers()
+    ray = RayReplicaStandIn(held, monkeypatch, FairUse(share=4, mixes=8, batch_share=1))
+    asked = [ray.ask(f"ours-{n}", adapter=f"a{n}", organization="a") for n in range(3)]
+    await held.running_soon("ours-0", "ours-1", "ours-2")  # nobody else waits: all three at once
+    held.release("ours-0", "ours-1", "ours-2")
+    assert [await task for task in asked] == [200] * 3

@@ -24,6 +24,7 @@ import asyncio
 import re
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +39,7 @@ from core.catalog import BaseModel, Catalog
 from core.config import load_config
 from core.internal_token import presents
 from core.model_names import pinned_name
-from core.openai_protocol import BACKGROUND_HEADER, routed_fields, with_fields
+from core.openai_protocol import BACKGROUND_HEADER, ORGANIZATION_HEADER, routed_fields, with_fields
 from inference.adapter_source import AdapterSource
 from inference.metrics import CONTENT_TYPE, CountedRequest, Metrics
 from inference.pool import COLD_START_RETRY_AFTER_S
@@ -50,6 +51,14 @@ from inference.served_model import served_model
 _ATTEMPTS = 3  # replicas a request may be offered to when the first ones die before taking it
 _REPORT_TIMEOUT_S = 1.0  # for the replicas' metrics: the platform gives a scrape 2 s
 _COMPLETIONS = {"/v1/chat/completions": "chat/completions", "/v1/completions": "completions"}
+
+
+@dataclass(frozen=True)
+class Turn:
+    """What decides when a request starts on its replica, from the gateway's marks."""
+
+    background: bool  # nobody reads it token by token: it yields to live requests
+    organization: str | None  # whose it is, for its share of the batch slots (None: not held back)
 
 
 def deployment_name(model_id: str) -> str:
@@ -75,8 +84,10 @@ class Ingress:
         path = request.url.path
         try:
             if path in _COMPLETIONS and request.method == "POST":
-                background = BACKGROUND_HEADER in request.headers  # yields to live requests on its replica
-                return await self._complete(await request.body(), _COMPLETIONS[path], background)
+                # Background work yields to live requests, and an organization has its share of a
+                # replica's batch slots, on the replica (the gateway marks both, as for the pool).
+                turn = Turn(BACKGROUND_HEADER in request.headers, request.headers.get(ORGANIZATION_HEADER))
+                return await self._complete(await request.body(), _COMPLETIONS[path], turn)
             if path == "/v1/adapters/preload" and request.method == "POST":
                 return await self._preload(await request.body())
             if path == "/health":
@@ -96,7 +107,7 @@ class Ingress:
         pinned = pinned_name(model, found.version)
         return pinned, routing_id(pinned, found.identity)
 
-    async def _complete(self, body: bytes, endpoint: str, background: bool = False) -> Response:
+    async def _complete(self, body: bytes, endpoint: str, turn: Turn) -> Response:
         started = time.perf_counter()
         fields = routed_fields(body)
         base, fine_tuned = served_model(self.catalog, fields.model)
@@ -108,15 +119,15 @@ class Ingress:
             body = body if adapter == fields.model else with_fields(body, model=adapter)
         request = CountedRequest(self.metrics.ingress, fields.model if fine_tuned else base.id, endpoint, started)
         try:
-            return await self._answer(base, routed_as, body, fields.stream, request, background)
+            return await self._answer(base, routed_as, body, fields.stream, request, turn)
         except api_errors.ApiError as exc:
             request.finished(exc.status)
             raise
 
     async def _answer(
-        self, base: BaseModel, routed_as: str, body: bytes, stream: bool, request: CountedRequest, background: bool
+        self, base: BaseModel, routed_as: str, body: bytes, stream: bool, request: CountedRequest, turn: Turn
     ) -> Response:
-        answer = await self._taken(base, routed_as, request.endpoint, body, background)
+        answer = await self._taken(base, routed_as, request.endpoint, body, turn)
         try:
             head: Head = await answer.__anext__()
             if stream and head.status < 400:
@@ -134,13 +145,13 @@ class Ingress:
         request.finished(head.status, whole=True)
         return Response(raw, status_code=head.status, media_type=head.content_type)
 
-    async def _taken(self, base: BaseModel, routed_as: str, endpoint: str, body: bytes, background: bool) -> Any:
+    async def _taken(self, base: BaseModel, routed_as: str, endpoint: str, body: bytes, turn: Turn) -> Any:
         """The request's answer stream, once a replica has taken the request. It waits while none
         can (scaled to zero, or all full), up to the model's ``cold_start_wait_s``; a replica that
         dies before it takes the request (a node lost) is replaced by another."""
         handle = self.replicas[base.id].options(stream=True, multiplexed_model_id=routed_as)
         for _ in range(_ATTEMPTS):
-            answer = handle.answer.remote(endpoint, body, background)
+            answer = handle.answer.remote(endpoint, body, turn.background, turn.organization)
             try:
                 item = await asyncio.wait_for(answer.__anext__(), base.autoscaling.cold_start_wait_s)
             except TimeoutError:

@@ -39,12 +39,14 @@ from core.catalog import BaseModel
 from core.config import load_config
 from core.http_client import HttpClient, UpstreamError
 from core.internal_token import bearer
+from inference.adapter_slots import FairUse
 from inference.adapter_source import AdapterSource
+from inference.adapters import BATCH_TURN_WAIT_S
 from inference.background_turns import BackgroundTurns
 from inference.metrics import Metrics
 from inference.ray_serve.app_metrics import ReplicaReport
 from inference.ray_serve.replica_adapters import ReplicaAdapters, ServedAdapter, served_name
-from inference.replica import start_vllm_server, stop_vllm_server, vllm_environment
+from inference.replica import batch_slots, start_vllm_server, stop_vllm_server, vllm_environment
 
 log = logging.getLogger("inference.ray_serve.replica")
 
@@ -83,7 +85,8 @@ class VllmReplica:
         self.turns = BackgroundTurns(self.metrics.background_waits.labels(model.id).inc)  # reported as the pool's
         source = AdapterSource(store, self.cache, self.metrics, model.id)
         capacity = model.lora.max_num_adapters_per_replica
-        self.adapters = ReplicaAdapters(source, self.admin, self.url, model.lora.max_lora_rank, capacity)
+        fair_use = FairUse.of(model.lora, batch_slots(model))
+        self.adapters = ReplicaAdapters(source, self.admin, self.url, model.lora.max_lora_rank, capacity, fair_use)
         self._wait_until_ready()
         from ray import serve
 
@@ -114,15 +117,19 @@ class VllmReplica:
         if response.status_code != 200:
             raise RuntimeError(f"the vLLM server's health check answered {response.status_code}")
 
-    async def answer(self, endpoint: str, body: bytes, background: bool = False) -> AsyncIterator[object]:
+    async def answer(
+        self, endpoint: str, body: bytes, background: bool = False, organization: str | None = None
+    ) -> AsyncIterator[object]:
         """``background``: work nobody reads token by token, which yields to live requests here
-        (``inference.background_turns``), as on the embedded pool's replicas."""
+        (``inference.background_turns``); ``organization``: whose request it is, for its share of
+        vLLM's batch slots (``AdapterSlots.batch_turn``). Both as on the embedded pool's replicas."""
         yield STARTED
         routed_as = _multiplexed_model_id()
         name = served_name(routed_as)
         try:
             if routed_as:
                 await self.adapter(routed_as)
+                await self._batch_turn(name, organization)
                 self.adapters.slots.started(name)  # from here on it must not be unloaded
         except api_errors.ApiError as exc:
             yield Head(exc.status, "application/json")
@@ -144,6 +151,19 @@ class VllmReplica:
         finally:
             if routed_as:
                 self.adapters.slots.finished(name)
+
+    async def _batch_turn(self, name: str, organization: str | None) -> None:
+        """Return when the organization's request for adapter ``name`` may start here: at once, or once
+        some of its own requests with other adapters have finished while another organization's
+        are under way or waiting; refused after ``BATCH_TURN_WAIT_S`` (429 ``adapter_slots_busy``)."""
+        slots = self.adapters.slots
+        limit = slots.fair_use.batch_share or batch_slots(self.model)
+        await slots.wait_for_turn(
+            organization,
+            lambda: organization is None or slots.batch_turn(name, organization, slots.running),
+            BATCH_TURN_WAIT_S,
+            lambda: api_errors.adapter_slots_busy(self.model.id, "batch", limit),
+        )
 
     async def preload(self) -> str:
         """Load the request's adapter here (the replica Ray routes its name to); its name."""

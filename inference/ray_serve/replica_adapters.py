@@ -28,7 +28,7 @@ import httpx
 
 from core import api_errors
 from core.adapter_store import identity_of_folder
-from inference.adapter_slots import AdapterSlots, HeldAdapter
+from inference.adapter_slots import AdapterSlots, FairUse, HeldAdapter
 from inference.adapter_source import AdapterSource
 from inference.adapters import NOT_THE_ADAPTERS_FAULT, RECHECK_HELD_S, _until_idle, _vllm_message
 from inference.periodic import every
@@ -66,10 +66,16 @@ class ServedAdapter:
 class ReplicaAdapters:
     """Loads, unloads and retires one replica's adapters through its vLLM server's admin routes."""
 
-    def __init__(self, source: AdapterSource, admin: httpx.AsyncClient, url: str, max_rank: int, capacity: int):
+    def __init__(
+        self, source: AdapterSource, admin: httpx.AsyncClient, url: str, max_rank: int, capacity: int,
+        fair_use: FairUse | None = None,
+    ):
+        """``fair_use``: the organizations' shares of vLLM's batch slots (``AdapterSlots.batch_turn``;
+        which adapter Ray evicts is Ray's least recently used)."""
         self.source, self.admin, self.url, self.max_rank = source, admin, url, max_rank
         self.metrics, self.base_model_id = source.metrics, source.base_model_id
-        self.slots = AdapterSlots(capacity)  # held (by served name), requests running, a lock per name
+        # Held (by served name), requests running, a lock per name, whose batch turn it is.
+        self.slots = AdapterSlots(capacity, fair_use)
         # Ray's cache entries per publish held: an id Ray still had from before a deletion (its
         # ingress's answer is a second old) may stand for the publish a newer id loaded.
         self._entries: Counter[tuple[str, str]] = Counter()

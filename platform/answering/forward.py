@@ -59,10 +59,10 @@ async def forward(
 ) -> PoolAnswer:
     """The backend's answer to ``body`` (``request`` is its parsed form), counted for ``caller``.
     ``prompt_estimate``: the prompt tokens a stream left before its end counts (the gateway's estimate);
-    ``background``: work nobody waits on token by token, which yields to live requests in the pool."""
+    ``background``: work nobody waits on token by token, which yields to live requests on its replica."""
     stream = request.routed.stream
     body = forwarded_body(body, request.data, cache_salt(caller.organization_id), stream)
-    headers = {ORGANIZATION_HEADER: str(caller.organization_id)}  # for fair use of the pool's adapter slots
+    headers = {ORGANIZATION_HEADER: str(caller.organization_id)}  # for fair use of a replica's adapter slots
     if background:
         headers[BACKGROUND_HEADER] = "1"
     try:

@@ -138,7 +138,7 @@ class _VllmAnswerOnRay:
     def answer(self):
         return self
 
-    def remote(self, endpoint: str, body: bytes):
+    def remote(self, endpoint: str, body: bytes, background: bool, organization: str | None):
         from inference.ray_serve.replica import STARTED, Head
 
         return _Answer([STARTED, Head(self.status, "application/json"), self.body])
@@ -165,7 +165,7 @@ class _Answer:
 @pytest.mark.anyio
 async def test_a_vllm_refusal_relayed_by_ray_serve_is_scrubbed_as_the_pools_are(tmp_path):
     from core.api_errors import ApiError
-    from inference.ray_serve.ingress import Ingress
+    from inference.ray_serve.ingress import Ingress, Turn
     from tests.fake_pool import _base_model
 
     said = {
@@ -178,7 +178,7 @@ async def test_a_vllm_refusal_relayed_by_ray_serve_is_scrubbed_as_the_pools_are(
     model = dataclasses.replace(model, autoscaling=dataclasses.replace(model.autoscaling, cold_start_wait_s=5))
     ingress = Ingress({BASE: answer}, (model,), "app")
     with pytest.raises(ApiError) as refused:  # the ingress answers it as any of its refusals
-        await ingress._complete(json.dumps({"model": BASE, "messages": []}).encode(), "chat/completions")
+        await ingress._complete(json.dumps({"model": BASE, "messages": []}).encode(), "chat/completions", Turn(False, "org"))
     error = refused.value
     assert error.status == 400 and error.param == "top_k" and "top_k must be -1 or at least 1, got 0" in error.message
     assert not INTERNAL.search(error.message), error.message

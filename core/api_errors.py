@@ -430,11 +430,13 @@ def pool_unreachable(detail: str) -> ApiError:
     )
 
 
-def mix_not_supported(model_id: str) -> ApiError:
+def mix_not_supported(model_id: str, reason: str) -> ApiError:
+    # A Ray replica mixes in its LoRA kernel only; one whose kernels fell back cannot.
     return ApiError(
-        f"`{model_id}` is served on Ray Serve, which does not mix adapters per request: name one fine-tuned "
-        "model in `model`, or compose the mix into a model of its own (POST /v1/fine_tuning/models).",
-        param="adapters", code="mix_not_supported",
+        f"This replica of `{model_id}` cannot mix adapters per request ({reason or 'its LoRA kernels are off'}): "
+        "name one fine-tuned model in `model`, or compose the mix into a model of its own "
+        "(POST /v1/fine_tuning/models).",
+        status=503, type=UNAVAILABLE, param="adapters", code="mix_not_supported",
     )
 
 

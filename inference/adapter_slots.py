@@ -78,6 +78,18 @@ class OwnAdaptersBusy(Exception):
 Victim = tuple[str, str]  # an adapter to unload, and why: "lru" (room), "organization_mixes" (its cap)
 
 
+def fits_batch_slots(needs: tuple[str, ...], under_way: Iterable[tuple[str, ...]], slots: int) -> bool:
+    """Whether vLLM's ``slots`` batch slots hold the adapters a request ``needs`` beside those of the
+    requests under way (each one's: a kernel mix's parts, else its adapter). vLLM counts each
+    request's own adapter against ``max_loras`` and keeps them within it itself; a kernel mix of
+    several parts needs all their slots, which vLLM cannot count: while one runs or asks, they are
+    counted here."""
+    under_way = list(under_way)
+    if len(needs) == 1 and all(len(adapters) == 1 for adapters in under_way):
+        return True
+    return len({*needs, *(adapter for adapters in under_way for adapter in adapters)}) <= slots
+
+
 class AdapterSlots:
     """Which adapters one replica holds, least recently used first. Bookkeeping only: no I/O."""
 

@@ -50,10 +50,9 @@ from core import api_errors
 from core.catalog import BaseModel
 from core.model_names import pinned_name
 from inference import adapter_slots
-from inference.adapter_mix import MIXES_FOLDER, Mix, MixPart
-from inference.adapter_slots import AdapterSlots, HeldAdapter, OwnAdaptersBusy, Victim
+from inference.adapter_mix import Mix, manifest_folder, mix_folder, published_mix
+from inference.adapter_slots import AdapterSlots, HeldAdapter, OwnAdaptersBusy, Victim, fits_batch_slots
 from inference.adapter_source import AdapterSource
-from inference.engine_contract import write_manifest
 from core.lora_algebra import CannotMix, Part, rank_of, write_combined
 from inference.metrics import Metrics
 from inference.periodic import every
@@ -222,17 +221,10 @@ class AdapterManager:
         await slots.wait_for_turn(organization, may_start, BATCH_TURN_WAIT_S, refusal)
 
     def _fits_batch_slots(self, replica: Replica, needs: tuple[str, ...]) -> bool:
-        """Whether the engine's batch slots can hold the adapters under way and ``needs``. vLLM
-        counts a request's own adapter against ``max_loras``; a kernel mix needs its parts' slots
-        instead, which vLLM cannot count: while one runs or asks, the pool counts them here."""
         if not replica.mixes_in_kernel:
-            return True
-        under_way = [model for model in replica.inflight_by_model if model != replica.model.id]
-        if len(needs) == 1 and not any(model in self.mixes for model in under_way):
-            return True  # plain adapters only: vLLM's scheduler keeps them within its slots
-        return len({*needs, *(part for model in under_way for part in self.slots_of(model))}) <= batch_slots(
-            replica.model
-        )
+            return True  # built mixes are adapters of their own: vLLM counts them
+        under_way = [self.slots_of(model) for model in replica.inflight_by_model if model != replica.model.id]
+        return fits_batch_slots(needs, under_way, batch_slots(replica.model))
 
     def slots_of(self, name: str) -> tuple[str, ...]:
         """The adapters a request for ``name`` needs in vLLM's slots on a replica whose kernel computes
@@ -242,14 +234,7 @@ class AdapterManager:
 
     async def mix(self, base_id: str, scales: dict[str, float]) -> Mix:
         """The mix of these adapters (name -> scale, none 0) at their published versions."""
-        source = self.sources[base_id]
-        parts = []
-        for name, scale in scales.items():
-            found = await source.version(name)
-            if found is None:
-                raise api_errors.adapter_not_found(name, param="adapters")
-            parts.append(MixPart(name, found.identity, scale, pinned_name(name, found.version)))
-        return Mix(base_id, tuple(parts))
+        return await published_mix(self.sources[base_id], base_id, scales)
 
     async def ensure_mix(
         self,
@@ -281,18 +266,13 @@ class AdapterManager:
             try:
                 if replica.mixes_in_kernel:
                     slots.weightless.add(name)
-                    folder = self._manifest_folder(mix)
+                    folder = manifest_folder(self.sources[mix.base_id].cache_dir, mix)
                 else:
                     folder = await self._combined_folder(replica.model, mix)
                 await self._install(replica, name, mix.digest, folder)
             finally:
                 slots.stop_loading(name)
                 self._drop_unused_mix(name)  # a failed load leaves nothing behind
-
-    def _manifest_folder(self, mix: Mix) -> Path:
-        folder = self._mix_folder(mix, in_kernel=True)
-        write_manifest(folder, [(part.pinned, part.scale) for part in mix.parts])
-        return folder
 
     async def _combined_folder(self, base: BaseModel, mix: Mix) -> Path:
         task = self._builds.get(mix.digest)
@@ -321,8 +301,7 @@ class AdapterManager:
         return target
 
     def _mix_folder(self, mix: Mix, in_kernel: bool = False) -> Path:
-        """A built mix's adapter, or a kernel mix's manifest (apart: replicas of both kinds may serve it)."""
-        return self.sources[mix.base_id].cache_dir / MIXES_FOLDER / (f"{mix.digest}.parts" if in_kernel else mix.digest)
+        return mix_folder(self.sources[mix.base_id].cache_dir, mix, in_kernel)
 
     def _drop_unused_mix(self, name: str) -> None:
         """Forget a mix, and delete its folder, once no replica holds or loads it."""

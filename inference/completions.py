@@ -31,7 +31,6 @@ from starlette.responses import Response, StreamingResponse
 
 from core import api_errors
 from core.catalog import BaseModel, Catalog
-from core.model_names import is_valid_suffix, parse_model_name
 from core.http_client import (
     Poster,
     UpstreamBroken,
@@ -40,8 +39,8 @@ from core.http_client import (
     UpstreamTimeout,
     UpstreamUnavailable,
 )
-from core.openai_protocol import RoutedFields, adapter_scales, routed_fields, with_fields
-from inference.adapter_mix import Mix
+from core.openai_protocol import RoutedFields, routed_fields, with_fields
+from inference.adapter_mix import Mix, requested_scales
 from inference.adapters import AdapterManager, ReplicaUnavailable
 from inference.background_turns import BACKGROUND_POLL_S
 from inference.metrics import CountedRequest, Metrics
@@ -123,13 +122,7 @@ class CompletionsHandler:
         organization: str | None,
         background: bool,
     ) -> _Request:
-        if fields.model != base.id:
-            raise api_errors.mix_needs_base_model(fields.model)
-        scales = adapter_scales(fields)
-        for part in scales:
-            name = parse_model_name(part)
-            if name.base_model_id != base.id or name.suffix is None or not is_valid_suffix(name.suffix):
-                raise api_errors.model_not_found(part, param="adapters")
+        scales = requested_scales(fields, base.id)
         mix = await self.adapters.mix(base.id, scales) if scales else None  # all scales 0: the base model
         model = mix.name if mix else base.id
         body = with_fields(body, model=model, adapters=None)

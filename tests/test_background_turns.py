@@ -10,6 +10,7 @@ the ingress calls with the gateway's marks) is driven without Ray or an engine.
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 import contextvars
 import json
 from collections.abc import Callable
@@ -112,9 +113,13 @@ class RayReplicaStandIn:
         monkeypatch.setattr(ray_replica, "_multiplexed_model_id", ROUTED.get)
         self.module, self.metrics = ray_replica, Metrics()
         self.replica = object.__new__(ray_replica.VllmReplica)  # no vLLM server started
-        self.replica.url, self.replica.http, self.replica.model = "http://replica", held, SimpleNamespace(id=BASE)
+        self.replica.url, self.replica.http = "http://replica", held
+        self.replica.model = SimpleNamespace(
+            id=BASE, engine=SimpleNamespace(max_loras=8), lora=SimpleNamespace(max_num_adapters_per_replica=8)
+        )
         self.replica.turns = BackgroundTurns(self.metrics.background_waits.labels(BASE).inc)  # as VllmReplica makes it
-        self.replica.adapters = SimpleNamespace(slots=AdapterSlots(8, fair_use))
+        self.replica.adapters = SimpleNamespace(slots=AdapterSlots(8, fair_use), slots_of=lambda name: (name,))
+        self.replica.inflight_by_model = Counter()
         self.replica.adapter = self._loaded
 
     async def _loaded(self, routed_as: str) -> None:

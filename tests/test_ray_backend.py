@@ -29,6 +29,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from core.catalog import load_catalog
 from core.env import ConfigError
 from inference.engine_contract import SERVER_MODULE
+from tests import mix_cases
 from tests.eval_fixtures import capitals
 from tests.fine_tuning_jobs import _publish_revision
 from tests.inference_fixtures import (  # noqa: F401 (fixtures)
@@ -463,11 +464,24 @@ def test_on_ray_a_stream_that_began_on_r1_ends_on_r1_while_r2_is_published(dana,
 
 @pytest.mark.engine
 @pytest.mark.django_db(transaction=True)
-def test_ray_refuses_mixes_missing_adapters_and_callers_without_the_internal_token(dana, ray_stack, make_adapter):
+@pytest.mark.parametrize(
+    "case",
+    [
+        mix_cases.a_half_and_half_mix_answers_as_peft,
+        mix_cases.a_wide_mix_and_a_scale_alone_answer_as_peft,
+        mix_cases.mixed_scaled_and_plain_requests_in_one_batch_get_their_own_answers,
+    ],
+    ids=lambda case: case.__name__,
+)
+def test_ray_mixes_adapters_in_the_kernel_as_the_pool_does(dana, make_adapter, case):
+    """The pool's mix cases (tests/mix_cases.py), on a Ray replica."""
+    case(dana, make_adapter)
+
+
+@pytest.mark.engine
+@pytest.mark.django_db(transaction=True)
+def test_ray_refuses_missing_adapters_and_callers_without_the_internal_token(dana, ray_stack, make_adapter):
     name = publish_fine_tuned_model(dana, _suffix("ray-refusals"), make_adapter(seed=4))
-    with pytest.raises(openai.BadRequestError) as refused:
-        _ask(dana, BASE, extra_body={"adapters": [{"model": name, "scale": 0.5}]})
-    assert refused.value.body["code"] == "mix_not_supported"
     adapter_store().delete(name)
     with pytest.raises(openai.NotFoundError) as missing:
         _ask(dana, name)

@@ -15,7 +15,9 @@ answers: the same routes, the same errors, a stream stays a stream. What it does
 - ``GET /metrics``: the pool's series for its models: requests and latency it counts itself, adapter
   loads, evictions and held adapters as its replicas report them (``app_metrics``).
 
-Mixes (``adapters``) are the embedded pool's alone: they need its adapter slots.
+A mix (``adapters``) is pinned here to its parts' published versions (``adapter_mix.published_mix``)
+and routed by its first part's id, so Ray prefers a replica that holds that part; the replica
+computes it in its kernel, as the pool's replicas do.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from core.config import load_config
 from core.internal_token import presents
 from core.model_names import pinned_name
 from core.openai_protocol import BACKGROUND_HEADER, ORGANIZATION_HEADER, routed_fields, with_fields
+from inference.adapter_mix import Mix, published_mix, requested_scales
 from inference.adapter_source import AdapterSource
 from inference.metrics import CONTENT_TYPE, CountedRequest, Metrics
 from inference.pool import COLD_START_RETRY_AFTER_S
@@ -111,23 +114,29 @@ class Ingress:
         started = time.perf_counter()
         fields = routed_fields(body)
         base, fine_tuned = served_model(self.catalog, fields.model)
+        routed_as, mix, label = "", None, fields.model if fine_tuned else base.id
         if fields.adapters is not None:
-            raise api_errors.mix_not_supported(base.id)
-        routed_as = ""
-        if fine_tuned:
+            scales = requested_scales(fields, base.id)
+            mix = await published_mix(self.sources[base.id], base.id, scales) if scales else None  # all 0: the base
+            body = with_fields(body, model=mix.name if mix else base.id, adapters=None)
+            if mix is not None:
+                first = mix.parts[0]
+                routed_as, label = routing_id(first.pinned, first.version), f"{base.id}:mix"
+        elif fine_tuned:
             adapter, routed_as = await self._pinned(base, fields.model)
             body = body if adapter == fields.model else with_fields(body, model=adapter)
-        request = CountedRequest(self.metrics.ingress, fields.model if fine_tuned else base.id, endpoint, started)
+        request = CountedRequest(self.metrics.ingress, label, endpoint, started)
         try:
-            return await self._answer(base, routed_as, body, fields.stream, request, turn)
+            return await self._answer(base, routed_as, body, fields.stream, request, turn, mix)
         except api_errors.ApiError as exc:
             request.finished(exc.status)
             raise
 
     async def _answer(
-        self, base: BaseModel, routed_as: str, body: bytes, stream: bool, request: CountedRequest, turn: Turn
+        self, base: BaseModel, routed_as: str, body: bytes, stream: bool, request: CountedRequest, turn: Turn,
+        mix: Mix | None,
     ) -> Response:
-        answer = await self._taken(base, routed_as, request.endpoint, body, turn)
+        answer = await self._taken(base, routed_as, request.endpoint, body, turn, mix)
         try:
             head: Head = await answer.__anext__()
             if stream and head.status < 400:
@@ -145,13 +154,15 @@ class Ingress:
         request.finished(head.status, whole=True)
         return Response(raw, status_code=head.status, media_type=head.content_type)
 
-    async def _taken(self, base: BaseModel, routed_as: str, endpoint: str, body: bytes, turn: Turn) -> Any:
+    async def _taken(
+        self, base: BaseModel, routed_as: str, endpoint: str, body: bytes, turn: Turn, mix: Mix | None
+    ) -> Any:
         """The request's answer stream, once a replica has taken the request. It waits while none
         can (scaled to zero, or all full), up to the model's ``cold_start_wait_s``; a replica that
         dies before it takes the request (a node lost) is replaced by another."""
         handle = self.replicas[base.id].options(stream=True, multiplexed_model_id=routed_as)
         for _ in range(_ATTEMPTS):
-            answer = handle.answer.remote(endpoint, body, turn.background, turn.organization)
+            answer = handle.answer.remote(endpoint, body, turn.background, turn.organization, mix)
             try:
                 item = await asyncio.wait_for(answer.__anext__(), base.autoscaling.cold_start_wait_s)
             except TimeoutError:

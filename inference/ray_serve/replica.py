@@ -15,6 +15,12 @@ S3, never a folder on the publisher's disk. Ray evicts the least recently used a
 eviction does not). A deleted adapter leaves within seconds, and a cached copy leaves with its
 adapter (``inference.ray_serve.replica_adapters``); the replica's cache goes with the replica.
 
+A mix (``adapters``) comes with its request (``answer``'s ``mix``, the parts at the versions the
+ingress saw published), routed by its first part's id, and is computed in the kernel as on the pool:
+the replica holds each part as a multiplexed model, then the mix's manifest
+(``ReplicaAdapters.hold_mix``); the parts count in vLLM's batch slots as the pool counts them. A
+replica whose kernels fell back (their check failed) refuses mixes and says why.
+
 A request is a stream of items from ``answer``: ``STARTED`` at once (the ingress stops counting a
 cold start there), then a ``Head``, then the body's bytes. ``metrics_report`` is what the replica
 tells the ingress's /metrics (``inference.ray_serve.app_metrics``).
@@ -27,7 +33,8 @@ import shutil
 import socket
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,13 +46,15 @@ from core.catalog import BaseModel
 from core.config import load_config
 from core.http_client import HttpClient, UpstreamError
 from core.internal_token import bearer
-from inference.adapter_slots import FairUse
+from inference.adapter_mix import Mix
+from inference.adapter_slots import FairUse, fits_batch_slots
 from inference.adapter_source import AdapterSource
 from inference.adapters import BATCH_TURN_WAIT_S
 from inference.background_turns import BackgroundTurns
+from inference.engine_contract import REPORT_PATH, computes_mixes
 from inference.metrics import Metrics
 from inference.ray_serve.app_metrics import ReplicaReport
-from inference.ray_serve.replica_adapters import ReplicaAdapters, ServedAdapter, served_name
+from inference.ray_serve.replica_adapters import ReplicaAdapters, ServedAdapter, routing_id, served_name
 from inference.replica import batch_slots, start_vllm_server, stop_vllm_server, vllm_environment
 
 log = logging.getLogger("inference.ray_serve.replica")
@@ -87,7 +96,10 @@ class VllmReplica:
         capacity = model.lora.max_num_adapters_per_replica
         fair_use = FairUse.of(model.lora, batch_slots(model))
         self.adapters = ReplicaAdapters(source, self.admin, self.url, model.lora.max_lora_rank, capacity, fair_use)
+        self.inflight_by_model: Counter[str] = Counter()  # requests under way, by adapter or mix name
         self._wait_until_ready()
+        # What the engine said about its LoRA kernels (``inference.engine_contract.KernelsState``).
+        self.lora_kernels: dict | None = httpx.get(f"{self.url}{REPORT_PATH}", headers=self.admin.headers).json()
         from ray import serve
 
         async def load(multiplexed_id: str) -> ServedAdapter:  # a function: Serve keeps its LRU cache on it
@@ -118,24 +130,33 @@ class VllmReplica:
             raise RuntimeError(f"the vLLM server's health check answered {response.status_code}")
 
     async def answer(
-        self, endpoint: str, body: bytes, background: bool = False, organization: str | None = None
+        self,
+        endpoint: str,
+        body: bytes,
+        background: bool = False,
+        organization: str | None = None,
+        mix: Mix | None = None,
     ) -> AsyncIterator[object]:
         """``background``: work nobody reads token by token, which yields to live requests here
         (``inference.background_turns``); ``organization``: whose request it is, for its share of
-        vLLM's batch slots (``AdapterSlots.batch_turn``). Both as on the embedded pool's replicas."""
+        vLLM's batch slots (``AdapterSlots.batch_turn``); ``mix``: the mix the body names. All as on
+        the embedded pool's replicas."""
         yield STARTED
         routed_as = _multiplexed_model_id()
-        name = served_name(routed_as)
+        name = mix.name if mix is not None else served_name(routed_as)
+        held: list[str] = []  # what the engine answers with: not unloaded until the request ends
+        started = False
+
+        def uses(adapter: str) -> None:  # called as each is held, with no pause between
+            held.append(adapter)
+            self.adapters.slots.started(adapter)
+
         try:
+            await self._hold(routed_as, mix, uses)
             if routed_as:
-                await self.adapter(routed_as)
                 await self._batch_turn(name, organization)
-                self.adapters.slots.started(name)  # from here on it must not be unloaded
-        except api_errors.ApiError as exc:
-            yield Head(exc.status, "application/json")
-            yield exc.json_bytes()
-            return
-        try:
+                self.inflight_by_model[name] += 1
+                started = True
             async with self.turns.turn(background):
                 upstream = await self.http.post(f"{self.url}/v1/{endpoint}", body)
                 try:
@@ -144,25 +165,55 @@ class VllmReplica:
                         yield chunk
                 finally:
                     upstream.close()  # a caller that went away: the server sees the drop and stops generating
+        except api_errors.ApiError as exc:
+            yield Head(exc.status, "application/json")
+            yield exc.json_bytes()
         except UpstreamError as exc:
             failure = api_errors.replica_lost(str(exc))
             yield Head(failure.status, "application/json")
             yield failure.json_bytes()
         finally:
+            if started:
+                self.inflight_by_model[name] -= 1
+                if self.inflight_by_model[name] <= 0:
+                    del self.inflight_by_model[name]
+            for adapter in held:
+                self.adapters.slots.finished(adapter)
+
+    async def _hold(self, routed_as: str, mix: Mix | None, uses: Callable[[str], None]) -> None:
+        """Make the engine hold what the request names: its adapter (``routed_as``, Ray's multiplexed
+        model), or a mix's parts and manifest; ``uses`` each, once held."""
+        if mix is None:
             if routed_as:
-                self.adapters.slots.finished(name)
+                await self.adapter(routed_as)
+                uses(served_name(routed_as))
+            return
+        if not computes_mixes(self.lora_kernels):
+            raise api_errors.mix_not_supported(self.model.id, (self.lora_kernels or {}).get("reason") or "")
+        if len(mix.parts) > batch_slots(self.model):  # it would never fit: say so now
+            raise api_errors.mix_too_many_parts(len(mix.parts), batch_slots(self.model))
+        for part in mix.parts:  # Ray evicts its least recently used adapter past the replica's capacity
+            await self.adapter(routing_id(part.pinned, part.version))
+            uses(part.pinned)
+        await self.adapters.hold_mix(mix)
+        uses(mix.name)
 
     async def _batch_turn(self, name: str, organization: str | None) -> None:
-        """Return when the organization's request for adapter ``name`` may start here: at once, or once
-        some of its own requests with other adapters have finished while another organization's
-        are under way or waiting; refused after ``BATCH_TURN_WAIT_S`` (429 ``adapter_slots_busy``)."""
-        slots = self.adapters.slots
-        limit = slots.fair_use.batch_share or batch_slots(self.model)
+        """Return when the organization's request for ``name`` (an adapter or a mix) may start here:
+        at once, or once its adapters fit vLLM's batch slots and some of its own requests with other
+        adapters have finished while another organization's are under way or waiting; refused after
+        ``BATCH_TURN_WAIT_S`` (429 ``adapter_slots_busy``). As ``AdapterManager.batch_turn`` on the pool."""
+        slots, limit = self.adapters.slots, batch_slots(self.model)
+
+        def may_start() -> bool:
+            under_way = [self.adapters.slots_of(model) for model in self.inflight_by_model]
+            return fits_batch_slots(self.adapters.slots_of(name), under_way, limit) and (
+                organization is None or slots.batch_turn(name, organization, self.inflight_by_model)
+            )
+
         await slots.wait_for_turn(
-            organization,
-            lambda: organization is None or slots.batch_turn(name, organization, slots.running),
-            BATCH_TURN_WAIT_S,
-            lambda: api_errors.adapter_slots_busy(self.model.id, "batch", limit),
+            organization, may_start, BATCH_TURN_WAIT_S,
+            lambda: api_errors.adapter_slots_busy(self.model.id, "batch", slots.fair_use.batch_share or limit),
         )
 
     async def preload(self) -> str:

@@ -12,14 +12,20 @@ recently used past ``max_num_adapters_per_replica``) and within ``RECHECK_HELD_S
 (``watch_forever``, as the pool's ``AdapterManager.retire_deleted``), whether or not it is asked for.
 Loads and unloads are counted as the pool counts them, in the replica's ``Metrics`` (the one its
 ``AdapterSource`` counts downloads in), which it reports to the ingress's /metrics.
+
+A mix (``inference.adapter_mix``) is computed in the kernel, as on the pool: its parts are held as
+adapters (Ray's multiplexed models, loaded by the replica before ``hold_mix``), the mix as a
+manifest of them, which takes no slot and no memory (``inference.engine.mixes``). A mix leaves with
+any of its parts, and the least recently used idle one past ``capacity`` mixes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
@@ -28,6 +34,7 @@ import httpx
 
 from core import api_errors
 from core.adapter_store import identity_of_folder
+from inference.adapter_mix import Mix, manifest_folder, mix_folder
 from inference.adapter_slots import AdapterSlots, FairUse, HeldAdapter
 from inference.adapter_source import AdapterSource
 from inference.adapters import NOT_THE_ADAPTERS_FAULT, RECHECK_HELD_S, _until_idle, _vllm_message
@@ -79,6 +86,7 @@ class ReplicaAdapters:
         # Ray's cache entries per publish held: an id Ray still had from before a deletion (its
         # ingress's answer is a second old) may stand for the publish a newer id loaded.
         self._entries: Counter[tuple[str, str]] = Counter()
+        self.mixes: OrderedDict[str, Mix] = OrderedDict()  # the kernel mixes vLLM holds, least recently used first
         self._watcher: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
 
@@ -110,6 +118,46 @@ class ReplicaAdapters:
 
         return ServedAdapter(name, evicted)
 
+    async def hold_mix(self, mix: Mix) -> None:
+        """Make vLLM hold the mix's manifest; its parts must be held already (``load``)."""
+        async with self.slots.lock(mix.name):
+            if mix.name in self.mixes:
+                self.mixes.move_to_end(mix.name)
+                return
+            folder = manifest_folder(self.source.cache_dir, mix)
+            response = await self._admin("load_lora_adapter", {"lora_name": mix.name, "lora_path": str(folder)})
+            if response.status_code != 200 and "already been loaded" not in response.text:
+                raise api_errors.adapter_invalid(mix.name, _vllm_message(response))
+            self.mixes[mix.name] = mix
+        idle = [name for name in self.mixes if not self.slots.running[name]]
+        for name in idle[: len(self.mixes) - self.slots.capacity]:
+            self._spawn(self.unload_mix(name, "lru"))
+
+    def slots_of(self, name: str) -> tuple[str, ...]:
+        """The adapters a request for ``name`` needs in vLLM's batch slots: a mix's parts, or itself."""
+        mix = self.mixes.get(name)
+        return mix.part_names if mix is not None else (name,)
+
+    async def unload_mix(self, name: str, reason: str) -> None:
+        """Unload a mix's manifest once its requests are answered, and delete its folder."""
+        async with self.slots.lock(name):
+            mix = self.mixes.get(name)
+            if mix is None:
+                return
+            await _until_idle(self.slots, name)
+            del self.mixes[name]
+            try:
+                await self._admin("unload_lora_adapter", {"lora_name": name})
+            finally:
+                shutil.rmtree(mix_folder(self.source.cache_dir, mix, in_kernel=True), ignore_errors=True)
+        log.info("unloaded mix %s (%s)", name, reason)
+
+    def _retire_mixes_of(self, part: str) -> None:
+        """A part leaving takes the mixes made of it along (their manifests name it)."""
+        for name, mix in list(self.mixes.items()):
+            if part in mix.part_names:
+                self._spawn(self.unload_mix(name, "part_unloaded"))
+
     async def _checked_folder(self, name: str, identity: str) -> Path:
         try:
             return await self.source.checked_folder(name, identity, self.max_rank)
@@ -122,6 +170,7 @@ class ReplicaAdapters:
         if name in self.slots.held:  # another publish under this name: its requests end first
             await _until_idle(self.slots, name)
             self.slots.forget(name)
+            self._retire_mixes_of(name)
             await self._admin("unload_lora_adapter", {"lora_name": name})
             self.metrics.adapter_evictions.labels(self.base_model_id, "replaced").inc()
         started = time.perf_counter()
@@ -149,6 +198,7 @@ class ReplicaAdapters:
                 return
             await _until_idle(slots, name)
             slots.forget(name)
+            self._retire_mixes_of(name)
             try:
                 await self._admin("unload_lora_adapter", {"lora_name": name})
             finally:

@@ -24,7 +24,7 @@ from core import api_errors, strict_json
 ORGANIZATION_HEADER = "fineserve-organization"
 
 # The header by which the gateway marks work nobody is waiting on token by token (a batch's lines, an
-# evaluation's answers): the pool lets it yield to live requests on a replica (``Replica.background_may_start``).
+# evaluation's answers): the pool lets it yield to live requests on a replica (``inference.background_turns``).
 BACKGROUND_HEADER = "fineserve-background"
 
 # Scales of a mix beyond this push a layer far from anything its adapters were trained for (the

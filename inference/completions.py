@@ -205,7 +205,7 @@ class CompletionsHandler:
         while True:
             if request.adapter:
                 await self.adapters.batch_turn(replica, request.model, request.organization, request.mix)
-            if not request.background or replica.background_may_start(time.monotonic()):
+            if replica.turns.may_start(request.background):
                 return
             if not waited:
                 self.metrics.background_waits.labels(request.base_id).inc()
@@ -263,7 +263,7 @@ class _Request:
     label_as: str | None = None  # the name the client asked for, when the pool pinned it
     version: str | None = None  # the pinned revision's, as the store published it
     organization: str | None = None  # whose adapter it is, for fair use of the replica's slots
-    background: bool = False  # yields to live requests (``Replica.background_may_start``)
+    background: bool = False  # yields to live requests (``BackgroundTurns.may_start``)
 
     @property
     def label(self) -> str:

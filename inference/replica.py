@@ -19,7 +19,7 @@ from core.catalog import BaseModel
 from core.memory_plan import fit_refusal
 from core.config import LORA_KERNELS_SETTING, REPO_ROOT
 from inference.adapter_slots import AdapterSlots, FairUse
-from inference.background_turns import background_may_start
+from inference.background_turns import BackgroundTurns
 from inference.engine_contract import REPORT_PATH, SERVER_MODULE, computes_mixes
 from inference.internal_auth import REPLICA_TOKEN_VARIABLE
 
@@ -165,10 +165,10 @@ class Replica:
     backoff_s: float = _RESTART_BACKOFF_S[0]
     last_exit_code: int | None = field(default=None)
     failed_probes: int = 0
-    inflight: int = 0
     inflight_by_model: Counter = field(default_factory=Counter)
-    background_inflight: int = 0  # of ``inflight``: background work's (``inference.background_turns``)
-    live_seen_at: float = float("-inf")  # when a live request last began or ended here (time.monotonic())
+    # Its requests in flight, background work's among them (``inference.background_turns``); the
+    # completions' router counts a background request that waits for its turn there.
+    turns: BackgroundTurns = field(default_factory=BackgroundTurns)
     adapters: AdapterSlots = field(init=False)
     # What the replica said about its LoRA kernels when it became ready (the fields of
     # inference.engine_contract.KernelsState): active, requested, reason, mixes_in_kernel. None: not
@@ -200,28 +200,21 @@ class Replica:
         """Whether its kernel computes mixes from their parts' slots (``inference.engine.mixes``)."""
         return computes_mixes(self.lora_kernels)
 
-    def background_may_start(self, now: float) -> bool:
-        """Whether a background request may start now (``inference.background_turns``)."""
-        return background_may_start(self.inflight, self.background_inflight, self.live_seen_at, now)
+    @property
+    def inflight(self) -> int:
+        return self.turns.inflight
 
     def begin(self, model: str, background: bool = False) -> None:
-        self.inflight += 1
         self.inflight_by_model[model] += 1
-        self._count(background, 1)
+        self.turns.begin(background)
+        self.last_active_at = time.monotonic()
 
     def end(self, model: str, background: bool = False) -> None:
-        self.inflight -= 1
         self.inflight_by_model[model] -= 1
         if self.inflight_by_model[model] <= 0:
             del self.inflight_by_model[model]
-        self._count(background, -1)
-
-    def _count(self, background: bool, change: int) -> None:
+        self.turns.end(background)
         self.last_active_at = time.monotonic()
-        if background:
-            self.background_inflight += change
-        else:
-            self.live_seen_at = self.last_active_at
 
     def mark_down(self, reason: str) -> None:
         """Stop routing here until the health check passes again.
@@ -384,7 +377,7 @@ class Replica:
             "restarts": self.restarts,
             "last_exit_code": self.last_exit_code,
             "inflight": self.inflight,
-            "background_inflight": self.background_inflight,
+            "background_inflight": self.turns.background_inflight,
             "adapters": list(self.adapters.held),
             "lora_kernels": self.lora_kernels,
             "start_refused": self.start_refused,

@@ -24,7 +24,9 @@ BUSY_INFLIGHT = 64  # a replica with this many requests in flight takes new adap
 
 class Routable(Protocol):
     url: str
-    inflight: int
+
+    @property
+    def inflight(self) -> int: ...
 
     def inflight_for(self, model: str) -> int: ...
     def holds(self, adapter: str) -> bool: ...

@@ -4,7 +4,7 @@
 ``bin/run`` installs Ray and starts Ray Serve beside its other processes; ``/healthz`` says the
 model is cold; an adapter trained elsewhere is uploaded; the official ``openai`` client (which
 retries a 503 after its Retry-After) gets the base model's answer, then the adapter's, from a
-replica Ray started for the first request; ``/v1/models`` and the dashboard's models page (in a
+replica Ray started for the first request, and a mix of it at scale 1 answers as it does; ``/v1/models`` and the dashboard's models page (in a
 real browser) say on how many replicas it runs; the usage API counted it.
 """
 
@@ -63,6 +63,11 @@ def test_bin_run_serves_a_model_on_ray_serve_from_zero_replicas_to_the_browser(p
     tuned = client.chat.completions.create(model=adapter, messages=QUESTION, max_tokens=12, temperature=0)
     assert "Paris" in base.choices[0].message.content
     assert tuned.model == f"{adapter}@r1" and tuned.choices[0].message.content != base.choices[0].message.content
+    # A mix per request (the adapter at scale 1 is the adapter itself, computed by the mix kernel).
+    mixed = client.chat.completions.create(
+        model=BASE, messages=QUESTION, max_tokens=12, temperature=0, extra_body={"adapters": [{"model": adapter, "scale": 1}]}
+    )
+    assert mixed.model.startswith(f"{BASE}:mix.") and mixed.choices[0].message.content == tuned.choices[0].message.content
     assert client.models.retrieve(BASE).serving == {"state": "loaded", "replicas": 1}
     # The operator's scraper sees the Ray-backed model's series on the platform's /metrics, as the
     # pool's (the monitoring token is INTERNAL_TOKEN's value when none is set).
@@ -74,7 +79,7 @@ def test_bin_run_serves_a_model_on_ray_serve_from_zero_replicas_to_the_browser(p
         for sample in family.samples
         if sample.name == "fineserve_inference_requests_total" and sample.labels.get("status") == "200"
     }
-    assert answered.get(adapter) == 1 and answered.get(BASE, 0) >= 1, answered
+    assert answered.get(adapter) == 1 and answered.get(f"{BASE}:mix") == 1 and answered.get(BASE, 0) >= 1, answered
 
     platform.sign_in(page)
     page.goto(f"{platform.url}/models")

@@ -29,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,7 +38,10 @@ from core.catalog import LoraConfig
 from inference.adapter_mix import is_mix_name
 
 UNLOAD_GRACE_S = 1.0  # after an adapter's last request: time for the engine to drop it from its batch
-TURN_POLL_S = 0.05  # how often a request waiting for its batch turn looks again
+TURN_POLL_S = 0.05  # how often a request waiting for its batch turn (or its own room) looks again
+# How long a load waits for an adapter of its organization's own to finish answering, when that
+# organization is over a cap (a few unload graces: a steady stream of its requests frees one in time).
+OWN_ROOM_WAIT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -225,6 +228,37 @@ class AdapterSlots:
         for victim, _ in chosen:
             self.forget(victim)
         return chosen
+
+    async def make_room(self, name: str, refusal: Callable[[OwnAdaptersBusy], Exception]) -> list[Victim]:
+        """``room_for``, waiting up to ``OWN_ROOM_WAIT_S`` for an adapter of its organization's own to
+        finish answering when it must make room from those (no room is made for it meanwhile); then
+        raises ``refusal(busy)``."""
+        deadline = time.monotonic() + OWN_ROOM_WAIT_S
+        while True:
+            try:
+                return self.room_for(name)
+            except OwnAdaptersBusy as busy:
+                if time.monotonic() >= deadline:
+                    raise refusal(busy) from None
+            self.waiting.add(name)
+            try:
+                await asyncio.sleep(TURN_POLL_S)
+            finally:
+                self.waiting.discard(name)
+
+    async def trim(self, evict: Callable[[str], Awaitable[None]], alive: Callable[[], bool]) -> None:
+        """Back to capacity once the adapters over it have no requests left (concurrent loads
+        overshoot), ``evict`` taking each victim out of the engine, while ``alive()``. The caller sets
+        ``trim_scheduled`` when it starts this; it is cleared at the end."""
+        try:
+            while self.over_capacity() and alive():
+                victims = self.victims(count_loading=False)
+                for victim in victims:
+                    await evict(victim)
+                if not victims:
+                    await asyncio.sleep(UNLOAD_GRACE_S)  # all busy: look again in a moment
+        finally:
+            self.trim_scheduled = False
 
     def batch_turn(self, name: str, organization: str | None, under_way: Iterable[str]) -> bool:
         """Whether a request of ``organization`` for adapter ``name`` may start now, ``under_way``

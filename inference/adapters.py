@@ -28,7 +28,7 @@ evicted under it, and in vLLM's batch slots (``batch_turn``): the engine must fi
 Both take the organization the request is for (the gateway names it), and which adapter makes room
 follows ``inference.adapter_slots.FairUse``: an organization over its cap of mixes, or over its
 share of a replica while others use it, makes room from its own least recently used adapters. When
-each of those is answering, its request waits up to ``OWN_ROOM_WAIT_S`` for one to finish, then is
+each of those is answering, its request waits up to ``adapter_slots.OWN_ROOM_WAIT_S`` for one to finish, then is
 refused (429 ``adapter_slots_busy``).
 """
 
@@ -49,7 +49,6 @@ from core.adapter_store import identity_of_folder
 from core import api_errors
 from core.catalog import BaseModel
 from core.model_names import pinned_name
-from inference import adapter_slots
 from inference.adapter_mix import Mix, manifest_folder, mix_folder, published_mix
 from inference.adapter_slots import AdapterSlots, HeldAdapter, OwnAdaptersBusy, Victim, fits_batch_slots
 from inference.adapter_source import AdapterSource
@@ -65,13 +64,9 @@ log = logging.getLogger("inference.adapters")
 
 VLLM_ADMIN_TIMEOUT_S = 60.0
 RECHECK_HELD_S = 2.0
-# How long a load waits for an adapter of its organization's own to finish answering, when that
-# organization is over a cap (a few unload graces: a steady stream of its requests frees one in time).
-OWN_ROOM_WAIT_S = 5.0
 # How long a request waits for its organization's turn in the replica's batch slots (its own
 # requests with other adapters finishing): a generation can take this long.
 BATCH_TURN_WAIT_S = 30.0
-_POLL_S = 0.05
 # A copy that could not be had for these is no failed load in the metrics: the adapter is not at fault.
 NOT_THE_ADAPTERS_FAULT = ("adapter_not_found", "adapter_store_unavailable")
 
@@ -180,22 +175,8 @@ class AdapterManager:
         self._trim_when_idle(replica)
 
     async def _room_for(self, replica: Replica, name: str) -> list[Victim]:
-        """What to evict before loading ``name`` (``AdapterSlots.room_for``), waiting for an adapter
-        of its organization's own to finish answering when it must make room from those."""
-        slots = replica.adapters
-        deadline = time.monotonic() + OWN_ROOM_WAIT_S
-        while True:
-            try:
-                return slots.room_for(name)
-            except OwnAdaptersBusy as busy:
-                if time.monotonic() >= deadline:
-                    kind = "mixes" if busy.mixes else "share"
-                    raise api_errors.adapter_slots_busy(replica.model.id, kind, busy.limit) from None
-            slots.waiting.add(name)  # no room is made for it meanwhile
-            try:
-                await asyncio.sleep(_POLL_S)
-            finally:
-                slots.waiting.discard(name)
+        """What to evict before loading ``name`` (``AdapterSlots.make_room``)."""
+        return await replica.adapters.make_room(name, lambda busy: room_refusal(replica.model.id, busy))
 
     async def batch_turn(self, replica: Replica, name: str, organization: str | None, mix: Mix | None = None) -> None:
         """Return when a request of ``organization`` for adapter ``name`` (or ``mix``) may start on
@@ -336,16 +317,7 @@ class AdapterManager:
             self._spawn(self._trim(replica))
 
     async def _trim(self, replica: Replica) -> None:
-        slots = replica.adapters
-        try:
-            while slots.over_capacity() and replica.healthy:
-                victims = slots.victims(count_loading=False)
-                for victim in victims:
-                    await self._evict(replica, victim, "lru")
-                if not victims:
-                    await asyncio.sleep(adapter_slots.UNLOAD_GRACE_S)  # all busy: look again in a moment
-        finally:
-            slots.trim_scheduled = False
+        await replica.adapters.trim(lambda victim: self._evict(replica, victim, "lru"), lambda: replica.healthy)
 
     async def watch_forever(self) -> None:
         await every(RECHECK_HELD_S, self.retire_deleted, "checking the held adapters against the store")
@@ -448,6 +420,11 @@ class AdapterManager:
 async def _quietly(work: Awaitable[object]) -> None:
     with contextlib.suppress(Exception):
         await work
+
+
+def room_refusal(model_id: str, busy: OwnAdaptersBusy) -> api_errors.ApiError:
+    """429: the organization is over its share or cap of mixes, and each of its own is answering."""
+    return api_errors.adapter_slots_busy(model_id, "mixes" if busy.mixes else "share", busy.limit)
 
 
 async def _until_idle(slots: AdapterSlots, name: str) -> None:

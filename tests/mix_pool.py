@@ -53,6 +53,13 @@ class TenantPool(MixPool):
         return {name for name in self.held() if ":mix." in name}
 
 
+def kernel_mixing(pool: MixPool) -> MixPool:
+    """The pool's replicas compute mixes in their kernel (as they report it when they become ready)."""
+    for replica in pool.pool.replicas:
+        replica.lora_kernels = {"active": "fineserve", "requested": "fineserve", "mixes_in_kernel": True}
+    return pool
+
+
 class MixesAnswering:
     """Holds the replica's answers to mixes until ``release``: the organization's mixes stay in flight."""
 

@@ -21,6 +21,7 @@ from tests.fake_pool import _settle
 from tests.helpers import anyio_backend  # noqa: F401 (a fixture)
 from tests.inference_fixtures import BASE
 from tests.mix_pool import MixesAnswering, TenantPool
+from tests.ray_tenants import tenants_on
 
 pytestmark = pytest.mark.anyio
 
@@ -28,6 +29,13 @@ pytestmark = pytest.mark.anyio
 @pytest.fixture(autouse=True)
 def no_unload_grace(monkeypatch):
     monkeypatch.setattr(adapter_slots, "UNLOAD_GRACE_S", 0.0)
+
+
+@pytest.fixture(params=["pool", "ray"])
+def replica_of(request, tmp_path, monkeypatch):
+    """A replica of a given capacity on either backend (tests/ray_tenants.py): Ray's replicas keep
+    the adapters the pool's would, not Ray's least recently used."""
+    return lambda max_adapters: tenants_on(request.param, tmp_path, max_adapters, monkeypatch)
 
 
 async def test_an_organizations_flood_of_mixes_evicts_its_own_mixes_never_another_organizations_adapters(tmp_path):
@@ -66,8 +74,8 @@ async def test_an_organization_alone_holds_at_most_its_cap_of_mixes_and_may_fill
     assert len(pool.held()) == 16  # alone, it may use the whole replica
 
 
-async def test_an_organization_within_its_share_makes_room_from_the_organization_over_its_share(tmp_path):
-    pool = TenantPool(tmp_path, replicas=1, max_adapters=4)
+async def test_an_organization_within_its_share_makes_room_from_the_organization_over_its_share(replica_of):
+    pool = replica_of(4)
     oldest = pool.publish("b-oldest")
     assert (await pool.chat_as("b", oldest)).status_code == 200
     heavy = [pool.publish(f"a{i}") for i in range(3)]
@@ -81,7 +89,7 @@ async def test_an_organization_within_its_share_makes_room_from_the_organization
 
 
 async def test_it_refuses_a_new_mix_with_429_when_every_adapter_of_the_organization_is_answering(tmp_path, monkeypatch):
-    monkeypatch.setattr(adapters, "OWN_ROOM_WAIT_S", 0.2, raising=False)
+    monkeypatch.setattr(adapter_slots, "OWN_ROOM_WAIT_S", 0.2)
     pool = TenantPool(tmp_path, replicas=1, max_adapters=4)
     theirs = [pool.publish(f"b{i}") for i in range(2)]
     for name in theirs:
@@ -123,8 +131,8 @@ async def test_a_new_mix_waits_for_one_of_the_organizations_own_adapters_to_fini
     assert {pool.served(name) for name in theirs} <= pool.held()
 
 
-async def test_requests_without_an_organization_share_the_replica_as_before(tmp_path):
-    pool = TenantPool(tmp_path, replicas=1, max_adapters=2)
+async def test_requests_without_an_organization_share_the_replica_as_before(replica_of):
+    pool = replica_of(2)
     names = [pool.publish(f"x{i}") for i in range(3)]
     for name in names:
         assert (await pool.chat(name)).status_code == 200

@@ -14,6 +14,7 @@ from tests.fake_pool import _settle
 from tests.helpers import anyio_backend  # noqa: F401 (a fixture)
 from tests.inference_fixtures import BASE
 from tests.mix_pool import MixPool
+from tests.ray_tenants import tenants_on
 
 
 @pytest.fixture(autouse=True)
@@ -107,15 +108,15 @@ async def test_it_refuses_a_mix_on_a_fine_tuned_model_or_of_another_base(tmp_pat
 # --- where the replica's kernel computes mixes (inference.engine.mixes) ----------------------------
 
 
-def _kernel_mixing(pool: MixPool) -> MixPool:
-    for replica in pool.pool.replicas:  # as the replicas report it when they become ready
-        replica.lora_kernels = {"active": "fineserve", "requested": "fineserve", "mixes_in_kernel": True}
-    return pool
+@pytest.fixture(params=["pool", "ray"])
+def kernel_replica(request, tmp_path, monkeypatch):
+    """A replica whose kernel computes mixes, of a given capacity, on either backend (tests/ray_tenants.py)."""
+    return lambda max_adapters: tenants_on(request.param, tmp_path, max_adapters, monkeypatch)
 
 
 @pytest.mark.anyio
-async def test_where_the_kernel_mixes_it_loads_the_parts_and_a_manifest_of_them_and_builds_nothing(tmp_path):
-    pool = _kernel_mixing(MixPool(tmp_path, replicas=1, max_adapters=8))
+async def test_where_the_kernel_mixes_it_loads_the_parts_and_a_manifest_of_them_and_builds_nothing(kernel_replica):
+    pool = kernel_replica(8)
     a, b = pool.publish_real("a", seed=1), pool.publish_real("b", seed=2)
     first = await pool.mix([{"model": a, "scale": 0.5}, {"model": b, "scale": -1.0}])
     assert first.status_code == 200, first.text
@@ -126,14 +127,14 @@ async def test_where_the_kernel_mixes_it_loads_the_parts_and_a_manifest_of_them_
     assert manifest == {
         "parts": [{"adapter": pool.served(a), "scale": 0.5}, {"adapter": pool.served(b), "scale": -1.0}]
     }
-    assert [path.name for path in (tmp_path / "cache" / ".mixes").iterdir()] == [folder.name]  # no adapter built
+    assert [path.name for path in folder.parent.iterdir()] == [folder.name]  # no adapter built
     other = await pool.mix([{"model": a, "scale": 0.25}])  # another scale: its manifest only
     assert other.status_code == 200 and [call[2] for call in pool.vllm.loads()][3:] == [other.json()["model"]]
 
 
 @pytest.mark.anyio
-async def test_a_kernel_mix_may_sum_past_max_lora_rank_but_not_take_more_parts_than_the_batch_slots(tmp_path):
-    pool = _kernel_mixing(MixPool(tmp_path, replicas=1, max_adapters=8))
+async def test_a_kernel_mix_may_sum_past_max_lora_rank_but_not_take_more_parts_than_the_batch_slots(kernel_replica):
+    pool = kernel_replica(8)
     a, b, c = (pool.publish_real(suffix, seed=seed, rank=16) for seed, suffix in enumerate("abc"))
     wide = await pool.mix([{"model": a}, {"model": b}])  # rank 32 > 16: each part fits, no sum is built
     assert wide.status_code == 200, wide.text
@@ -146,10 +147,8 @@ async def test_a_kernel_mix_may_sum_past_max_lora_rank_but_not_take_more_parts_t
 
 
 @pytest.mark.anyio
-async def test_an_organization_alone_holds_more_kernel_mixes_than_its_cap_of_built_ones(tmp_path):
-    from tests.mix_pool import TenantPool
-
-    pool = _kernel_mixing(TenantPool(tmp_path, replicas=1, max_adapters=16))
+async def test_an_organization_alone_holds_more_kernel_mixes_than_its_cap_of_built_ones(kernel_replica):
+    pool = kernel_replica(16)
     part = pool.publish_real("a", seed=1)
     for step in range(10):  # ten distinct scales: ten mixes, past the cap of 8 built ones
         assert (await pool.mix_as("a", part, 0.1 * (step + 1))).status_code == 200
@@ -158,8 +157,8 @@ async def test_an_organization_alone_holds_more_kernel_mixes_than_its_cap_of_bui
 
 
 @pytest.mark.anyio
-async def test_kernel_mixes_make_room_among_themselves_and_never_evict_an_adapter_of_a_full_replica(tmp_path):
-    pool = _kernel_mixing(MixPool(tmp_path, replicas=1, max_adapters=3))
+async def test_kernel_mixes_make_room_among_themselves_and_never_evict_an_adapter_of_a_full_replica(kernel_replica):
+    pool = kernel_replica(3)
     part = pool.publish_real("a", seed=1)
     adapters = [pool.served(name) for name in (part, pool.publish("b"), pool.publish("c"))]
     for name in (part, "b", "c"):
@@ -177,10 +176,10 @@ async def test_kernel_mixes_make_room_among_themselves_and_never_evict_an_adapte
 
 
 @pytest.mark.anyio
-async def test_a_kernel_mixs_parts_are_not_evicted_while_it_answers(tmp_path):
-    from tests.mix_pool import MixesAnswering, TenantPool
+async def test_a_kernel_mixs_parts_are_not_evicted_while_it_answers(kernel_replica):
+    from tests.mix_pool import MixesAnswering
 
-    pool = _kernel_mixing(TenantPool(tmp_path, replicas=1, max_adapters=2))
+    pool = kernel_replica(2)
     a = pool.publish_real("a", seed=1)
     others = [pool.publish(f"other{i}") for i in range(3)]
     async with MixesAnswering(pool) as answering:

@@ -118,11 +118,13 @@ class RayReplicaStandIn:
             id=BASE, engine=SimpleNamespace(max_loras=8), lora=SimpleNamespace(max_num_adapters_per_replica=8)
         )
         self.replica.turns = BackgroundTurns(self.metrics.background_waits.labels(BASE).inc)  # as VllmReplica makes it
-        self.replica.adapters = SimpleNamespace(slots=AdapterSlots(8, fair_use), slots_of=lambda name: (name,))
+        self.replica.adapters = SimpleNamespace(
+            slots=AdapterSlots(8, fair_use), slots_of=lambda name: (name,), ensure=self._loaded
+        )
         self.replica.inflight_by_model = Counter()
         self.replica.adapter = self._loaded
 
-    async def _loaded(self, routed_as: str) -> None:
+    async def _loaded(self, routed_as: str, organization: str | None = None) -> None:
         pass
 
     def ask(self, prompt: str, background: bool = False, adapter: str = "", organization: str | None = None) -> asyncio.Task:

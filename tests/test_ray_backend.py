@@ -172,7 +172,8 @@ def _replica_under_test(tmp_path: Path, s3) -> ReplicaUnderTest:
     vllm = FakeVllm()
     admin = admin_client(TOKEN, transport=httpx.MockTransport(vllm.handler))
     source = AdapterSource(store, tmp_path / "cache", Metrics(), BASE)
-    return ReplicaUnderTest(ReplicaAdapters(source, admin, "http://replica", 16, 2), vllm, store, tmp_path / "cache")
+    adapters = ReplicaAdapters(source, admin, "http://replica", 16, 3)
+    return ReplicaUnderTest(adapters, vllm, store, tmp_path / "cache")
 
 
 @pytest.fixture

@@ -10,10 +10,10 @@ Adapters are Ray Serve's multiplexed models: Ray routes a request for ``<base>:<
 the publish the store has now, ``replica_adapters.routing_id``) to a replica that holds it, and this
 replica loads it on its first request, read from the dynamic LoRA path through the same
 checksum-verified cache the pool uses (``inference.adapter_source``): on another host, that path is
-S3, never a folder on the publisher's disk. Ray evicts the least recently used adapter past
-``max_num_adapters_per_replica``; the unload waits for the adapter's requests to end (Ray's own
-eviction does not). A deleted adapter leaves within seconds, and a cached copy leaves with its
-adapter (``inference.ray_serve.replica_adapters``); the replica's cache goes with the replica.
+S3, never a folder on the publisher's disk. Which adapters a full replica keeps is decided as on the
+pool, fairly between organizations (``inference.ray_serve.replica_adapters``), and an unload waits
+for the adapter's requests to end. A deleted adapter leaves within seconds, and a cached copy leaves
+with its adapter; the replica's cache goes with the replica.
 
 A mix (``adapters``) comes with its request (``answer``'s ``mix``, the parts at the versions the
 ingress saw published), routed by its first part's id, and is computed in the kernel as on the pool:
@@ -34,6 +34,7 @@ import socket
 import tempfile
 import time
 from collections import Counter
+from contextvars import ContextVar
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,7 +55,13 @@ from inference.background_turns import BackgroundTurns
 from inference.engine_contract import REPORT_PATH, computes_mixes
 from inference.metrics import Metrics
 from inference.ray_serve.app_metrics import ReplicaReport
-from inference.ray_serve.replica_adapters import ReplicaAdapters, ServedAdapter, routing_id, served_name
+from inference.ray_serve.replica_adapters import (
+    ROUTING_MEMORY,
+    ReplicaAdapters,
+    ServedAdapter,
+    routing_id,
+    served_name,
+)
 from inference.replica import batch_slots, start_vllm_server, stop_vllm_server, vllm_environment
 
 log = logging.getLogger("inference.ray_serve.replica")
@@ -63,6 +70,8 @@ STARTED = "started"
 ENGINE_START_TIMEOUT_S = 900.0
 _POLL_S = 0.5
 _ADMIN_TIMEOUT_S = 60.0
+# Whose request is loading an adapter: Ray's loader runs in the request's own task, but takes the id only.
+_ORGANIZATION: ContextVar[str | None] = ContextVar("organization", default=None)
 
 
 @dataclass(frozen=True)
@@ -103,9 +112,9 @@ class VllmReplica:
         from ray import serve
 
         async def load(multiplexed_id: str) -> ServedAdapter:  # a function: Serve keeps its LRU cache on it
-            return await self.adapters.load(multiplexed_id)
+            return await self.adapters.load(multiplexed_id, _ORGANIZATION.get())
 
-        self.adapter = serve.multiplexed(max_num_models_per_replica=capacity)(load)
+        self.adapter = serve.multiplexed(max_num_models_per_replica=capacity * ROUTING_MEMORY)(load)
 
     def _wait_until_ready(self) -> None:
         """Serve counts the replica as starting until this returns: no request reaches it before."""
@@ -152,7 +161,7 @@ class VllmReplica:
             self.adapters.slots.started(adapter)
 
         try:
-            await self._hold(routed_as, mix, uses)
+            await self._hold(routed_as, mix, organization, uses)
             if routed_as:
                 await self._batch_turn(name, organization)
                 self.inflight_by_model[name] += 1
@@ -180,23 +189,30 @@ class VllmReplica:
             for adapter in held:
                 self.adapters.slots.finished(adapter)
 
-    async def _hold(self, routed_as: str, mix: Mix | None, uses: Callable[[str], None]) -> None:
+    async def _hold(self, routed_as: str, mix: Mix | None, organization: str | None, uses: Callable[[str], None]) -> None:
         """Make the engine hold what the request names: its adapter (``routed_as``, Ray's multiplexed
         model), or a mix's parts and manifest; ``uses`` each, once held."""
+        _ORGANIZATION.set(organization)  # for Ray's loader (this task's context only)
         if mix is None:
             if routed_as:
-                await self.adapter(routed_as)
+                await self._hold_adapter(routed_as, organization)
                 uses(served_name(routed_as))
             return
         if not computes_mixes(self.lora_kernels):
             raise api_errors.mix_not_supported(self.model.id, (self.lora_kernels or {}).get("reason") or "")
         if len(mix.parts) > batch_slots(self.model):  # it would never fit: say so now
             raise api_errors.mix_too_many_parts(len(mix.parts), batch_slots(self.model))
-        for part in mix.parts:  # Ray evicts its least recently used adapter past the replica's capacity
-            await self.adapter(routing_id(part.pinned, part.version))
+        for part in mix.parts:
+            await self._hold_adapter(routing_id(part.pinned, part.version), organization)
             uses(part.pinned)
-        await self.adapters.hold_mix(mix)
+        await self.adapters.hold_mix(mix, organization)
         uses(mix.name)
+
+    async def _hold_adapter(self, multiplexed_id: str, organization: str | None) -> None:
+        """Ray's cache first (it routes by it), then the replica's own slots, which may have let the
+        adapter go since Ray loaded it (``ReplicaAdapters.ensure``: at once when held)."""
+        await self.adapter(multiplexed_id)
+        await self.adapters.ensure(multiplexed_id, organization)
 
     async def _batch_turn(self, name: str, organization: str | None) -> None:
         """Return when the organization's request for ``name`` (an adapter or a mix) may start here:
@@ -219,7 +235,7 @@ class VllmReplica:
     async def preload(self) -> str:
         """Load the request's adapter here (the replica Ray routes its name to); its name."""
         routed_as = _multiplexed_model_id()
-        await self.adapter(routed_as)
+        await self._hold_adapter(routed_as, None)
         return served_name(routed_as)
 
     async def metrics_report(self) -> ReplicaReport:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import logging
 import sys
 from urllib.parse import urlsplit
@@ -33,6 +34,10 @@ def build_adapter_manager(
 
 
 def main() -> int:
+    # No options: its settings are the platform's environment (docs/operations.md); --help says so.
+    argparse.ArgumentParser(
+        prog="python -m inference", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    ).parse_args()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per health check is noise
     try:

@@ -10,6 +10,7 @@ with it.
 
 from __future__ import annotations
 
+import argparse
 import logging
 import signal
 import sys
@@ -22,6 +23,11 @@ from inference.ray_serve import cluster
 
 
 def main() -> int:
+    # No options: its settings are the platform's environment (docs/operations.md); --help says so.
+    argparse.ArgumentParser(
+        prog="python -m inference.ray_serve", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    ).parse_args()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         config = load_config()

@@ -138,7 +138,7 @@ class _VllmAnswerOnRay:
     def answer(self):
         return self
 
-    def remote(self, endpoint: str, body: bytes, background: bool, organization: str | None):
+    def remote(self, endpoint: str, body: bytes, background: bool, organization: str | None, mix: object = None):
         from inference.ray_serve.replica import STARTED, Head
 
         return _Answer([STARTED, Head(self.status, "application/json"), self.body])

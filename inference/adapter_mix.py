@@ -82,6 +82,13 @@ async def published_mix(source: AdapterSource, base_id: str, scales: dict[str, f
     return Mix(base_id, tuple(parts))
 
 
+def refuse_past_batch_slots(needs: tuple[str, ...], slots: int) -> None:
+    """A kernel mix takes a batch slot per part: one needing more than the batch has would never
+    start, so it is refused at once (400 ``mix_too_many_parts``)."""
+    if len(needs) > slots:
+        raise api_errors.mix_too_many_parts(len(needs), slots)
+
+
 def mix_folder(cache_dir: Path, mix: Mix, in_kernel: bool = False) -> Path:
     """A built mix's adapter in an adapter cache, or a kernel mix's manifest (apart: replicas of both
     kinds may serve it)."""

@@ -49,7 +49,7 @@ from core.adapter_store import identity_of_folder
 from core import api_errors
 from core.catalog import BaseModel
 from core.model_names import pinned_name
-from inference.adapter_mix import Mix, manifest_folder, mix_folder, published_mix
+from inference.adapter_mix import Mix, manifest_folder, mix_folder, published_mix, refuse_past_batch_slots
 from inference.adapter_slots import AdapterSlots, HeldAdapter, OwnAdaptersBusy, Victim, fits_batch_slots
 from inference.adapter_source import AdapterSource
 from core.lora_algebra import CannotMix, Part, rank_of, write_combined
@@ -186,8 +186,7 @@ class AdapterManager:
         the request before it yields (``Replica.begin``), so that the next one counts it."""
         slots = replica.adapters
         needs = mix.part_names if mix is not None and replica.mixes_in_kernel else (name,)
-        if len(needs) > batch_slots(replica.model):  # it would never fit: say so now
-            raise api_errors.mix_too_many_parts(len(needs), batch_slots(replica.model))
+        refuse_past_batch_slots(needs, batch_slots(replica.model))
 
         def may_start() -> bool:
             return self._fits_batch_slots(replica, needs) and (

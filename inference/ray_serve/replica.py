@@ -47,7 +47,7 @@ from core.catalog import BaseModel
 from core.config import load_config
 from core.http_client import HttpClient, UpstreamError
 from core.internal_token import bearer
-from inference.adapter_mix import Mix
+from inference.adapter_mix import Mix, refuse_past_batch_slots
 from inference.adapter_slots import FairUse, fits_batch_slots
 from inference.adapter_source import AdapterSource
 from inference.adapters import BATCH_TURN_WAIT_S
@@ -200,8 +200,7 @@ class VllmReplica:
             return
         if not computes_mixes(self.lora_kernels):
             raise api_errors.mix_not_supported(self.model.id, (self.lora_kernels or {}).get("reason") or "")
-        if len(mix.parts) > batch_slots(self.model):  # it would never fit: say so now
-            raise api_errors.mix_too_many_parts(len(mix.parts), batch_slots(self.model))
+        refuse_past_batch_slots(mix.part_names, batch_slots(self.model))
         for part in mix.parts:
             await self._hold_adapter(routing_id(part.pinned, part.version), organization)
             uses(part.pinned)

@@ -22,6 +22,7 @@ from django.db import connection
 from django.utils import timezone
 
 from core.api_errors import ApiError
+from core.freed_memory import give_back_freed_memory
 from finetuning import publishing, storage
 from training_loops import futures
 from training_loops.futures import FORWARD_BACKWARD, JSON
@@ -75,6 +76,7 @@ def _serve(run: LoopRun, model: LoopModel) -> str:
             return "lost"  # failed by the sweeper meanwhile: nothing more is written
         popped = client.blpop([futures.ops_key(run.pk)], timeout=WAIT_S)
         if popped is None:
+            give_back_freed_memory()  # a run between requests holds its model, not its last step's activations
             session = LoopSession.objects.filter(pk=run.session_id).first()  # None: deleted with its organization
             if session is None or session.is_gone(timezone.now()) or time.monotonic() - idle_since > settings.CONFIG.loop_idle_s:
                 _end(run, RunStatus.STOPPED, "")

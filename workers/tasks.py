@@ -8,11 +8,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from celery.signals import task_postrun
 from django.conf import settings
 
 from base.celery import (
     COMPOSE_MODEL, DELIVER_WEBHOOK, GRADE_SAMPLE, HOLD_TRAINING_RUN, RUN_BATCH, RUN_EVAL, SWEEP_JOBS, TAKE_TRAINING_TURN, WORKER_REPORT, app,
 )
+
+from core.freed_memory import give_back_freed_memory
 
 if TYPE_CHECKING:
     from celery import Task
@@ -32,6 +35,13 @@ COMPOSITION_HARD_LIMIT_S = COMPOSITION_SOFT_LIMIT_S + 60
 # two cores. One still running after this fails, keeping the items it scored (``workers.run_eval``).
 EVAL_RUN_SOFT_LIMIT_S = 3600
 EVAL_RUN_HARD_LIMIT_S = EVAL_RUN_SOFT_LIMIT_S + 60
+
+
+@task_postrun.connect
+def _give_back_freed_memory(**_: object) -> None:
+    """A task's memory is freed when it ends, and glibc would keep it for the worker's life: a trainer
+    would hold gigabytes of a finished job's activations while it waits for the next."""
+    give_back_freed_memory()
 
 
 @app.task(name=WORKER_REPORT.name, queue=WORKER_REPORT.queue)

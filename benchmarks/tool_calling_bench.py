@@ -1,15 +1,16 @@
 """Function-calling fine-tune: how often the model calls the tool with the right argument for prompts
 no training line resembles, the base model against its fine-tune on 48 lines of OpenAI's format.
 
-    .venv/bin/python benchmarks/tool_calling_bench.py [--epochs 3] [--batch-size 4] [--learning-rate 1e-3]
-                                                      [--rank 16] [--dropout 0]
+    .venv/bin/python benchmarks/tool_calling_bench.py [--lines 48] [--epochs 3] [--batch-size 4]
+                                                      [--learning-rate 1e-3] [--rank 16] [--dropout 0]
+                                                      [--cities N]
 
-Trains with the platform's trainer on ``tests.tool_calling.weather_dataset(48)`` (one tool, a city its
+Trains with the platform's trainer on ``tests.tool_calling.weather_dataset(lines)`` (one tool, a city its
 argument), then asks every held-out city (``HELD_OUT_CITIES``: none in a training line, in phrasings
 no training line uses) greedily, the tools in the prompt as the engine renders them, with the tool
 choice left to the model (``auto``): a reply is right when it parses, as vLLM's hermes parser reads
 it, to exactly one call of get_weather with that city. The same prompts to the base model are the
-baseline. Generation here is PEFT's in float32, token for token the prompt the server renders
+baseline (``--cities 20``: the product test's sample of them). Generation here is PEFT's in float32, token for token the prompt the server renders
 (tests/test_tools_served.py); the product test asks the served model a fixed sample of the cities.
 """
 
@@ -62,10 +63,10 @@ def calls(reply: str) -> list[tuple[str, object]]:
     return found
 
 
-def right_calls(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase) -> tuple[int, list[str]]:
+def right_calls(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, cities: int | None) -> tuple[int, list[str]]:
     """How many held-out cities the model calls get_weather for, exactly, and the replies that missed."""
     right, missed = 0, []
-    for question, city in held_out_prompts(None):
+    for question, city in held_out_prompts(cities):
         prompt = render(tokenizer, [{"role": "user", "content": question}], [WEATHER_TOOL], add_generation_prompt=True)
         ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)
         with torch.no_grad():
@@ -80,30 +81,33 @@ def right_calls(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase) -> t
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lines", type=int, default=48)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--learning-rate", type=float, default=1e-3)  # the docs' multiplier of 5
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--dropout", type=float, default=0.0)
+    parser.add_argument("--cities", type=int, default=None, help="held-out cities asked (default: all)")
     args = parser.parse_args()
 
-    records = [parse_example(line)[0] for line in weather_dataset(48).decode().splitlines()]
+    records = [parse_example(line)[0] for line in weather_dataset(args.lines).decode().splitlines()]
     config = TrainingConfig(
         base_model_path=WEIGHTS, base_model_id=BASE, n_epochs=args.epochs, batch_size=args.batch_size,
         learning_rate=args.learning_rate, lora_r=args.rank, lora_alpha=2 * args.rank, lora_dropout=args.dropout,
     )
     tokenizer = load_tokenizer(WEIGHTS)
     base = AutoModelForCausalLM.from_pretrained(WEIGHTS, dtype=torch.float32).eval()
-    base_right, _ = right_calls(base, tokenizer)
+    base_right, _ = right_calls(base, tokenizer, args.cities)
     with tempfile.TemporaryDirectory() as folder:
         started = time.perf_counter()
         result = train(config, records, None, Path(folder), _Quiet())
         trained_s = time.perf_counter() - started
         tuned = PeftModel.from_pretrained(base, result.adapter_dir).eval()
-        tuned_right, missed = right_calls(tuned, tokenizer)
+        tuned_right, missed = right_calls(tuned, tokenizer, args.cities)
 
-    total = len(held_out_prompts(None))
-    print(f"function calling on {total} held-out cities, tool_choice auto (48 training lines, {trained_s:.0f} s to train)")
+    total = len(held_out_prompts(args.cities))
+    print(f"function calling on {total} held-out cities, tool_choice auto ({args.lines} training lines x {args.epochs} "
+          f"epochs, {result.steps} steps, {trained_s:.0f} s to train)")
     print(f"    {'model':<12}{'right':>8}{'share':>8}")
     print(f"    {'base':<12}{base_right:>8}{base_right / total:>8.0%}")
     print(f"    {'fine-tune':<12}{tuned_right:>8}{tuned_right / total:>8.0%}")

@@ -7,7 +7,8 @@ either a function that replaces vLLM's outright, or a wrapper given vLLM's own m
 - ``KERNELS``: wherever our kernels run (``inference.engine.install``, after the signatures and the
   known-answer step of ``inference.engine.check`` pass);
 - ``HELD_IN_HALF``: with the C kernel too, which reads adapter weights in half precision only;
-- ``MIXES``: only once the mixed known-answer step passes as well (mixes computed in the kernel).
+- ``MIXES``: only once the mixed known-answer step passes as well (mixes computed in the kernel);
+- ``SERVER``: in the server's own process, whatever the kernels (``inference.engine.server``).
 
 Nothing else in the engine sets an attribute on a vLLM class: this module patches them all
 (``patch_kernels``, ``patch``), and only after the checks have passed.
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from inference.engine import compute, hooks, mixes
+from inference.engine import compute, hooks, mixes, process_start
 from inference.engine.gemv import LoraGemv
 
 PUNICA_CPU = "vllm.lora.punica_wrapper.punica_cpu.PunicaWrapperCPU"  # computes LoRA on vLLM's CPU platform
@@ -30,12 +31,14 @@ WORKER_MANAGER = "vllm.lora.worker_manager.LRUCacheWorkerLoRAManager"  # the eng
 EMBEDDING = "vllm.lora.layers.VocabParallelEmbeddingWithLoRA"  # a vocabulary-sized slot per adapter
 LOGITS = "vllm.lora.layers.LogitsProcessorWithLoRA"  # likewise
 SERVING_MODELS = "vllm.entrypoints.openai.models.serving.OpenAIServingModels"  # the server's adapter names
+CPU_PLATFORM = "vllm.platforms.cpu.CpuPlatform"  # vLLM's CPU platform: how its engine process starts
 
 
 class When(Enum):
     KERNELS = "our kernels run"
     HELD_IN_HALF = "the C kernel computes"
     MIXES = "mixes are computed in the kernel"
+    SERVER = "the server starts its engine"
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,9 @@ TABLE: tuple[Row, ...] = (
         "puts a step's mixes' parts in slots in their stead and keeps what the mapping said for the plan"),
     Row(SERVING_MODELS, "load_lora_adapter", mixes.wrap_load_lora_adapter, True, When.MIXES,
         "registers a mix's name in the server without waiting for the engine's step under way"),
+    Row(CPU_PLATFORM, "check_and_update_config", process_start.wrap_check_and_update_config, True, When.SERVER,
+        "the engine process is forked from the server, which has imported everything, instead of spawned "
+        "to import it all again (inference.engine.process_start)"),
 )
 
 

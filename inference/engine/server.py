@@ -1,9 +1,11 @@
 """vLLM's OpenAI server with this platform's CPU LoRA kernels (``inference.engine``).
 
-vLLM runs the model in processes it starts itself; with the ``spawn`` start method they import this
-module again (as ``__mp_main__``), so the kernels are decided at import time, in every one of them,
-before any engine serves: ``LORA_KERNELS``, vLLM's platform and the start-up check decide alike in
-each (each prints its own line). Imported under its own name (a test), it does nothing.
+vLLM runs the model in a process it starts itself, forked from this one
+(``inference.engine.process_start``), so it inherits the kernels decided and patched here at import
+time, before any engine serves. Where vLLM must spawn it instead (in a Ray actor), that process
+imports this module again (as ``__mp_main__``) and decides alike from ``LORA_KERNELS``, vLLM's
+platform and the start-up check (each prints its own line). Imported under its own name (a test),
+it does nothing.
 
 The server also answers ``GET /fineserve/lora-kernels`` with what was decided
 (``inference.engine.report``), for the pool's /health and /metrics. The pool launches it by name
@@ -102,7 +104,15 @@ if __name__ in ("__main__", "__mp_main__"):  # the server, or a process vLLM spa
     # First (importing vLLM takes seconds): the server stops with whoever started it, and the
     # engine process it spawns with the server, however either dies (a SIGKILL runs no shutdown).
     stop_with_parent()
-    install_kernels()
+    if __name__ == "__main__":
+        from inference.engine.process_start import one_thread
+        from inference.engine.replacements import When, patch, resolve
+
+        with one_thread():  # no OpenMP thread pool when the engine process is forked
+            install_kernels()
+        patch(resolve([When.SERVER]))  # forked: it inherits the kernels decided here
+    else:
+        install_kernels()
 
 if __name__ == "__main__":
     serve()

@@ -27,6 +27,7 @@ import pytest
 import redis
 
 from core.adapter_store import S3AdapterStore
+from inference.ray_serve.cluster import make_private_token
 from finetuning.models import JobStatus
 from tests.fine_tuning_jobs import wait_for_job
 from tests.inference_fixtures import BASE, catalog_text
@@ -73,14 +74,14 @@ def test_two_trainers_and_two_ray_nodes_share_only_the_database_redis_and_s3(
         headers = {"Authorization": f"Bearer {alice.key}"}
         uploaded = httpx.post(
             f"{web}/v1/files", headers=headers, data={"purpose": "fine-tune"},
-            files={"file": ("train.jsonl", good_dataset(12))}, timeout=60,
+            files={"file": ("train.jsonl", good_dataset(10))}, timeout=60,
         )
         assert uploaded.status_code == 200, uploaded.text
         body = {
             "model": BASE,
             "training_file": uploaded.json()["id"],
             "suffix": "fleet",
-            "hyperparameters": {"n_epochs": 3, "batch_size": 2},
+            "hyperparameters": {"n_epochs": 2, "batch_size": 2},  # A is killed after epoch 1 of 5 steps
         }
         job_id = httpx.post(f"{web}/v1/fine_tuning/jobs", json=body, headers=headers, timeout=60).json()["id"]
         sweeper = celery_worker_command("default", "sweeper-hosts", "--beat", "--schedule", str(tmp_path / "beat"))
@@ -99,6 +100,7 @@ def test_two_trainers_and_two_ray_nodes_share_only_the_database_redis_and_s3(
 
         # --- two Ray nodes: the model answers from S3; a node stops, traffic moves --------------
         head_port = free_port()
+        make_private_token()  # docs/serving.md's first step on the head: the cluster's token, once
         stack.enter_context(
             ray_node(["--head", f"--port={head_port}", "--num-cpus=1", "--include-dashboard=false"], host["a"])
         )

@@ -11,6 +11,7 @@ import sys
 from urllib.parse import quote
 
 import pytest
+from django.conf import settings as django_settings
 from django.db import connection
 
 from base.celery import app as celery_app
@@ -30,6 +31,8 @@ pytest.register_assert_rewrite(
 
 # Celery reads its settings once, lazily: read them now, before a test overrides Django settings.
 _ = celery_app.conf.broker_url
+# Passwords hashed at one iteration (tests/quick_passwords.py says why), in this process only.
+django_settings.PASSWORD_HASHERS = ["tests.quick_passwords.OneIterationPBKDF2PasswordHasher"]
 
 
 def _url_of(settings_dict: dict) -> str:

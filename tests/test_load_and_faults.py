@@ -1,9 +1,10 @@
 """Faults under load, with real processes: the session's vLLM replica, pool and web gateway.
 
 Streaming chat clients over four adapters and the base model, and API clients creating, listing
-and cancelling jobs, while an adapter is republished and then the replica is SIGKILLed. Every
-request must be answered correctly or refused cleanly (``tests.load`` says what each means), and
-no job may be lost. ``benchmarks/load_and_faults.py`` runs the same at full size and prints the
+and cancelling jobs, while an adapter is republished and then the replica's server is SIGKILLed
+(a crash: no shutdown runs). Every request must be answered correctly or refused cleanly
+(``tests.load`` says what each means), no job may be lost, and the crashed server's engine process
+must not outlive it (it would hold its memory and a core, beside the engine that replaces it). ``benchmarks/load_and_faults.py`` runs the same at full size and prints the
 table; here it is small, so the suite stays short.
 """
 
@@ -16,6 +17,7 @@ import signal
 import uuid
 
 import httpx
+import psutil
 import pytest
 from django.conf import settings
 
@@ -39,6 +41,14 @@ def _replica() -> dict:
     return httpx.get(f"{settings.INFERENCE_POOL_URL}/health", headers=internal_headers()).json()["replicas"][0]
 
 
+def _alive(process: psutil.Process) -> bool:
+    """Running, not a zombie: an orphan's parent in a container may never reap it."""
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 @pytest.fixture
 def no_trainer():
     """The scenario measures the web process and the pool: the jobs its clients create (and cancel)
@@ -57,23 +67,27 @@ def test_under_load_every_request_is_answered_or_refused_cleanly_through_a_repub
     names = [publish_fine_tuned_model(alice, f"load{i}-{uuid.uuid4().hex[:6]}", make_adapter(seed=50 + i)) for i in range(4)]
     training_file = alice.client.files.create(file=("train.jsonl", good_dataset(10)), purpose="fine-tune").id
     replica = _replica()
+    engines: list[psutil.Process] = []
 
     def republish_while_streaming() -> None:
         adapter_store().publish(names[0], make_adapter(seed=60))
 
     def kill_the_replica() -> None:
-        os.killpg(replica["pid"], signal.SIGKILL)
+        engines.extend(psutil.Process(replica["pid"]).children())
+        os.kill(replica["pid"], signal.SIGKILL)  # the server alone, as a crash would
 
     report = asyncio.run(run_load(
         gateway, alice.api_key, [BASE, *names], chat_clients=12, duration_s=30, job_clients=2,
         training_file=training_file,
-        faults=[Fault(8, "republish an adapter", republish_while_streaming), Fault(16, "SIGKILL the replica", kill_the_replica)],
+        faults=[Fault(8, "republish an adapter", republish_while_streaming), Fault(16, "SIGKILL the server", kill_the_replica)],
     ))
     print(report.summary())
     assert report.lost() == [], report.lost()[:5]
     assert report.count("answered") >= 12  # the load ran...
     assert report.count("refused") + report.count("cut") > 0  # ...and the kill was felt, cleanly
     assert report.job_calls["lost"] == 0 and report.jobs_created > 0 and report.lost_jobs == []
+    assert engines, "the replica's server had started no engine process"
+    wait_until(lambda: not any(map(_alive, engines)), 60, "the crashed server's engine process to stop")
     wait_until(lambda: _replica()["healthy"], 300, "the killed replica to be restarted")
     answer = alice.client.chat.completions.create(model=names[0], messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
     assert answer.choices[0].message.content  # the republished adapter loads on the new engine

@@ -36,8 +36,8 @@ def stop_with_parent() -> None:
         return
     parent = os.getppid()
     ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    if parent == 1:  # the pool died before the line above: nobody would ever stop this server
-        sys.exit(1)
+    if parent == 1:  # the parent died before the line above: nobody would ever stop this process
+        os._exit(1)  # not sys.exit: an exception in a fork hook (below) is printed and ignored
 
 
 def install_kernels() -> None:
@@ -105,6 +105,9 @@ if __name__ in ("__main__", "__mp_main__"):  # the server, or a process vLLM spa
     # engine process it spawns with the server, however either dies (a SIGKILL runs no shutdown).
     stop_with_parent()
     if __name__ == "__main__":
+        # A forked process does not inherit the line above (a fork clears it), and runs no module:
+        # the engine process vLLM forks asks for it here, or outlives a server killed by SIGKILL.
+        os.register_at_fork(after_in_child=stop_with_parent)
         from inference.engine.process_start import one_thread
         from inference.engine.replacements import When, patch, resolve
 

@@ -84,7 +84,8 @@ def connect(runtime_env: dict[str, Any]) -> None:
     if not joins_a_cluster():  # a Ray of its own
         make_private_token()
         hook = {"worker_process_setup_hook": f"{__name__}.{keep_serve_replicas_on_loopback.__name__}"}
-        ray.init(runtime_env={**runtime_env, **hook}, include_dashboard=False)
+        # "local": without it, ray.init() joins the last cluster `ray start` ran on this host instead
+        ray.init(address="local", runtime_env={**runtime_env, **hook}, include_dashboard=False)
         return
     try:
         ray.init(runtime_env=runtime_env)  # RAY_ADDRESS names the cluster

@@ -4,8 +4,9 @@ Streaming chat clients over four adapters and the base model, and API clients cr
 and cancelling jobs, while an adapter is republished and then the replica's server is SIGKILLed
 (a crash: no shutdown runs). Every request must be answered correctly or refused cleanly
 (``tests.load`` says what each means), no job may be lost, and the crashed server's engine process
-must not outlive it (it would hold its memory and a core, beside the engine that replaces it). ``benchmarks/load_and_faults.py`` runs the same at full size and prints the
-table; here it is small, so the suite stays short.
+must not outlive it (it would hold its memory and a core, beside the engine that replaces it).
+``benchmarks/load_and_faults.py`` runs the same load at full size (killing the replica's whole
+process group) and prints the table; here it is small, so the suite stays short.
 """
 
 # ruff: noqa: F811 (pytest fixtures are imported from tests.inference_fixtures, then named as arguments)

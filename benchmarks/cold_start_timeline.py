@@ -1,6 +1,6 @@
 """Where a replica's cold start goes: the timeline from the spawn of its process to its first tokens.
 
-    .venv/bin/python benchmarks/cold_start_timeline.py [--rounds 3]
+    .venv/bin/python benchmarks/cold_start_timeline.py [--rounds 3] [--wakes 5]
 
 Starts one vLLM replica of the repository catalog's first model as the pool starts it
 (``inference.replica.vllm_command`` and ``vllm_environment``), reads its output line by line as it
@@ -10,6 +10,12 @@ outside, ``/health`` answering, the first streamed token of a base-model complet
 adapter's load and first streamed token. Prints the median over rounds of each milestone's time
 since the spawn and of the step from the milestone before; every round's whole output, stamped,
 goes to the scratch folder for a closer look.
+
+Then, on the last round's replica, sleep against stop (``idle = "sleep"``, docs/serving.md): the
+replica is put to sleep and woken for a streamed request, as the pool does, ``--wakes`` times for the
+base model and as many for the adapter; printed: the medians from the wake's request to the first
+token, beside the cold start's, and the replica's resident memory (server and engine) awake and
+asleep.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT)]  # the repository's packages, for the imports below
@@ -35,6 +42,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from core.config import load_config
 from core.internal_token import bearer
+from inference.engine_contract import SLEEP_PATH, WAKE_PATH
 from inference.replica import vllm_command, vllm_environment
 from tests.inference_fixtures import AdapterMaker
 
@@ -103,7 +111,29 @@ def _first_streamed_token(url: str, headers: dict[str, str], model: str) -> None
     raise RuntimeError(f"{model} streamed no token")
 
 
-def one_round(model, api_key: str, adapter: Path, log: Path) -> dict[str, float]:
+def _resident_gib(pid: int) -> float:
+    """The server's and its engine's memory: proportional set sizes, so the pages the forked engine
+    shares with the server count once."""
+    server = psutil.Process(pid)
+    return sum(process.memory_full_info().pss for process in [server, *server.children(recursive=True)]) / 2**30
+
+
+def sleep_and_wake(url: str, headers: dict[str, str], pid: int, models: list[str], wakes: int) -> dict[str, list[float]]:
+    """Asleep, then woken for each model's streamed request, ``wakes`` times: seconds from the
+    request to its first token (the wake included), and the memory awake and asleep."""
+    found: dict[str, list[float]] = {"awake GiB": [_resident_gib(pid)], "asleep GiB": []}
+    for _ in range(wakes):
+        for model in models:
+            httpx.post(f"{url}{SLEEP_PATH}", headers=headers, timeout=60).raise_for_status()
+            found["asleep GiB"].append(_resident_gib(pid))
+            requested = time.monotonic()
+            httpx.post(f"{url}{WAKE_PATH}", headers=headers, timeout=60).raise_for_status()
+            _first_streamed_token(url, headers, model)
+            found.setdefault(model, []).append(time.monotonic() - requested)
+    return found
+
+
+def one_round(model, api_key: str, adapter: Path, log: Path, wakes: int = 0) -> dict[str, float]:
     url, headers = f"http://127.0.0.1:{PORT}", {"Authorization": bearer(api_key)}
     started = time.monotonic()
     process = subprocess.Popen(
@@ -124,6 +154,9 @@ def one_round(model, api_key: str, adapter: Path, log: Path) -> dict[str, float]
         seen["an adapter loaded"] = time.monotonic() - started
         _first_streamed_token(url, headers, ADAPTER)
         seen["the adapter's first streamed token"] = time.monotonic() - started
+        if wakes:
+            for name, values in sleep_and_wake(url, headers, process.pid, [model.id, ADAPTER], wakes).items():
+                seen[f"wake: {name}"] = statistics.median(values)
         return {**output.milestones(), **seen}
     finally:
         os.killpg(process.pid, 15)
@@ -134,6 +167,7 @@ def one_round(model, api_key: str, adapter: Path, log: Path) -> dict[str, float]
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--wakes", type=int, default=5, help="sleeps and wakes per model on the last round's replica")
     args = parser.parse_args()
     config = load_config()
     model = config.catalog().models[0]
@@ -141,10 +175,13 @@ def main() -> None:
     adapter = AdapterMaker(scratch)(seed=1)
     rounds = []
     for number in range(1, args.rounds + 1):
-        rounds.append(one_round(model, config.internal_token, adapter, scratch / f"round-{number}.log"))
+        wakes = args.wakes if number == args.rounds else 0
+        rounds.append(one_round(model, config.internal_token, adapter, scratch / f"round-{number}.log", wakes))
         print(f"  round {number}: ready in {rounds[-1]['/health answers']:.1f} s", flush=True)
 
-    names = [name for name, _ in LOGGED] + list(rounds[0])[-4:]
+    names = [name for name, _ in LOGGED] + [
+        name for name in rounds[0] if name not in dict(LOGGED) and not name.startswith("wake: ")
+    ]
     print(f"\n{model.id}, {args.rounds} rounds (medians); each round's output, stamped: {scratch}")
     print(f"{'milestone':<52}{'s since spawn':>15}{'step s':>9}")
     before = 0.0
@@ -156,6 +193,15 @@ def main() -> None:
         at = statistics.median(times)
         print(f"{name:<52}{at:>15.2f}{at - before:>9.2f}")
         before = at
+    woken = rounds[-1]
+    if "wake: asleep GiB" in woken:
+        cold = rounds[-1]["the base model's first streamed token"]
+        print(f"\nsleep against stop, {args.wakes} wakes per model (medians): from the request to the first streamed token")
+        print(f"{'':<40}{'woken s':>9}{'started s':>11}{'ratio':>8}")
+        for model_name, label in ((model.id, "the base model"), (ADAPTER, "the adapter")):
+            started_s = cold if model_name == model.id else rounds[-1]["the adapter's first streamed token"]
+            print(f"{label:<40}{woken[f'wake: {model_name}']:>9.2f}{started_s:>11.2f}{started_s / woken[f'wake: {model_name}']:>8.0f}x")
+        print(f"the replica's memory: {woken['wake: awake GiB']:.2f} GiB awake, {woken['wake: asleep GiB']:.2f} GiB asleep")
     print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} (other work included)")
 
 

@@ -72,6 +72,13 @@ class Autoscaling:
     target_ongoing_requests: int
     downscale_delay_s: float
     cold_start_wait_s: float
+    # What an idle replica past the minimum does (one of IDLE_CHOICES): "sleep" keeps its process and
+    # gives its engine's KV cache back (the next request wakes it in about a second); "stop" ends its
+    # process (the next request starts one: about 20 s on a CPU). docs/serving.md compares them.
+    idle: str = "sleep"
+
+
+IDLE_CHOICES = ("sleep", "stop")
 
 
 BACKENDS = ("embedded", "ray")  # who serves a model: the embedded pool, or Ray Serve (inference.ray_serve)
@@ -136,6 +143,13 @@ class _Table:
             raise ConfigError(f"{self.where}.{key} must be a {kind.__name__}, not {value!r}")
         return value
 
+    def one_of(self, key: str, choices: tuple[str, ...]) -> str:
+        """One of ``choices``; the first when absent."""
+        value = self.get(key, str, choices[0])
+        if value not in choices:
+            raise ConfigError(f"{self.where}.{key} must be one of {', '.join(map(repr, choices))}, not {value!r}")
+        return value
+
     def positive(self, key: str, default: Any = ...) -> int:
         return self.at_least(key, 1, default)
 
@@ -181,9 +195,7 @@ def _parse_model(table: _Table, data_dir: Path, default_lora_path: str, catalog_
     engine = table.table("engine")
     scaling = table.table("autoscaling")
     replicas = table.get("replicas", int, 1)
-    backend = table.get("backend", str, BACKENDS[0])
-    if backend not in BACKENDS:
-        raise ConfigError(f"{table.where}.backend must be one of {', '.join(map(repr, BACKENDS))}, not {backend!r}")
+    backend = table.one_of("backend", BACKENDS)
     return BaseModel(
         id=model_id,
         backend=backend,
@@ -209,6 +221,7 @@ def _parse_model(table: _Table, data_dir: Path, default_lora_path: str, catalog_
             target_ongoing_requests=scaling.positive("target_ongoing_requests", 16),
             downscale_delay_s=scaling.positive("downscale_delay_s", 600),
             cold_start_wait_s=scaling.at_least("cold_start_wait_s", 0, 60),
+            idle=scaling.one_of("idle", IDLE_CHOICES),
         ),
         tools=_parse_tools(table.table("tools"), catalog_folder),
     )
@@ -243,6 +256,7 @@ def catalog_entry(model: BaseModel, data_dir: Path, default_lora_path: str) -> d
         "target_ongoing_requests": scaling.target_ongoing_requests,
         "downscale_delay_s": _whole_if_whole(scaling.downscale_delay_s),
         "cold_start_wait_s": _whole_if_whole(scaling.cold_start_wait_s),
+        "idle": scaling.idle,
     }
     if model.tools is not None:
         entry["tools"] = {"parser": model.tools.parser}

@@ -3,6 +3,7 @@ can check before it starts a replica that would not fit.
 
 A replica holds the weights at the engine's dtype, the KV cache the catalog gives it (the CPU engine
 allocates and touches it whole at start), and what the process itself costs whatever the model.
+Asleep (``idle = "sleep"``), it has given the KV cache back: waking needs that much again.
 Adapters are not counted: ``max_num_adapters_per_replica`` of them at ``max_lora_rank`` are small
 next to these (a rank-16 adapter of SmolLM2-135M is about 10 MB in float32).
 """
@@ -102,4 +103,17 @@ def fit_refusal(model: BaseModel) -> str | None:
         f"a replica of the catalog entry `{model.id}` needs {_gib(needed.total_bytes)} GiB "
         f"({needed.describe()}), and this machine has {_gib(free)} GiB available: lower its kv_cache_space_gib, "
         "stop other work, or serve it on a larger machine"
+    )
+
+
+def wake_refusal(model: BaseModel) -> str | None:
+    """Why an asleep replica of ``model`` must not wake now (its KV cache would not fit the machine's
+    free memory), or None."""
+    needed, free = int(model.engine.kv_cache_space_gib * GIB), available_bytes()
+    if free is None or needed <= free:
+        return None
+    return (
+        f"an asleep replica of the catalog entry `{model.id}` needs {_gib(needed)} GiB for its KV cache to wake, "
+        f"and this machine has {_gib(free)} GiB available: lower its kv_cache_space_gib, stop other work, "
+        "or serve it on a larger machine"
     )

@@ -153,8 +153,8 @@ class ModelCard(BaseModel):
     # A fine-tuned model's revision: the one its name answers with (``<id>@r<N>`` pins one)
     revision: int | None = None
     # Whether it runs now, as the pool says: {"state": "loaded" (on "replicas" replicas), "ready"
-    # (a fine-tune whose base runs: loads on its first request), "starting" or "cold" (scaled to
-    # zero: its next request starts a replica)}; None when the pool does not answer
+    # (a fine-tune whose base runs: loads on its first request), "waking", "starting", "asleep" or
+    # "cold" (scaled to zero: its next request wakes or starts a replica)}; None when the pool does not answer
     serving: dict[str, Any] | None = None
 
 

@@ -44,7 +44,7 @@ from inference.adapter_mix import Mix, requested_scales
 from inference.adapters import AdapterManager, ReplicaUnavailable
 from inference.background_turns import BACKGROUND_POLL_S
 from inference.metrics import CountedRequest, Metrics
-from inference.pool import Pool
+from inference.pool import IDLE_STATES, Pool
 from inference.replica import Replica
 from inference.router import choose_replica
 from inference.served_model import served_model
@@ -104,7 +104,7 @@ class CompletionsHandler:
         pinned, version = await self.adapters.pinned(base.id, model)
         replica = choose_replica(self.pool.ready(base.id), pinned, True)
         if replica is None:
-            cold = self.pool.model_states()[base.id]["state"] == "cold"
+            cold = self.pool.model_states()[base.id]["state"] in IDLE_STATES
             raise api_errors.model_cold(base.id) if cold else api_errors.no_replica(base.id)
         try:
             await self.adapters.ensure(replica, pinned, version)

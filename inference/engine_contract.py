@@ -33,6 +33,14 @@ REPORT_PATH = "/fineserve/lora-kernels"
 REPORT_MIDDLEWARE = "inference.engine.report.LoraKernelsReport"
 
 
+# --- sleep: an idle replica gives its KV cache back and keeps its process ---------------------------
+
+SLEEP_PATH = "/fineserve/sleep"  # POST: {"asleep": true} once the engine sleeps
+WAKE_PATH = "/fineserve/wake"  # POST: {"asleep": false} once it is awake
+# The import path vLLM's --middleware takes for the two routes above (``inference.engine.sleep_routes``).
+SLEEP_MIDDLEWARE = "inference.engine.sleep_routes.SleepRoutes"
+
+
 @dataclass(frozen=True)
 class KernelsState:
     """What the engine decided in its process (``inference.engine.install``); the report's body is

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import importlib.metadata
 import logging
 import os
@@ -16,11 +17,11 @@ from pathlib import Path
 import httpx
 
 from core.catalog import BaseModel
-from core.memory_plan import fit_refusal
+from core.memory_plan import fit_refusal, wake_refusal
 from core.config import LORA_KERNELS_SETTING, REPO_ROOT
 from inference.adapter_slots import AdapterSlots, FairUse
 from inference.background_turns import BackgroundTurns
-from inference.engine_contract import REPORT_PATH, SERVER_MODULE, computes_mixes
+from inference.engine_contract import REPORT_PATH, SERVER_MODULE, SLEEP_PATH, WAKE_PATH, computes_mixes
 from inference.internal_auth import REPLICA_TOKEN_VARIABLE
 
 log = logging.getLogger("inference.replica")
@@ -32,6 +33,7 @@ _PROBE_TIMEOUT_S = 3.0
 _PROBE_FAILURES_TO_DOWN = 2
 _STOP_GRACE_S = 10.0
 _REFUSED_START_RETRY_S = 10.0  # a start refused for want of memory: memory may have been freed since
+_SLEEP_TIMEOUT_S = 30.0  # sleep and wake take well under a second; an engine busy past this is not well
 
 
 def batch_slots(model: BaseModel) -> int:
@@ -152,6 +154,17 @@ def stop_vllm_server(process: subprocess.Popen, grace_s: float = _STOP_GRACE_S) 
         process.wait()
 
 
+async def sleep_engine(client: httpx.AsyncClient, url: str) -> None:
+    """The replica's engine gives its KV cache back and keeps its process (``inference.engine.sleep``)."""
+    response = await client.post(f"{url}{SLEEP_PATH}", timeout=_SLEEP_TIMEOUT_S)
+    response.raise_for_status()
+
+
+async def wake_engine(client: httpx.AsyncClient, url: str) -> None:
+    response = await client.post(f"{url}{WAKE_PATH}", timeout=_SLEEP_TIMEOUT_S)
+    response.raise_for_status()
+
+
 @dataclass(eq=False)  # replicas are compared and hashed by identity
 class Replica:
     model: BaseModel
@@ -178,10 +191,16 @@ class Replica:
     # it is being stopped, and when it last started or ended a request (time.monotonic()).
     wanted: bool = True
     stopping_since: float | None = None
+    # Serverless with the process kept (``idle = "sleep"``): whether the pool wants its engine asleep
+    # (its KV cache given back, nothing routed here), and whether it is.
+    sleep_wanted: bool = False
+    asleep: bool = False
+    changing_sleep: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
     last_active_at: float = 0.0
-    woken_at: float | None = None  # started by a request that found its model cold; None once ready
-    # Why the last start was refused (``core.memory_plan.fit_refusal``: it would not fit the memory
-    # the machine had free); None: it was not. Looked at again every _REFUSED_START_RETRY_S.
+    woken_at: float | None = None  # woken or started by a request that found its model idle; None once ready
+    # Why the last start or wake was refused (``core.memory_plan.fit_refusal``, ``wake_refusal``: it
+    # would not fit the memory the machine had free); None: it was not. Looked at again every
+    # _REFUSED_START_RETRY_S (a start) or tick (a wake).
     start_refused: str | None = None
 
     def __post_init__(self) -> None:
@@ -256,9 +275,12 @@ class Replica:
 
     @property
     def state(self) -> str:
-        """ "ready", "starting" (wanted, not ready yet), "stopping", or "cold" (stopped: not wanted)."""
+        """ "ready", "asleep" (its process kept, its KV cache given back), "waking", "starting"
+        (wanted, not ready yet), "stopping", or "cold" (stopped: not wanted)."""
         if self.healthy:
             return "ready"
+        if self.asleep:
+            return "asleep" if self.sleep_wanted else "waking"
         if self.stopping_since is not None:
             return "stopping"
         return "starting" if self.wanted else "cold"
@@ -281,6 +303,7 @@ class Replica:
             self.adapters.clear()  # a new engine starts empty
             self.lora_kernels = None  # and decides its kernels again
             self.woken_at = None  # requests for it stop waiting: a crash is not a cold start
+            self.asleep = False  # a new engine starts awake (and falls asleep once ready, if wanted)
             self.restarts += 1
             self.next_start_at = now + self.backoff_s
             self.backoff_s = min(self.backoff_s * 2, _RESTART_BACKOFF_S[1])
@@ -305,7 +328,7 @@ class Replica:
             problem = f"health check failed ({exc!r})"
         if problem is None:
             self.failed_probes = 0
-            if not self.healthy:
+            if not self.healthy and not self.asleep:
                 await self._come_back(client)
             return
         # A busy engine can miss one slow health check; only a second miss takes it out of routing.
@@ -338,6 +361,41 @@ class Replica:
         except (httpx.HTTPError, ValueError):
             return None
 
+    async def sleep_or_wake(self, client: httpx.AsyncClient) -> None:
+        """Put an idle engine the pool wants asleep to sleep, or wake one it wants awake (a request
+        waits for it): called each tick, and at once by a request that finds its model asleep."""
+        if self.changing_sleep.locked():
+            return  # one change at a time; the next tick looks again
+        async with self.changing_sleep:
+            await self._sleep_or_wake(client)
+
+    async def _sleep_or_wake(self, client: httpx.AsyncClient) -> None:
+        if self.sleep_wanted and self.healthy and self.inflight == 0:
+            self.healthy, self.asleep = False, True  # before the await: nothing is routed here from now
+            try:
+                await sleep_engine(client, self.url)
+            except httpx.HTTPError as exc:
+                self.asleep = False  # the next probe routes here again
+                log.warning("replica %s for %s did not fall asleep (%r)", self.url, self.model.id, exc)
+                return
+            log.info("replica %s for %s is asleep", self.url, self.model.id)
+        elif not self.sleep_wanted and self.asleep and self.process is not None:
+            refusal = wake_refusal(self.model)
+            if refusal is not None:
+                if refusal != self.start_refused:
+                    log.error("replica %s not woken: %s", self.url, refusal)
+                self.start_refused = refusal  # the request waiting is told why; the next tick looks again
+                return
+            self.start_refused = None
+            try:
+                await wake_engine(client, self.url)
+            except httpx.HTTPError as exc:
+                log.warning("replica %s for %s did not wake (%r); next tick again", self.url, self.model.id, exc)
+                return
+            self.asleep = False
+            log.info("replica %s for %s is awake", self.url, self.model.id)
+            self.mark_ready()
+
     def _stop_without_waiting(self, now: float) -> None:
         """A replica the pool no longer wants: SIGTERM now, SIGKILL after the grace, reaped by a
         later call (the pool's loop never waits on a process)."""
@@ -350,6 +408,7 @@ class Replica:
         if self.stopping_since is None:
             self.stopping_since = now
             self.mark_down("stopping: idle")
+            self.asleep = False
             self.adapters.clear()
             self.lora_kernels = None
             self._signal(signal.SIGTERM)
@@ -373,6 +432,7 @@ class Replica:
             "managed": self.managed,
             "healthy": self.healthy,
             "state": self.state,
+            "asleep": self.asleep,
             "pid": self.process.pid if self.process else None,
             "restarts": self.restarts,
             "last_exit_code": self.last_exit_code,

@@ -595,7 +595,7 @@ def test_what_install_replaces_in_vllms_classes_is_the_table_and_nothing_else(vl
             name for name, value in vars(found).items() if callable(value) and not name.startswith(("__", "_fineserve"))
         }
         assert replaced == {row.method for row in replacements.TABLE if row.vllm_class == path}, path
-    assert len(replacements.TABLE) == 15 and len({row.vllm_class for row in replacements.TABLE}) == 7
+    assert len(replacements.TABLE) == 18 and len({row.vllm_class for row in replacements.TABLE}) == 8
 
 
 def test_mixes_are_computed_in_the_kernel_after_the_mixed_known_answer_step_passes(vllm_classes):

@@ -51,8 +51,8 @@ RAY_CATALOG = ROOT / "data" / "test" / "ray-models.toml"
 COLD_START_WAIT_S = 5  # a request waits this long for a starting replica: the first gets a 503
 
 
-def _catalog_text(backend: str = "ray", min_replicas: int = 0) -> str:
-    autoscaling = f"min_replicas = {min_replicas}\ntarget_ongoing_requests = 8\ndownscale_delay_s = 600\n"
+def _catalog_text(backend: str = "ray", min_replicas: int = 0, idle: str = "stop") -> str:
+    autoscaling = f'min_replicas = {min_replicas}\ntarget_ongoing_requests = 8\ndownscale_delay_s = 600\nidle = "{idle}"\n'
     return catalog_text(backend, autoscaling=autoscaling + f"cold_start_wait_s = {COLD_START_WAIT_S}")
 
 
@@ -85,6 +85,9 @@ def test_the_catalogs_autoscaling_becomes_serves_autoscaling_config(tmp_path):
     assert options["ray_actor_options"] == {"num_cpus": 1}
     assert options["max_ongoing_requests"] >= 8
     assert "/" not in options["name"]
+    # Scaled to zero asleep: Serve keeps one replica, whose engine sleeps while idle.
+    asleep = replica_options(_load(tmp_path, _catalog_text(min_replicas=0, idle="sleep")).get(BASE))
+    assert (asleep["autoscaling_config"]["min_replicas"], asleep["autoscaling_config"]["initial_replicas"]) == (1, 1)
 
 
 def test_the_gateway_sends_a_ray_models_requests_to_ray_serve_and_the_others_to_the_pool(settings, tmp_path):

@@ -73,7 +73,7 @@ def test_the_token_a_ray_of_one_host_gets_is_readable_by_its_owner_only(tmp_path
 
 def test_inference_ray_serve_refuses_to_start_ray_without_token_authentication(tmp_path):
     catalog = tmp_path / "models.toml"
-    catalog.write_text(catalog_text("ray", autoscaling="min_replicas = 0"))
+    catalog.write_text(catalog_text("ray", autoscaling="min_replicas = 0\nidle = \"stop\""))
     environment = {**os.environ, "MODEL_CATALOG": str(catalog), "RAY_AUTH_MODE": "disabled"}
     result = _ray_serve(environment, timeout=60)
     assert result.returncode == 2, result.stderr
@@ -87,7 +87,7 @@ def test_inference_ray_serve_refuses_to_start_ray_without_token_authentication(t
 @pytest.mark.fault
 def test_a_one_host_ray_serve_listens_on_loopback_only(tmp_path):
     catalog = tmp_path / "models.toml"
-    catalog.write_text(catalog_text("ray", autoscaling="min_replicas = 0"))  # no engine: Ray and Serve alone
+    catalog.write_text(catalog_text("ray", autoscaling="min_replicas = 0\nidle = \"stop\""))  # no engine: Ray and Serve alone
     serve_port = free_port()
     folder = ray_folder()
     environment = {
@@ -180,7 +180,7 @@ def test_inference_ray_serve_joins_with_the_clusters_token(head):
 @pytest.mark.fault
 def test_inference_ray_serve_says_what_to_fix_when_the_cluster_refuses_its_token(head, tmp_path):
     catalog = tmp_path / "models.toml"
-    catalog.write_text(catalog_text("ray", autoscaling="min_replicas = 0"))
+    catalog.write_text(catalog_text("ray", autoscaling="min_replicas = 0\nidle = \"stop\""))
     no_token = _driver(head, MODEL_CATALOG=str(catalog), HOME=str(tmp_path))  # no ~/.ray/auth_token either
     for environment, says in [
         (no_token, "no Ray token found: give this driver the cluster's token (RAY_AUTH_TOKEN"),

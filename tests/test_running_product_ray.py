@@ -1,10 +1,10 @@
 """The product as it runs with a model on Ray Serve: ``bin/run`` with a catalog whose model says
-``backend = "ray"`` (scaled to zero), driven from outside.
+``backend = "ray"`` (scaled to zero, kept asleep), driven from outside.
 
 ``bin/run`` installs Ray and starts Ray Serve beside its other processes; ``/healthz`` says the
-model is cold; an adapter trained elsewhere is uploaded; the official ``openai`` client (which
-retries a 503 after its Retry-After) gets the base model's answer, then the adapter's, from a
-replica Ray started for the first request, and a mix of it at scale 1 answers as it does; ``/v1/models`` and the dashboard's models page (in a
+model is asleep (Serve keeps one replica, its engine asleep); an adapter trained elsewhere is
+uploaded; the official ``openai`` client streams the base model's answer from the replica woken for
+it, then gets the adapter's, and a mix of it at scale 1 answers as it does; ``/v1/models`` and the dashboard's models page (in a
 real browser) say on how many replicas it runs; the usage API counted it.
 """
 
@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.adapter_archives import _archive
 from tests.browser import screenshot
 from tests.inference_fixtures import BASE, AdapterMaker, catalog_text
-from tests.processes import free_port
+from tests.processes import free_port, wait_until
 from tests.running_platform import bin_run
 
 pytestmark = [pytest.mark.product, pytest.mark.engine]
@@ -40,11 +40,14 @@ def platform(tmp_path_factory):
         yield running
 
 
-def test_bin_run_serves_a_model_on_ray_serve_from_zero_replicas_to_the_browser(platform, page, tmp_path):
-    health = httpx.get(
-        f"{platform.url}/healthz", headers={"Authorization": f"Bearer {platform.internal_token}"}, timeout=30
-    )
-    assert f"Ray Serve: {BASE} cold, 0 ready" in health.json()["checks"]["inference_pool"]["detail"]
+def test_bin_run_serves_a_model_on_ray_serve_from_asleep_to_the_browser(platform, page, tmp_path):
+    def health() -> str:
+        answer = httpx.get(
+            f"{platform.url}/healthz", headers={"Authorization": f"Bearer {platform.internal_token}"}, timeout=30
+        )
+        return answer.json()["checks"]["inference_pool"]["detail"]
+
+    wait_until(lambda: f"Ray Serve: {BASE} asleep, 0 ready" in health(), 300, "the Ray replica to fall asleep")
 
     api = httpx.Client(
         base_url=f"{platform.url}/v1", headers={"Authorization": f"Bearer {platform.api_key}"}, timeout=120
@@ -57,9 +60,14 @@ def test_bin_run_serves_a_model_on_ray_serve_from_zero_replicas_to_the_browser(p
     adapter = uploaded.json()["id"]
 
     client = openai.OpenAI(base_url=f"{platform.url}/v1", api_key=platform.api_key, max_retries=10)  # as users run it
-    started = time.monotonic()
+    started, first_token_s, parts = time.monotonic(), None, []
+    for chunk in client.chat.completions.create(model=BASE, messages=QUESTION, max_tokens=12, temperature=0, stream=True):
+        if chunk.choices and chunk.choices[0].delta.content:
+            first_token_s = first_token_s or time.monotonic() - started
+            parts.append(chunk.choices[0].delta.content)
+    print(f"\nbin/run on Ray Serve: first streamed token from asleep in {first_token_s:.2f} s")
     base = client.chat.completions.create(model=BASE, messages=QUESTION, max_tokens=12, temperature=0)
-    print(f"\nbin/run on Ray Serve: first answer from zero replicas in {time.monotonic() - started:.1f} s")
+    assert "".join(parts) == base.choices[0].message.content  # woken, it answers as awake
     tuned = client.chat.completions.create(model=adapter, messages=QUESTION, max_tokens=12, temperature=0)
     assert "Paris" in base.choices[0].message.content
     assert tuned.model == f"{adapter}@r1" and tuned.choices[0].message.content != base.choices[0].message.content

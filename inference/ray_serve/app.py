@@ -4,7 +4,8 @@ The catalog is the one source of truth for both backends: a replica runs the vLL
 embedded pool would run (``inference.replica.vllm_command``: ``lora_config`` and ``engine``), and
 the catalog's ``autoscaling`` becomes Serve's ``autoscaling_config``:
 
-- ``min_replicas`` (0: scale to zero) and ``replicas`` (the most) bound it;
+- ``min_replicas`` (0: scale to zero) and ``replicas`` (the most) bound it; scaled to zero with
+  ``idle = "sleep"``, one replica stays, its engine asleep while idle (``replica.VllmReplica``);
 - Serve starts another replica when the replicas average ``target_ongoing_requests`` in flight;
 - a replica past the minimum stops after ``downscale_delay_s`` with less to do.
 """
@@ -24,14 +25,16 @@ INGRESS_MAX_ONGOING = 1000  # it only relays: the replicas' limits are the ones 
 
 def replica_options(model: BaseModel) -> dict[str, Any]:
     scaling = model.autoscaling
+    # Serve scales to zero by stopping the replica; asleep, it keeps its process and wakes in a second.
+    kept = 1 if scaling.min_replicas == 0 and scaling.idle == "sleep" else scaling.min_replicas
     return {
         "name": deployment_name(model.id),
         "ray_actor_options": {"num_cpus": 1},  # one engine per CPU a node offers
         # Room for a burst above the target: vLLM batches whatever it is given.
         "max_ongoing_requests": 4 * scaling.target_ongoing_requests,
         "autoscaling_config": {
-            "min_replicas": scaling.min_replicas,
-            "initial_replicas": scaling.min_replicas,
+            "min_replicas": kept,
+            "initial_replicas": kept,
             "max_replicas": model.replicas,
             "target_ongoing_requests": scaling.target_ongoing_requests,
             "upscale_delay_s": UPSCALE_DELAY_S,

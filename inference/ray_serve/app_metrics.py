@@ -34,10 +34,11 @@ class ReplicaReport:
     model: str
     adapters_loaded: int
     families: list[Metric]  # its ``Metrics``: adapter loads, evictions, downloads
+    asleep: bool = False  # its engine sleeps (a model scaled to zero with ``idle = "sleep"``)
 
     @classmethod
-    def of(cls, replica: str, model: str, adapters_loaded: int, metrics: Metrics) -> ReplicaReport:
-        return cls(replica, model, adapters_loaded, list(metrics.registry.collect()))
+    def of(cls, replica: str, model: str, adapters_loaded: int, metrics: Metrics, asleep: bool = False) -> ReplicaReport:
+        return cls(replica, model, adapters_loaded, list(metrics.registry.collect()), asleep)
 
     def gauges(self) -> ReplicaGauges:
         return ReplicaGauges(self.model, self.replica, healthy=True, adapters_loaded=self.adapters_loaded)

@@ -11,7 +11,8 @@ answers: the same routes, the same errors, a stream stays a stream. What it does
 - wait for a model scaled to zero up to its ``cold_start_wait_s``, then answer 503 with
   Retry-After (Ray holds the request meanwhile and starts a replica for it);
 - ``GET /health``: each model's state from Serve's own status ("ready" on N replicas,
-  "starting", "cold"), in the pool's shape;
+  "starting", "cold"), and "asleep" when each running replica says its engine sleeps, in the
+  pool's shape;
 - ``GET /metrics``: the pool's series for its models: requests and latency it counts itself, adapter
   loads, evictions and held adapters as its replicas report them (``app_metrics``).
 
@@ -206,10 +207,12 @@ class Ingress:
     async def _health(self) -> dict:
         models, replicas = {}, []
         for model_id, states in (await self._replica_states()).items():
-            ready = states.get("RUNNING", 0)
+            running = states.get("RUNNING", 0)
+            asleep = running and await self._all_asleep(model_id, running)
+            ready = 0 if asleep else running
             starting = states.get("STARTING", 0)
             models[model_id] = {
-                "state": "ready" if ready else "starting" if starting else "cold",
+                "state": "ready" if ready else "asleep" if asleep else "starting" if starting else "cold",
                 "ready_replicas": ready,
             }
             replicas += [{"model": model_id, "healthy": True, "adapters": []}] * ready
@@ -222,6 +225,12 @@ class Ingress:
         for (model_id, count), reports in zip(running.items(), answers):
             self.metrics.heard(model_id, reports, everyone=len(reports) == count)
         return self.metrics.render(report for reports in answers for report in reports)
+
+    async def _all_asleep(self, model_id: str, running: int) -> bool:
+        """Whether each of the model's running replicas said its engine sleeps (a model scaled to zero
+        that keeps its process): the next request wakes one."""
+        reports = await self._reports(model_id, running)
+        return len(reports) == running and all(report.asleep for report in reports)
 
     async def _reports(self, model_id: str, running: int) -> list[ReplicaReport]:
         """The reports of the model's replicas that answered in time (at once, busy or not: a report

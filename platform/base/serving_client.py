@@ -107,8 +107,8 @@ class ServedModel(Protocol):
 
 @dataclass(frozen=True)
 class Serving:
-    """What the backends' health documents say runs: each base model's state ("ready",
-    "starting", "cold"), and on how many ready replicas each model (base, or adapter revision) is
+    """What the backends' health documents say runs: each base model's state ("ready", "waking",
+    "starting", "asleep", "cold"), and on how many ready replicas each model (base, or adapter revision) is
     loaded."""
 
     states: dict[str, str]
@@ -128,8 +128,9 @@ class Serving:
 
     def of(self, model: ServedModel) -> dict[str, Any] | None:
         """``{"state", "replicas"}``: "loaded" on N replicas; "ready" (a fine-tune whose base model
-        runs: its adapter loads on its first request, in well under a second); "starting"; "cold"
-        (scaled to zero: its next request starts a replica and waits for it). None: its backend
+        runs: its adapter loads on its first request, in well under a second); "waking"; "starting";
+        "asleep" (scaled to zero, its process kept: its next request wakes a replica, in about a
+        second); "cold" (scaled to zero: its next request starts a replica and waits for it). None: its backend
         did not say."""
         replicas = self.loaded.get(model.served_as, 0)
         if replicas:

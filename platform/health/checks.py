@@ -89,8 +89,9 @@ def _embedded_pool() -> CheckResult:
         return CheckResult(False, str(exc))
     if status != 200:  # the pool answers 200 while each model runs or is scaled to zero by choice
         return CheckResult(False, f"inference pool: {body.get('detail', 'no replica is ready')}")
-    cold = [model for model, state in body.get("models", {}).items() if state.get("state") == "cold"]
-    scaled = f"; scaled to zero (start on their next request): {', '.join(cold)}" if cold else ""
+    idle = [f"{model} ({state['state']})" for model, state in body.get("models", {}).items()
+            if state.get("state") in ("asleep", "cold")]
+    scaled = f"; scaled to zero (wake or start on their next request): {', '.join(idle)}" if idle else ""
     return CheckResult(True, f"{body.get('ready_replicas', 0)} replica(s) ready{scaled}{_lora_kernels(body)}")
 
 

@@ -72,9 +72,10 @@ class Autoscaling:
     target_ongoing_requests: int
     downscale_delay_s: float
     cold_start_wait_s: float
-    # What an idle replica past the minimum does (one of IDLE_CHOICES): "sleep" keeps its process and
-    # gives its engine's KV cache back (the next request wakes it in about a second); "stop" ends its
-    # process (the next request starts one: about 20 s on a CPU). docs/serving.md compares them.
+    # What a model scaled to zero keeps (one of IDLE_CHOICES): "sleep", one replica's process, its
+    # engine's KV cache given back (the next request wakes it in about a tenth of a second); "stop",
+    # nothing (the next request starts a replica: 12-19 s on a CPU). Replicas past the minimum that
+    # are not kept asleep stop. docs/serving.md compares them.
     idle: str = "sleep"
 
 

@@ -1,11 +1,12 @@
 """The pool: the replicas of every catalog model, started, stopped and probed for health.
 
 Serverless behaviour (the catalog's ``autoscaling``, ``core.catalog.Autoscaling``): replicas past a
-model's ``min_replicas`` are idle from the start: asleep (``idle = "sleep"``: started, then their
-engine's KV cache given back, the process kept) or stopped ("cold", ``idle = "stop"``). A request
-that finds no replica of its model awake wakes or starts one and waits for it (``ready_or_start``);
-another wakes or starts when every awake replica is ``target_ongoing_requests`` busy; one past the
-minimum falls idle again after ``downscale_delay_s`` with no request (``autoscale``).
+model's ``min_replicas`` are idle from the start. A model scaled to zero with ``idle = "sleep"``
+keeps one of them asleep (started, then its engine's KV cache given back, the process kept); the
+others are stopped ("cold"). A request that finds no replica of its model awake wakes or starts one
+and waits for it (``ready_or_start``); another wakes or starts when every awake replica is
+``target_ongoing_requests`` busy; one past the minimum falls idle again after ``downscale_delay_s``
+with no request (``autoscale``).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ class Pool:
         for model in catalog.models:
             replicas = replicas_for(model, port, internal_token)
             for replica in replicas[model.autoscaling.min_replicas : model.replicas]:  # the local ones past the minimum
-                _fall_idle(replica, model.autoscaling.idle)
+                _fall_idle(replica, replicas)
             self.replicas += replicas
             port += model.replicas
 
@@ -101,7 +102,7 @@ class Pool:
             for replica in reversed(ready):
                 idle_s = now - replica.last_active_at
                 if spare > 0 and replica.inflight == 0 and idle_s >= scaling.downscale_delay_s:
-                    _fall_idle(replica, scaling.idle)
+                    _fall_idle(replica, managed)
                     spare -= 1
 
     async def supervise_forever(self, client: httpx.AsyncClient) -> None:
@@ -173,9 +174,12 @@ def _wake_up(replica: Replica) -> None:
     replica.wanted, replica.sleep_wanted = True, False
 
 
-def _fall_idle(replica: Replica, idle: str) -> None:
-    """The pool wants it idle, as the catalog's ``idle`` says: asleep (the process kept) or stopped."""
-    if idle == "sleep":
+def _fall_idle(replica: Replica, replicas: list[Replica]) -> None:
+    """The pool wants it idle: asleep (its process kept) if its model is scaled to zero with
+    ``idle = "sleep"`` and none of the model's other ``replicas`` is kept asleep; stopped otherwise."""
+    scaling = replica.model.autoscaling
+    keeps_one_asleep = scaling.min_replicas == 0 and scaling.idle == "sleep"
+    if keeps_one_asleep and not any(other.wanted and other.sleep_wanted for other in replicas if other is not replica):
         replica.sleep_wanted = True
     else:
         replica.wanted = False

@@ -74,6 +74,14 @@ def test_the_catalog_names_each_models_backend_and_refuses_an_unknown_one(tmp_pa
         _load(tmp_path, _catalog_text(backend="kubernetes"))
 
 
+def test_the_catalog_says_what_a_model_scaled_to_zero_keeps_asleep_by_default_and_refuses_another_word(tmp_path):
+    assert _load(tmp_path, _catalog_text().replace('idle = "stop"\n', "")).get(BASE).autoscaling.idle == "sleep"
+    with pytest.raises(ConfigError, match=r"autoscaling\.idle must be one of 'sleep', 'stop', not 'nap'"):
+        _load(tmp_path, _catalog_text(idle="nap"))
+    with pytest.raises(ConfigError, match=r"autoscaling\.idle must be a str, not 0"):
+        _load(tmp_path, _catalog_text().replace('idle = "stop"', "idle = 0"))
+
+
 def test_the_catalogs_autoscaling_becomes_serves_autoscaling_config(tmp_path):
     from inference.ray_serve.app import replica_options
 

@@ -260,6 +260,24 @@ def test_a_request_for_an_asleep_model_wakes_its_replica_and_it_sleeps_again_onc
     assert replica.process.poll() is None and replica.restarts == 0  # the same process throughout
 
 
+def test_a_model_scaled_to_zero_keeps_one_replica_asleep_and_stops_the_others_when_idle(stand_in_engine):
+    pool = stand_in_engine(_model(replicas=3, min_replicas=0, busy_at=1, idle_s=60, idle="sleep"))
+    kept, second, third = pool.replicas
+    _tick(pool)
+    assert kept.process is not None and kept.sleep_wanted  # started, to fall asleep once ready
+    assert (second.wanted, third.wanted) == (False, False)  # the others cold
+    kept.mark_ready()
+    kept.sleep_wanted = False  # as a request that found it starting wants it (Pool._wake)
+    kept.begin(BASE)
+    _tick(pool)
+    assert second.wanted and not second.sleep_wanted and second.process is not None  # busy: another starts
+    second.mark_ready()
+    kept.end(BASE)
+    _tick(pool, time.monotonic() + 61)  # both idle: one kept asleep, the other stopped
+    assert sorted([kept.sleep_wanted and kept.wanted, second.sleep_wanted and second.wanted]) == [False, True]
+    assert [replica.wanted for replica in (kept, second)].count(False) == 1
+
+
 def test_an_asleep_replica_whose_kv_cache_would_not_fit_is_not_woken_and_its_request_is_told_why(
     answering_stand_in, monkeypatch
 ):

@@ -35,12 +35,13 @@ class ReplicaGauges:
     inflight: int | None = None  # None: the backend does not say (Ray Serve counts them itself)
     restarts: int | None = None  # None: the backend replaces a failed replica by a new one (Ray Serve)
     lora_kernels: dict | None = None  # known once the replica has said
+    asleep: bool = False  # its engine sleeps (a model scaled to zero, its process kept): healthy, not routed to
 
 
 def _gauges_of(replica: Replica) -> ReplicaGauges:
     return ReplicaGauges(
-        replica.model.id, replica.url, replica.healthy, len(replica.adapters.held),
-        inflight=replica.inflight, restarts=replica.restarts, lora_kernels=replica.lora_kernels,
+        replica.model.id, replica.url, replica.healthy or replica.asleep, len(replica.adapters.held),
+        inflight=replica.inflight, restarts=replica.restarts, lora_kernels=replica.lora_kernels, asleep=replica.asleep,
     )
 
 
@@ -53,6 +54,9 @@ def replica_families(replicas: Iterable[ReplicaGauges]) -> list[Metric]:
     inflight = GaugeMetricFamily("fineserve_replica_inflight_requests", "Requests in flight", labels=labels)
     adapters = GaugeMetricFamily("fineserve_replica_adapters_loaded", "Adapters the replica holds", labels=labels)
     restarts = CounterMetricFamily("fineserve_replica_restarts", "Times the pool restarted the replica", labels=labels)
+    asleep = GaugeMetricFamily(
+        "fineserve_replica_asleep", "1 while the replica's engine sleeps (its KV cache given back)", labels=labels
+    )
     kernels = GaugeMetricFamily(
         "fineserve_replica_lora_kernels",
         "1 for the LoRA kernels the replica runs (fineserve or stock), what LORA_KERNELS asked for, and why",
@@ -61,6 +65,7 @@ def replica_families(replicas: Iterable[ReplicaGauges]) -> list[Metric]:
     for replica in replicas:
         key = [replica.model, replica.replica]
         healthy.add_metric(key, 1.0 if replica.healthy else 0.0)
+        asleep.add_metric(key, 1.0 if replica.asleep else 0.0)
         adapters.add_metric(key, replica.adapters_loaded)
         if replica.inflight is not None:
             inflight.add_metric(key, replica.inflight)
@@ -69,7 +74,7 @@ def replica_families(replicas: Iterable[ReplicaGauges]) -> list[Metric]:
         if replica.lora_kernels:
             said = [str(replica.lora_kernels.get(name)) for name in ("active", "requested", "reason")]
             kernels.add_metric([*key, *said], 1.0)
-    return [healthy, inflight, adapters, restarts, kernels]
+    return [healthy, asleep, inflight, adapters, restarts, kernels]
 
 
 class _ReplicaCollector(Collector):

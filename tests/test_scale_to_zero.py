@@ -17,6 +17,7 @@ import asyncio
 import os
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -25,6 +26,7 @@ import pytest
 
 from core import api_errors
 from core.catalog import Autoscaling, BaseModel, Catalog, EngineConfig, LoraConfig
+from inference.metrics import Metrics
 from inference.pool import COLD_START_RETRY_AFTER_S, Pool
 from tests.inference_fixtures import BASE, internal_headers, pool_environment
 from tests.processes import free_port, running, wait_until
@@ -40,10 +42,9 @@ def _model(
     )
 
 
-@pytest.fixture
-def stand_in_engine(monkeypatch):
-    """Pools of one model whose replicas start ``sleep`` instead of vLLM; stopped after the test."""
-    monkeypatch.setattr("inference.replica.vllm_command", lambda model, port: [sys.executable, "-c", "import time; time.sleep(600)"])
+def _pools_of_stand_ins(monkeypatch, command: Callable[[int], list[str]]) -> Iterator[Callable[[BaseModel], Pool]]:
+    """Pools of one model whose replicas run ``command(port)`` instead of vLLM; stopped after the test."""
+    monkeypatch.setattr("inference.replica.vllm_command", lambda model, port: command(port))
     monkeypatch.setattr("inference.replica.vllm_environment", lambda model, key: dict(os.environ))
     pools: list[Pool] = []
 
@@ -54,6 +55,12 @@ def stand_in_engine(monkeypatch):
     yield pool_of
     for pool in pools:
         pool.stop()
+
+
+@pytest.fixture
+def stand_in_engine(monkeypatch):
+    """Replicas that ``sleep``: the test says when they are ready."""
+    yield from _pools_of_stand_ins(monkeypatch, lambda port: [sys.executable, "-c", "import time; time.sleep(600)"])
 
 
 def _tick(pool: Pool, now: float | None = None) -> None:
@@ -197,19 +204,8 @@ def test_a_preload_of_a_new_adapter_for_a_cold_model_is_refused_and_starts_nothi
 
 @pytest.fixture
 def answering_stand_in(monkeypatch):
-    """Pools whose replicas are ``tests.stand_in_replica``: they answer the pool's probes, sleep and
-    wake at once; stopped after the test."""
-    monkeypatch.setattr("inference.replica.vllm_command", lambda model, port: [sys.executable, "-m", "tests.stand_in_replica", str(port)])
-    monkeypatch.setattr("inference.replica.vllm_environment", lambda model, key: dict(os.environ))
-    pools: list[Pool] = []
-
-    def pool_of(model: BaseModel) -> Pool:
-        pools.append(Pool(Catalog((model,)), free_port(), "token"))
-        return pools[-1]
-
-    yield pool_of
-    for pool in pools:
-        pool.stop()
+    """Replicas that are ``tests.stand_in_replica``: they answer the pool's probes, sleep and wake at once."""
+    yield from _pools_of_stand_ins(monkeypatch, lambda port: [sys.executable, "-m", "tests.stand_in_replica", str(port)])
 
 
 async def _supervised_until(pool: Pool, client: httpx.AsyncClient, state: str, now: float | None = None) -> None:
@@ -236,6 +232,11 @@ def test_a_model_kept_asleep_starts_its_replica_then_puts_it_to_sleep_and_its_po
     replica = pool.replicas[0]
     assert replica.process.poll() is None and replica.asleep and not replica.healthy  # kept, not routed to
     assert pool.ready(BASE) == [] and pool.health()["serving"] is True  # by choice: nothing is wrong
+    metrics = Metrics()
+    metrics.watch_replicas(lambda: pool.replicas)
+    scraped = metrics.render().decode()
+    for family in ("fineserve_replica_healthy", "fineserve_replica_asleep"):  # an operator's alert stays quiet
+        assert f'{family}{{model="{BASE}",replica="{replica.url}"}} 1.0' in scraped
 
 
 def test_requests_for_an_asleep_model_wake_its_replica_and_it_sleeps_again_once_idle(answering_stand_in):

@@ -41,7 +41,9 @@ class ReplicaReport:
         return cls(replica, model, adapters_loaded, list(metrics.registry.collect()), asleep)
 
     def gauges(self) -> ReplicaGauges:
-        return ReplicaGauges(self.model, self.replica, healthy=True, adapters_loaded=self.adapters_loaded)
+        return ReplicaGauges(
+            self.model, self.replica, healthy=True, adapters_loaded=self.adapters_loaded, asleep=self.asleep
+        )
 
 
 class AppMetrics:

@@ -29,6 +29,7 @@ from inference.adapter_source import AdapterSource
 from inference.background_turns import BackgroundTurns
 from inference.metrics import Metrics
 from inference.ray_serve import replica as ray_replica
+from inference.ray_serve.idle_engine import IdleEngine
 from inference.ray_serve.app_metrics import AppMetrics
 from inference.ray_serve.ingress import Ingress
 from inference.ray_serve.replica_adapters import ROUTING_MEMORY, ReplicaAdapters
@@ -102,6 +103,7 @@ class RayTenants(TenantPool):
         replica = object.__new__(ray_replica.VllmReplica)  # no vLLM server started
         replica.model, replica.url, replica.http = model, REPLICA, HttpxPoster(self.client)
         replica.turns, replica.inflight_by_model = BackgroundTurns(), ray_replica.Counter()
+        replica.idle = IdleEngine(model, self.client, REPLICA)  # awake: nothing here puts it to sleep
         replica.lora_kernels = {"active": "fineserve", "requested": "fineserve", "mixes_in_kernel": True}
         fair_use = FairUse.of(model.lora, batch_slots(model))
         replica.adapters = ReplicaAdapters(source, self.client, REPLICA, model.lora.max_lora_rank, max_adapters, fair_use)

@@ -109,19 +109,22 @@ class RayReplicaStandIn:
 
     def __init__(self, held: HeldAnswers, monkeypatch, fair_use: FairUse | None = None) -> None:
         from inference.ray_serve import replica as ray_replica
+        from inference.ray_serve.idle_engine import IdleEngine
 
         monkeypatch.setattr(ray_replica, "_multiplexed_model_id", ROUTED.get)
         self.module, self.metrics = ray_replica, Metrics()
         self.replica = object.__new__(ray_replica.VllmReplica)  # no vLLM server started
         self.replica.url, self.replica.http = "http://replica", held
         self.replica.model = SimpleNamespace(
-            id=BASE, engine=SimpleNamespace(max_loras=8), lora=SimpleNamespace(max_num_adapters_per_replica=8)
+            id=BASE, engine=SimpleNamespace(max_loras=8), lora=SimpleNamespace(max_num_adapters_per_replica=8),
+            autoscaling=SimpleNamespace(min_replicas=1, idle="sleep", downscale_delay_s=600),
         )
         self.replica.turns = BackgroundTurns(self.metrics.background_waits.labels(BASE).inc)  # as VllmReplica makes it
         self.replica.adapters = SimpleNamespace(
             slots=AdapterSlots(8, fair_use), slots_of=lambda name: (name,), ensure=self._loaded
         )
         self.replica.inflight_by_model = Counter()
+        self.replica.idle = IdleEngine(self.replica.model, None, "http://replica")  # always on: never asleep
         self.replica.adapter = self._loaded
 
     async def _loaded(self, routed_as: str, organization: str | None = None) -> None:

@@ -29,7 +29,7 @@ from core.catalog import Autoscaling, BaseModel, Catalog, EngineConfig, LoraConf
 from inference.metrics import Metrics
 from inference.pool import COLD_START_RETRY_AFTER_S, Pool
 from tests.inference_fixtures import BASE, internal_headers, pool_environment
-from tests.processes import free_port, running, wait_until
+from tests.processes import answers, free_port, running, wait_until
 
 
 def _model(
@@ -297,6 +297,38 @@ def test_an_asleep_replica_whose_kv_cache_would_not_fit_is_not_woken_and_its_req
     assert (refused.status, refused.code) == (503, "model_does_not_fit")
     assert f"an asleep replica of the catalog entry `{BASE}` needs 1.00 GiB for its KV cache to wake" in refused.message
     assert pool.replicas[0].asleep and pool.replicas[0].process.poll() is None  # still asleep, still kept
+
+
+def test_a_ray_replica_of_a_model_scaled_to_zero_sleeps_once_idle_never_under_a_request_and_wakes_for_one():
+    from inference.ray_serve.idle_engine import IdleEngine
+
+    port = free_port()
+    with running("stand-in-replica", [sys.executable, "-m", "tests.stand_in_replica", str(port)]):
+        url = f"http://127.0.0.1:{port}"
+        wait_until(lambda: answers(f"{url}/health"), 30, "the stand-in replica")
+
+        async def scenario() -> None:
+            async with httpx.AsyncClient() as client:
+                idle = IdleEngine(_model(min_replicas=0, idle="sleep", idle_s=60), client, url)
+                await idle.sleep_if_idle()  # idle since it started: asleep at the first look
+                assert idle.asleep
+                idle.begin()
+                await idle.awake()
+                assert not idle.asleep
+                idle.last_active_at -= 3600
+                await idle.sleep_if_idle()
+                assert not idle.asleep  # a request under way
+                idle.end()
+                await idle.sleep_if_idle()
+                assert not idle.asleep  # idle for less than downscale_delay_s
+                idle.last_active_at -= 61
+                await idle.sleep_if_idle()
+                assert idle.asleep
+                always_on = IdleEngine(_model(min_replicas=1, idle="sleep"), client, url)
+                await always_on.sleep_if_idle()
+                assert not always_on.asleep  # a model not scaled to zero never sleeps
+
+        asyncio.run(scenario())
 
 
 async def _ready_soon(pool: Pool) -> None:

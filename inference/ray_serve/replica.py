@@ -21,10 +21,8 @@ the replica holds each part as a multiplexed model, then the mix's manifest
 (``ReplicaAdapters.hold_mix``); the parts count in vLLM's batch slots as the pool counts them. A
 replica whose kernels fell back (their check failed) refuses mixes and says why.
 
-A model scaled to zero with ``idle = "sleep"`` keeps one replica (``app.replica_options``), whose
-engine sleeps after ``downscale_delay_s`` without a request (its KV cache given back, the process
-kept, as on the pool: ``inference.engine.sleep``) and wakes for the next, in about a second instead
-of a replica's start. Serve's health check, every few seconds, is when the replica looks.
+A model scaled to zero with ``idle = "sleep"`` keeps one replica, whose engine sleeps while idle and
+wakes for the next request (``idle_engine``).
 
 A request is a stream of items from ``answer``: ``STARTED`` at once (the ingress stops counting a
 cold start there), then a ``Head``, then the body's bytes. ``metrics_report`` is what the replica
@@ -33,7 +31,6 @@ tells the ingress's /metrics (``inference.ray_serve.app_metrics``).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import shutil
 import socket
@@ -68,14 +65,8 @@ from inference.ray_serve.replica_adapters import (
     routing_id,
     served_name,
 )
-from inference.replica import (
-    batch_slots,
-    sleep_engine,
-    start_vllm_server,
-    stop_vllm_server,
-    vllm_environment,
-    wake_engine,
-)
+from inference.ray_serve.idle_engine import IdleEngine
+from inference.replica import batch_slots, start_vllm_server, stop_vllm_server, vllm_environment
 
 log = logging.getLogger("inference.ray_serve.replica")
 
@@ -119,13 +110,7 @@ class VllmReplica:
         fair_use = FairUse.of(model.lora, batch_slots(model))
         self.adapters = ReplicaAdapters(source, self.admin, self.url, model.lora.max_lora_rank, capacity, fair_use)
         self.inflight_by_model: Counter[str] = Counter()  # requests under way, by adapter or mix name
-        # Scaled to zero, its process kept (``idle = "sleep"``): the engine sleeps once idle.
-        scaling = model.autoscaling
-        self.sleeps_when_idle = scaling.min_replicas == 0 and scaling.idle == "sleep"
-        self.asleep = False
-        self.answering = 0  # answers under way, from their first moment (before their adapters load)
-        self.last_active_at = float("-inf")  # idle since it started: it falls asleep at once
-        self.sleep_change = asyncio.Lock()  # one sleep or wake at a time; requests wait for a wake under way
+        self.idle = IdleEngine(model, self.admin, self.url)  # asleep while idle, scaled to zero
         self._wait_until_ready()
         # What the engine said about its LoRA kernels (``inference.engine_contract.KernelsState``).
         self.lora_kernels: dict | None = httpx.get(f"{self.url}{REPORT_PATH}", headers=self.admin.headers).json()
@@ -157,28 +142,7 @@ class VllmReplica:
         response = await self.admin.get(f"{self.url}/health", timeout=10.0)
         if response.status_code != 200:
             raise RuntimeError(f"the vLLM server's health check answered {response.status_code}")
-        await self._sleep_if_idle()
-
-    async def _sleep_if_idle(self) -> None:
-        idle_s = time.monotonic() - self.last_active_at
-        if not self.sleeps_when_idle or self.asleep or self.answering or idle_s < self.model.autoscaling.downscale_delay_s:
-            return
-        async with self.sleep_change:
-            if self.answering:
-                return  # a request came while the lock was held
-            self.asleep = True  # first: a request that comes now waits for the lock, then wakes the engine
-            await sleep_engine(self.admin, self.url)
-            log.info("vLLM server for %s on port %d is asleep", self.model.id, self.port)
-
-    async def _awake(self) -> None:
-        """The engine awake for a request: woken if it sleeps (about a second)."""
-        if not self.asleep:
-            return
-        async with self.sleep_change:
-            if self.asleep:
-                await wake_engine(self.admin, self.url)
-                self.asleep = False
-                log.info("vLLM server for %s on port %d is awake", self.model.id, self.port)
+        await self.idle.sleep_if_idle()
 
     async def answer(
         self,
@@ -197,15 +161,14 @@ class VllmReplica:
         name = mix.name if mix is not None else served_name(routed_as)
         held: list[str] = []  # what the engine answers with: not unloaded until the request ends
         started = False
-        self.answering += 1
-        self.last_active_at = time.monotonic()
+        self.idle.begin()
 
         def uses(adapter: str) -> None:  # called as each is held, with no pause between
             held.append(adapter)
             self.adapters.slots.started(adapter)
 
         try:
-            await self._awake()
+            await self.idle.awake()
             await self._hold(routed_as, mix, organization, uses)
             if routed_as:
                 await self._batch_turn(name, organization)
@@ -227,8 +190,7 @@ class VllmReplica:
             yield Head(failure.status, "application/json")
             yield failure.json_bytes()
         finally:
-            self.answering -= 1
-            self.last_active_at = time.monotonic()
+            self.idle.end()
             if started:
                 self.inflight_by_model[name] -= 1
                 if self.inflight_by_model[name] <= 0:
@@ -290,7 +252,7 @@ class VllmReplica:
         from ray import serve
 
         replica = serve.get_replica_context().replica_id.unique_id
-        return ReplicaReport.of(replica, self.model.id, len(self.adapters.slots.held), self.metrics, self.asleep)
+        return ReplicaReport.of(replica, self.model.id, len(self.adapters.slots.held), self.metrics, self.idle.asleep)
 
     def __del__(self) -> None:
         """Serve stopping the replica: the server and the engine it spawned, and its adapter cache."""

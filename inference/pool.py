@@ -125,7 +125,7 @@ class Pool:
 
     def model_states(self) -> dict[str, dict]:
         """Each base model's serving state: "ready" on N replicas, "waking" (from asleep),
-        "starting", "asleep" (none awake, by choice: the next request wakes one in about a second),
+        "starting", "asleep" (none awake, by choice: the next request wakes one in a fraction of a second),
         or "cold" (none runs, by choice: the next request starts one)."""
         states = {}
         for model in self.catalog.models:
@@ -164,7 +164,7 @@ def _awake(replica: Replica) -> bool:
 
 
 def _next_to_wake(replicas: list[Replica]) -> Replica | None:
-    """The idle replica to wake or start next: an asleep one first (about a second), then a stopped one."""
+    """The idle replica to wake or start next: an asleep one first (a fraction of a second), then a stopped one."""
     asleep = (replica for replica in replicas if replica.wanted and replica.sleep_wanted)
     return next(asleep, None) or next((replica for replica in replicas if not replica.wanted), None)
 

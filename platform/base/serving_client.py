@@ -129,8 +129,8 @@ class Serving:
     def of(self, model: ServedModel) -> dict[str, Any] | None:
         """``{"state", "replicas"}``: "loaded" on N replicas; "ready" (a fine-tune whose base model
         runs: its adapter loads on its first request, in well under a second); "waking"; "starting";
-        "asleep" (scaled to zero, its process kept: its next request wakes a replica, in about a
-        second); "cold" (scaled to zero: its next request starts a replica and waits for it). None: its backend
+        "asleep" (scaled to zero, its process kept: its next request wakes a replica, in a fraction
+        of a second); "cold" (scaled to zero: its next request starts a replica and waits for it). None: its backend
         did not say."""
         replicas = self.loaded.get(model.served_as, 0)
         if replicas:

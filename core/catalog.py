@@ -78,6 +78,11 @@ class Autoscaling:
     # are not kept asleep stop. docs/serving.md compares them.
     idle: str = "sleep"
 
+    @property
+    def keeps_one_asleep(self) -> bool:
+        """Scaled to zero with ``idle = "sleep"``: one replica is kept, its engine asleep while idle."""
+        return self.min_replicas == 0 and self.idle == "sleep"
+
 
 IDLE_CHOICES = ("sleep", "stop")
 

@@ -96,24 +96,24 @@ def available_bytes() -> int | None:
 def fit_refusal(model: BaseModel) -> str | None:
     """Why a replica of ``model`` must not start now (it would not fit the machine's free memory,
     and fail halfway through loading instead), or None."""
-    needed, free = replica_memory(model), available_bytes()
-    if free is None or needed.total_bytes <= free:
-        return None
-    return (
-        f"a replica of the catalog entry `{model.id}` needs {_gib(needed.total_bytes)} GiB "
-        f"({needed.describe()}), and this machine has {_gib(free)} GiB available: lower its kv_cache_space_gib, "
-        "stop other work, or serve it on a larger machine"
-    )
+    needed = replica_memory(model)
+    return _refusal(f"a replica of the catalog entry `{model.id}`", needed.total_bytes, f" ({needed.describe()})")
 
 
 def wake_refusal(model: BaseModel) -> str | None:
     """Why an asleep replica of ``model`` must not wake now (its KV cache would not fit the machine's
     free memory), or None."""
-    needed, free = int(model.engine.kv_cache_space_gib * GIB), available_bytes()
-    if free is None or needed <= free:
+    needed = int(model.engine.kv_cache_space_gib * GIB)
+    return _refusal(f"an asleep replica of the catalog entry `{model.id}`", needed, " for its KV cache to wake")
+
+
+def _refusal(who: str, needed_bytes: int, what_for: str) -> str | None:
+    """That ``who`` needs more than the machine has free, and what to do; None when it fits, or when
+    the free memory is unknown."""
+    free = available_bytes()
+    if free is None or needed_bytes <= free:
         return None
     return (
-        f"an asleep replica of the catalog entry `{model.id}` needs {_gib(needed)} GiB for its KV cache to wake, "
-        f"and this machine has {_gib(free)} GiB available: lower its kv_cache_space_gib, stop other work, "
-        "or serve it on a larger machine"
+        f"{who} needs {_gib(needed_bytes)} GiB{what_for}, and this machine has {_gib(free)} GiB available: "
+        "lower its kv_cache_space_gib, stop other work, or serve it on a larger machine"
     )

@@ -177,9 +177,7 @@ def _wake_up(replica: Replica) -> None:
 def _fall_idle(replica: Replica, replicas: list[Replica]) -> None:
     """The pool wants it idle: asleep (its process kept) if its model is scaled to zero with
     ``idle = "sleep"`` and none of the model's other ``replicas`` is kept asleep; stopped otherwise."""
-    scaling = replica.model.autoscaling
-    keeps_one_asleep = scaling.min_replicas == 0 and scaling.idle == "sleep"
-    if keeps_one_asleep and not any(other.wanted and other.sleep_wanted for other in replicas if other is not replica):
+    if replica.model.autoscaling.keeps_one_asleep and not any(other.wanted and other.sleep_wanted for other in replicas if other is not replica):
         replica.sleep_wanted = True
     else:
         replica.wanted = False

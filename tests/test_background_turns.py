@@ -20,6 +20,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
+from core.catalog import Autoscaling
 from core.openai_protocol import BACKGROUND_HEADER
 from inference import background_turns
 from inference.adapter_slots import AdapterSlots, FairUse
@@ -117,7 +118,7 @@ class RayReplicaStandIn:
         self.replica.url, self.replica.http = "http://replica", held
         self.replica.model = SimpleNamespace(
             id=BASE, engine=SimpleNamespace(max_loras=8), lora=SimpleNamespace(max_num_adapters_per_replica=8),
-            autoscaling=SimpleNamespace(min_replicas=1, idle="sleep", downscale_delay_s=600),
+            autoscaling=Autoscaling(min_replicas=1, target_ongoing_requests=16, downscale_delay_s=600, cold_start_wait_s=60),
         )
         self.replica.turns = BackgroundTurns(self.metrics.background_waits.labels(BASE).inc)  # as VllmReplica makes it
         self.replica.adapters = SimpleNamespace(

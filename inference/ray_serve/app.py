@@ -26,7 +26,7 @@ INGRESS_MAX_ONGOING = 1000  # it only relays: the replicas' limits are the ones 
 def replica_options(model: BaseModel) -> dict[str, Any]:
     scaling = model.autoscaling
     # Serve scales to zero by stopping the replica; asleep, it keeps its process and wakes in a second.
-    kept = 1 if scaling.min_replicas == 0 and scaling.idle == "sleep" else scaling.min_replicas
+    kept = 1 if scaling.keeps_one_asleep else scaling.min_replicas
     return {
         "name": deployment_name(model.id),
         "ray_actor_options": {"num_cpus": 1},  # one engine per CPU a node offers

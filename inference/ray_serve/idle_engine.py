@@ -25,7 +25,7 @@ log = logging.getLogger("inference.ray_serve.idle_engine")
 class IdleEngine:
     def __init__(self, model: BaseModel, admin: httpx.AsyncClient, url: str) -> None:
         scaling = model.autoscaling
-        self.sleeps_when_idle = scaling.min_replicas == 0 and scaling.idle == "sleep"
+        self.sleeps_when_idle = scaling.keeps_one_asleep
         self.idle_after_s = scaling.downscale_delay_s
         self.admin, self.url = admin, url
         self.asleep = False

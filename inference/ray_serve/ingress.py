@@ -228,7 +228,10 @@ class Ingress:
 
     async def _all_asleep(self, model_id: str, running: int) -> bool:
         """Whether each of the model's running replicas said its engine sleeps (a model scaled to zero
-        that keeps its process): the next request wakes one."""
+        that keeps its process): the next request wakes one. Nobody is asked for a model that never sleeps."""
+        model = self.catalog.get(model_id)
+        if model is None or not model.autoscaling.keeps_one_asleep:
+            return False
         reports = await self._reports(model_id, running)
         return len(reports) == running and all(report.asleep for report in reports)
 
